@@ -1,0 +1,48 @@
+# gpupool: `make run` starts the whole stack on embedded defaults; `make test` runs the suite.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PORT ?= 8000
+STAMP := $(VENV)/.gpupool-installed
+
+.PHONY: run test lint fmt venv system-deps migrate seed clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+# Debian packages the test suite needs (a headless browser for the UI tests). Installed when
+# missing and we are root with apt; otherwise the suite says which package is missing.
+system-deps:
+	@scripts/install-system-deps
+
+migrate: venv
+	DEBUG=1 $(BIN)/python manage.py migrate --noinput
+
+seed: migrate
+	DEBUG=1 $(BIN)/python manage.py seed_demo
+
+run: seed
+	@echo ""
+	@echo "  gpupool is starting on http://127.0.0.1:$(PORT)/  (Ctrl-C stops everything)"
+	@echo ""
+	DEBUG=1 GPUPOOL_PORT=$(PORT) GPUPOOL_PYTHON=$(BIN)/python exec $(BIN)/honcho -f Procfile start
+
+test: venv system-deps
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	DEBUG=1 $(BIN)/python manage.py makemigrations --check --dry-run
+
+fmt: venv
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:
+	rm -rf var/gpupool.sqlite3* var/broker var/celerybeat-schedule* var/agents

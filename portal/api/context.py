@@ -1,0 +1,41 @@
+"""The tenant and scopes a request acts with, resolved once per request.
+
+A bearer token acts for its own tenant with its own scopes. A signed-in person acts for the tenant
+chosen in the session (see ``portal.middleware.TenantMiddleware``) with the scopes of their role.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from portal.models import ApiToken, Membership, Tenant
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    tenant: Tenant | None
+    scopes: frozenset[str]
+    membership: Membership | None = None
+    token: ApiToken | None = None
+
+
+_EMPTY = RequestContext(tenant=None, scopes=frozenset())
+
+
+def request_context(request) -> RequestContext:
+    django_request = getattr(request, "_request", request)
+    cached = getattr(django_request, "_gpupool_context", None)
+    if cached is not None:
+        return cached
+    auth = getattr(request, "auth", None)
+    if isinstance(auth, ApiToken):
+        ctx = RequestContext(tenant=auth.tenant, scopes=frozenset(auth.scopes), token=auth)
+    else:
+        membership = getattr(django_request, "membership", None)
+        ctx = (
+            RequestContext(tenant=membership.tenant, scopes=membership.scopes, membership=membership)
+            if membership is not None
+            else _EMPTY
+        )
+    django_request._gpupool_context = ctx
+    return ctx

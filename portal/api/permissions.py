@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+from rest_framework import exceptions, permissions
+
+from portal.api.context import request_context
+from portal.models import ApiToken, Scope
+
+
+class TenantScopePermission(permissions.BasePermission):
+    """Authenticated, acting for an active tenant, and holding the scope the view asks for.
+
+    A view declares ``read_scope`` (safe methods) and ``write_scope`` (the rest); the defaults are
+    ``read`` and ``write``. ``scope_for_action`` may name a scope per viewset action.
+    """
+
+    def has_permission(self, request, view) -> bool:
+        if not (isinstance(request.auth, ApiToken) or request.user.is_authenticated):
+            raise exceptions.NotAuthenticated()
+        ctx = request_context(request)
+        if ctx.tenant is None:
+            raise exceptions.PermissionDenied("You are not a member of any tenant.")
+        if not ctx.tenant.is_active:
+            reason = f": {ctx.tenant.suspended_reason}" if ctx.tenant.suspended_reason else ""
+            raise exceptions.PermissionDenied(f"Tenant {ctx.tenant.slug} is suspended{reason}.")
+        needed = required_scope(request, view)
+        if needed not in ctx.scopes:
+            raise exceptions.PermissionDenied(f"This needs the '{needed}' scope.")
+        return True
+
+
+def required_scope(request, view) -> str:
+    per_action = getattr(view, "scope_for_action", {})
+    action = getattr(view, "action", None)
+    if action in per_action:
+        return per_action[action]
+    if request.method in permissions.SAFE_METHODS:
+        return getattr(view, "read_scope", Scope.READ)
+    return getattr(view, "write_scope", Scope.WRITE)

@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+from rest_framework import serializers
+
+from portal.models import ApiToken, AuditEvent, Invitation, Membership, Role, Scope, Tenant
+
+
+class TenantSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Tenant
+        fields = ["id", "slug", "name", "billing_email", "currency", "status", "suspended_reason"]
+        read_only_fields = fields
+
+
+class MemberSerializer(serializers.ModelSerializer):
+    email = serializers.EmailField(source="user.email", read_only=True)
+    full_name = serializers.CharField(source="user.full_name", read_only=True)
+    role = serializers.ChoiceField(choices=Role.choices)
+
+    class Meta:
+        model = Membership
+        fields = ["id", "email", "full_name", "role", "created"]
+        read_only_fields = ["id", "email", "full_name", "created"]
+
+
+class InvitationSerializer(serializers.ModelSerializer):
+    role = serializers.ChoiceField(choices=Role.choices, default=Role.MEMBER)
+    invited_by = serializers.EmailField(source="invited_by.email", read_only=True, default=None)
+
+    class Meta:
+        model = Invitation
+        fields = ["id", "email", "role", "invited_by", "created", "expires_at", "accepted_at"]
+        read_only_fields = ["id", "invited_by", "created", "expires_at", "accepted_at"]
+
+
+class ApiTokenSerializer(serializers.ModelSerializer):
+    scopes = serializers.ListField(child=serializers.ChoiceField(choices=Scope.choices), allow_empty=False)
+    prefix = serializers.CharField(source="display_prefix", read_only=True)
+    status = serializers.CharField(read_only=True)
+    created_by = serializers.EmailField(source="created_by.email", read_only=True, default=None)
+
+    class Meta:
+        model = ApiToken
+        fields = [
+            "id",
+            "name",
+            "prefix",
+            "scopes",
+            "status",
+            "created_by",
+            "created",
+            "expires_at",
+            "revoked_at",
+            "last_used_at",
+        ]
+        read_only_fields = ["id", "prefix", "status", "created_by", "created", "revoked_at", "last_used_at"]
+
+
+class ApiTokenCreatedSerializer(ApiTokenSerializer):
+    token = serializers.SerializerMethodField(help_text="The secret token. It is shown this once only.")
+
+    class Meta(ApiTokenSerializer.Meta):
+        fields = [*ApiTokenSerializer.Meta.fields, "token"]
+
+    def get_token(self, obj) -> str:
+        return self.context["plaintext"]
+
+
+class AuditEventSerializer(serializers.ModelSerializer):
+    actor = serializers.CharField(source="actor_repr", read_only=True)
+
+    class Meta:
+        model = AuditEvent
+        fields = [
+            "id",
+            "created",
+            "actor_type",
+            "actor",
+            "action",
+            "target_type",
+            "target_id",
+            "target_repr",
+            "data",
+        ]
+        read_only_fields = fields
+
+
+class MeSerializer(serializers.Serializer):
+    tenant = TenantSerializer()
+    scopes = serializers.ListField(child=serializers.CharField())
+    user = serializers.EmailField(allow_null=True)
+    token = serializers.DictField(allow_null=True)

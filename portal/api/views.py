@@ -1,0 +1,125 @@
+from __future__ import annotations
+
+import django_filters
+from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, status
+from rest_framework.decorators import action
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from portal import services
+from portal.api.context import request_context
+from portal.api.serializers import (
+    ApiTokenCreatedSerializer,
+    ApiTokenSerializer,
+    AuditEventSerializer,
+    InvitationSerializer,
+    MemberSerializer,
+    MeSerializer,
+    TenantSerializer,
+)
+from portal.api.viewsets import TenantReadOnlyViewSet
+from portal.models import ApiToken, AuditEvent, Invitation, Membership, Scope
+
+
+class MeView(APIView):
+    """The tenant and scopes this request acts with."""
+
+    @extend_schema(responses=MeSerializer)
+    def get(self, request):
+        ctx = request_context(request)
+        token = ctx.token
+        return Response(
+            {
+                "tenant": TenantSerializer(ctx.tenant).data,
+                "scopes": [s for s in Scope.values if s in ctx.scopes],
+                "user": request.user.email if request.user.is_authenticated else None,
+                "token": ApiTokenSerializer(token).data if token is not None else None,
+            }
+        )
+
+
+class MemberViewSet(TenantReadOnlyViewSet, mixins.UpdateModelMixin, mixins.DestroyModelMixin):
+    """People in the tenant. Invite with ``/invitations/``; change a role with PATCH; remove with DELETE."""
+
+    queryset = Membership.objects.select_related("user")
+    serializer_class = MemberSerializer
+    write_scope = Scope.ADMIN
+    http_method_names = ["get", "patch", "delete", "head", "options"]
+    filterset_fields = ["role"]
+
+    def perform_update(self, serializer):
+        services.membership_change_role(
+            membership=serializer.instance, role=serializer.validated_data["role"], actor=self.actor
+        )
+
+    def perform_destroy(self, instance):
+        services.membership_remove(membership=instance, actor=self.actor)
+
+
+class InvitationViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin, mixins.DestroyModelMixin):
+    """Open invitations; creating one emails a link (an open one to the same address is resent)."""
+
+    queryset = Invitation.objects.select_related("invited_by").filter(accepted_at__isnull=True)
+    serializer_class = InvitationSerializer
+    read_scope = Scope.ADMIN
+    write_scope = Scope.ADMIN
+
+    def create(self, request, *args, **kwargs):
+        serializer = self.get_serializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        invitation, _ = services.invitation_create(
+            tenant=self.ctx.tenant, actor=self.actor, **serializer.validated_data
+        )
+        return Response(self.get_serializer(invitation).data, status=status.HTTP_201_CREATED)
+
+    def perform_destroy(self, instance):
+        services.invitation_revoke(invitation=instance, actor=self.actor)
+
+
+class ApiTokenFilter(django_filters.FilterSet):
+    status = django_filters.ChoiceFilter(
+        choices=[("active", "active"), ("revoked", "revoked")], method="filter_status"
+    )
+
+    class Meta:
+        model = ApiToken
+        fields = ["status"]
+
+    def filter_status(self, queryset, name, value):
+        return queryset.usable() if value == "active" else queryset.filter(revoked_at__isnull=False)
+
+
+class ApiTokenViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
+    """API tokens. The secret is in the create response only; it cannot be read again."""
+
+    queryset = ApiToken.objects.select_related("created_by")
+    serializer_class = ApiTokenSerializer
+    read_scope = Scope.ADMIN
+    write_scope = Scope.ADMIN
+    filterset_class = ApiTokenFilter
+
+    @extend_schema(responses={201: ApiTokenCreatedSerializer})
+    def create(self, request, *args, **kwargs):
+        serializer = self.get_serializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        token, plaintext = services.api_token_create(
+            tenant=self.ctx.tenant, actor=self.actor, **serializer.validated_data
+        )
+        data = ApiTokenCreatedSerializer(token, context={"plaintext": plaintext}).data
+        return Response(data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=None, responses=ApiTokenSerializer)
+    @action(detail=True, methods=["post"])
+    def revoke(self, request, pk=None):
+        token = services.api_token_revoke(token=self.get_object(), actor=self.actor)
+        return Response(self.get_serializer(token).data)
+
+
+class AuditEventViewSet(TenantReadOnlyViewSet):
+    """The tenant's audit log: who changed what, newest first."""
+
+    queryset = AuditEvent.objects.all()
+    serializer_class = AuditEventSerializer
+    read_scope = Scope.ADMIN
+    filterset_fields = ["action", "actor_type", "target_type"]

@@ -1,0 +1,10 @@
+from django.apps import AppConfig
+
+
+class PortalConfig(AppConfig):
+    name = "portal"
+    verbose_name = "Portal and tenancy"
+    default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from portal import checks  # noqa: F401  (registers system checks)

@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+import json
+import logging
+
+from django.conf import settings
+
+from portal.api.errors import error_response
+
+logger = logging.getLogger(__name__)
+
+JSON_PREFIXES = ("/api/", "/agent/")
+SESSION_TENANT_KEY = "tenant_id"
+
+
+class ApiErrorMiddleware:
+    """Gives Django's own errors on API paths (404, 405, 413, 500, ...) the API's JSON error shape."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        if not request.path.startswith(JSON_PREFIXES):
+            return self.get_response(request)
+        try:
+            length = int(request.META.get("CONTENT_LENGTH") or 0)
+        except ValueError:
+            return error_response(400, "Content-Length is not a number.")
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        if limit is not None and length > limit:
+            return error_response(413, f"The request body is larger than {limit} bytes.")
+        response = self.get_response(request)
+        if response.status_code >= 400 and not response.get("Content-Type", "").startswith(
+            "application/json"
+        ):
+            message = _message_for(response)
+            new = error_response(response.status_code, message)
+            for header in ("Allow", "Retry-After", "WWW-Authenticate"):
+                if header in response:
+                    new[header] = response[header]
+            return new
+        return response
+
+    def process_exception(self, request, exception):
+        if request.path.startswith(JSON_PREFIXES):
+            logger.exception("Unhandled error on %s", request.path, exc_info=exception)
+            return error_response(500, "Internal server error.")
+        return None
+
+
+def _message_for(response) -> str:
+    from http import HTTPStatus
+
+    try:
+        payload = json.loads(response.content)
+        if isinstance(payload, dict) and "detail" in payload:
+            return str(payload["detail"])
+    except (ValueError, TypeError):
+        pass
+    try:
+        return HTTPStatus(response.status_code).phrase + "."
+    except ValueError:
+        return "Request failed."
+
+
+class TenantMiddleware:
+    """Sets ``request.membership`` and ``request.tenant`` for a signed-in person.
+
+    The active tenant is the one chosen with the tenant switcher (kept in the session), else the
+    first tenant the person belongs to. API tokens are resolved by the API layer instead.
+    """
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        membership = _active_membership(request)
+        request.membership = membership  # type: ignore[attr-defined]
+        request.tenant = membership.tenant if membership else None  # type: ignore[attr-defined]
+        return self.get_response(request)
+
+
+def _active_membership(request):
+    from portal.selectors import membership_active
+
+    user = getattr(request, "user", None)
+    if user is None or not user.is_authenticated:
+        return None
+    return membership_active(user=user, tenant_id=request.session.get(SESSION_TENANT_KEY))

@@ -1,0 +1,268 @@
+from __future__ import annotations
+
+import hashlib
+import secrets
+from datetime import datetime
+
+from django.conf import settings
+from django.contrib.auth.models import AbstractUser, BaseUserManager
+from django.core.validators import RegexValidator
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+from portal.tenancy import TenantOwnedModel, TenantQuerySet
+
+
+class UserManager(BaseUserManager):
+    use_in_migrations = True
+
+    def _create_user(self, email: str, password: str | None, **extra):
+        if not email:
+            raise ValueError("An email address is required.")
+        email = self.normalize_email(email).lower()
+        user = self.model(email=email, **extra)
+        user.set_password(password)
+        user.save(using=self._db)
+        return user
+
+    def create_user(self, email: str, password: str | None = None, **extra):
+        extra.setdefault("is_staff", False)
+        extra.setdefault("is_superuser", False)
+        return self._create_user(email, password, **extra)
+
+    def create_superuser(self, email: str, password: str | None = None, **extra):
+        extra.setdefault("is_staff", True)
+        extra.setdefault("is_superuser", True)
+        return self._create_user(email, password, **extra)
+
+
+class User(AbstractUser):
+    """A person. Signs in with an email address; belongs to tenants through memberships."""
+
+    username = None  # type: ignore[assignment]
+    email = models.EmailField("email address", unique=True)
+    full_name = models.CharField(max_length=150, blank=True)
+    time_zone = models.CharField(max_length=64, default="UTC")
+
+    USERNAME_FIELD = "email"
+    REQUIRED_FIELDS: list[str] = []
+
+    objects = UserManager()
+
+    class Meta:
+        ordering = ["email"]
+
+    def __str__(self) -> str:
+        return self.email
+
+    @property
+    def display_name(self) -> str:
+        return self.full_name or self.email
+
+
+slug_validator = RegexValidator(
+    r"^[a-z0-9](?:[a-z0-9-]{0,48}[a-z0-9])?$",
+    "Use 1-50 lowercase letters, digits and hyphens, not starting or ending with a hyphen.",
+)
+
+
+class Tenant(models.Model):
+    class Status(models.TextChoices):
+        ACTIVE = "active", "Active"
+        SUSPENDED = "suspended", "Suspended"
+
+    name = models.CharField(max_length=120)
+    slug = models.SlugField(max_length=50, unique=True, validators=[slug_validator])
+    billing_email = models.EmailField()
+    currency = models.CharField(max_length=3, default="USD")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.ACTIVE)
+    suspended_reason = models.CharField(max_length=255, blank=True)
+    created = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def is_active(self) -> bool:
+        return self.status == self.Status.ACTIVE
+
+
+class Role(models.TextChoices):
+    OWNER = "owner", "Owner"
+    ADMIN = "admin", "Admin"
+    MEMBER = "member", "Member"
+    BILLING = "billing", "Billing"
+    VIEWER = "viewer", "Viewer"
+
+
+class Scope(models.TextChoices):
+    READ = "read", "Read"
+    WRITE = "write", "Write"
+    BILLING = "billing", "Billing"
+    ADMIN = "admin", "Admin"
+
+
+# What each role may do; a token can never carry more than its creator's role grants.
+ROLE_SCOPES: dict[str, frozenset[str]] = {
+    Role.OWNER: frozenset({Scope.READ, Scope.WRITE, Scope.BILLING, Scope.ADMIN}),
+    Role.ADMIN: frozenset({Scope.READ, Scope.WRITE, Scope.BILLING, Scope.ADMIN}),
+    Role.MEMBER: frozenset({Scope.READ, Scope.WRITE}),
+    Role.BILLING: frozenset({Scope.READ, Scope.BILLING}),
+    Role.VIEWER: frozenset({Scope.READ}),
+}
+
+
+class Membership(TenantOwnedModel):
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="memberships")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
+    created = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        ordering = ["tenant", "user__email"]
+        constraints = [models.UniqueConstraint(fields=["tenant", "user"], name="membership_unique_user")]
+
+    def __str__(self) -> str:
+        return f"{self.user} in {self.tenant} ({self.role})"
+
+    @property
+    def scopes(self) -> frozenset[str]:
+        return ROLE_SCOPES[self.role]
+
+
+def _new_secret(nbytes: int = 32) -> str:
+    return secrets.token_urlsafe(nbytes)
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+class Invitation(TenantOwnedModel):
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="invitations")
+    email = models.EmailField()
+    role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
+    token_hash = models.CharField(max_length=64, unique=True, editable=False)
+    invited_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created = models.DateTimeField(default=timezone.now, editable=False)
+    expires_at = models.DateTimeField()
+    accepted_at = models.DateTimeField(null=True, blank=True)
+    accepted_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+
+    class Meta:
+        ordering = ["-created"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "email"],
+                condition=Q(accepted_at__isnull=True),
+                name="invitation_unique_open_email",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"Invitation of {self.email} to {self.tenant}"
+
+    @property
+    def is_open(self) -> bool:
+        return self.accepted_at is None and self.expires_at > timezone.now()
+
+
+class ApiTokenQuerySet(TenantQuerySet):
+    def usable(self, now: datetime | None = None):
+        now = now or timezone.now()
+        return self.filter(revoked_at__isnull=True).filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+
+
+class ApiToken(TenantOwnedModel):
+    """A tenant's API token: ``gpp_<prefix>_<secret>``; only SHA-256 of the whole token is stored."""
+
+    PREFIX = "gpp"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_tokens")
+    name = models.CharField(max_length=100)
+    # The public, recognisable part (shown in lists, used for lookup); the secret is never stored.
+    key_id = models.CharField(max_length=16, unique=True, editable=False)
+    token_hash = models.CharField(max_length=64, editable=False)
+    scopes = models.JSONField(default=list)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created = models.DateTimeField(default=timezone.now, editable=False)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+
+    objects = ApiTokenQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.display_prefix})"
+
+    @property
+    def display_prefix(self) -> str:
+        return f"{self.PREFIX}_{self.key_id}_…"
+
+    @property
+    def is_expired(self) -> bool:
+        return self.expires_at is not None and self.expires_at <= timezone.now()
+
+    @property
+    def is_revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    @property
+    def status(self) -> str:
+        if self.is_revoked:
+            return "revoked"
+        if self.is_expired:
+            return "expired"
+        return "active"
+
+    @classmethod
+    def generate(cls) -> tuple[str, str, str]:
+        """A new (key_id, plaintext token, hash of the token)."""
+        key_id = secrets.token_hex(6)
+        plaintext = f"{cls.PREFIX}_{key_id}_{_new_secret(32)}"
+        return key_id, plaintext, hash_secret(plaintext)
+
+
+class AuditEvent(TenantOwnedModel):
+    """Who did what to which object, written by the services for every change a person makes."""
+
+    class ActorType(models.TextChoices):
+        USER = "user", "User"
+        TOKEN = "token", "API token"
+        SYSTEM = "system", "System"
+
+    tenant = models.ForeignKey(Tenant, null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    actor_type = models.CharField(max_length=8, choices=ActorType.choices)
+    actor_user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    actor_token = models.ForeignKey(
+        ApiToken, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    actor_repr = models.CharField(max_length=200)
+    action = models.CharField(max_length=64, db_index=True)
+    target_type = models.CharField(max_length=64, blank=True)
+    target_id = models.CharField(max_length=64, blank=True)
+    target_repr = models.CharField(max_length=200, blank=True)
+    data = models.JSONField(default=dict, blank=True)
+    created = models.DateTimeField(default=timezone.now, editable=False, db_index=True)
+
+    class Meta:
+        ordering = ["-created", "-id"]
+        indexes = [models.Index(fields=["tenant", "-created"], name="audit_tenant_created")]
+
+    def __str__(self) -> str:
+        return f"{self.actor_repr} {self.action} {self.target_repr}"

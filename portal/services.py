@@ -1,0 +1,448 @@
+"""Writes for tenancy: tenants, members, invitations, API tokens, and the audit log.
+
+Every function here is keyword-only, runs in one transaction and records an AuditEvent for a change
+a person (or a token) made.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.core.mail import send_mail
+from django.core.validators import validate_email
+from django.db import transaction
+from django.db.models import Model, Q
+from django.template.loader import render_to_string
+from django.utils import timezone
+
+from portal.actors import Actor
+from portal.errors import Conflict, NotFound, PermissionDenied, ValidationFailed
+from portal.models import (
+    ROLE_SCOPES,
+    ApiToken,
+    AuditEvent,
+    Invitation,
+    Membership,
+    Role,
+    Scope,
+    Tenant,
+    User,
+    hash_secret,
+    slug_validator,
+)
+
+# --- audit ----------------------------------------------------------------------------------------
+
+
+def audit_record(
+    *,
+    tenant: Tenant | None,
+    actor: Actor,
+    action: str,
+    target: Model | None = None,
+    data: dict[str, Any] | None = None,
+) -> AuditEvent:
+    return AuditEvent.objects.create(
+        tenant=tenant,
+        actor_type=actor.kind,
+        actor_user=actor.user,
+        actor_token=actor.token,
+        actor_repr=str(actor)[:200],
+        action=action,
+        target_type=target._meta.label_lower if target is not None else "",
+        target_id=str(target.pk) if target is not None else "",
+        target_repr=str(target)[:200] if target is not None else "",
+        data=data or {},
+    )
+
+
+# --- users and tenants ------------------------------------------------------------------------------
+
+
+def _clean_email(email: str, field: str = "email") -> str:
+    email = (email or "").strip().lower()
+    try:
+        validate_email(email)
+    except DjangoValidationError:
+        raise ValidationFailed(
+            f"{email!r} is not a valid email address.", fields={field: ["Enter a valid email address."]}
+        ) from None
+    return email
+
+
+def user_get_or_create(*, email: str, password: str | None = None, full_name: str = "") -> tuple[User, bool]:
+    email = _clean_email(email)
+    user = User.objects.filter(email__iexact=email).first()
+    if user is not None:
+        return user, False
+    user = User.objects.create_user(email=email, password=password, full_name=full_name)
+    if password is None:
+        user.set_unusable_password()
+        user.save(update_fields=["password"])
+    return user, True
+
+
+@transaction.atomic
+def tenant_create(
+    *,
+    slug: str,
+    name: str,
+    owner_email: str,
+    billing_email: str | None = None,
+    currency: str = "USD",
+    owner_password: str | None = None,
+    actor: Actor,
+) -> Tenant:
+    errors: dict[str, list[str]] = {}
+    slug = (slug or "").strip().lower()
+    try:
+        slug_validator(slug)
+    except DjangoValidationError as exc:
+        errors["slug"] = list(exc.messages)
+    if not errors.get("slug") and Tenant.objects.filter(slug=slug).exists():
+        errors["slug"] = [f"A tenant with slug {slug!r} already exists."]
+    name = (name or "").strip()
+    if not name:
+        errors["name"] = ["A name is required."]
+    currency = (currency or "").strip().upper()
+    if len(currency) != 3 or not currency.isalpha():
+        errors["currency"] = ["Use a three-letter ISO 4217 code such as USD or EUR."]
+    if errors:
+        raise ValidationFailed("The tenant could not be created.", fields=errors)
+    owner_email = _clean_email(owner_email, "owner_email")
+    billing_email = _clean_email(billing_email or owner_email, "billing_email")
+
+    tenant = Tenant.objects.create(slug=slug, name=name, billing_email=billing_email, currency=currency)
+    owner, _ = user_get_or_create(email=owner_email, password=owner_password)
+    membership = Membership.objects.create(tenant=tenant, user=owner, role=Role.OWNER)
+    audit_record(tenant=tenant, actor=actor, action="tenant.create", target=tenant, data={"slug": slug})
+    audit_record(
+        tenant=tenant, actor=actor, action="member.add", target=membership, data={"role": Role.OWNER}
+    )
+    return tenant
+
+
+@transaction.atomic
+def tenant_set_status(*, tenant: Tenant, status: str, reason: str = "", actor: Actor) -> Tenant:
+    if status not in Tenant.Status.values:
+        raise ValidationFailed(f"Unknown status {status!r}.", fields={"status": ["Not a valid choice."]})
+    if status == Tenant.Status.SUSPENDED and not reason.strip():
+        raise ValidationFailed(
+            "Say why the tenant is suspended.", fields={"reason": ["A reason is required."]}
+        )
+    old = tenant.status
+    tenant.status = status
+    tenant.suspended_reason = reason.strip() if status == Tenant.Status.SUSPENDED else ""
+    tenant.save(update_fields=["status", "suspended_reason"])
+    audit_record(
+        tenant=tenant,
+        actor=actor,
+        action=f"tenant.{'suspend' if status == Tenant.Status.SUSPENDED else 'reactivate'}",
+        target=tenant,
+        data={"from": old, "to": status, "reason": tenant.suspended_reason},
+    )
+    return tenant
+
+
+# --- members ------------------------------------------------------------------------------------------
+
+
+def _actor_role(actor: Actor, tenant: Tenant) -> str | None:
+    if actor.user is None:
+        return None
+    if (
+        actor.token is None
+        and actor.user.is_staff
+        and not actor.user.memberships.filter(tenant=tenant).exists()
+    ):
+        return Role.OWNER  # staff acting through the admin
+    m = Membership.objects.filter(tenant=tenant, user=actor.user).only("role").first()
+    return m.role if m else None
+
+
+def _require_can_grant(actor: Actor, tenant: Tenant, role: str) -> None:
+    """Only owners may hand out or take away the owner role; system actors may do anything."""
+    if actor.kind == "system":
+        return
+    if role == Role.OWNER and _actor_role(actor, tenant) != Role.OWNER:
+        raise PermissionDenied("Only an owner can grant or remove the owner role.")
+
+
+def _lock_owners(tenant: Tenant) -> int:
+    return len(
+        list(Membership.objects.select_for_update().filter(tenant=tenant, role=Role.OWNER).values_list("pk"))
+    )
+
+
+def _clean_role(role: str) -> str:
+    if role not in Role.values:
+        raise ValidationFailed(
+            f"{role!r} is not a role.",
+            fields={"role": [f"Choose one of: {', '.join(Role.values)}."]},
+        )
+    return role
+
+
+@transaction.atomic
+def membership_change_role(*, membership: Membership, role: str, actor: Actor) -> Membership:
+    role = _clean_role(role)
+    tenant = membership.tenant
+    if role == membership.role:
+        return membership
+    _require_can_grant(actor, tenant, role)
+    _require_can_grant(actor, tenant, membership.role)
+    if membership.role == Role.OWNER and _lock_owners(tenant) <= 1:
+        raise Conflict(
+            "A tenant needs at least one owner: make someone else an owner first.",
+            fields={"role": ["This is the last owner."]},
+            code="last_owner",
+        )
+    old = membership.role
+    membership.role = role
+    membership.save(update_fields=["role"])
+    audit_record(
+        tenant=tenant,
+        actor=actor,
+        action="member.role_change",
+        target=membership,
+        data={"from": old, "to": role},
+    )
+    return membership
+
+
+@transaction.atomic
+def membership_remove(*, membership: Membership, actor: Actor) -> None:
+    tenant = membership.tenant
+    _require_can_grant(actor, tenant, membership.role)
+    if membership.role == Role.OWNER and _lock_owners(tenant) <= 1:
+        raise Conflict(
+            "The last owner cannot be removed: make someone else an owner first.",
+            code="last_owner",
+        )
+    audit_record(
+        tenant=tenant,
+        actor=actor,
+        action="member.remove",
+        target=membership,
+        data={"email": membership.user.email, "role": membership.role},
+    )
+    # Tokens the member made stop working with their membership.
+    ApiToken.objects.filter(tenant=tenant, created_by=membership.user, revoked_at__isnull=True).update(
+        revoked_at=timezone.now()
+    )
+    membership.delete()
+
+
+# --- invitations ------------------------------------------------------------------------------------
+
+
+def _send_invitation_email(invitation: Invitation, plaintext: str) -> None:
+    from django.urls import reverse
+
+    url = settings.SITE_URL.rstrip("/") + reverse("portal:invitation-accept", args=[plaintext])
+    context = {"invitation": invitation, "url": url}
+    send_mail(
+        subject=f"You are invited to {invitation.tenant.name} on gpupool",
+        message=render_to_string("portal/email/invitation.txt", context),
+        from_email=settings.DEFAULT_FROM_EMAIL,
+        recipient_list=[invitation.email],
+    )
+
+
+@transaction.atomic
+def invitation_create(*, tenant: Tenant, email: str, role: str, actor: Actor) -> tuple[Invitation, str]:
+    """Invite someone by email; an open invitation to the same address is replaced (a resend)."""
+    email = _clean_email(email)
+    role = _clean_role(role)
+    _require_can_grant(actor, tenant, role)
+    if Membership.objects.filter(tenant=tenant, user__email__iexact=email).exists():
+        raise Conflict(f"{email} is already a member.", fields={"email": ["Already a member."]})
+    Invitation.objects.filter(tenant=tenant, email=email, accepted_at__isnull=True).delete()
+    plaintext = secrets.token_urlsafe(32)
+    invitation = Invitation.objects.create(
+        tenant=tenant,
+        email=email,
+        role=role,
+        token_hash=hash_secret(plaintext),
+        invited_by=actor.user,
+        expires_at=timezone.now() + settings.GPUPOOL_INVITATION_TTL,
+    )
+    audit_record(
+        tenant=tenant,
+        actor=actor,
+        action="invitation.create",
+        target=invitation,
+        data={"email": email, "role": role},
+    )
+    transaction.on_commit(lambda: _send_invitation_email(invitation, plaintext))
+    return invitation, plaintext
+
+
+def invitation_lookup(*, token: str) -> Invitation:
+    invitation = (
+        Invitation.objects.select_related("tenant").filter(token_hash=hash_secret(token or "")).first()
+    )
+    if invitation is None or not invitation.is_open:
+        raise NotFound("This invitation does not exist, was already used or has expired.")
+    return invitation
+
+
+@transaction.atomic
+def invitation_accept(*, token: str, user: User) -> Membership:
+    invitation = invitation_lookup(token=token)
+    invitation = Invitation.objects.select_for_update().get(pk=invitation.pk)
+    if not invitation.is_open:
+        raise NotFound("This invitation was already used or has expired.")
+    if user.email.lower() != invitation.email.lower():
+        raise PermissionDenied(
+            f"This invitation is for {invitation.email}; you are signed in as {user.email}."
+        )
+    membership, created = Membership.objects.get_or_create(
+        tenant=invitation.tenant, user=user, defaults={"role": invitation.role}
+    )
+    invitation.accepted_at = timezone.now()
+    invitation.accepted_by = user
+    invitation.save(update_fields=["accepted_at", "accepted_by"])
+    if created:
+        audit_record(
+            tenant=invitation.tenant,
+            actor=Actor(user=user),
+            action="member.add",
+            target=membership,
+            data={"role": membership.role, "invitation": invitation.pk},
+        )
+    return membership
+
+
+@transaction.atomic
+def invitation_revoke(*, invitation: Invitation, actor: Actor) -> None:
+    audit_record(
+        tenant=invitation.tenant,
+        actor=actor,
+        action="invitation.revoke",
+        target=invitation,
+        data={"email": invitation.email},
+    )
+    invitation.delete()
+
+
+def invitations_purge_expired(*, now: datetime | None = None) -> int:
+    deleted, _ = Invitation.objects.filter(
+        accepted_at__isnull=True, expires_at__lte=now or timezone.now()
+    ).delete()
+    return deleted
+
+
+# --- API tokens -----------------------------------------------------------------------------------------
+
+
+def _clean_scopes(scopes: Iterable[str] | None) -> list[str]:
+    scopes = list(dict.fromkeys(scopes or []))
+    if not scopes:
+        raise ValidationFailed(
+            "Choose at least one scope.", fields={"scopes": ["At least one scope is required."]}
+        )
+    unknown = [s for s in scopes if s not in Scope.values]
+    if unknown:
+        raise ValidationFailed(
+            f"Unknown scope {unknown[0]!r}.",
+            fields={
+                "scopes": [f"Unknown scope {s!r}; choose from {', '.join(Scope.values)}." for s in unknown]
+            },
+        )
+    if Scope.WRITE in scopes and Scope.READ not in scopes:
+        scopes.insert(0, Scope.READ)  # writing implies reading
+    return [s for s in Scope.values if s in scopes]
+
+
+@transaction.atomic
+def api_token_create(
+    *,
+    tenant: Tenant,
+    name: str,
+    scopes: Iterable[str],
+    expires_at: datetime | None = None,
+    actor: Actor,
+) -> tuple[ApiToken, str]:
+    """Make a token; the plaintext is returned once and never stored."""
+    errors: dict[str, list[str]] = {}
+    name = (name or "").strip()
+    if not name:
+        errors["name"] = ["A name is required."]
+    elif len(name) > 100:
+        errors["name"] = ["Use at most 100 characters."]
+    if expires_at is not None and expires_at <= timezone.now():
+        errors["expires_at"] = ["The expiry must be in the future."]
+    if errors:
+        raise ValidationFailed("The token could not be created.", fields=errors)
+    clean = _clean_scopes(scopes)
+    allowed = _actor_scopes(actor, tenant)
+    beyond = [s for s in clean if s not in allowed]
+    if beyond:
+        raise PermissionDenied(
+            f"You cannot grant scopes you do not hold: {', '.join(beyond)}.",
+        )
+    key_id, plaintext, digest = ApiToken.generate()
+    token = ApiToken.objects.create(
+        tenant=tenant,
+        name=name,
+        key_id=key_id,
+        token_hash=digest,
+        scopes=clean,
+        created_by=actor.user,
+        expires_at=expires_at,
+    )
+    audit_record(
+        tenant=tenant,
+        actor=actor,
+        action="token.create",
+        target=token,
+        data={"scopes": clean, "expires_at": expires_at.isoformat() if expires_at else None},
+    )
+    return token, plaintext
+
+
+def _actor_scopes(actor: Actor, tenant: Tenant) -> frozenset[str]:
+    if actor.token is not None:
+        return frozenset(actor.token.scopes)
+    if actor.kind == "system":
+        return frozenset(Scope.values)
+    role = _actor_role(actor, tenant)
+    return ROLE_SCOPES.get(role, frozenset()) if role else frozenset()
+
+
+@transaction.atomic
+def api_token_revoke(*, token: ApiToken, actor: Actor) -> ApiToken:
+    if token.revoked_at is None:
+        token.revoked_at = timezone.now()
+        token.save(update_fields=["revoked_at"])
+        audit_record(tenant=token.tenant, actor=actor, action="token.revoke", target=token)
+    return token
+
+
+def api_token_authenticate(*, plaintext: str) -> ApiToken | None:
+    """The token this plaintext names, if it exists (whatever its state); touches last-used."""
+    parts = (plaintext or "").split("_", 2)
+    if len(parts) != 3 or parts[0] != ApiToken.PREFIX:
+        return None
+    token = ApiToken.objects.select_related("tenant", "created_by").filter(key_id=parts[1]).first()
+    if token is None or not secrets.compare_digest(token.token_hash, hash_secret(plaintext)):
+        return None
+    return token
+
+
+def api_token_touch(*, token: ApiToken, now: datetime | None = None) -> None:
+    """Record use, at most once per resolution window (one cheap conditional UPDATE)."""
+    now = now or timezone.now()
+    threshold = now - settings.GPUPOOL_TOKEN_LAST_USED_RESOLUTION
+    if token.last_used_at is not None and token.last_used_at > threshold:
+        return
+    ApiToken.objects.filter(pk=token.pk).filter(
+        Q(last_used_at__isnull=True) | Q(last_used_at__lte=threshold)
+    ).update(last_used_at=now)
+    token.last_used_at = now

@@ -1,0 +1,7 @@
+"""Signals portal sends; apps above it connect receivers in ``AppConfig.ready()``."""
+
+from django.dispatch import Signal
+
+# Sent by ``seed_demo`` after the demo tenant and people exist, with ``tenant`` and ``stdout``.
+# Each app seeds its own demo data (the fleet, prices, ...) idempotently.
+seed_demo_requested = Signal()

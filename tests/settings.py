@@ -1,0 +1,13 @@
+"""Settings for the test suite: the development defaults plus fast hashing.
+
+DATABASE_URL and REDIS_URL come from the environment (``.ci/run`` points them at the real
+PostgreSQL and Redis); unset, the suite runs on SQLite and the filesystem broker.
+"""
+
+import os
+
+os.environ.setdefault("DEBUG", "1")
+
+from portal.settings import *  # noqa: F403
+
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
