@@ -11,3 +11,7 @@ os.environ.setdefault("DEBUG", "1")
 from portal.settings import *  # noqa: F403
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+# Several people (or agents) may share one PostgreSQL server: each can pick its own test database.
+if os.environ.get("TEST_DB_NAME"):
+    DATABASES["default"]["TEST"] = {"NAME": os.environ["TEST_DB_NAME"]}  # noqa: F405

@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import pytest
+
+from portal.actors import Actor
+from portal.models import Membership, Role, Tenant, User
+from portal.services import api_token_create, tenant_create
+
+
+@pytest.fixture
+def make_tenant(db):
+    def make(slug: str = "acme", owner_email: str | None = None, **kwargs) -> Tenant:
+        return tenant_create(
+            slug=slug,
+            name=kwargs.pop("name", slug.title()),
+            owner_email=owner_email or f"owner@{slug}.test",
+            owner_password=kwargs.pop("owner_password", "pw-for-tests-1"),
+            actor=Actor.system(),
+            **kwargs,
+        )
+
+    return make
+
+
+@pytest.fixture
+def tenant(make_tenant) -> Tenant:
+    return make_tenant("acme")
+
+
+@pytest.fixture
+def owner(tenant) -> User:
+    return Membership.objects.get(tenant=tenant, role=Role.OWNER).user
+
+
+@pytest.fixture
+def make_token(db):
+    def make(tenant: Tenant, scopes=("read", "write", "billing", "admin"), **kwargs) -> str:
+        _, plaintext = api_token_create(
+            tenant=tenant, name=kwargs.pop("name", "test"), scopes=scopes, actor=Actor.system(), **kwargs
+        )
+        return plaintext
+
+    return make
+
+
+@pytest.fixture
+def api(client):
+    """A Django test client that sends a bearer token: ``api(token).get(url)``."""
+
+    def with_token(token: str):
+        from django.test import Client
+
+        return Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+
+    return with_token
