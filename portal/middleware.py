@@ -87,3 +87,31 @@ def _active_membership(request):
     if user is None or not user.is_authenticated:
         return None
     return membership_active(user=user, tenant_id=request.session.get(SESSION_TENANT_KEY))
+
+
+class UserTimezoneMiddleware:
+    """Shows times in the signed-in person's time zone (``User.time_zone``); UTC otherwise."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        from django.utils import timezone
+
+        user = getattr(request, "user", None)
+        zone = None
+        if user is not None and user.is_authenticated and user.time_zone:
+            try:
+                zone = ZoneInfo(user.time_zone)
+            except (ZoneInfoNotFoundError, ValueError):
+                zone = None
+        if zone is not None:
+            timezone.activate(zone)
+        else:
+            timezone.deactivate()
+        try:
+            return self.get_response(request)
+        finally:
+            timezone.deactivate()
