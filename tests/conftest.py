@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from portal.actors import Actor
-from portal.models import Membership, Role, Tenant, User
+from portal.models import Membership, Role, Tenant, User  # noqa: F401
 from portal.services import api_token_create, tenant_create
 
 
@@ -35,8 +35,10 @@ def owner(tenant) -> User:
 @pytest.fixture
 def make_token(db):
     def make(tenant: Tenant, scopes=("read", "write", "billing", "admin"), **kwargs) -> str:
+        """A token made by the tenant's (first) owner, as the tokens page would make it."""
+        owner = Membership.objects.filter(tenant=tenant, role=Role.OWNER).order_by("pk").first()
         _, plaintext = api_token_create(
-            tenant=tenant, name=kwargs.pop("name", "test"), scopes=scopes, actor=Actor.system(), **kwargs
+            tenant=tenant, name=kwargs.pop("name", "test"), scopes=scopes, actor=Actor(user=owner.user), **kwargs
         )
         return plaintext
 

@@ -1,0 +1,156 @@
+"""The API frame: one JSON error shape, pagination, filters, rate limits, schema and docs."""
+
+from __future__ import annotations
+
+import pytest
+from django.core.cache import cache
+from django.test import override_settings
+from django.urls import path
+from rest_framework.views import APIView
+
+from portal.models import AuditEvent, Membership, Role, User
+
+pytestmark = pytest.mark.django_db
+
+
+def _assert_error_shape(response, status, code):
+    assert response.status_code == status, response.content
+    assert response["Content-Type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"code", "message", "fields"}
+    assert body["error"]["code"] == code
+    assert body["error"]["message"]
+    return body["error"]
+
+
+def test_unknown_api_path_is_json_404(client):
+    _assert_error_shape(client.get("/api/v1/no-such-thing/"), 404, "not_found")
+
+
+def test_method_not_allowed_is_json_405(tenant, make_token, api):
+    response = api(make_token(tenant)).delete("/api/v1/me/")
+    _assert_error_shape(response, 405, "method_not_allowed")
+    assert "GET" in response["Allow"]
+
+
+def test_oversized_body_is_json_413_and_writes_nothing(tenant, make_token, api, settings):
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1024
+    client = api(make_token(tenant))
+    before = AuditEvent.objects.count()
+    response = client.post(
+        "/api/v1/invitations/", '{"email": "' + "a" * 5000 + '@x.test"}', content_type="application/json"
+    )
+    _assert_error_shape(response, 413, "request_too_large")
+    assert AuditEvent.objects.count() == before
+
+
+def test_malformed_json_is_400(tenant, make_token, api):
+    response = api(make_token(tenant)).post("/api/v1/invitations/", "{not json", content_type="application/json")
+    error = _assert_error_shape(response, 400, "invalid")
+    assert "JSON" in error["message"]
+
+
+def test_validation_errors_name_the_field(tenant, make_token, api):
+    error = _assert_error_shape(
+        api(make_token(tenant)).post(
+            "/api/v1/invitations/", {"email": "not-an-email", "role": "emperor"}, content_type="application/json"
+        ),
+        400,
+        "invalid",
+    )
+    assert set(error["fields"]) == {"email", "role"}
+
+
+class Boom(APIView):
+    permission_classes = []
+    authentication_classes = []
+
+    def get(self, request):
+        raise RuntimeError("kaboom")
+
+
+urlpatterns = [path("api/v1/boom/", Boom.as_view())]
+
+
+@override_settings(ROOT_URLCONF=__name__, DEBUG_PROPAGATE_EXCEPTIONS=False)
+def test_unhandled_error_is_json_500_without_details(db):
+    from django.test import Client
+
+    response = Client(raise_request_exception=False).get("/api/v1/boom/")
+    error = _assert_error_shape(response, 500, "server_error")
+    assert "kaboom" not in error["message"]
+
+
+def test_members_are_cursor_paginated_and_filterable(tenant, make_token, api):
+    for i in range(5):
+        user = User.objects.create_user(email=f"p{i}@acme.test", password="x")
+        Membership.objects.create(tenant=tenant, user=user, role=Role.VIEWER if i % 2 else Role.MEMBER)
+    client = api(make_token(tenant))
+    page = client.get("/api/v1/members/?page_size=2").json()
+    assert len(page["results"]) == 2 and page["next"] and "cursor=" in page["next"]
+    seen = [r["id"] for r in page["results"]]
+    while page["next"]:
+        page = client.get(page["next"]).json()
+        seen += [r["id"] for r in page["results"]]
+    assert len(seen) == len(set(seen)) == 6
+    viewers = client.get("/api/v1/members/?role=viewer").json()["results"]
+    assert {r["role"] for r in viewers} == {"viewer"} and len(viewers) == 2
+    bad = client.get("/api/v1/members/?role=emperor")
+    assert bad.status_code == 400 and "role" in bad.json()["error"]["fields"]
+
+
+def test_rate_limit_is_429_with_retry_after(tenant, make_token, api, monkeypatch):
+    from portal.api.throttling import TokenRateThrottle
+
+    monkeypatch.setattr(TokenRateThrottle, "THROTTLE_RATES", {"token": "3/min"})
+    cache.clear()
+    client = api(make_token(tenant))
+    other = api(make_token(tenant, name="other"))
+    assert [client.get("/api/v1/me/").status_code for _ in range(3)] == [200, 200, 200]
+    response = client.get("/api/v1/me/")
+    _assert_error_shape(response, 429, "throttled")
+    assert int(response["Retry-After"]) > 0
+    assert other.get("/api/v1/me/").status_code == 200  # limits are per token
+    cache.clear()
+
+
+def test_openapi_schema_and_docs_are_served_locally(client):
+    schema = client.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json")
+    assert schema.status_code == 200
+    doc = schema.json()
+    assert doc["openapi"].startswith("3.")
+    assert "/api/v1/tokens/" in doc["paths"] and "/api/v1/me/" in doc["paths"]
+    assert "bearerAuth" in doc["components"]["securitySchemes"]
+    docs = client.get("/api/docs/")
+    assert docs.status_code == 200
+    html = docs.content.decode()
+    assert "swagger-ui" in html and "cdn" not in html.lower() and "unpkg" not in html.lower()
+
+
+def test_members_api_changes_roles_and_protects_the_last_owner(tenant, owner, make_token, api):
+    client = api(make_token(tenant))
+    owner_membership = Membership.objects.get(user=owner)
+    response = client.patch(
+        f"/api/v1/members/{owner_membership.pk}/", {"role": "member"}, content_type="application/json"
+    )
+    error = _assert_error_shape(response, 409, "last_owner")
+    assert "owner" in error["message"]
+    assert Membership.objects.get(pk=owner_membership.pk).role == Role.OWNER
+    assert client.delete(f"/api/v1/members/{owner_membership.pk}/").status_code == 409
+    assert Membership.objects.filter(pk=owner_membership.pk).exists()
+
+
+def test_invitations_api_creates_and_emails(
+    tenant, make_token, api, mailoutbox, django_capture_on_commit_callbacks
+):
+    client = api(make_token(tenant))
+    with django_capture_on_commit_callbacks(execute=True):
+        with_commit = client.post(
+            "/api/v1/invitations/", {"email": "New@Example.test", "role": "viewer"}, content_type="application/json"
+        )
+    assert with_commit.status_code == 201, with_commit.content
+    assert with_commit.json()["email"] == "new@example.test"
+    assert len(mailoutbox) == 1 and "/invitations/" in mailoutbox[0].body
+    dup = client.post("/api/v1/invitations/", {"email": "owner@acme.test"}, content_type="application/json")
+    assert dup.status_code == 409 and "email" in dup.json()["error"]["fields"]
