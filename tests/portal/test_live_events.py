@@ -1,0 +1,85 @@
+"""The events websocket: authenticated, and a tenant never receives another tenant's event."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels.testing import WebsocketCommunicator
+from django.conf import settings
+from django.test import Client
+
+from portal.asgi import application
+from portal.events import publish
+from portal.models import Membership, Role, User
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _session_cookie(user) -> bytes:
+    client = Client()
+    client.force_login(user)
+    return f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}".encode()
+
+
+def _socket(cookie: bytes | None) -> WebsocketCommunicator:
+    headers = [(b"origin", b"http://testserver"), (b"host", b"testserver")]
+    if cookie:
+        headers.append((b"cookie", cookie))
+    return WebsocketCommunicator(application, "/ws/events/", headers=headers)
+
+
+def test_events_reach_only_their_tenant(make_tenant):
+    a = make_tenant("alpha")
+    b = make_tenant("beta")
+    user_a = Membership.objects.get(tenant=a, role=Role.OWNER).user
+    user_b = Membership.objects.get(tenant=b, role=Role.OWNER).user
+    cookie_a, cookie_b = _session_cookie(user_a), _session_cookie(user_b)
+
+    async def scenario():
+        sock_a, sock_b = _socket(cookie_a), _socket(cookie_b)
+        assert (await sock_a.connect())[0] and (await sock_b.connect())[0]
+        await asyncio.to_thread(
+            publish, tenant_id=a.pk, event={"type": "workload.state", "id": 1, "state": "RUNNING"}
+        )
+        assert await sock_a.receive_json_from(timeout=5) == {
+            "type": "workload.state",
+            "id": 1,
+            "state": "RUNNING",
+        }
+        assert await sock_b.receive_nothing(timeout=0.5)
+        await asyncio.to_thread(publish, tenant_id=b.pk, event={"type": "workload.state", "id": 2})
+        assert (await sock_b.receive_json_from(timeout=5))["id"] == 2
+        assert await sock_a.receive_nothing(timeout=0.5)
+        await sock_a.disconnect()
+        await sock_b.disconnect()
+
+    async_to_sync(scenario)()
+
+
+def test_staff_receive_fleet_events_and_tenants_do_not(make_tenant):
+    tenant = make_tenant("alpha")
+    member = Membership.objects.get(tenant=tenant).user
+    staff = User.objects.create_user(email="ops@gpupool.test", password="x", is_staff=True)
+    cookie_member, cookie_staff = _session_cookie(member), _session_cookie(staff)
+
+    async def scenario():
+        sock_member, sock_staff = _socket(cookie_member), _socket(cookie_staff)
+        assert (await sock_member.connect())[0] and (await sock_staff.connect())[0]
+        await asyncio.to_thread(publish, tenant_id=None, event={"type": "node.state", "node": 7}, staff=True)
+        assert (await sock_staff.receive_json_from(timeout=5))["node"] == 7
+        assert await sock_member.receive_nothing(timeout=0.5)
+        await sock_member.disconnect()
+        await sock_staff.disconnect()
+
+    async_to_sync(scenario)()
+
+
+def test_anonymous_sockets_are_refused(db):
+    async def scenario():
+        sock = _socket(None)
+        connected, code = await sock.connect()
+        assert not connected and code == 4401
+
+    async_to_sync(scenario)()
