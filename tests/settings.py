@@ -15,3 +15,7 @@ PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 # Several people (or agents) may share one PostgreSQL server: each can pick its own test database.
 if os.environ.get("TEST_DB_NAME"):
     DATABASES["default"]["TEST"] = {"NAME": os.environ["TEST_DB_NAME"]}  # noqa: F405
+
+# Threads (Channels' database_sync_to_async, live servers) must not keep connections open past
+# their work, or they leak into later tests.
+DATABASES["default"]["CONN_MAX_AGE"] = 0  # noqa: F405

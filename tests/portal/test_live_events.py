@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from asgiref.sync import async_to_sync
+from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.conf import settings
 from django.test import Client
@@ -15,6 +14,9 @@ from portal.events import publish
 from portal.models import Membership, Role, User
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+# Like a Celery task or a view would: in a thread of its own, whose connection is closed after.
+publish_from_thread = database_sync_to_async(publish)
 
 
 def _session_cookie(user) -> bytes:
@@ -40,8 +42,8 @@ def test_events_reach_only_their_tenant(make_tenant):
     async def scenario():
         sock_a, sock_b = _socket(cookie_a), _socket(cookie_b)
         assert (await sock_a.connect())[0] and (await sock_b.connect())[0]
-        await asyncio.to_thread(
-            publish, tenant_id=a.pk, event={"type": "workload.state", "id": 1, "state": "RUNNING"}
+        await publish_from_thread(
+            tenant_id=a.pk, event={"type": "workload.state", "id": 1, "state": "RUNNING"}
         )
         assert await sock_a.receive_json_from(timeout=5) == {
             "type": "workload.state",
@@ -49,7 +51,7 @@ def test_events_reach_only_their_tenant(make_tenant):
             "state": "RUNNING",
         }
         assert await sock_b.receive_nothing(timeout=0.5)
-        await asyncio.to_thread(publish, tenant_id=b.pk, event={"type": "workload.state", "id": 2})
+        await publish_from_thread(tenant_id=b.pk, event={"type": "workload.state", "id": 2})
         assert (await sock_b.receive_json_from(timeout=5))["id"] == 2
         assert await sock_a.receive_nothing(timeout=0.5)
         await sock_a.disconnect()
@@ -67,7 +69,7 @@ def test_staff_receive_fleet_events_and_tenants_do_not(make_tenant):
     async def scenario():
         sock_member, sock_staff = _socket(cookie_member), _socket(cookie_staff)
         assert (await sock_member.connect())[0] and (await sock_staff.connect())[0]
-        await asyncio.to_thread(publish, tenant_id=None, event={"type": "node.state", "node": 7}, staff=True)
+        await publish_from_thread(tenant_id=None, event={"type": "node.state", "node": 7}, staff=True)
         assert (await sock_staff.receive_json_from(timeout=5))["node"] == 7
         assert await sock_member.receive_nothing(timeout=0.5)
         await sock_member.disconnect()
