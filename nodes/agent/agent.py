@@ -1,0 +1,630 @@
+"""The agent loop: register once, then heartbeats, the command long poll and the outbox sender.
+
+It runs on asyncio: the network parts are coroutines that a shutdown can cancel at once; the
+collector and the runtime (blocking calls: NVML, docker, processes) run in worker threads.
+Everything the portal must receive goes through the on-disk buffer first (``buffer.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+import zlib
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from nodes.agent import __version__
+from nodes.agent.buffer import HEARTBEAT, Buffer, OutboxItem
+from nodes.agent.client import (
+    BAD,
+    OK,
+    REAUTH,
+    RETRY,
+    Backoff,
+    PortalClient,
+    PortalUnreachable,
+    classify,
+    error_text,
+)
+from nodes.agent.collectors import Collector, CollectorError, make_collector
+from nodes.agent.config import AgentConfig
+from nodes.agent.runtimes import Runtime, RuntimeFailure, make_runtime
+from nodes.agent.types import FAILED, PREEMPTED, RUNNING, NodeInventory, WorkloadSpec, WorkloadStatus, rfc3339
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HEARTBEAT_INTERVAL_S = 5.0
+DEFAULT_COMMANDS_WAIT_S = 25
+MAX_COMMANDS_WAIT_S = 30
+TERMINAL_REPORTS = 3  # a finished workload is reported in this many batches, then forgotten
+LOG_TAIL_LINES = 20
+
+
+class FatalAgentError(RuntimeError):
+    """The agent cannot go on (no valid credential and no way to get one, a refused registration)."""
+
+
+def _ram_mib() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024)
+    except (ValueError, OSError):
+        return 0
+
+
+def _host_uptime_s() -> float | None:
+    try:
+        return float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def write_private_json(path: Path, data: dict[str, Any]) -> None:
+    """Write a file only its owner can read (0600), atomically."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        json.dump(data, handle)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+class Agent:
+    def __init__(
+        self,
+        config: AgentConfig,
+        *,
+        collector: Collector | None = None,
+        runtime: Runtime | None = None,
+    ) -> None:
+        self.config = config.validate()
+        self.log = logging.LoggerAdapter(log, {})
+        self.log.process = lambda msg, kwargs: (f"[{self.config.hostname}] {msg}", kwargs)  # type: ignore[method-assign]
+        self.state_dir = config.state_path
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):
+            os.chmod(self.state_dir, 0o700)
+        self.credential_path = self.state_dir / "credential.json"
+        self.runtime = runtime or make_runtime(config.runtime, self.state_dir)
+        self.collector = collector or make_collector(
+            config.collector,
+            gpus=config.sim_gpus,
+            hostname=config.hostname,
+            seed=config.seed or zlib.crc32(config.hostname.encode()),
+            interconnect=config.interconnect or "nvswitch",
+            control_file=self.state_dir / "faults.json",
+        )
+        if hasattr(self.collector, "attach") and hasattr(self.runtime, "gpu_load"):
+            self.collector.attach(self.runtime.gpu_load)
+        self.buffer = Buffer(self.state_dir / "agent.sqlite3")
+        self.inventory: NodeInventory | None = None
+        self.node_id: int | None = None
+        self.credential: str | None = None
+        self.heartbeat_interval_s = config.heartbeat_interval_s or DEFAULT_HEARTBEAT_INTERVAL_S
+        self.commands_wait_s = config.commands_wait_s or DEFAULT_COMMANDS_WAIT_S
+        self.started = time.time()
+        self._client: PortalClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._stop_requested = False
+        self._wake: asyncio.Event | None = None
+        self._auth_lock: asyncio.Lock | None = None
+        self._command_tasks: dict[str, asyncio.Task[None]] = {}
+        self._terminal_seen: dict[str, int] = {}
+        self._fail_messages: dict[str, str] = {}
+        self.fatal: BaseException | None = None
+        self.heartbeats_built = 0
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Ask the agent to shut down; safe from any thread and from signal handlers."""
+        self._stop_requested = True
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop may close meanwhile
+                loop.call_soon_threadsafe(stop.set)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop is not None and self._stop.is_set()
+
+    async def run(self) -> None:
+        """Run until ``request_stop``; raises :class:`FatalAgentError` when it cannot go on."""
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._auth_lock = asyncio.Lock()
+        if self._stop_requested:
+            self._stop.set()
+        self._client = PortalClient(self.config.portal_url, self.config.request_timeout_s)
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            self.inventory = await asyncio.to_thread(self.collector.discover)
+            self.log.info(
+                "collector %s found %d GPU(s); runtime %s",
+                self.collector.name,
+                len(self.inventory.gpus),
+                self.runtime.name,
+            )
+            self._load_credential()
+            if self.credential is None:
+                await self._register(initial=True)
+            if not self.stopping:
+                tasks = [
+                    self._spawn(self._heartbeat_loop(), "heartbeats"),
+                    self._spawn(self._sender_loop(), "sender"),
+                    self._spawn(self._poll_loop(), "commands"),
+                ]
+                await self._stop.wait()
+        finally:
+            await self._shutdown(tasks)
+        if self.fatal is not None:
+            raise FatalAgentError(str(self.fatal)) from self.fatal
+
+    def _spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(coro)
+        task.set_name(f"{self.config.hostname}:{name}")
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            if not isinstance(exc, FatalAgentError):
+                self.log.error("%s crashed: %r", task.get_name(), exc, exc_info=exc)
+            self.fatal = self.fatal or exc
+            assert self._stop is not None
+            self._stop.set()
+
+    async def _shutdown(self, tasks: list[asyncio.Task[None]]) -> None:
+        assert self._stop is not None
+        self._stop.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        deadline = time.monotonic() + self.config.shutdown_flush_s
+        running = [task for task in self._command_tasks.values() if not task.done()]
+        if running:
+            await asyncio.wait(running, timeout=self.config.shutdown_flush_s / 2)
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+        if self.credential is not None and self.fatal is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._flush(), timeout=max(0.1, deadline - time.monotonic()))
+        left = self.buffer.count()
+        if left:
+            self.log.info("shutting down with %d item(s) kept in the buffer for the next start", left)
+        assert self._client is not None
+        await self._client.close()
+        await asyncio.to_thread(self.collector.close)
+        self.buffer.close()
+        self.log.info("stopped")
+
+    async def _sleep(self, seconds: float) -> bool:
+        """Sleep unless a stop comes first; True when stopping."""
+        assert self._stop is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), timeout=seconds)
+        return self._stop.is_set()
+
+    # -- registration -----------------------------------------------------------------------------
+
+    def _load_credential(self) -> None:
+        if not self.credential_path.exists():
+            return
+        data = json.loads(self.credential_path.read_text())
+        self.node_id = int(data["node_id"])
+        self.credential = str(data["credential"])
+        self._apply_intervals(data)
+        self.log.info("using the saved credential of node %s", self.node_id)
+
+    def _apply_intervals(self, data: dict[str, Any]) -> None:
+        if self.config.heartbeat_interval_s is None and data.get("heartbeat_interval_s"):
+            self.heartbeat_interval_s = float(data["heartbeat_interval_s"])
+        if self.config.commands_wait_s is None and data.get("commands_wait_s"):
+            self.commands_wait_s = min(MAX_COMMANDS_WAIT_S, int(data["commands_wait_s"]))
+
+    def register_body(self) -> dict[str, Any]:
+        inventory = self.inventory or NodeInventory(gpus=[])
+        body: dict[str, Any] = {
+            "bootstrap_token": self.config.bootstrap_token,
+            "hostname": self.config.hostname,
+            "labels": self.config.labels,
+            "cpu_cores": self.config.cpu_cores or os.cpu_count() or 0,
+            "ram_mib": self.config.ram_mib or _ram_mib(),
+            "driver_version": inventory.driver_version,
+            "cuda_version": inventory.cuda_version,
+            "rocm_version": inventory.rocm_version,
+            "agent_version": __version__,
+            "interconnect": self.config.interconnect or inventory.interconnect,
+            "gpus": [gpu.to_json() for gpu in inventory.gpus],
+        }
+        if self.config.region:
+            body["region"] = self.config.region
+        return body
+
+    async def _register(self, *, initial: bool) -> None:
+        """Trade the bootstrap token for a node credential; retries while the portal is away."""
+        if not self.config.bootstrap_token:
+            if initial:
+                raise FatalAgentError(
+                    f"no node credential in {self.state_dir} and no bootstrap token configured "
+                    "(GPUPOOL_BOOTSTRAP_TOKEN or --bootstrap-token)"
+                )
+            raise FatalAgentError(
+                "the portal rejected this node's credential (401) and no bootstrap token is configured "
+                "to register again; give the agent a new bootstrap token"
+            )
+        assert self._client is not None
+        backoff = Backoff(self.config.backoff_initial_s, self.config.backoff_max_s)
+        while not self.stopping:
+            try:
+                response = await self._client.request("POST", "/agent/v1/register", json=self.register_body())
+            except PortalUnreachable as exc:
+                delay = backoff.next()
+                self.log.warning("register: portal unreachable (%s); retrying in %.1f s", exc, delay)
+                await self._sleep(delay)
+                continue
+            outcome = classify(response.status_code)
+            if outcome == OK:
+                data = response.json()
+                previous = self.node_id
+                self.node_id = int(data["node_id"])
+                self.credential = str(data["credential"])
+                self._apply_intervals(data)
+                write_private_json(
+                    self.credential_path,
+                    {
+                        "node_id": self.node_id,
+                        "credential": self.credential,
+                        "heartbeat_interval_s": data.get("heartbeat_interval_s"),
+                        "commands_wait_s": data.get("commands_wait_s"),
+                        "portal_url": self.config.portal_url,
+                        "hostname": self.config.hostname,
+                    },
+                )
+                if previous is not None and previous != self.node_id:
+                    self.log.warning("the portal gave a new node id %s (was %s)", self.node_id, previous)
+                    self.buffer.renumber_heartbeats()
+                self.log.info("registered as node %s", self.node_id)
+                return
+            if outcome == RETRY:
+                delay = backoff.next()
+                self.log.warning("register: %s; retrying in %.1f s", error_text(response), delay)
+                await self._sleep(delay)
+                continue
+            raise FatalAgentError(f"the portal refused to register this node: {error_text(response)}")
+
+    async def _reauthenticate(self, rejected: str | None) -> None:
+        assert self._auth_lock is not None
+        async with self._auth_lock:
+            if self.credential != rejected:
+                return  # another task already registered again
+            self.log.warning("the portal rejected the node credential (401); registering again")
+            await self._register(initial=False)
+
+    # -- heartbeats -------------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while not self.stopping:
+            await self.build_heartbeat()
+            next_at += self.heartbeat_interval_s
+            next_at = max(next_at, loop.time())  # after a slow sample, do not try to catch up
+            if await self._sleep(next_at - loop.time()):
+                return
+
+    async def _runtime_status(self) -> list[WorkloadStatus]:
+        try:
+            return await asyncio.to_thread(self.runtime.status)
+        except RuntimeFailure as exc:
+            self.log.error("runtime status failed: %s", exc)
+            return []
+
+    async def build_heartbeat(self) -> int:
+        """Sample, queue one numbered batch in the buffer, wake the sender; returns its seq."""
+        now = time.time()
+        try:
+            samples = await asyncio.to_thread(self.collector.sample, now)
+        except Exception as exc:  # a collector failure must not stop the heartbeats
+            self.log.error("collector sample failed: %r", exc)
+            samples = []
+        statuses = await self._runtime_status()
+        await self._enforce_max_runtime(statuses, now)
+        for sample in samples:
+            for process in sample.processes:
+                if process.workload_id is None:
+                    process.workload_id = self.runtime.workload_for_pid(process.pid)
+        workloads = []
+        for status in statuses:
+            if status.state == FAILED and not status.message:
+                status.message = await self._failure_message(status.workload_id)
+            workloads.append(status.to_json())
+        uptime = None if self.collector.name == "simulated" else _host_uptime_s()
+        body = {
+            "sent_at": rfc3339(now),
+            "status": {
+                "uptime_s": round(uptime if uptime is not None else now - self.started, 1),
+                "load_1m": round(os.getloadavg()[0], 2),
+                "agent_version": __version__,
+                "draining": self.draining,
+            },
+            "samples": [sample.to_json() for sample in samples],
+            "workloads": workloads,
+        }
+        seq = self.buffer.add_heartbeat(body)
+        self.heartbeats_built += 1
+        await self._forget_reported(statuses)
+        self._wake_sender()
+        return seq
+
+    async def _failure_message(self, workload_id: str) -> str:
+        if workload_id not in self._fail_messages:
+            try:
+                tail = await asyncio.to_thread(self.runtime.logs, workload_id, LOG_TAIL_LINES)
+            except RuntimeFailure as exc:
+                tail = f"(logs unavailable: {exc})"
+            self._fail_messages[workload_id] = tail[-2000:]
+        return self._fail_messages[workload_id]
+
+    async def _forget_reported(self, statuses: list[WorkloadStatus]) -> None:
+        for status in statuses:
+            if not status.terminal:
+                continue
+            seen = self._terminal_seen.get(status.workload_id, 0) + 1
+            self._terminal_seen[status.workload_id] = seen
+            if seen >= TERMINAL_REPORTS:
+                await asyncio.to_thread(self.runtime.forget, status.workload_id)
+                self._terminal_seen.pop(status.workload_id, None)
+                self._fail_messages.pop(status.workload_id, None)
+
+    def _deadlines(self) -> dict[str, float]:
+        return json.loads(self.buffer.get("deadlines", "{}") or "{}")
+
+    async def _enforce_max_runtime(self, statuses: list[WorkloadStatus], now: float) -> None:
+        deadlines = self._deadlines()
+        if not deadlines:
+            return
+        known = {status.workload_id: status for status in statuses}
+        for workload_id, deadline in list(deadlines.items()):
+            status = known.get(workload_id)
+            if status is None or status.terminal:
+                deadlines.pop(workload_id)
+            elif now >= deadline:
+                self.log.info("workload %s passed its max_runtime_s; stopping it", workload_id)
+                await asyncio.to_thread(self.runtime.stop, workload_id, self.config.stop_grace_s)
+                deadlines.pop(workload_id)
+        self.buffer.set("deadlines", json.dumps(deadlines))
+
+    @property
+    def draining(self) -> bool:
+        return self.buffer.get("draining") == "1"
+
+    # -- the outbox sender ------------------------------------------------------------------------
+
+    def _wake_sender(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _sender_loop(self) -> None:
+        assert self._wake is not None
+        backoff = Backoff(self.config.backoff_initial_s, self.config.backoff_max_s)
+        while not self.stopping:
+            self._wake.clear()
+            item = self.buffer.peek()
+            if item is None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+                continue
+            outcome = await self._send(item)
+            if outcome == OK:
+                backoff.reset()
+            elif outcome == RETRY:
+                await self._sleep(backoff.next())
+
+    async def _flush(self) -> None:
+        """At shutdown: send what the portal takes now; stop at the first failure."""
+        while (item := self.buffer.peek()) is not None:
+            if await self._send(item, reauth=False) != OK:
+                return
+
+    async def _send(self, item: OutboxItem, *, reauth: bool = True) -> str:
+        assert self._client is not None
+        if item.kind == HEARTBEAT:
+            path = f"/agent/v1/nodes/{self.node_id}/heartbeat"
+        else:
+            path = f"/agent/v1/nodes/{self.node_id}/commands/{item.key}/report"
+        credential = self.credential
+        try:
+            response = await self._client.request("POST", path, credential=credential, json=item.body)
+        except PortalUnreachable as exc:
+            self.buffer.note_failure(item.id, str(exc))
+            self.log.warning("portal unreachable (%s); %d item(s) buffered", exc, self.buffer.count())
+            return RETRY
+        outcome = classify(response.status_code)
+        if outcome == OK:
+            self.buffer.ack(item.id)
+            if item.kind == HEARTBEAT:
+                self._check_heartbeat_answer(item, response.json() if response.content else {})
+        elif outcome == RETRY:
+            self.buffer.note_failure(item.id, error_text(response))
+            self.log.warning(
+                "portal answered %s; %d item(s) buffered", error_text(response), self.buffer.count()
+            )
+        elif outcome == BAD:
+            self.log.error("the portal refused %s %s as bad: %s", item.kind, item.key, error_text(response))
+            self.buffer.dead_letter(item, response.status_code, error_text(response))
+        elif outcome == REAUTH:
+            if not reauth:
+                return RETRY
+            await self._reauthenticate(credential)
+        return outcome
+
+    def _check_heartbeat_answer(self, item: OutboxItem, data: dict[str, Any]) -> None:
+        status = data.get("status")
+        if status not in ("accepted", "duplicate"):
+            self.log.warning("heartbeat %s answered with status %r", item.key, status)
+        if data.get("gap"):
+            self.log.info("the portal misses heartbeats %s", data["gap"])
+
+    # -- commands ---------------------------------------------------------------------------------
+
+    async def _poll_loop(self) -> None:
+        assert self._client is not None
+        backoff = Backoff(self.config.backoff_initial_s, self.config.backoff_max_s)
+        while not self.stopping:
+            credential = self.credential
+            try:
+                response = await self._client.request(
+                    "GET",
+                    f"/agent/v1/nodes/{self.node_id}/commands",
+                    credential=credential,
+                    params={"wait": self.commands_wait_s},
+                    timeout_s=self.commands_wait_s + self.config.request_timeout_s,
+                )
+            except PortalUnreachable as exc:
+                self.log.debug("command poll: portal unreachable (%s)", exc)
+                await self._sleep(backoff.next())
+                continue
+            outcome = classify(response.status_code)
+            if outcome == OK:
+                backoff.reset()
+                for command in response.json().get("commands", []):
+                    self.receive_command(command)
+            elif outcome == REAUTH:
+                await self._reauthenticate(credential)
+            else:
+                self.log.warning("command poll: %s", error_text(response))
+                await self._sleep(backoff.next())
+
+    def receive_command(self, command: dict[str, Any]) -> None:
+        """Run a command once per id; a repeat is answered with the result already stored."""
+        command_id = str(command["id"])
+        kind = str(command.get("kind", ""))
+        payload = command.get("payload") or {}
+        record = self.buffer.command(command_id)
+        if record is not None and record.finished:
+            if not self.buffer.has_pending_report(command_id):
+                self.log.info("command %s delivered again; reporting its stored result", command_id)
+                self.buffer.add_report(
+                    command_id, self._report_body(record.state, record.result or {}, record.message)
+                )
+                self._wake_sender()
+            return
+        if command_id in self._command_tasks and not self._command_tasks[command_id].done():
+            return  # running now; it reports when it finishes
+        if record is None:
+            self.buffer.command_accepted(command_id, kind, payload, self._report_body("accepted", {}, ""))
+            self._wake_sender()
+        # else: accepted by an earlier run of the agent that stopped before finishing it; the
+        # runtimes are idempotent by workload id, so running it again is safe.
+        self.log.info("command %s: %s", command_id, kind)
+        task = asyncio.ensure_future(self._execute(command_id, kind, payload))
+        self._command_tasks[command_id] = task
+        task.add_done_callback(lambda _: self._command_tasks.pop(command_id, None))
+
+    @staticmethod
+    def _report_body(status: str, result: dict[str, Any], message: str) -> dict[str, Any]:
+        return {"status": status, "result": result, "message": message, "at": rfc3339(time.time())}
+
+    async def _execute(self, command_id: str, kind: str, payload: dict[str, Any]) -> None:
+        handlers: dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]] = {
+            "start_workload": self._start_workload,
+            "stop_workload": self._stop_workload,
+            "preempt_workload": self._preempt_workload,
+            "prewarm": self._prewarm,
+            "configure_mig": self._configure_mig,
+            "drain": self._drain,
+        }
+        handler = handlers.get(kind)
+        try:
+            if handler is None:
+                raise ValueError(f"unknown command kind {kind!r}")
+            result = await handler(payload)
+            state, message = "succeeded", ""
+        except (RuntimeFailure, CollectorError, ValueError, KeyError, TypeError) as exc:
+            state, result, message = "failed", {}, str(exc) or type(exc).__name__
+        except Exception as exc:
+            self.log.exception("command %s (%s) failed unexpectedly", command_id, kind)
+            state, result, message = "failed", {}, f"agent error: {exc!r}"
+        self.log.info("command %s %s %s", command_id, state, message)
+        self.buffer.command_finished(
+            command_id, state, result, message, self._report_body(state, result, message)
+        )
+        self._wake_sender()
+
+    async def _start_workload(self, payload: dict[str, Any]) -> dict[str, Any]:
+        spec = WorkloadSpec.from_payload(payload)
+        known = await asyncio.to_thread(self.runtime.get_status, spec.workload_id)
+        if known is None:
+            if self.draining:
+                raise RuntimeFailure("this node is draining and accepts no new work")
+            inventory = self.inventory or NodeInventory(gpus=[])
+            for uuid in spec.gpu_uuids:
+                if inventory.gpu(uuid) is None and not any(
+                    mig.uuid == uuid for gpu in inventory.gpus for mig in gpu.mig_devices
+                ):
+                    raise RuntimeFailure(f"GPU {uuid} is not on this node")
+        handle = await asyncio.to_thread(self.runtime.start, spec)
+        if spec.max_runtime_s and known is None:
+            deadlines = self._deadlines()
+            deadlines[spec.workload_id] = time.time() + spec.max_runtime_s
+            self.buffer.set("deadlines", json.dumps(deadlines))
+        return {"workload_id": spec.workload_id, "ref": handle.ref}
+
+    async def _stop_workload(self, payload: dict[str, Any]) -> dict[str, Any]:
+        workload_id = str(payload["workload_id"])
+        grace = float(payload.get("grace_s", self.config.stop_grace_s))
+        status = await asyncio.to_thread(self.runtime.stop, workload_id, grace)
+        return {"workload_id": workload_id, "state": status.state, "exit_code": status.exit_code}
+
+    async def _preempt_workload(self, payload: dict[str, Any]) -> dict[str, Any]:
+        workload_id = str(payload["workload_id"])
+        notice = float(payload.get("notice_s", 0))
+        grace = float(payload.get("grace_s", min(self.config.stop_grace_s, 10.0)))
+        status = await asyncio.to_thread(self.runtime.get_status, workload_id)
+        if status is not None and status.state == RUNNING:
+            await asyncio.to_thread(self.runtime.notify_preempt, workload_id, notice)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + notice
+            while loop.time() < deadline:
+                await asyncio.sleep(min(1.0, max(0.0, deadline - loop.time())))
+                status = await asyncio.to_thread(self.runtime.get_status, workload_id)
+                if status is None or status.terminal:
+                    break  # it finished within its notice
+        status = await asyncio.to_thread(self.runtime.stop, workload_id, grace, final_state=PREEMPTED)
+        return {"workload_id": workload_id, "state": status.state, "exit_code": status.exit_code}
+
+    async def _prewarm(self, payload: dict[str, Any]) -> dict[str, Any]:
+        return await asyncio.to_thread(self.runtime.prewarm, str(payload["image"]))
+
+    async def _configure_mig(self, payload: dict[str, Any]) -> dict[str, Any]:
+        uuid = str(payload["gpu_uuid"])
+        statuses = await self._runtime_status()
+        busy = [s.workload_id for s in statuses if not s.terminal and uuid in s.gpu_uuids]
+        if busy:
+            raise RuntimeFailure(
+                f"GPU {uuid} runs workloads {', '.join(busy)}; MIG can change only on an idle GPU"
+            )
+        result = await asyncio.to_thread(
+            self.collector.configure_mig,
+            uuid,
+            bool(payload.get("enable", True)),
+            list(payload.get("profiles") or []),
+        )
+        self.inventory = await asyncio.to_thread(self.collector.discover)
+        return result
+
+    async def _drain(self, payload: dict[str, Any]) -> dict[str, Any]:
+        self.buffer.set("draining", "1")
+        statuses = await self._runtime_status()
+        return {"draining": True, "running": [s.workload_id for s in statuses if not s.terminal]}

@@ -1,0 +1,141 @@
+"""``gpupool-agent``: run the node agent, a simulated fleet, or print the effective settings.
+
+    gpupool-agent [run] --portal-url URL --bootstrap-token gpb_... --state-dir DIR ...
+    gpupool-agent fleet --fleet-file var/fleet.json [--portal-url URL] [--state-root var/agents]
+    gpupool-agent show-config [the flags of run]
+
+Settings: flags override the environment (``GPUPOOL_*``), which overrides the config file
+(``--config`` or ``$GPUPOOL_AGENT_CONFIG``, TOML).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from nodes.agent import __version__
+from nodes.agent.collectors import COLLECTOR_KINDS, CollectorUnavailable
+from nodes.agent.config import AgentConfig, ConfigError, load_config
+from nodes.agent.runtimes import RUNTIME_KINDS
+
+log = logging.getLogger("nodes.agent")
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_CONFIG = 2
+
+
+def _agent_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML config file (default: $GPUPOOL_AGENT_CONFIG)")
+    parser.add_argument("--portal-url", dest="portal_url")
+    parser.add_argument("--bootstrap-token", dest="bootstrap_token")
+    parser.add_argument("--state-dir", dest="state_dir")
+    parser.add_argument("--collector", choices=COLLECTOR_KINDS)
+    parser.add_argument("--runtime", choices=RUNTIME_KINDS)
+    parser.add_argument("--region")
+    parser.add_argument("--label", dest="labels", action="append", metavar="KEY=VALUE")
+    parser.add_argument("--hostname")
+    parser.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float)
+    parser.add_argument("--commands-wait", dest="commands_wait_s", type=int)
+    parser.add_argument(
+        "--sim-gpus",
+        dest="sim_gpus",
+        help='simulated GPUs as JSON, e.g. \'[{"model": "NVIDIA H100 80GB HBM3", "count": 8}]\'',
+    )
+    parser.add_argument("--log-level", dest="log_level")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpupool-agent", description="The gpupool node agent.")
+    parser.add_argument("--version", action="version", version=f"gpupool-agent {__version__}")
+    commands = parser.add_subparsers(dest="command")
+    _agent_flags(commands.add_parser("run", help="run the agent for this machine (the default)"))
+    _agent_flags(commands.add_parser("show-config", help="print the effective settings as JSON"))
+    fleet = commands.add_parser("fleet", help="run a simulated fleet from a fleet file")
+    fleet.add_argument("--fleet-file", required=True)
+    fleet.add_argument("--portal-url", dest="portal_url")
+    fleet.add_argument("--state-root", default="var/agents")
+    fleet.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float)
+    fleet.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def cli_values(args: argparse.Namespace) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(AgentConfig)}
+    values = {name: value for name, value in vars(args).items() if name in names}
+    if args.labels:
+        values["labels"] = ",".join(args.labels)
+    return values
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+async def _run_with_signals(target: Any) -> Any:
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, target.request_stop)
+    try:
+        return await target.run()
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
+        argv.insert(0, "run")
+    args = build_parser().parse_args(argv)
+
+    if args.command == "fleet":
+        from nodes.agent.fleet import Fleet
+
+        _setup_logging(args.log_level)
+        fleet = Fleet(
+            args.fleet_file,
+            portal_url=args.portal_url,
+            state_root=args.state_root,
+            heartbeat_interval_s=args.heartbeat_interval_s,
+        )
+        failed = asyncio.run(_run_with_signals(fleet))
+        return EXIT_ERROR if failed else EXIT_OK
+
+    try:
+        config = load_config(cli=cli_values(args), config_file=args.config)
+        if args.command == "show-config":
+            shown = dataclasses.asdict(config.validate())
+            if shown["bootstrap_token"]:
+                shown["bootstrap_token"] = shown["bootstrap_token"][:8] + "..."
+            print(json.dumps(shown, indent=2, sort_keys=True))
+            return EXIT_OK
+        _setup_logging(config.log_level)
+        from nodes.agent.agent import Agent, FatalAgentError
+
+        agent = Agent(config)
+    except (ConfigError, CollectorUnavailable) as exc:
+        print(f"gpupool-agent: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        asyncio.run(_run_with_signals(agent))
+    except (FatalAgentError, CollectorUnavailable) as exc:
+        print(f"gpupool-agent: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

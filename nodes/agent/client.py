@@ -1,0 +1,101 @@
+"""HTTP to the portal (``nodes/PROTOCOL.md``), and how the agent reads the answers."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import httpx
+
+from nodes.agent import __version__
+
+# What to do with an answer.
+OK = "ok"  # 2xx: done, drop it from the buffer
+RETRY = "retry"  # portal unreachable, 5xx, timeout, 408/425/429: keep it, try again later
+REAUTH = "reauth"  # 401: the credential is not (or no longer) valid
+BAD = "bad"  # other 4xx: the portal will never take this; dead-letter it
+
+TRANSIENT_4XX = frozenset({408, 425, 429})
+
+
+def classify(status_code: int) -> str:
+    if 200 <= status_code < 300:
+        return OK
+    if status_code == 401:
+        return REAUTH
+    if status_code >= 500 or status_code in TRANSIENT_4XX:
+        return RETRY
+    return BAD
+
+
+def error_text(response: httpx.Response) -> str:
+    """The ``{"error": {"code", "message"}}`` of an answer, or its first bytes."""
+    try:
+        data = response.json()
+        error = data.get("error") if isinstance(data, dict) else None
+        if isinstance(error, dict):
+            fields = error.get("fields")
+            suffix = f" {fields}" if fields else ""
+            return f"{response.status_code} {error.get('code', '')}: {error.get('message', '')}{suffix}"
+    except ValueError:
+        pass
+    return f"{response.status_code}: {response.text[:300]}"
+
+
+class PortalUnreachable(Exception):
+    """No HTTP answer: connection refused or reset, DNS, timeout."""
+
+
+class Backoff:
+    """Exponential backoff with jitter: the n-th delay is between half and all of
+    ``min(maximum, initial * 2**n)``."""
+
+    def __init__(self, initial: float, maximum: float, rng: random.Random | None = None) -> None:
+        self.initial = initial
+        self.maximum = maximum
+        self.attempt = 0
+        self.rng = rng or random.Random()
+
+    def next(self) -> float:
+        ceiling = min(self.maximum, self.initial * (2**self.attempt))
+        self.attempt = min(self.attempt + 1, 32)
+        return ceiling / 2 + self.rng.uniform(0, ceiling / 2)
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+class PortalClient:
+    def __init__(self, base_url: str, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.http = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"),
+            timeout=httpx.Timeout(timeout_s),
+            headers={"User-Agent": f"gpupool-agent/{__version__}"},
+        )
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        credential: str | None = None,
+        json: Any = None,
+        params: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> httpx.Response:
+        headers = {"Authorization": f"Node {credential}"} if credential else {}
+        try:
+            return await self.http.request(
+                method,
+                path,
+                json=json,
+                params=params,
+                headers=headers,
+                timeout=httpx.Timeout(timeout_s or self.timeout_s),
+            )
+        except httpx.TransportError as exc:
+            raise PortalUnreachable(f"{type(exc).__name__}: {exc}") from exc
+
+    async def close(self) -> None:
+        await self.http.aclose()

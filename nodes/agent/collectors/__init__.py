@@ -1,0 +1,71 @@
+"""GPU collectors: discover the GPUs of this machine and sample their telemetry.
+
+Every collector has the same interface (:class:`Collector`); ``make_collector`` picks one by name.
+A collector that cannot work here raises :class:`CollectorUnavailable` with the reason; nothing
+falls back silently to another collector (``auto`` tries NVML then AMD SMI and says which it chose).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from nodes.agent.types import GpuSample, NodeInventory
+
+log = logging.getLogger(__name__)
+
+COLLECTOR_KINDS = ("nvml", "amdsmi", "simulated", "auto")
+
+
+class CollectorUnavailable(RuntimeError):
+    """This collector cannot run on this machine; the message says why."""
+
+
+class CollectorError(RuntimeError):
+    """A collector operation failed (for example a MIG reconfiguration the driver refused)."""
+
+
+@runtime_checkable
+class Collector(Protocol):
+    name: str
+
+    def discover(self) -> NodeInventory:
+        """The GPUs of this machine and the driver versions."""
+
+    def sample(self, now: float) -> list[GpuSample]:
+        """One sample per GPU found by ``discover``."""
+
+    def configure_mig(self, gpu_uuid: str, enable: bool, profiles: list[str]) -> dict[str, Any]:
+        """Switch MIG mode on a GPU and create the given instance profiles; returns what was done."""
+
+    def close(self) -> None:
+        """Release the library."""
+
+
+def make_collector(kind: str, **options: Any) -> Collector:
+    """Build the collector named ``kind``. ``options`` go to the simulated collector only."""
+    if kind == "nvml":
+        from nodes.agent.collectors.nvml import NvmlCollector
+
+        return NvmlCollector()
+    if kind == "amdsmi":
+        from nodes.agent.collectors.amd import AmdSmiCollector
+
+        return AmdSmiCollector()
+    if kind == "simulated":
+        from nodes.agent.collectors.simulated import SimulatedCollector
+
+        return SimulatedCollector(**options)
+    if kind == "auto":
+        reasons = []
+        for candidate in ("nvml", "amdsmi"):
+            try:
+                collector = make_collector(candidate)
+            except CollectorUnavailable as exc:
+                reasons.append(str(exc))
+                continue
+            log.info("collector auto: chose %s", candidate)
+            return collector
+        raise CollectorUnavailable("no GPU collector is available: " + "; ".join(reasons))
+    raise ValueError(f"unknown collector {kind!r}; expected one of {', '.join(COLLECTOR_KINDS)}")

@@ -1,0 +1,161 @@
+"""The agent's settings: built-in defaults < config file (TOML) < environment < command-line flags.
+
+The config file is ``--config PATH`` or ``$GPUPOOL_AGENT_CONFIG``; its keys are the field names of
+:class:`AgentConfig` (``labels`` a table, ``sim_gpus`` an array of tables ``{model, count}``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nodes.agent.collectors import COLLECTOR_KINDS
+from nodes.agent.runtimes import RUNTIME_KINDS
+
+
+class ConfigError(ValueError):
+    """A setting is missing or wrong; the message names it."""
+
+
+@dataclass
+class AgentConfig:
+    portal_url: str = ""
+    bootstrap_token: str = ""
+    state_dir: str = "/var/lib/gpupool-agent"
+    collector: str = "auto"
+    runtime: str = "docker"
+    region: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    hostname: str = ""
+    # Unset (None): the portal's answer to register decides.
+    heartbeat_interval_s: float | None = None
+    commands_wait_s: int | None = None
+    request_timeout_s: float = 10.0
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+    shutdown_flush_s: float = 5.0
+    stop_grace_s: float = 30.0
+    # Simulated node: its GPUs ([{model, count}]), machine size, interconnect, seed.
+    sim_gpus: list[dict[str, Any]] = field(default_factory=list)
+    cpu_cores: int | None = None
+    ram_mib: int | None = None
+    interconnect: str = ""
+    seed: int = 0
+    log_level: str = "INFO"
+
+    def validate(self) -> AgentConfig:
+        if not self.portal_url:
+            raise ConfigError("portal_url is required (--portal-url or GPUPOOL_PORTAL_URL)")
+        if not self.portal_url.startswith(("http://", "https://")):
+            raise ConfigError(f"portal_url must start with http:// or https://, not {self.portal_url!r}")
+        if self.collector not in COLLECTOR_KINDS:
+            raise ConfigError(
+                f"collector must be one of {', '.join(COLLECTOR_KINDS)}, not {self.collector!r}"
+            )
+        if self.runtime not in RUNTIME_KINDS:
+            raise ConfigError(f"runtime must be one of {', '.join(RUNTIME_KINDS)}, not {self.runtime!r}")
+        if self.heartbeat_interval_s is not None and self.heartbeat_interval_s <= 0:
+            raise ConfigError("heartbeat_interval_s must be positive")
+        if not self.hostname:
+            self.hostname = socket.gethostname()
+        return self
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.state_dir)
+
+
+ENV = {
+    "GPUPOOL_PORTAL_URL": "portal_url",
+    "GPUPOOL_BOOTSTRAP_TOKEN": "bootstrap_token",
+    "GPUPOOL_STATE_DIR": "state_dir",
+    "GPUPOOL_COLLECTOR": "collector",
+    "GPUPOOL_RUNTIME": "runtime",
+    "GPUPOOL_REGION": "region",
+    "GPUPOOL_LABELS": "labels",
+    "GPUPOOL_HOSTNAME": "hostname",
+    "GPUPOOL_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
+    "GPUPOOL_COMMANDS_WAIT_S": "commands_wait_s",
+    "GPUPOOL_LOG_LEVEL": "log_level",
+}
+
+
+def parse_labels(text: str) -> dict[str, str]:
+    """``rack=r12,row=3`` or a JSON object."""
+    text = text.strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"labels: not a JSON object: {exc}") from exc
+        return {str(k): str(v) for k, v in value.items()}
+    labels = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"labels: {part!r} is not key=value")
+        labels[key.strip()] = value.strip()
+    return labels
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(AgentConfig)}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    if name not in _FIELDS:
+        raise ConfigError(f"unknown setting {name!r}")
+    if value is None:
+        return None
+    kind = _FIELDS[name].type
+    try:
+        if name == "labels":
+            return (
+                parse_labels(value) if isinstance(value, str) else {str(k): str(v) for k, v in value.items()}
+            )
+        if name == "sim_gpus":
+            return json.loads(value) if isinstance(value, str) else list(value)
+        if "float" in str(kind):
+            return float(value)
+        if "int" in str(kind):
+            return int(value)
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"{name}: {value!r} is not valid ({exc})") from exc
+    return str(value)
+
+
+def load_config(
+    cli: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_file: str | Path | None = None,
+) -> AgentConfig:
+    """Merge the layers; ``cli`` holds only the flags that were given (``None`` means not given)."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    path = config_file or env.get("GPUPOOL_AGENT_CONFIG")
+    if path:
+        try:
+            with open(path, "rb") as handle:
+                data = tomllib.load(handle)
+        except OSError as exc:
+            raise ConfigError(f"config file {path}: {exc}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path}: {exc}") from exc
+        data = data.get("agent", data)  # a [agent] table or top-level keys
+        for name, value in data.items():
+            values[name] = _coerce(name, value)
+    for variable, name in ENV.items():
+        if env.get(variable):
+            values[name] = _coerce(name, env[variable])
+    for name, value in (cli or {}).items():
+        if value is not None:
+            values[name] = _coerce(name, value)
+    return AgentConfig(**values)

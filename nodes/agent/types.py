@@ -1,0 +1,153 @@
+"""Plain data that crosses the agent's internal interfaces (collectors, runtimes, the loop)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+
+def rfc3339(ts: float | datetime) -> str:
+    """RFC 3339 UTC with milliseconds, as the protocol writes times: ``2026-12-02T12:00:00.000Z``."""
+    moment = ts if isinstance(ts, datetime) else datetime.fromtimestamp(ts, tz=UTC)
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+
+
+@dataclass
+class MigDevice:
+    uuid: str
+    name: str = ""
+    memory_mib: int = 0
+
+
+@dataclass
+class GpuInfo:
+    index: int
+    uuid: str
+    name: str
+    memory_mib: int
+    pci_bus_id: str = ""
+    nvlink_island: int | None = None
+    numa_node: int | None = None
+    mig_mode: bool = False
+    mig_devices: list[MigDevice] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class NodeInventory:
+    gpus: list[GpuInfo]
+    driver_version: str = ""
+    cuda_version: str = ""
+    rocm_version: str = ""
+    interconnect: str = "pcie"
+    vendor: str = ""
+
+    def gpu(self, uuid: str) -> GpuInfo | None:
+        return next((gpu for gpu in self.gpus if gpu.uuid == uuid), None)
+
+
+@dataclass
+class ProcessSample:
+    pid: int
+    used_mib: int | None
+    workload_id: str | None = None
+
+
+@dataclass
+class GpuSample:
+    """One GPU at one moment; the fields of a heartbeat ``samples`` entry. ``None``: not supported."""
+
+    gpu_uuid: str
+    ts: float
+    util_pct: float | None = None
+    mem_used_mib: int | None = None
+    power_w: float | None = None
+    temp_c: int | None = None
+    sm_clock_mhz: int | None = None
+    ecc_sbe: int | None = None
+    ecc_dbe: int | None = None
+    xid_errors: list[int] = field(default_factory=list)
+    throttle_reasons: int | None = None
+    retired_pages_pending: bool | None = None
+    row_remap_failure: bool | None = None
+    fell_off_bus: bool = False
+    processes: list[ProcessSample] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["ts"] = rfc3339(self.ts)
+        return data
+
+
+# Workload states, as the protocol names them.
+STARTING = "starting"
+RUNNING = "running"
+EXITED = "exited"
+FAILED = "failed"
+STOPPED = "stopped"
+PREEMPTED = "preempted"
+TERMINAL_STATES = frozenset({EXITED, FAILED, STOPPED, PREEMPTED})
+
+
+@dataclass
+class WorkloadSpec:
+    """The payload of a ``start_workload`` command."""
+
+    workload_id: str
+    image: str = ""
+    command: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    gpu_uuids: list[str] = field(default_factory=list)
+    gpu_fraction_milli: int = 1000
+    cpu_millicores: int | None = None
+    ram_mib: int | None = None
+    ports: list[Any] = field(default_factory=list)
+    max_runtime_s: int | None = None
+    sim_duration_s: float | None = None
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any]) -> WorkloadSpec:
+        if not payload.get("workload_id"):
+            raise ValueError("start_workload payload needs a workload_id")
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {key: value for key, value in payload.items() if key in known}
+        values["workload_id"] = str(values["workload_id"])
+        values["command"] = [str(part) for part in values.get("command") or []]
+        values["env"] = {str(k): str(v) for k, v in (values.get("env") or {}).items()}
+        values["gpu_uuids"] = [str(uuid) for uuid in values.get("gpu_uuids") or []]
+        return cls(**values)
+
+
+@dataclass
+class WorkloadHandle:
+    workload_id: str
+    ref: str  # container id, process id, or timer name
+
+
+@dataclass
+class WorkloadStatus:
+    workload_id: str
+    state: str
+    exit_code: int | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    message: str = ""
+    gpu_uuids: list[str] = field(default_factory=list)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "workload_id": self.workload_id,
+            "state": self.state,
+            "exit_code": self.exit_code,
+            "started_at": rfc3339(self.started_at) if self.started_at is not None else None,
+            "finished_at": rfc3339(self.finished_at) if self.finished_at is not None else None,
+            "message": self.message,
+        }
