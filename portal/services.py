@@ -15,7 +15,7 @@ from django.conf import settings
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.core.mail import send_mail
 from django.core.validators import validate_email
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import Model, Q
 from django.template.loader import render_to_string
 from django.utils import timezone
@@ -446,3 +446,77 @@ def api_token_touch(*, token: ApiToken, now: datetime | None = None) -> None:
         Q(last_used_at__isnull=True) | Q(last_used_at__lte=threshold)
     ).update(last_used_at=now)
     token.last_used_at = now
+
+
+# --- web shell: accounts ------------------------------------------------------------------------------
+
+
+def _check_password(password: str, user: User) -> None:
+    from django.contrib.auth import password_validation
+
+    if not password:
+        raise ValidationFailed("Choose a password.", fields={"password": ["A password is required."]})
+    try:
+        password_validation.validate_password(password, user=user)
+    except DjangoValidationError as exc:
+        raise ValidationFailed(
+            "Choose a stronger password.", fields={"password": list(exc.messages)}
+        ) from None
+
+
+@transaction.atomic
+def invitation_accept_signup(*, token: str, password: str, full_name: str = "") -> Membership:
+    """Accept an invitation by creating the invited person's account, in one transaction.
+
+    The email address is the invitation's. An account that already has a password must sign in and
+    accept instead (Conflict); one without a usable password (made by an operator) gets this one.
+    """
+    invitation = invitation_lookup(token=token)
+    full_name = (full_name or "").strip()
+    if len(full_name) > 150:
+        raise ValidationFailed("The name is too long.", fields={"full_name": ["Use at most 150 characters."]})
+    user = User.objects.select_for_update().filter(email__iexact=invitation.email).first()
+    if user is not None and user.has_usable_password():
+        raise Conflict(
+            f"An account for {invitation.email} already exists: sign in to accept the invitation.",
+            code="account_exists",
+        )
+    candidate = user or User(email=invitation.email, full_name=full_name)
+    candidate.full_name = full_name or candidate.full_name
+    _check_password(password, candidate)
+    if user is None:
+        try:
+            with transaction.atomic():
+                user = User.objects.create_user(
+                    email=invitation.email, password=password, full_name=full_name
+                )
+        except IntegrityError:  # the same person submitted twice at once
+            raise Conflict(
+                f"An account for {invitation.email} was just created: sign in to accept the invitation.",
+                code="account_exists",
+            ) from None
+    else:
+        user.set_password(password)
+        user.full_name = candidate.full_name
+        user.save(update_fields=["password", "full_name"])
+    return invitation_accept(token=token, user=user)
+
+
+@transaction.atomic
+def user_update_profile(*, user: User, full_name: str, time_zone: str) -> User:
+    """Change a person's display name and the time zone their pages show times in."""
+    from zoneinfo import available_timezones
+
+    errors: dict[str, list[str]] = {}
+    full_name = (full_name or "").strip()
+    if len(full_name) > 150:
+        errors["full_name"] = ["Use at most 150 characters."]
+    time_zone = (time_zone or "").strip()
+    if time_zone not in available_timezones():
+        errors["time_zone"] = [f"{time_zone[:64]!r} is not a time zone such as Europe/Berlin."]
+    if errors:
+        raise ValidationFailed("The profile could not be saved.", fields=errors)
+    user.full_name = full_name
+    user.time_zone = time_zone
+    user.save(update_fields=["full_name", "time_zone"])
+    return user
