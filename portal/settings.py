@@ -267,6 +267,38 @@ STRIPE_API_BASE = env.str("STRIPE_API_BASE", default="")
 GPUPOOL_INVITATION_TTL = timedelta(days=env.int("GPUPOOL_INVITATION_TTL_DAYS", default=7))
 GPUPOOL_TOKEN_LAST_USED_RESOLUTION = timedelta(seconds=60)
 
+# --- gpupool: nodes (the fleet) -------------------------------------------------------------------
+NODE_HEARTBEAT_INTERVAL_S = env.int("NODE_HEARTBEAT_INTERVAL_S", default=5)
+NODE_SUSPECT_AFTER_S = env.int("NODE_SUSPECT_AFTER_S", default=30)
+NODE_DOWN_AFTER_S = env.int("NODE_DOWN_AFTER_S", default=120)
+# More than this share of the (non-maintenance) fleet silent at once: alert, mark nobody DOWN.
+NODE_MASS_SILENCE_FRACTION = env.float("NODE_MASS_SILENCE_FRACTION", default=0.3)
+NODE_MASS_SILENCE_MIN_NODES = env.int("NODE_MASS_SILENCE_MIN_NODES", default=5)
+NODE_MAX_DOWN_PER_RUN = env.int("NODE_MAX_DOWN_PER_RUN", default=10)
+NODE_COMMANDS_MAX_WAIT_S = env.int("NODE_COMMANDS_MAX_WAIT_S", default=30)
+NODE_COMMANDS_DEFAULT_WAIT_S = env.int("NODE_COMMANDS_DEFAULT_WAIT_S", default=25)
+NODE_COMMANDS_POLL_INTERVAL_S = env.float("NODE_COMMANDS_POLL_INTERVAL_S", default=0.15)
+NODE_COMMAND_RETRY_BASE_S = env.int("NODE_COMMAND_RETRY_BASE_S", default=10)
+NODE_COMMAND_RETRY_MAX_S = env.int("NODE_COMMAND_RETRY_MAX_S", default=300)
+NODE_COMMAND_DEFAULT_TTL_S = env.int("NODE_COMMAND_DEFAULT_TTL_S", default=900)
+NODE_COMMAND_DEFAULT_MAX_ATTEMPTS = env.int("NODE_COMMAND_DEFAULT_MAX_ATTEMPTS", default=5)
+NODE_HEARTBEAT_MAX_SAMPLES = env.int("NODE_HEARTBEAT_MAX_SAMPLES", default=2000)
+NODE_HEARTBEAT_MAX_BYTES = env.int("NODE_HEARTBEAT_MAX_BYTES", default=1024 * 1024)
+TELEMETRY_RAW_RETENTION_DAYS = env.int("TELEMETRY_RAW_RETENTION_DAYS", default=14)
+TELEMETRY_ROLLUP_RETENTION_DAYS = env.int("TELEMETRY_ROLLUP_RETENTION_DAYS", default=400)
+FLEET_FILE = Path(env.str("FLEET_FILE", default=str(VAR_DIR / "fleet.json")))
+CELERY_BEAT_SCHEDULE.update(
+    {
+        "nodes-reconcile-node-health": {
+            "task": "nodes.tasks.reconcile_node_health",
+            "schedule": timedelta(seconds=10),
+        },
+        "nodes-expire-commands": {"task": "nodes.tasks.expire_commands", "schedule": timedelta(seconds=5)},
+        "nodes-purge-telemetry": {"task": "nodes.tasks.purge_telemetry", "schedule": timedelta(hours=1)},
+    }
+)
+# --- end of the nodes block ------------------------------------------------------------------------
+
 # --- Logging --------------------------------------------------------------------------------------
 LOGGING = {
     "version": 1,

@@ -1,0 +1,18 @@
+"""``/agent/v1/``: the node agent protocol (nodes/PROTOCOL.md). Mounted by the project URLconf."""
+
+from django.urls import path
+
+from nodes import agent_views
+
+app_name = "agent"
+
+urlpatterns = [
+    path("register", agent_views.register, name="register"),
+    path("nodes/<int:node_id>/heartbeat", agent_views.heartbeat, name="heartbeat"),
+    path("nodes/<int:node_id>/commands", agent_views.commands, name="commands"),
+    path(
+        "nodes/<int:node_id>/commands/<str:command_id>/report",
+        agent_views.command_report,
+        name="command-report",
+    ),
+]

@@ -1,0 +1,254 @@
+"""The agent protocol (nodes/PROTOCOL.md): plain Django views, authenticated by node credentials.
+
+Tenant tokens open nothing here: only ``Authorization: Node gpn_...`` is accepted (401 otherwise).
+The long poll is an async view that holds no database connection while it waits.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from datetime import UTC, datetime
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import close_old_connections, connection
+from django.http import HttpRequest, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_GET, require_POST
+
+from nodes import metrics as node_metrics
+from nodes.models import Interconnect
+from nodes.services import commands as command_services
+from nodes.services.ingest import heartbeat_ingest, heartbeat_parse
+from nodes.services.registration import (
+    AuthenticatedNode,
+    GpuInfo,
+    NodeInfo,
+    NotAuthenticated,
+    node_authenticate,
+    node_register,
+)
+from nodes.services.wakeup import CommandWaiter
+from nodes.validation import fail, get_bool, get_int, get_str, parse_time, require_object
+from portal.api.errors import error_response
+from portal.errors import DomainError, NotFound
+
+AUTH_SCHEME = "Node"
+
+
+def _now_str() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _domain_error(exc: DomainError) -> JsonResponse:
+    response = error_response(exc.status_code, exc.message, code=exc.code, fields=exc.fields)
+    if exc.status_code == 401:
+        response["WWW-Authenticate"] = f'{AUTH_SCHEME} realm="agent"'
+    return response
+
+
+def agent_endpoint(view):
+    """Render domain errors in the API's error shape (400 naming the field, 401, 404, ...)."""
+
+    @functools.wraps(view)
+    def wrapper(request, *args, **kwargs):
+        try:
+            return view(request, *args, **kwargs)
+        except DomainError as exc:
+            if isinstance(exc, NotAuthenticated) or exc.status_code == 400:
+                node_metrics.AGENT_REJECTED.labels(status=str(exc.status_code)).inc()
+            return _domain_error(exc)
+
+    return csrf_exempt(wrapper)
+
+
+def _credential(request: HttpRequest) -> str:
+    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != AUTH_SCHEME.lower() or not value.strip():
+        raise NotAuthenticated(f"Send the node credential as 'Authorization: {AUTH_SCHEME} gpn_...'.")
+    return value.strip()
+
+
+def authenticate_for(request: HttpRequest, node_id: int) -> AuthenticatedNode:
+    """401 for a missing or wrong credential; 404 when the credential is another node's."""
+    node = node_authenticate(credential=_credential(request))
+    if node.id != node_id:
+        raise NotFound("No such node.")
+    return node
+
+
+def _json_body(request: HttpRequest) -> dict:
+    try:
+        data = json.loads(request.body)
+    except (ValueError, UnicodeDecodeError):
+        raise fail("body", "Not valid JSON.") from None
+    return require_object(data, "body")
+
+
+# --- register -----------------------------------------------------------------------------------------
+
+
+def _parse_registration(data: dict) -> tuple[str, NodeInfo]:
+    token = get_str(data, "bootstrap_token", "bootstrap_token", required=True)
+    labels = data.get("labels") or {}
+    if not isinstance(labels, dict) or not all(
+        isinstance(k, str) and isinstance(v, str | int | float | bool) for k, v in labels.items()
+    ):
+        raise fail("labels", "Expected an object of simple values.")
+    interconnect = get_str(data, "interconnect", "interconnect", max_length=16) or Interconnect.PCIE
+    if interconnect not in Interconnect.values:
+        raise fail("interconnect", f"One of {', '.join(Interconnect.values)}.")
+    raw_gpus = data.get("gpus", [])
+    if not isinstance(raw_gpus, list) or len(raw_gpus) > 64:
+        raise fail("gpus", "Expected a list of at most 64 GPUs.")
+    gpus, uuids, indexes = [], set(), set()
+    for i, g in enumerate(raw_gpus):
+        require_object(g, f"gpus[{i}]")
+        index = get_int(g, "index", f"gpus[{i}].index", required=True, min_value=0, max_value=1023)
+        uuid = get_str(g, "uuid", f"gpus[{i}].uuid", required=True, max_length=96)
+        if uuid in uuids:
+            raise fail(f"gpus[{i}].uuid", "Listed twice.")
+        if index in indexes:
+            raise fail(f"gpus[{i}].index", "Listed twice.")
+        uuids.add(uuid)
+        indexes.add(index)
+        gpus.append(
+            GpuInfo(
+                index=index,
+                uuid=uuid,
+                name=get_str(g, "name", f"gpus[{i}].name", required=True, max_length=128),
+                memory_mib=get_int(g, "memory_mib", f"gpus[{i}].memory_mib", default=0, min_value=0) or 0,
+                pci_bus_id=get_str(g, "pci_bus_id", f"gpus[{i}].pci_bus_id", max_length=32),
+                nvlink_island=get_int(
+                    g, "nvlink_island", f"gpus[{i}].nvlink_island", min_value=-1, max_value=1023
+                ),
+                numa_node=get_int(g, "numa_node", f"gpus[{i}].numa_node", min_value=-1, max_value=1023),
+                mig_mode=get_bool(g, "mig_mode", f"gpus[{i}].mig_mode"),
+            )
+        )
+    info = NodeInfo(
+        hostname=get_str(data, "hostname", "hostname", required=True, max_length=253).strip(),
+        region=get_str(data, "region", "region", max_length=32),
+        labels=labels,
+        cpu_cores=get_int(data, "cpu_cores", "cpu_cores", default=0, min_value=0, max_value=100_000) or 0,
+        ram_mib=get_int(data, "ram_mib", "ram_mib", default=0, min_value=0) or 0,
+        driver_version=get_str(data, "driver_version", "driver_version", max_length=64),
+        cuda_version=get_str(data, "cuda_version", "cuda_version", max_length=32),
+        rocm_version=get_str(data, "rocm_version", "rocm_version", max_length=32),
+        agent_version=get_str(data, "agent_version", "agent_version", max_length=32),
+        interconnect=interconnect,
+        gpus=tuple(gpus),
+        simulated=bool(labels.get("simulated")),
+    )
+    return token, info
+
+
+@require_POST
+@agent_endpoint
+def register(request):
+    token, info = _parse_registration(_json_body(request))
+    node, credential = node_register(bootstrap_token=token, info=info)
+    return JsonResponse(
+        {
+            "node_id": node.pk,
+            "credential": credential,
+            "heartbeat_interval_s": settings.NODE_HEARTBEAT_INTERVAL_S,
+            "commands_wait_s": settings.NODE_COMMANDS_DEFAULT_WAIT_S,
+        },
+        status=201,
+    )
+
+
+# --- heartbeat ----------------------------------------------------------------------------------------
+
+
+@require_POST
+@agent_endpoint
+def heartbeat(request, node_id: int):
+    node = authenticate_for(request, node_id)
+    batch = heartbeat_parse(request.body)
+    result = heartbeat_ingest(node=node, batch=batch)
+    body = {
+        "status": result.status,
+        "gap": list(result.gap) if result.gap else None,
+        "server_time": _now_str(),
+    }
+    if result.ignored_samples:
+        body["ignored_samples"] = result.ignored_samples
+    return JsonResponse(body)
+
+
+# --- commands -----------------------------------------------------------------------------------------
+
+
+def _release_connection() -> None:
+    """Hand the database connection back while the long poll sleeps (kept inside a test's
+    transaction, where closing it would end the test's transaction)."""
+    if not connection.in_atomic_block:
+        connection.close()
+
+
+def _auth_sync(request, node_id):
+    try:
+        return authenticate_for(request, node_id)
+    finally:
+        _release_connection()
+
+
+def _deliver_sync(node_id):
+    try:
+        return command_services.node_commands_deliver_due(node_id=node_id)
+    finally:
+        _release_connection()
+
+
+@csrf_exempt
+@require_GET
+async def commands(request, node_id: int):
+    try:
+        await sync_to_async(close_old_connections)()
+        await sync_to_async(_auth_sync)(request, node_id)
+        raw_wait = request.GET.get("wait", str(settings.NODE_COMMANDS_DEFAULT_WAIT_S))
+        try:
+            wait = float(raw_wait)
+        except ValueError:
+            raise fail("wait", "Expected a number of seconds.") from None
+        if not 0 <= wait <= settings.NODE_COMMANDS_MAX_WAIT_S:
+            raise fail("wait", f"Between 0 and {settings.NODE_COMMANDS_MAX_WAIT_S} seconds.")
+    except DomainError as exc:
+        return _domain_error(exc)
+
+    give_up = time.monotonic() + wait
+    async with CommandWaiter(node_id) as waiter:
+        while True:
+            delivered, next_due = await sync_to_async(_deliver_sync)(node_id)
+            remaining = give_up - time.monotonic()
+            if delivered or remaining <= 0:
+                break
+            if next_due is not None:
+                until_due = (next_due - datetime.now(UTC)).total_seconds()
+                remaining = min(remaining, max(until_due, 0.05))
+            await waiter.wait(remaining)
+    return JsonResponse({"commands": [command_services.command_as_wire(c) for c in delivered]})
+
+
+@require_POST
+@agent_endpoint
+def command_report(request, node_id: int, command_id: str):
+    authenticate_for(request, node_id)
+    data = _json_body(request)
+    status = get_str(data, "status", "status", required=True, max_length=16)
+    result = data.get("result") or {}
+    if not isinstance(result, dict):
+        raise fail("result", "Expected an object.")
+    command = command_services.node_command_report(
+        node_id=node_id,
+        command_id=command_id,
+        status=status,
+        result=result,
+        message=get_str(data, "message", "message", max_length=10_000),
+        at=parse_time(data.get("at"), "at", required=False),
+    )
+    return JsonResponse({"status": command.state})

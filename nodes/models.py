@@ -1,0 +1,516 @@
+"""The fleet: GPU catalog, regions, nodes, GPUs, node credentials, commands, telemetry and alerts.
+
+Nodes are fleet objects, not tenant-owned: only staff and the node agents see them directly.
+Telemetry tables (GpuSample, GpuMinuteRollup) are written with raw SQL on the ingest path
+(``nodes.services.ingest``) for speed; the ORM models describe them for migrations, admin and reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import uuid
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def new_secret(nbytes: int = 32) -> str:
+    return secrets.token_urlsafe(nbytes)
+
+
+# --- catalog -----------------------------------------------------------------------------------------
+
+
+class Vendor(models.TextChoices):
+    NVIDIA = "nvidia", "NVIDIA"
+    AMD = "amd", "AMD"
+    INTEL = "intel", "Intel"
+
+
+class SoftwareStack(models.TextChoices):
+    CUDA = "cuda", "CUDA"
+    ROCM = "rocm", "ROCm"
+    ONEAPI = "oneapi", "oneAPI (Level Zero)"
+
+
+class GpuModel(models.Model):
+    """One GPU product, from its public specification. ``compute_weight`` is relative to H100 SXM = 1.0
+    (see ``nodes.catalog`` for the formula); staff may edit it and re-seeding keeps their value."""
+
+    vendor = models.CharField(max_length=16, choices=Vendor.choices)
+    name = models.CharField(max_length=80, unique=True)
+    short_name = models.CharField(max_length=32, blank=True, help_text="e.g. H100, A100-80")
+    architecture = models.CharField(max_length=32, blank=True)
+    # Names that NVML / amdsmi / Level Zero report for this product, and names used by traces.
+    aliases = models.JSONField(default=list, blank=True)
+    memory_gib = models.PositiveIntegerField()
+    bf16_tflops = models.DecimalField(
+        max_digits=8, decimal_places=1, help_text="Dense BF16 (FP16 where BF16 is absent) tensor TFLOPS."
+    )
+    fp32_tflops = models.DecimalField(max_digits=8, decimal_places=1)
+    memory_bandwidth_gbps = models.PositiveIntegerField(help_text="GB/s")
+    compute_weight = models.DecimalField(max_digits=5, decimal_places=2)
+    mig_capable = models.BooleanField(default=False)
+    mig_profiles = models.JSONField(default=list, blank=True)
+    software_stack = models.CharField(max_length=16, choices=SoftwareStack.choices)
+    cuda_compute_capability = models.CharField(max_length=8, blank=True, help_text="e.g. 9.0")
+    gfx_target = models.CharField(
+        max_length=16, blank=True, help_text="ROCm gfx target (gfx942) or Intel device family (pvc)"
+    )
+    spec_source = models.CharField(max_length=200, blank=True)
+
+    class Meta:
+        ordering = ["vendor", "name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def cuda_cc_tuple(self) -> tuple[int, int] | None:
+        if not self.cuda_compute_capability:
+            return None
+        major, _, minor = self.cuda_compute_capability.partition(".")
+        return int(major), int(minor or 0)
+
+
+class Region(models.Model):
+    code = models.SlugField(max_length=32, unique=True)
+    name = models.CharField(max_length=100)
+    location = models.CharField(max_length=200, blank=True)
+
+    class Meta:
+        ordering = ["code"]
+
+    def __str__(self) -> str:
+        return self.code
+
+
+# --- nodes and GPUs ------------------------------------------------------------------------------------
+
+
+class NodeState(models.TextChoices):
+    READY = "ready", "Ready"
+    CORDONED = "cordoned", "Cordoned"
+    DRAINING = "draining", "Draining"
+    SUSPECT = "suspect", "Suspect"
+    DOWN = "down", "Down"
+    MAINTENANCE = "maintenance", "Maintenance"
+
+
+# States in which a node takes new work.
+SCHEDULABLE_NODE_STATES = frozenset({NodeState.READY})
+
+
+class Interconnect(models.TextChoices):
+    NVSWITCH = "nvswitch", "NVLink through NVSwitch"
+    NVLINK = "nvlink", "NVLink (point to point)"
+    XGMI = "xgmi", "AMD Infinity Fabric (xGMI)"
+    XE_LINK = "xe_link", "Intel Xe Link"
+    PCIE = "pcie", "PCIe only"
+
+
+class Node(models.Model):
+    hostname = models.CharField(max_length=253, unique=True)
+    region = models.ForeignKey(Region, on_delete=models.PROTECT, related_name="nodes")
+    labels = models.JSONField(default=dict, blank=True)
+    cpu_cores = models.PositiveIntegerField(default=0)
+    ram_mib = models.PositiveBigIntegerField(default=0)
+    driver_version = models.CharField(max_length=64, blank=True)
+    cuda_version = models.CharField(max_length=32, blank=True)
+    rocm_version = models.CharField(max_length=32, blank=True)
+    agent_version = models.CharField(max_length=32, blank=True)
+    interconnect = models.CharField(max_length=16, choices=Interconnect.choices, default=Interconnect.PCIE)
+    state = models.CharField(max_length=16, choices=NodeState.choices, default=NodeState.READY)
+    state_reason = models.CharField(max_length=255, blank=True)
+    state_changed_at = models.DateTimeField(default=timezone.now)
+    # The staff-chosen state a SUSPECT or DOWN node returns to when its heartbeats resume.
+    resume_state = models.CharField(max_length=16, choices=NodeState.choices, blank=True)
+    registered_at = models.DateTimeField(default=timezone.now)
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    # Sequence numbers restart at 1 when a node registers again (a reinstalled server): each
+    # registration starts a new epoch, and (node, epoch, seq) identifies a heartbeat batch.
+    seq_epoch = models.PositiveIntegerField(default=1)
+    last_seq = models.BigIntegerField(default=0)
+    status = models.JSONField(default=dict, blank=True, help_text="The agent's last reported status.")
+    simulated = models.BooleanField(default=False, help_text="Part of the labelled simulated fleet.")
+
+    class Meta:
+        ordering = ["hostname"]
+        indexes = [
+            models.Index(fields=["state", "region"], name="node_state_region"),
+            models.Index(fields=["last_heartbeat_at"], name="node_last_heartbeat"),
+        ]
+
+    def __str__(self) -> str:
+        return self.hostname
+
+    @property
+    def last_seen_at(self):
+        return self.last_heartbeat_at or self.registered_at
+
+
+class GpuHealth(models.TextChoices):
+    HEALTHY = "healthy", "Healthy"
+    UNHEALTHY = "unhealthy", "Unhealthy"
+
+
+class Gpu(models.Model):
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="gpus")
+    index = models.PositiveSmallIntegerField()
+    uuid = models.CharField(max_length=96, unique=True)
+    model = models.ForeignKey(GpuModel, null=True, blank=True, on_delete=models.PROTECT, related_name="gpus")
+    reported_name = models.CharField(max_length=128)
+    memory_mib = models.PositiveIntegerField(default=0)
+    pci_bus_id = models.CharField(max_length=32, blank=True)
+    nvlink_island = models.SmallIntegerField(null=True, blank=True)
+    numa_node = models.SmallIntegerField(null=True, blank=True)
+    mig_mode = models.BooleanField(default=False)
+    health = models.CharField(max_length=16, choices=GpuHealth.choices, default=GpuHealth.HEALTHY)
+    health_reason = models.CharField(max_length=255, blank=True)
+    health_changed_at = models.DateTimeField(null=True, blank=True)
+    isolated = models.BooleanField(default=False, help_text="Kept out of scheduling until staff return it.")
+    # Set when a registration no longer lists this GPU (removed from the server).
+    removed_at = models.DateTimeField(null=True, blank=True)
+    # The latest sample, kept here so that /metrics and the UI read one row per GPU.
+    last_sample_at = models.DateTimeField(null=True, blank=True)
+    last_util_pct = models.FloatField(null=True, blank=True)
+    last_mem_used_mib = models.IntegerField(null=True, blank=True)
+    last_power_w = models.FloatField(null=True, blank=True)
+    last_temp_c = models.SmallIntegerField(null=True, blank=True)
+    last_sm_clock_mhz = models.IntegerField(null=True, blank=True)
+    ecc_sbe_total = models.BigIntegerField(default=0)
+    ecc_dbe_total = models.BigIntegerField(default=0)
+    last_xid = models.IntegerField(null=True, blank=True)
+    xid_count = models.BigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["node_id", "index"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["node", "index"], condition=Q(removed_at__isnull=True), name="gpu_unique_node_index"
+            )
+        ]
+        indexes = [models.Index(fields=["health", "isolated"], name="gpu_health_isolated")]
+
+    def __str__(self) -> str:
+        return f"{self.node_id}/gpu{self.index} ({self.reported_name})"
+
+    @property
+    def schedulable(self) -> bool:
+        return self.health == GpuHealth.HEALTHY and not self.isolated and self.removed_at is None
+
+
+class UnknownGpuReport(models.Model):
+    """A GPU name an agent reported that no catalog entry matches: flagged for staff."""
+
+    reported_name = models.CharField(max_length=128, unique=True)
+    first_seen_at = models.DateTimeField(default=timezone.now)
+    last_seen_at = models.DateTimeField(default=timezone.now)
+    gpu_count = models.PositiveIntegerField(default=0)
+    example_node = models.ForeignKey(Node, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    resolved_at = models.DateTimeField(null=True, blank=True)
+    resolved_model = models.ForeignKey(
+        GpuModel, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+
+    class Meta:
+        ordering = ["-last_seen_at"]
+
+    def __str__(self) -> str:
+        return self.reported_name
+
+
+# --- credentials ---------------------------------------------------------------------------------------
+
+
+class NodeBootstrapToken(models.Model):
+    """``gpb_<key_id>_<secret>``: one use, optional region and expiry; only its SHA-256 is stored."""
+
+    PREFIX = "gpb"
+
+    key_id = models.CharField(max_length=16, unique=True, editable=False)
+    token_hash = models.CharField(max_length=64, editable=False)
+    region = models.ForeignKey(Region, null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    note = models.CharField(max_length=200, blank=True)
+    # For the simulated fleet: the hostname this token was minted for (seed_demo re-uses it).
+    intended_hostname = models.CharField(max_length=253, blank=True)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    expires_at = models.DateTimeField(null=True, blank=True)
+    used_at = models.DateTimeField(null=True, blank=True)
+    used_by_node = models.ForeignKey(Node, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.PREFIX}_{self.key_id}_…"
+
+    @classmethod
+    def generate(cls) -> tuple[str, str, str]:
+        key_id = secrets.token_hex(6)
+        plaintext = f"{cls.PREFIX}_{key_id}_{new_secret()}"
+        return key_id, plaintext, hash_secret(plaintext)
+
+    def is_usable(self, now) -> bool:
+        return self.used_at is None and (self.expires_at is None or self.expires_at > now)
+
+
+class NodeCredential(models.Model):
+    """``gpn_<node_id>_<secret>``, returned once by register; registering again replaces it."""
+
+    PREFIX = "gpn"
+
+    node = models.OneToOneField(Node, on_delete=models.CASCADE, related_name="credential")
+    key_hash = models.CharField(max_length=64)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return f"{self.PREFIX}_{self.node_id}_…"
+
+
+# --- commands ------------------------------------------------------------------------------------------
+
+
+class CommandKind(models.TextChoices):
+    START_WORKLOAD = "start_workload", "Start workload"
+    STOP_WORKLOAD = "stop_workload", "Stop workload"
+    PREEMPT_WORKLOAD = "preempt_workload", "Preempt workload"
+    PREWARM = "prewarm", "Prewarm"
+    CONFIGURE_MIG = "configure_mig", "Configure MIG"
+    DRAIN = "drain", "Drain"
+
+
+class CommandState(models.TextChoices):
+    PENDING = "pending", "Pending"
+    DELIVERED = "delivered", "Delivered"
+    ACCEPTED = "accepted", "Accepted"
+    SUCCEEDED = "succeeded", "Succeeded"
+    FAILED = "failed", "Failed"
+    EXPIRED = "expired", "Expired"
+
+
+OPEN_COMMAND_STATES = (CommandState.PENDING, CommandState.DELIVERED)
+FINAL_COMMAND_STATES = frozenset({CommandState.SUCCEEDED, CommandState.FAILED, CommandState.EXPIRED})
+
+
+class NodeCommand(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="commands")
+    kind = models.CharField(max_length=32, choices=CommandKind.choices)
+    payload = models.JSONField(default=dict, blank=True)
+    state = models.CharField(max_length=16, choices=CommandState.choices, default=CommandState.PENDING)
+    attempt = models.PositiveIntegerField(default=0, help_text="Deliveries so far.")
+    max_attempts = models.PositiveIntegerField(default=5)
+    next_attempt_at = models.DateTimeField(help_text="When it is (re)delivered if not acknowledged.")
+    deadline = models.DateTimeField()
+    idempotency_key = models.CharField(max_length=128, null=True, blank=True)
+    result = models.JSONField(default=dict, blank=True)
+    message = models.TextField(blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+    accepted_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["node", "idempotency_key"],
+                condition=Q(idempotency_key__isnull=False),
+                name="nodecommand_unique_idempotency_key",
+            ),
+        ]
+        indexes = [
+            # The long poll's query: open commands of one node that are due.
+            models.Index(
+                fields=["node", "next_attempt_at"],
+                condition=Q(state__in=["pending", "delivered"]),
+                name="nodecommand_due",
+            ),
+            models.Index(fields=["state", "deadline"], name="nodecommand_state_deadline"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.id} on {self.node_id} ({self.state})"
+
+    @property
+    def is_final(self) -> bool:
+        return self.state in FINAL_COMMAND_STATES
+
+
+class NodeCommandEvent(models.Model):
+    """Every thing that happened to a command: created, each delivery, each report, expiry."""
+
+    command = models.ForeignKey(NodeCommand, on_delete=models.CASCADE, related_name="events")
+    at = models.DateTimeField(default=timezone.now)
+    event = models.CharField(max_length=32)
+    from_state = models.CharField(max_length=16, blank=True)
+    to_state = models.CharField(max_length=16, blank=True)
+    attempt = models.PositiveIntegerField(default=0)
+    detail = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["at", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.command_id} {self.event} {self.from_state}->{self.to_state}"
+
+
+class NodeWorkloadStatus(models.Model):
+    """The last status a node reported for a workload; ``workload_exited`` fires on the transition."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="workload_statuses")
+    workload_id = models.CharField(max_length=64)
+    state = models.CharField(max_length=16)
+    exit_code = models.IntegerField(null=True, blank=True)
+    message = models.TextField(blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["node_id", "workload_id"]
+        constraints = [
+            models.UniqueConstraint(fields=["node", "workload_id"], name="nodeworkload_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.workload_id} on {self.node_id}: {self.state}"
+
+
+# --- heartbeats and telemetry ------------------------------------------------------------------------
+
+
+class HeartbeatBatch(models.Model):
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="heartbeats")
+    epoch = models.PositiveIntegerField(default=1)
+    seq = models.BigIntegerField()
+    received_at = models.DateTimeField()
+    sent_at = models.DateTimeField(null=True, blank=True)
+    sample_count = models.PositiveIntegerField(default=0)
+    out_of_order = models.BooleanField(default=False)
+
+    class Meta:
+        ordering = ["node_id", "epoch", "seq"]
+        constraints = [
+            models.UniqueConstraint(fields=["node", "epoch", "seq"], name="heartbeat_unique_node_seq"),
+        ]
+        indexes = [models.Index(fields=["received_at"], name="heartbeat_received")]
+
+    def __str__(self) -> str:
+        return f"heartbeat {self.node_id}#{self.seq}"
+
+
+class SequenceGap(models.Model):
+    """Heartbeat batches ``first_seq..last_seq`` (inclusive) that have not arrived (yet)."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="sequence_gaps")
+    epoch = models.PositiveIntegerField(default=1)
+    first_seq = models.BigIntegerField()
+    last_seq = models.BigIntegerField()
+    detected_at = models.DateTimeField()
+    filled_count = models.PositiveIntegerField(default=0, help_text="Batches that arrived late.")
+
+    class Meta:
+        ordering = ["node_id", "epoch", "first_seq"]
+        indexes = [models.Index(fields=["node", "epoch", "first_seq"], name="seqgap_node_first")]
+
+    def __str__(self) -> str:
+        return f"gap {self.node_id}: {self.first_seq}..{self.last_seq}"
+
+    @property
+    def missing(self) -> int:
+        return self.last_seq - self.first_seq + 1
+
+
+class GpuSample(models.Model):
+    """One raw per-GPU sample; kept ``TELEMETRY_RAW_RETENTION_DAYS`` days. Written with COPY."""
+
+    gpu = models.ForeignKey(Gpu, on_delete=models.CASCADE, related_name="+", db_index=False)
+    ts = models.DateTimeField()
+    util_pct = models.FloatField()
+    mem_used_mib = models.IntegerField()
+    power_w = models.FloatField()
+    temp_c = models.SmallIntegerField()
+    sm_clock_mhz = models.IntegerField(null=True, blank=True)
+    ecc_sbe = models.IntegerField(default=0)
+    ecc_dbe = models.IntegerField(default=0)
+    throttle_reasons = models.BigIntegerField(default=0)
+    xid_errors = models.JSONField(null=True, blank=True)
+    processes = models.JSONField(null=True, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["gpu", "ts"], name="gpusample_gpu_ts")]
+
+    def __str__(self) -> str:
+        return f"sample gpu {self.gpu_id} at {self.ts:%Y-%m-%d %H:%M:%S}"
+
+
+class GpuMinuteRollup(models.Model):
+    """Per GPU per minute, built at ingest by an additive upsert (so late batches land correctly).
+
+    Join with allocation intervals on ``gpu_id`` and ``minute`` in ``[start, end)``.
+    """
+
+    gpu = models.ForeignKey(Gpu, on_delete=models.CASCADE, related_name="+", db_index=False)
+    minute = models.DateTimeField()
+    sample_count = models.PositiveIntegerField(default=0)
+    util_sum = models.FloatField(default=0)
+    util_max = models.FloatField(default=0)
+    mem_used_sum = models.BigIntegerField(default=0)
+    mem_used_max = models.IntegerField(default=0)
+    power_sum = models.FloatField(default=0)
+    temp_max = models.SmallIntegerField(default=0)
+
+    class Meta:
+        ordering = ["gpu_id", "minute"]
+        constraints = [models.UniqueConstraint(fields=["gpu", "minute"], name="rollup_unique_gpu_minute")]
+        indexes = [models.Index(fields=["minute"], name="rollup_minute")]
+
+    def __str__(self) -> str:
+        return f"rollup gpu {self.gpu_id} {self.minute:%Y-%m-%d %H:%M}"
+
+    @property
+    def util_avg(self) -> float:
+        return self.util_sum / self.sample_count if self.sample_count else 0.0
+
+    @property
+    def mem_used_avg_mib(self) -> float:
+        return self.mem_used_sum / self.sample_count if self.sample_count else 0.0
+
+    @property
+    def power_avg_w(self) -> float:
+        return self.power_sum / self.sample_count if self.sample_count else 0.0
+
+
+class FleetAlert(models.Model):
+    class Kind(models.TextChoices):
+        MASS_SILENCE = "mass_silence", "A large share of the fleet went silent"
+
+    kind = models.CharField(max_length=32, choices=Kind.choices)
+    message = models.TextField()
+    data = models.JSONField(default=dict, blank=True)
+    opened_at = models.DateTimeField()
+    last_seen_at = models.DateTimeField()
+    resolved_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-opened_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["kind"], condition=Q(resolved_at__isnull=True), name="fleetalert_one_open_per_kind"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} at {self.opened_at:%Y-%m-%d %H:%M}"

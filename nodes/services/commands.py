@@ -1,0 +1,285 @@
+"""NodeCommands: enqueue, deliver (long poll), redeliver with backoff, report, expire. At least once.
+
+Lifecycle: ``pending`` -> (delivered by a long poll) ``delivered`` -> (agent report) ``accepted`` ->
+``succeeded`` | ``failed``. A delivered command not acknowledged by ``next_attempt_at`` is
+delivered again (attempt + 1, exponential backoff) while attempts remain and the deadline has not
+passed; otherwise it becomes ``expired``. The deadline bounds acknowledgement: once the agent has
+accepted a command, only its report finishes it. Every step is a NodeCommandEvent.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import F, Q
+from django.utils import timezone
+
+from nodes import metrics as node_metrics
+from nodes.models import (
+    FINAL_COMMAND_STATES,
+    OPEN_COMMAND_STATES,
+    CommandKind,
+    CommandState,
+    Node,
+    NodeCommand,
+    NodeCommandEvent,
+)
+from nodes.services.wakeup import node_commands_notify
+from nodes.signals import command_finished, send_on_commit
+from portal.errors import NotFound, ValidationFailed
+
+logger = logging.getLogger(__name__)
+
+# Payload keys each kind needs (the agent protocol in nodes/PROTOCOL.md lists them all).
+REQUIRED_PAYLOAD_KEYS: dict[str, tuple[str, ...]] = {
+    CommandKind.START_WORKLOAD: ("workload_id", "image", "gpu_uuids"),
+    CommandKind.STOP_WORKLOAD: ("workload_id",),
+    CommandKind.PREEMPT_WORKLOAD: ("workload_id", "notice_s"),
+    CommandKind.PREWARM: ("image",),
+    CommandKind.CONFIGURE_MIG: ("gpu_uuid", "enable"),
+    CommandKind.DRAIN: (),
+}
+REPORT_STATUSES = ("accepted", "succeeded", "failed")
+
+
+def command_backoff(attempt: int) -> timedelta:
+    """How long a delivery waits for acknowledgement before the next: base * 2^(attempt-1), capped."""
+    base = settings.NODE_COMMAND_RETRY_BASE_S
+    return timedelta(seconds=min(base * 2 ** max(attempt - 1, 0), settings.NODE_COMMAND_RETRY_MAX_S))
+
+
+def _event(
+    command: NodeCommand, event: str, from_state: str, now: datetime, **detail: Any
+) -> NodeCommandEvent:
+    return NodeCommandEvent(
+        command=command,
+        at=now,
+        event=event,
+        from_state=from_state,
+        to_state=command.state,
+        attempt=command.attempt,
+        detail=detail,
+    )
+
+
+def node_command_enqueue(
+    *,
+    node: Node,
+    kind: str,
+    payload: dict[str, Any],
+    deadline: datetime | None = None,
+    max_attempts: int | None = None,
+    idempotency_key: str | None = None,
+    now: datetime | None = None,
+) -> NodeCommand:
+    """Queue a command for a node; the agent's long poll picks it up at once (woken on commit).
+
+    With an ``idempotency_key``, enqueuing the same key for the same node again returns the
+    command made the first time.
+    """
+    now = now or timezone.now()
+    if kind not in CommandKind.values:
+        raise ValidationFailed(f"Unknown command kind {kind!r}.", fields={"kind": ["Not a valid choice."]})
+    if not isinstance(payload, dict):
+        raise ValidationFailed("The payload must be an object.", fields={"payload": ["Expected an object."]})
+    missing = [k for k in REQUIRED_PAYLOAD_KEYS[kind] if k not in payload]
+    if missing:
+        raise ValidationFailed(
+            f"A {kind} command needs {', '.join(missing)}.",
+            fields={"payload": [f"Missing: {', '.join(missing)}."]},
+        )
+    deadline = deadline or now + timedelta(seconds=settings.NODE_COMMAND_DEFAULT_TTL_S)
+    if deadline <= now:
+        raise ValidationFailed("The deadline has passed.", fields={"deadline": ["Must be in the future."]})
+    max_attempts = max_attempts or settings.NODE_COMMAND_DEFAULT_MAX_ATTEMPTS
+    if max_attempts < 1:
+        raise ValidationFailed("At least one attempt.", fields={"max_attempts": ["Must be at least 1."]})
+    if idempotency_key:
+        existing = NodeCommand.objects.filter(node=node, idempotency_key=idempotency_key).first()
+        if existing is not None:
+            return existing
+    try:
+        with transaction.atomic():
+            command = NodeCommand.objects.create(
+                node=node,
+                kind=kind,
+                payload=payload,
+                deadline=deadline,
+                max_attempts=max_attempts,
+                next_attempt_at=now,
+                idempotency_key=idempotency_key or None,
+                created_at=now,
+            )
+            _event(command, "created", "", now, kind=kind).save()
+            node_id = node.pk
+            transaction.on_commit(lambda: node_commands_notify(node_id=node_id))
+    except IntegrityError:
+        if not idempotency_key:
+            raise
+        return NodeCommand.objects.get(node=node, idempotency_key=idempotency_key)
+    node_metrics.COMMANDS.labels(kind=kind, event="created").inc()
+    return command
+
+
+def node_commands_deliver_due(
+    *, node_id: int, now: datetime | None = None, limit: int = 20
+) -> tuple[list[NodeCommand], datetime | None]:
+    """Deliver the node's due commands (first delivery or redelivery). Returns them and, when none
+    was due, the time the next one becomes due (for the long poll to wake up)."""
+    now = now or timezone.now()
+    upcoming = list(
+        NodeCommand.objects.filter(node_id=node_id, state__in=OPEN_COMMAND_STATES)
+        .order_by("next_attempt_at")
+        .values_list("pk", "next_attempt_at")[:limit]
+    )
+    due = [pk for pk, at in upcoming if at <= now]
+    if not due:
+        return [], (upcoming[0][1] if upcoming else None)
+    delivered: list[NodeCommand] = []
+    events: list[NodeCommandEvent] = []
+    with transaction.atomic():
+        rows = (
+            NodeCommand.objects.select_for_update(skip_locked=True)
+            .filter(pk__in=due, state__in=OPEN_COMMAND_STATES, next_attempt_at__lte=now)
+            .order_by("created_at")
+        )
+        for command in rows:
+            old = command.state
+            if command.deadline <= now or command.attempt >= command.max_attempts:
+                reason = (
+                    "deadline passed" if command.deadline <= now else "not acknowledged after all attempts"
+                )
+                _expire(command, reason, now, events)
+                continue
+            command.attempt += 1
+            command.state = CommandState.DELIVERED
+            command.delivered_at = now
+            command.next_attempt_at = now + command_backoff(command.attempt)
+            command.save(update_fields=["attempt", "state", "delivered_at", "next_attempt_at"])
+            events.append(_event(command, "delivered" if command.attempt == 1 else "redelivered", old, now))
+            delivered.append(command)
+        NodeCommandEvent.objects.bulk_create(events)
+    for command in delivered:
+        node_metrics.COMMANDS.labels(kind=command.kind, event="delivered").inc()
+    return delivered, None
+
+
+def _expire(command: NodeCommand, reason: str, now: datetime, events: list[NodeCommandEvent]) -> None:
+    old = command.state
+    command.state = CommandState.EXPIRED
+    command.finished_at = now
+    command.result = {"reason": reason}
+    command.save(update_fields=["state", "finished_at", "result"])
+    events.append(_event(command, "expired", old, now, reason=reason))
+    node_metrics.COMMANDS.labels(kind=command.kind, event="expired").inc()
+    send_on_commit(
+        command_finished, sender=NodeCommand, command=command, state=command.state, result=command.result
+    )
+
+
+def node_command_report(
+    *,
+    node_id: int,
+    command_id: str | uuid.UUID,
+    status: str,
+    result: dict[str, Any] | None = None,
+    message: str = "",
+    at: datetime | None = None,
+    now: datetime | None = None,
+) -> NodeCommand:
+    """The agent's report. Idempotent: a repeat, or a report for a finished command, changes nothing
+    (it is recorded in the history as ``report_ignored``). Another node's command is NotFound."""
+    now = now or timezone.now()
+    if status not in REPORT_STATUSES:
+        raise ValidationFailed(
+            f"status: one of {', '.join(REPORT_STATUSES)}.", fields={"status": ["Not a valid choice."]}
+        )
+    try:
+        command_uuid = uuid.UUID(str(command_id))
+    except ValueError:
+        raise NotFound("No such command.") from None
+    with transaction.atomic():
+        command = NodeCommand.objects.select_for_update().filter(pk=command_uuid, node_id=node_id).first()
+        if command is None:
+            raise NotFound("No such command.")
+        old = command.state
+        detail = {"status": status, "message": message[:2000], "agent_at": at.isoformat() if at else None}
+        if command.state in FINAL_COMMAND_STATES or (
+            status == "accepted" and command.state == CommandState.ACCEPTED
+        ):
+            NodeCommandEvent.objects.create(**_event_kwargs(command, "report_ignored", old, now, detail))
+            return command
+        if status == "accepted":
+            command.state = CommandState.ACCEPTED
+            command.accepted_at = now
+            command.save(update_fields=["state", "accepted_at"])
+        else:
+            command.state = CommandState.SUCCEEDED if status == "succeeded" else CommandState.FAILED
+            command.finished_at = now
+            command.accepted_at = command.accepted_at or now
+            command.result = result or {}
+            command.message = message[:2000]
+            command.save(update_fields=["state", "finished_at", "accepted_at", "result", "message"])
+            send_on_commit(
+                command_finished,
+                sender=NodeCommand,
+                command=command,
+                state=command.state,
+                result=command.result,
+            )
+        NodeCommandEvent.objects.create(**_event_kwargs(command, status, old, now, detail))
+    node_metrics.COMMANDS.labels(kind=command.kind, event=status).inc()
+    return command
+
+
+def _event_kwargs(command: NodeCommand, event: str, old: str, now: datetime, detail: dict) -> dict[str, Any]:
+    return {
+        "command": command,
+        "at": now,
+        "event": event,
+        "from_state": old,
+        "to_state": command.state,
+        "attempt": command.attempt,
+        "detail": detail,
+    }
+
+
+def node_commands_expire(*, now: datetime | None = None, limit: int = 1000) -> int:
+    """Beat: expire open commands past their deadline or out of attempts, and wake the long polls of
+    nodes whose commands are due again. Returns how many expired."""
+    now = now or timezone.now()
+    events: list[NodeCommandEvent] = []
+    with transaction.atomic():
+        rows = list(
+            NodeCommand.objects.select_for_update(skip_locked=True)
+            .filter(state__in=OPEN_COMMAND_STATES)
+            .filter(Q(deadline__lte=now) | Q(attempt__gte=F("max_attempts"), next_attempt_at__lte=now))
+            .order_by("deadline")[:limit]
+        )
+        for command in rows:
+            reason = "deadline passed" if command.deadline <= now else "not acknowledged after all attempts"
+            _expire(command, reason, now, events)
+        NodeCommandEvent.objects.bulk_create(events)
+    due_nodes = set(
+        NodeCommand.objects.filter(
+            state=CommandState.DELIVERED, next_attempt_at__lte=now, deadline__gt=now
+        ).values_list("node_id", flat=True)[:limit]
+    )
+    for node_id in due_nodes:
+        node_commands_notify(node_id=node_id)
+    return len(rows)
+
+
+def command_as_wire(command: NodeCommand) -> dict[str, Any]:
+    return {
+        "id": str(command.pk),
+        "kind": command.kind,
+        "attempt": command.attempt,
+        "deadline": command.deadline.isoformat().replace("+00:00", "Z"),
+        "payload": command.payload,
+    }

@@ -1,0 +1,299 @@
+"""Bootstrap tokens, node registration (token -> per-node credential), credential checks, GPU matching."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from nodes.catalog import normalize_gpu_name
+from nodes.models import (
+    Gpu,
+    GpuModel,
+    Interconnect,
+    Node,
+    NodeBootstrapToken,
+    NodeCredential,
+    Region,
+    UnknownGpuReport,
+    hash_secret,
+    new_secret,
+)
+from nodes.validation import fail
+from portal.actors import Actor
+from portal.errors import DomainError
+from portal.services import audit_record
+
+
+class NotAuthenticated(DomainError):
+    status_code = 401
+    code = "not_authenticated"
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    uuid: str
+    name: str
+    memory_mib: int = 0
+    pci_bus_id: str = ""
+    nvlink_island: int | None = None
+    numa_node: int | None = None
+    mig_mode: bool = False
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    hostname: str
+    region: str = ""
+    labels: dict = field(default_factory=dict)
+    cpu_cores: int = 0
+    ram_mib: int = 0
+    driver_version: str = ""
+    cuda_version: str = ""
+    rocm_version: str = ""
+    agent_version: str = ""
+    interconnect: str = Interconnect.PCIE
+    gpus: tuple[GpuInfo, ...] = ()
+    simulated: bool = False
+
+
+# --- bootstrap tokens ---------------------------------------------------------------------------------
+
+
+@transaction.atomic
+def bootstrap_token_create(
+    *,
+    region: Region | None,
+    actor: Actor,
+    expires_in: timedelta | None = None,
+    note: str = "",
+    intended_hostname: str = "",
+    now: datetime | None = None,
+) -> tuple[NodeBootstrapToken, str]:
+    """A one-use token for registering a node. Returns the row and the plaintext (shown once)."""
+    now = now or timezone.now()
+    key_id, plaintext, token_hash = NodeBootstrapToken.generate()
+    token = NodeBootstrapToken.objects.create(
+        key_id=key_id,
+        token_hash=token_hash,
+        region=region,
+        note=note[:200],
+        intended_hostname=intended_hostname,
+        created_by=actor.user,
+        created_at=now,
+        expires_at=now + expires_in if expires_in else None,
+    )
+    audit_record(
+        tenant=None,
+        actor=actor,
+        action="node.bootstrap_token.create",
+        target=token,
+        data={"region": region.code if region else None, "expires_at": str(token.expires_at or "")},
+    )
+    return token, plaintext
+
+
+def _split_token(plaintext: str, prefix: str) -> tuple[str, str] | None:
+    parts = (plaintext or "").split("_", 2)
+    if len(parts) != 3 or parts[0] != prefix or not parts[1] or not parts[2]:
+        return None
+    return parts[1], parts[2]
+
+
+# --- GPU model matching -------------------------------------------------------------------------------
+
+
+def gpu_model_index() -> dict[str, GpuModel]:
+    index: dict[str, GpuModel] = {}
+    for model in GpuModel.objects.all():
+        for name in [model.name, *(model.aliases or [])]:
+            index.setdefault(normalize_gpu_name(name), model)
+    return index
+
+
+def gpu_model_match(*, reported_name: str, index: dict[str, GpuModel] | None = None) -> GpuModel | None:
+    index = gpu_model_index() if index is None else index
+    return index.get(normalize_gpu_name(reported_name))
+
+
+def _flag_unknown(name: str, node: Node, count: int, now: datetime) -> None:
+    report, created = UnknownGpuReport.objects.get_or_create(
+        reported_name=name[:128],
+        defaults={"first_seen_at": now, "last_seen_at": now, "gpu_count": count, "example_node": node},
+    )
+    if not created:
+        UnknownGpuReport.objects.filter(pk=report.pk).update(
+            last_seen_at=now, gpu_count=F("gpu_count") + count, example_node=node, resolved_at=None
+        )
+
+
+# --- registration -------------------------------------------------------------------------------------
+
+
+@transaction.atomic
+def node_register(*, bootstrap_token: str, info: NodeInfo, now: datetime | None = None) -> tuple[Node, str]:
+    """Spend a bootstrap token; create the node (or re-key an existing hostname) and its GPUs.
+
+    Returns the node and its new credential ``gpn_<node_id>_<secret>`` (only the hash is stored).
+    A wrong, used or expired token raises NotAuthenticated (401) and changes nothing.
+    """
+    now = now or timezone.now()
+    parts = _split_token(bootstrap_token, NodeBootstrapToken.PREFIX)
+    token = None
+    if parts is not None:
+        token = NodeBootstrapToken.objects.select_for_update().filter(key_id=parts[0]).first()
+    if token is None or not hmac.compare_digest(token.token_hash, hash_secret(bootstrap_token)):
+        raise NotAuthenticated("Invalid bootstrap token.")
+    if token.used_at is not None:
+        raise NotAuthenticated("This bootstrap token has already been used.")
+    if token.expires_at is not None and token.expires_at <= now:
+        raise NotAuthenticated("This bootstrap token has expired.")
+
+    region = token.region
+    if info.region:
+        if region is not None and info.region != region.code:
+            raise fail("region", f"The bootstrap token is for region {region.code!r}.")
+        region = Region.objects.filter(code=info.region).first()
+        if region is None:
+            raise fail("region", f"Unknown region {info.region!r}.")
+    if region is None:
+        raise fail("region", "This field is required: the bootstrap token names no region.")
+
+    fields = {
+        "region": region,
+        "labels": info.labels,
+        "cpu_cores": info.cpu_cores,
+        "ram_mib": info.ram_mib,
+        "driver_version": info.driver_version,
+        "cuda_version": info.cuda_version,
+        "rocm_version": info.rocm_version,
+        "agent_version": info.agent_version,
+        "interconnect": info.interconnect,
+        "registered_at": now,
+        "last_seq": 0,
+        "simulated": info.simulated or bool(token.intended_hostname),
+    }
+    node = Node.objects.select_for_update().filter(hostname=info.hostname).first()
+    rekey = node is not None
+    if node is None:
+        node = Node.objects.create(hostname=info.hostname, state_changed_at=now, **fields)
+    else:
+        for k, v in fields.items():
+            setattr(node, k, v)
+        node.seq_epoch += 1  # a reinstalled server numbers its batches from 1 again
+        node.save()
+
+    secret_plain = f"{NodeCredential.PREFIX}_{node.pk}_{new_secret()}"
+    NodeCredential.objects.update_or_create(
+        node=node, defaults={"key_hash": hash_secret(secret_plain), "created_at": now}
+    )
+    token.used_at = now
+    token.used_by_node = node
+    token.save(update_fields=["used_at", "used_by_node"])
+
+    _sync_gpus(node, info.gpus, now)
+    audit_record(
+        tenant=None,
+        actor=Actor.system(),
+        action="node.rekey" if rekey else "node.register",
+        target=node,
+        data={"bootstrap_token": token.key_id, "gpus": len(info.gpus), "region": region.code},
+    )
+    return node, secret_plain
+
+
+def _sync_gpus(node: Node, gpus: tuple[GpuInfo, ...], now: datetime) -> None:
+    index = gpu_model_index()
+    existing = {g.uuid: g for g in Gpu.objects.filter(uuid__in=[g.uuid for g in gpus])}
+    seen: set[str] = set()
+    unknown: dict[str, int] = {}
+    # Mark every GPU of the node removed first: the ones still listed come back below, and the
+    # (node, index) uniqueness (over present GPUs) allows GPUs that swapped slots.
+    Gpu.objects.filter(node=node, removed_at__isnull=True).update(removed_at=now)
+    for info in gpus:
+        model = index.get(normalize_gpu_name(info.name))
+        if model is None:
+            unknown[info.name] = unknown.get(info.name, 0) + 1
+        values = {
+            "node": node,
+            "index": info.index,
+            "model": model,
+            "reported_name": info.name[:128],
+            "memory_mib": info.memory_mib,
+            "pci_bus_id": info.pci_bus_id,
+            "nvlink_island": info.nvlink_island,
+            "numa_node": info.numa_node,
+            "mig_mode": info.mig_mode,
+            "removed_at": None,
+        }
+        gpu = existing.get(info.uuid)
+        if gpu is None:
+            Gpu.objects.create(uuid=info.uuid, **values)
+        else:
+            for k, v in values.items():
+                setattr(gpu, k, v)
+            gpu.save()
+        seen.add(info.uuid)
+    for name, count in unknown.items():
+        _flag_unknown(name, node, count, now)
+
+
+# --- credentials --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AuthenticatedNode:
+    """What the agent endpoints need about the caller, from one query."""
+
+    id: int
+    seq_epoch: int
+    hostname: str
+
+
+def node_authenticate(*, credential: str) -> AuthenticatedNode:
+    """Check a ``gpn_<node_id>_<secret>`` credential; raise NotAuthenticated (401) when wrong."""
+    parts = _split_token(credential, NodeCredential.PREFIX)
+    if parts is None or not parts[0].isdigit():
+        raise NotAuthenticated("Invalid node credential.")
+    row = (
+        NodeCredential.objects.filter(node_id=int(parts[0]))
+        .values_list("key_hash", "node__seq_epoch", "node__hostname")
+        .first()
+    )
+    if row is None or not hmac.compare_digest(row[0], hash_secret(credential)):
+        raise NotAuthenticated("Invalid node credential.")
+    return AuthenticatedNode(id=int(parts[0]), seq_epoch=row[1], hostname=row[2])
+
+
+@transaction.atomic
+def gpu_models_rematch(*, actor: Actor) -> int:
+    """After staff add an alias or a model: link GPUs whose reported name now matches. Returns
+    how many GPUs were linked; resolves the matching unknown-GPU reports."""
+    index = gpu_model_index()
+    linked = 0
+    now = timezone.now()
+    for gpu in Gpu.objects.filter(model__isnull=True):
+        model = index.get(normalize_gpu_name(gpu.reported_name))
+        if model is not None:
+            gpu.model = model
+            gpu.save(update_fields=["model"])
+            linked += 1
+    for report in UnknownGpuReport.objects.filter(resolved_at__isnull=True):
+        model = index.get(normalize_gpu_name(report.reported_name))
+        if model is not None:
+            report.resolved_at = now
+            report.resolved_model = model
+            report.save(update_fields=["resolved_at", "resolved_model"])
+            audit_record(
+                tenant=None,
+                actor=actor,
+                action="gpu_model.match_unknown",
+                target=report,
+                data={"model": model.name},
+            )
+    return linked

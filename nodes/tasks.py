@@ -1,0 +1,28 @@
+"""Periodic fleet work (scheduled in settings.CELERY_BEAT_SCHEDULE). Thin: each calls one service."""
+
+from celery import shared_task
+
+from nodes.services.commands import node_commands_expire
+from nodes.services.health import node_health_reconcile
+from nodes.services.telemetry import telemetry_purge
+
+
+@shared_task(name="nodes.tasks.reconcile_node_health")
+def reconcile_node_health() -> dict:
+    result = node_health_reconcile()
+    return {
+        "suspect": len(result.suspect),
+        "down": len(result.down),
+        "deferred_down": len(result.deferred_down),
+        "mass_silence": result.mass_silence,
+    }
+
+
+@shared_task(name="nodes.tasks.expire_commands")
+def expire_commands() -> int:
+    return node_commands_expire()
+
+
+@shared_task(name="nodes.tasks.purge_telemetry")
+def purge_telemetry() -> dict:
+    return telemetry_purge()
