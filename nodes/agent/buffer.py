@@ -8,7 +8,7 @@
   is answered from here instead of running the command again.
 - ``kv``: counters and flags (the heartbeat ``seq``, draining).
 
-One connection, used from one thread (the agent's event loop).
+One connection, used by one thread at a time (the agent's event loop).
 """
 
 from __future__ import annotations
@@ -88,7 +88,9 @@ class Buffer:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(self.path, isolation_level=None, timeout=30)
+        # Made in one thread (where the Agent is built), used in another (its event loop); never
+        # from two at once.
+        self.db = sqlite3.connect(self.path, isolation_level=None, timeout=30, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.executescript(SCHEMA)

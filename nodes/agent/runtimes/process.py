@@ -29,13 +29,18 @@ def _exit_code(returncode: int) -> int:
 
 
 def _alive(pid: int) -> bool:
+    """Whether a process that is not our child still runs (a zombie has ended)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
 
 
 class SubprocessRuntime(Runtime):

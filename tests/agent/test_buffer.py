@@ -1,0 +1,68 @@
+"""The on-disk buffer: order, persistence across a restart, dead letters, commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nodes.agent.buffer import Buffer
+
+
+def test_heartbeats_are_numbered_and_kept_in_order_across_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "agent.sqlite3"
+    with Buffer(path) as buffer:
+        assert [buffer.add_heartbeat({"samples": [i]}) for i in range(3)] == [1, 2, 3]
+        buffer.add_report("cmd-1", {"status": "accepted"})
+        buffer.ack(buffer.peek().id)
+    with Buffer(path) as buffer:
+        assert buffer.add_heartbeat({"samples": [3]}) == 4  # seq continues after a restart
+        items = buffer.pending()
+        assert [(i.kind, i.key) for i in items] == [
+            ("heartbeat", "2"),
+            ("heartbeat", "3"),
+            ("report", "cmd-1"),
+            ("heartbeat", "4"),
+        ]
+        assert items[0].body == {"seq": 2, "samples": [1]}
+        assert buffer.has_pending_report("cmd-1") and not buffer.has_pending_report("cmd-2")
+
+
+def test_failures_are_counted_and_bad_items_dead_lettered(tmp_path: Path) -> None:
+    with Buffer(tmp_path / "agent.sqlite3") as buffer:
+        buffer.add_heartbeat({"samples": []})
+        buffer.add_heartbeat({"samples": []})
+        first = buffer.peek()
+        buffer.note_failure(first.id, "ConnectError")
+        buffer.note_failure(first.id, "503")
+        assert buffer.peek().attempts == 2
+        buffer.dead_letter(buffer.peek(), 400, "400 invalid: samples")
+        assert buffer.peek().key == "2"
+        assert buffer.count() == 1
+        (dead,) = buffer.dead_letters()
+        assert (dead["key"], dead["status_code"], dead["error"]) == ("1", 400, "400 invalid: samples")
+        assert dead["body"] == {"seq": 1, "samples": []}
+
+
+def test_renumbering_for_a_new_node_id(tmp_path: Path) -> None:
+    with Buffer(tmp_path / "agent.sqlite3") as buffer:
+        for _ in range(5):
+            buffer.add_heartbeat({})
+        buffer.ack(buffer.peek().id)
+        buffer.ack(buffer.peek().id)
+        buffer.renumber_heartbeats()
+        assert [i.body["seq"] for i in buffer.pending()] == [1, 2, 3]
+        assert buffer.add_heartbeat({}) == 4
+
+
+def test_commands_remember_their_outcome(tmp_path: Path) -> None:
+    path = tmp_path / "agent.sqlite3"
+    with Buffer(path) as buffer:
+        buffer.command_accepted("c1", "drain", {}, {"status": "accepted"})
+        assert buffer.command("c1").state == "accepted" and not buffer.command("c1").finished
+        assert [c.id for c in buffer.unfinished_commands()] == ["c1"]
+        buffer.command_finished("c1", "succeeded", {"draining": True}, "", {"status": "succeeded"})
+    with Buffer(path) as buffer:
+        record = buffer.command("c1")
+        assert (record.state, record.result, record.finished) == ("succeeded", {"draining": True}, True)
+        assert buffer.command("c2") is None
+        assert [i.body["status"] for i in buffer.pending()] == ["accepted", "succeeded"]
+        assert buffer.unfinished_commands() == []
