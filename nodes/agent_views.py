@@ -140,7 +140,7 @@ def _parse_registration(data: dict) -> tuple[str, NodeInfo]:
         agent_version=get_str(data, "agent_version", "agent_version", max_length=32),
         interconnect=interconnect,
         gpus=tuple(gpus),
-        simulated=bool(labels.get("simulated")),
+        simulated=str(labels.get("simulated", "")).lower() in ("true", "1", "yes"),
     )
     return token, info
 

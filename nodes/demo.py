@@ -67,10 +67,21 @@ def _plan() -> list[SimNode]:
     return plan
 
 
-def _reported_name(catalog_name: str) -> str:
-    """The name the (simulated) driver reports: the catalog's first alias, as NVML/amdsmi would."""
-    spec = next(s for s in CATALOG if s.name == catalog_name)
-    return spec.aliases[0] if spec.aliases else spec.name
+# What the driver (NVML, amdsmi) reports for each catalog model the demo fleet uses.
+DRIVER_NAMES = {
+    "NVIDIA H200 SXM 141GB": "NVIDIA H200",
+    "NVIDIA H100 SXM 80GB": "NVIDIA H100 80GB HBM3",
+    "NVIDIA H100 PCIe 80GB": "NVIDIA H100 PCIe",
+    "NVIDIA A100 SXM 80GB": "NVIDIA A100-SXM4-80GB",
+    "NVIDIA A100 SXM 40GB": "NVIDIA A100-SXM4-40GB",
+    "NVIDIA L40S": "NVIDIA L40S",
+    "NVIDIA L4": "NVIDIA L4",
+    "NVIDIA A10": "NVIDIA A10",
+    "NVIDIA T4": "Tesla T4",
+    "NVIDIA V100 SXM2 32GB": "Tesla V100-SXM2-32GB",
+    "AMD Instinct MI300X": "AMD Instinct MI300X",
+    "AMD Instinct MI250": "AMD Instinct MI250",
+}
 
 
 def _previous_tokens(path: Path) -> dict[str, str]:
@@ -139,10 +150,10 @@ def fleet_demo_seed(*, path: Path | None = None, portal_url: str | None = None) 
                 "cpu_cores": sim.cpu_cores,
                 "ram_mib": sim.ram_gib * 1024,
                 "interconnect": sim.interconnect,
-                "labels": {"simulated": True, "pool": sim.hostname.rsplit("-", 1)[0]},
+                "labels": {"simulated": "true", "pool": sim.hostname.rsplit("-", 1)[0]},
                 "gpus": [
                     {
-                        "model": _reported_name(sim.model),
+                        "model": DRIVER_NAMES[sim.model],
                         "count": sim.count,
                         "memory_mib": spec.memory_gib * 1024,
                         "vendor": spec.vendor,
