@@ -8,7 +8,7 @@ and that response is marked ``Cache-Control: no-store``.
 from __future__ import annotations
 
 from django.contrib import messages
-from django.shortcuts import redirect
+from django.shortcuts import redirect, render
 from django.utils.cache import add_never_cache_headers
 from django.views import View
 from django.views.generic import TemplateView
@@ -78,8 +78,6 @@ class TokenRevokeView(TokensMixin, View):
     def post(self, request, pk):
         token = services.api_token_revoke(token=self.get_scoped_object(pk=pk), actor=self.actor)
         if htmx_partial(request):
-            return render_page(
-                request, self.template_name, {"token": token}, partial_template_name="portal/tokens/_row.html"
-            )
+            return render(request, "portal/tokens/_row.html", {"token": token})
         messages.success(request, f"The token {token.name} was revoked.")
         return redirect("portal:tokens")
