@@ -1,0 +1,186 @@
+"""The program as a process: SIGTERM shutdown keeps unsent data on disk; config precedence; the fleet."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from nodes.agent.buffer import Buffer
+from nodes.agent.cli import main
+from nodes.agent.config import AgentConfig, ConfigError, load_config
+from nodes.agent.fleet import Fleet
+from tests.agent.conftest import H100, wait_for
+from tests.agent.fakeportal import FakePortal
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def agent_process(portal: FakePortal, state_dir: Path, token: str) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPOOL_")}
+    env["GPUPOOL_BOOTSTRAP_TOKEN"] = token
+    argv = [
+        sys.executable,
+        "-m",
+        "nodes.agent.cli",
+        "run",
+        "--portal-url",
+        portal.url,
+        "--state-dir",
+        str(state_dir),
+        "--collector",
+        "simulated",
+        "--runtime",
+        "simulated",
+        "--hostname",
+        "sim-cli-001",
+        "--heartbeat-interval",
+        "0.1",
+        "--commands-wait",
+        "1",
+        "--sim-gpus",
+        json.dumps([{"model": H100, "count": 1}]),
+    ]
+    return subprocess.Popen(
+        argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def test_sigterm_flushes_what_it_can_and_keeps_the_rest(portal: FakePortal, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    token = portal.add_token()
+    proc = agent_process(portal, state, token)
+    try:
+        wait_for(lambda: len(portal.seqs(1)) >= 3, timeout=30, what="heartbeats from the process")
+        portal.unavailable = True  # from now on nothing can be delivered
+        time.sleep(0.6)
+        began = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stderr
+    assert time.monotonic() - began < 10
+    assert "stopped" in stderr
+    delivered = portal.seqs(1)
+    with Buffer(state / "agent.sqlite3") as buffer:
+        kept = [item.body["seq"] for item in buffer.pending()]
+    assert kept, "the batches built during the outage are on disk"
+    assert "kept in the buffer" in stderr
+    assert kept == list(range(len(delivered) + 1, len(delivered) + len(kept) + 1))
+
+    # The next start sends them first, then goes on; nothing lost, nothing doubled.
+    portal.unavailable = False
+    proc = agent_process(portal, state, token)
+    try:
+        wait_for(lambda: len(portal.seqs(1)) >= kept[-1] + 2, timeout=30, what="the kept batches")
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0
+    assert portal.seqs(1) == list(range(1, len(portal.seqs(1)) + 1))
+    assert portal.register_calls == 1
+
+
+def test_config_precedence(tmp_path: Path) -> None:
+    config_file = tmp_path / "agent.toml"
+    config_file.write_text(
+        'portal_url = "http://file:8000"\nregion = "file-region"\nruntime = "subprocess"\n'
+        'heartbeat_interval_s = 9\ncollector = "simulated"\n'
+        '[labels]\nrack = "r1"\n[[sim_gpus]]\nmodel = "NVIDIA L4"\ncount = 2\n'
+    )
+    env = {
+        "GPUPOOL_PORTAL_URL": "http://env:8000",
+        "GPUPOOL_REGION": "env-region",
+        "GPUPOOL_LABELS": "rack=r2,row=7",
+        "GPUPOOL_STATE_DIR": "/tmp/env-state",
+    }
+    config = load_config(
+        cli={"portal_url": "http://cli:8000", "region": None}, env=env, config_file=config_file
+    )
+    assert config.portal_url == "http://cli:8000"  # flag over env over file
+    assert config.region == "env-region"  # env over file; an absent flag changes nothing
+    assert config.labels == {"rack": "r2", "row": "7"}
+    assert (config.runtime, config.collector, config.heartbeat_interval_s) == ("subprocess", "simulated", 9.0)
+    assert config.state_dir == "/tmp/env-state"
+    assert config.sim_gpus == [{"model": "NVIDIA L4", "count": 2}]
+    assert load_config(env={"GPUPOOL_AGENT_CONFIG": str(config_file)}).region == "file-region"
+    assert load_config(env={}).portal_url == ""
+
+    with pytest.raises(ConfigError, match="collector must be one of"):
+        AgentConfig(portal_url="http://x", collector="cuda").validate()
+    with pytest.raises(ConfigError, match="portal_url is required"):
+        AgentConfig().validate()
+    with pytest.raises(ConfigError, match="labels: 'oops' is not key=value"):
+        load_config(env={"GPUPOOL_LABELS": "oops"})
+    with pytest.raises(ConfigError, match="unknown setting 'colour'"):
+        bad = tmp_path / "bad.toml"
+        bad.write_text('colour = "blue"\n')
+        load_config(env={}, config_file=bad)
+
+
+def test_show_config_and_errors(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUPOOL_PORTAL_URL", "http://env:8000")
+    monkeypatch.setenv("GPUPOOL_BOOTSTRAP_TOKEN", "gpb_1_abcdefghijklmnop")
+    assert main(["show-config", "--label", "a=1", "--label", "b=2", "--hostname", "h1"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["labels"] == {"a": "1", "b": "2"}
+    assert shown["portal_url"] == "http://env:8000"
+    assert shown["bootstrap_token"] == "gpb_1_ab..."  # never printed whole
+    assert main(["--collector", "nvml", "--portal-url", "http:/bad"]) == 2
+    assert "portal_url must start with http://" in capsys.readouterr().err
+
+
+def test_fleet_waits_for_its_file_and_runs_every_node(portal: FakePortal, tmp_path: Path) -> None:
+    fleet_file = tmp_path / "fleet.json"
+    fleet = Fleet(fleet_file, state_root=tmp_path / "agents", heartbeat_interval_s=0.1, file_poll_s=0.05)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(asyncio.run(fleet.run())))
+    thread.start()
+    try:
+        time.sleep(0.3)  # the launcher is up before the file exists
+        nodes = [
+            {
+                "hostname": f"sim-{region}-{i:03d}",
+                "region": region,
+                "bootstrap_token": portal.add_token(),
+                "cpu_cores": 64,
+                "ram_mib": 524288,
+                "interconnect": "nvswitch" if model == H100 else "pcie",
+                "labels": {"rack": f"r{i}"},
+                "gpus": [{"model": model, "count": count}],
+                "price_plan": "ignored extra field",
+            }
+            for i, (region, model, count) in enumerate(
+                [
+                    ("us-east-1", H100, 8),
+                    ("us-east-1", "NVIDIA L4", 4),
+                    ("eu-west-1", "AMD Instinct MI300X", 8),
+                ]
+            )
+        ]
+        fleet_file.write_text(json.dumps({"portal_url": portal.url, "nodes": nodes, "version": 1}))
+        wait_for(lambda: all(len(portal.seqs(n)) >= 2 for n in (1, 2, 3)), timeout=20, what="three nodes")
+    finally:
+        fleet.request_stop()
+        thread.join(20)
+    assert result == [0]
+    registered = {n["hostname"]: n["register"] for n in portal.nodes.values()}
+    assert set(registered) == {"sim-us-east-1-000", "sim-us-east-1-001", "sim-eu-west-1-002"}
+    assert [g["name"] for g in registered["sim-eu-west-1-002"]["gpus"]] == ["AMD Instinct MI300X"] * 8
+    assert registered["sim-us-east-1-001"]["interconnect"] == "pcie"
+    assert registered["sim-eu-west-1-002"]["rocm_version"] == "6.2.0"
+    assert (tmp_path / "agents" / "sim-us-east-1-000" / "credential.json").exists()
