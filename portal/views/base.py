@@ -23,6 +23,7 @@ from django.contrib.auth.mixins import AccessMixin
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
+from django.utils.cache import patch_vary_headers
 from django.views.generic import TemplateView
 
 from portal.actors import Actor, actor_from_request
@@ -49,7 +50,7 @@ def render_page(
     """The partial for htmx requests, the full page otherwise (NetBox's ``htmx_partial``)."""
     name = partial_template_name if partial_template_name and htmx_partial(request) else template_name
     response = render(request, name, context, status=status)
-    response["Vary"] = "HX-Request"
+    patch_vary_headers(response, ["HX-Request"])
     return response
 
 
@@ -162,6 +163,9 @@ class PanelView(TenantScopedMixin, TemplateView):
     def get(self, request, *args, **kwargs):
         context = self.get_context_data(**kwargs)
         if htmx_partial(request):
-            return render(request, self.panel_template_name, context)
-        context.update(panel_template=self.panel_template_name, panel_title=self.title)
-        return render(request, "portal/panel_page.html", context)
+            response = render(request, self.panel_template_name, context)
+        else:
+            context.update(panel_template=self.panel_template_name, panel_title=self.title)
+            response = render(request, "portal/panel_page.html", context)
+        patch_vary_headers(response, ["HX-Request"])
+        return response

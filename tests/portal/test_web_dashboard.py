@@ -57,6 +57,7 @@ def test_panel_is_a_partial_for_htmx_and_a_page_otherwise(owner_client):
     assert "<html" not in partial.content.decode()
     assert "<html" in page.content.decode() and 'class="sidebar"' in page.content.decode()
     assert "member" in partial.content.decode()
+    assert "HX-Request" in partial["Vary"] and "HX-Request" in page["Vary"]
 
 
 def test_activity_panel_lists_audit_events_of_this_tenant_only(owner_client, tenant, make_tenant):

@@ -248,6 +248,7 @@ def test_inviting_a_member_again_is_a_409_on_the_email_field(owner_client, owner
         ({"email": "a@b.test", "role": ""}, "role"),
         ({"email": "x" * 5000 + "@example.com", "role": "member"}, "email"),
         ({"email": "a@b.test", "role": "r" * 100_000}, "role"),
+        ({"email": "nul\x00@b.test", "role": "member"}, "email"),
     ],
 )
 def test_invite_bad_input_is_400_with_the_field_and_writes_nothing(owner_client, data, field, mailoutbox):
@@ -268,3 +269,32 @@ def test_change_role_bad_input_is_400(owner_client, tenant, add_member, role):
     assert f'id="member-{member.pk}-error"' in response.content.decode()
     member.refresh_from_db()
     assert member.role == Role.MEMBER
+
+
+def test_leaving_the_team_sends_htmx_to_the_dashboard(tenant, add_member, signed_in):
+    admin = add_member(tenant, Role.ADMIN)
+    client = signed_in(admin.user, tenant)
+    response = client.post(f"/team/members/{admin.pk}/remove/", **HTMX)
+    assert response.status_code == 204 and response["HX-Redirect"] == "/"
+    assert not Membership.objects.filter(pk=admin.pk).exists()
+    assert "not in a team yet" in client.get("/").content.decode()
+
+
+def test_demoting_yourself_out_of_admin_reloads_the_team_page(tenant, add_member, signed_in):
+    admin = add_member(tenant, Role.ADMIN)
+    client = signed_in(admin.user, tenant)
+    response = client.post(f"/team/members/{admin.pk}/role/", {"role": "viewer"}, **HTMX)
+    assert response.status_code == 204 and response["HX-Redirect"] == "/team/"
+    page = client.get("/team/").content.decode()
+    assert "/role/" not in page and "is now Viewer" in page
+
+
+def test_signup_with_a_nul_byte_in_the_name_is_400(invite):
+    path = invite("nul@example.com")
+    response = Client().post(
+        path,
+        {"full_name": "a\x00b", "password": "long-enough-pass-1", "password_confirm": "long-enough-pass-1"},
+    )
+    assert response.status_code == 400
+    assert 'id="id_full_name_error"' in response.content.decode()
+    assert not User.objects.filter(email="nul@example.com").exists()
