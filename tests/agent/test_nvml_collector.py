@@ -7,6 +7,7 @@ strings in PCI structs, bytes of memory, milliwatts, lists for MIG mode) and rai
 
 from __future__ import annotations
 
+import runpy
 import sys
 import types
 from dataclasses import dataclass, field
@@ -435,3 +436,43 @@ def test_auto_says_which_collector_it_chose(
     collector.close()
     assert collector.name == "nvml"
     assert "collector auto: chose nvml" in caplog.text
+
+
+GPU_CHECK = Path(__file__).resolve().parents[2] / "scripts" / "gpu-check"
+
+
+def run_gpu_check(monkeypatch: pytest.MonkeyPatch, *argv: str) -> int:
+    monkeypatch.setattr(sys, "argv", [str(GPU_CHECK), *argv])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(str(GPU_CHECK), run_name="__main__")
+    return exited.value.code
+
+
+def test_gpu_check_prints_gpus_samples_and_xids(
+    monkeypatch: pytest.MonkeyPatch, gpus: list[FakeGpu], capsys: pytest.CaptureFixture[str]
+) -> None:
+    nvml = fake_pynvml(gpus)
+    nvml.events.append(xid_event(gpus[0], 79))
+    gpus[0].util = 55
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+
+    assert run_gpu_check(monkeypatch, "--samples", "2", "--interval", "0") == 0
+
+    out = capsys.readouterr().out
+    assert "driver 560.35.03, CUDA 12.6, interconnect nvlink" in out
+    assert (
+        "GPU 0: NVIDIA H100 80GB HBM3  GPU-aaaa  81920 MiB  bus 0000:18:00.0  MIG off  NVLink island 0" in out
+    )
+    assert "GPU 2: NVIDIA A100-SXM4-80GB  GPU-cccc" in out and "MIG on, 2 instance(s)" in out
+    assert "    MIG-1111  NVIDIA A100-SXM4-80GB MIG 3g.40gb  40960 MiB" in out
+    assert out.count("-- sample") == 2
+    assert "GPU-aaaa: util 55.0%" in out
+    assert "XID events seen: [('GPU-aaaa', 79)]" in out
+
+
+@pytest.mark.skipif(_machine_has_nvml(), reason="this machine has NVML")
+def test_gpu_check_without_nvml_exits_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_gpu_check(monkeypatch) == 2
+    assert capsys.readouterr().err.startswith("gpu-check: NVML is not available: ")
