@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import close_old_connections, connection
+from django.db import connection
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
@@ -208,7 +208,6 @@ def _deliver_sync(node_id):
 @require_GET
 async def commands(request, node_id: int):
     try:
-        await sync_to_async(close_old_connections)()
         await sync_to_async(_auth_sync)(request, node_id)
         raw_wait = request.GET.get("wait", str(settings.NODE_COMMANDS_DEFAULT_WAIT_S))
         try:

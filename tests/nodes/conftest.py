@@ -20,7 +20,9 @@ def iso(dt: datetime) -> str:
 
 @pytest.fixture
 def region(db) -> Region:
-    return Region.objects.get_or_create(code="us-east-1", defaults={"name": "US East", "location": "Ashburn"})[0]
+    return Region.objects.get_or_create(
+        code="us-east-1", defaults={"name": "US East", "location": "Ashburn"}
+    )[0]
 
 
 @pytest.fixture
@@ -32,7 +34,9 @@ def make_bootstrap_token(region):
     return make
 
 
-def registration_body(token: str, hostname: str, *, gpus: int = 2, name: str = "NVIDIA H100 80GB HBM3", **extra):
+def registration_body(
+    token: str, hostname: str, *, gpus: int = 2, name: str = "NVIDIA H100 80GB HBM3", **extra
+):
     body = {
         "bootstrap_token": token,
         "hostname": hostname,
@@ -127,7 +131,9 @@ class Agent:
     def report(self, command_id, status: str, result=None, node_id: int | None = None):
         return self.client.post(
             self.url(f"commands/{command_id}/report", node_id),
-            data=json.dumps({"status": status, "result": result or {}, "message": "", "at": iso(datetime.now(UTC))}),
+            data=json.dumps(
+                {"status": status, "result": result or {}, "message": "", "at": iso(datetime.now(UTC))}
+            ),
             content_type="application/json",
         )
 

@@ -50,7 +50,9 @@ def test_heartbeat_happy_path_stores_samples_rollups_and_latest(agent):
     assert rollup.mem_used_avg_mib == pytest.approx(2000) and rollup.temp_max == 52
     assert gpu.last_util_pct == 30.0 and gpu.last_mem_used_mib == 3000 and gpu.last_sm_clock_mhz == 1980
     sample = GpuSample.objects.filter(gpu=gpu).order_by("ts").first()
-    assert sample.processes == [{"pid": 42, "used_mib": 900, "workload_id": "w1"}] and sample.xid_errors is None
+    assert (
+        sample.processes == [{"pid": 42, "used_mib": 900, "workload_id": "w1"}] and sample.xid_errors is None
+    )
     node = agent.node
     assert node.last_seq == 1 and node.last_heartbeat_at is not None and node.status["uptime_s"] == 100
 
@@ -59,7 +61,9 @@ def test_rollups_add_up_across_batches_in_the_same_minute(agent):
     t0 = datetime(2026, 12, 2, 12, 0, 0, tzinfo=UTC)
     u = agent.uuids[0]
     agent.heartbeat(agent.batch(samples=[agent.sample(u, t0, util_pct=10.0, power_w=100.0)]))
-    agent.heartbeat(agent.batch(samples=[agent.sample(u, t0 + timedelta(seconds=30), util_pct=50.0, power_w=300.0)]))
+    agent.heartbeat(
+        agent.batch(samples=[agent.sample(u, t0 + timedelta(seconds=30), util_pct=50.0, power_w=300.0)])
+    )
     rollup = GpuMinuteRollup.objects.get(gpu__uuid=u)
     assert rollup.sample_count == 2 and rollup.util_avg == pytest.approx(30.0) and rollup.power_avg_w == 200.0
 
@@ -71,7 +75,10 @@ def test_duplicate_seq_is_answered_duplicate_and_writes_nothing(agent):
     response = agent.heartbeat(body)
     assert response.status_code == 200 and response.json()["status"] == "duplicate"
     assert written(agent.node_id) == before
-    assert GpuMinuteRollup.objects.filter(gpu__node_id=agent.node_id).values_list("sample_count", flat=True)[0] == 1
+    assert (
+        GpuMinuteRollup.objects.filter(gpu__node_id=agent.node_id).values_list("sample_count", flat=True)[0]
+        == 1
+    )
 
 
 def test_gaps_are_recorded_and_late_batches_fill_them(agent):
@@ -181,8 +188,18 @@ def test_future_timestamps_are_refused(agent):
 
 
 def test_workload_exited_fires_once_with_exit_code(agent, capture_signal, django_capture_on_commit_callbacks):
-    running = [{"workload_id": "123", "state": "running", "exit_code": None, "started_at": iso(datetime.now(UTC))}]
-    exited = [{"workload_id": "123", "state": "exited", "exit_code": 3, "finished_at": iso(datetime.now(UTC)), "message": "bye"}]
+    running = [
+        {"workload_id": "123", "state": "running", "exit_code": None, "started_at": iso(datetime.now(UTC))}
+    ]
+    exited = [
+        {
+            "workload_id": "123",
+            "state": "exited",
+            "exit_code": 3,
+            "finished_at": iso(datetime.now(UTC)),
+            "message": "bye",
+        }
+    ]
     with capture_signal(workload_exited) as calls, django_capture_on_commit_callbacks(execute=True):
         agent.heartbeat(agent.batch(workloads=running))
         assert calls == []
@@ -220,7 +237,9 @@ def test_concurrent_duplicate_heartbeats_insert_once(register_node):
             for body in bodies:
                 barrier.wait(timeout=10)
                 for _ in range(200):
-                    r = client.post(agent.url("heartbeat"), data=json.dumps(body), content_type="application/json")
+                    r = client.post(
+                        agent.url("heartbeat"), data=json.dumps(body), content_type="application/json"
+                    )
                     if r.status_code != 500:
                         break
                     # Only SQLite's in-memory shared-cache test database answers "table is locked"
@@ -243,4 +262,7 @@ def test_concurrent_duplicate_heartbeats_insert_once(register_node):
         assert retries == []  # row locks and ON CONFLICT: no request fails
     assert sorted(results) == ["accepted"] * 15 + ["duplicate"] * 15
     assert written(agent.node_id) == (15, 15 * 8, 8)
-    assert sum(GpuMinuteRollup.objects.filter(gpu__node_id=agent.node_id).values_list("sample_count", flat=True)) == 120
+    assert (
+        sum(GpuMinuteRollup.objects.filter(gpu__node_id=agent.node_id).values_list("sample_count", flat=True))
+        == 120
+    )

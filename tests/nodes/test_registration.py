@@ -78,7 +78,11 @@ def test_tenant_bearer_token_opens_nothing(agent, tenant, make_token):
     for response in (
         bearer.post(agent.url("heartbeat"), data=json.dumps(agent.batch()), content_type="application/json"),
         bearer.get(agent.url("commands"), {"wait": 0}),
-        bearer.post(agent.url("commands/00000000-0000-0000-0000-000000000000/report"), data="{}", content_type="application/json"),
+        bearer.post(
+            agent.url("commands/00000000-0000-0000-0000-000000000000/report"),
+            data="{}",
+            content_type="application/json",
+        ),
     ):
         assert response.status_code == 401
         assert response.json()["error"]["code"] == "not_authenticated"
@@ -92,7 +96,12 @@ def test_wrong_credential_is_401_and_other_nodes_url_is_404(register_node):
     from django.test import Client
 
     wrong = Client(HTTP_AUTHORIZATION=f"Node {a.credential}")
-    assert wrong.post(a.url("heartbeat"), data=json.dumps(a.batch()), content_type="application/json").status_code == 401
+    assert (
+        wrong.post(
+            a.url("heartbeat"), data=json.dumps(a.batch()), content_type="application/json"
+        ).status_code
+        == 401
+    )
     # b's good credential on a's URLs: 404, and nothing is written for either node.
     response = b.heartbeat(b.batch(), node_id=a.node_id)
     assert response.status_code == 404
@@ -135,7 +144,9 @@ def test_staff_alias_then_rematch_links_unknown_gpus(register_node):
     h100p.aliases = [*h100p.aliases, "NVIDIA H100 NVL"]
     h100p.save()
     assert gpu_models_rematch(actor=Actor.system()) == 2
-    assert set(Gpu.objects.filter(node_id=agent.node_id).values_list("model__name", flat=True)) == {h100p.name}
+    assert set(Gpu.objects.filter(node_id=agent.node_id).values_list("model__name", flat=True)) == {
+        h100p.name
+    }
     assert UnknownGpuReport.objects.get(reported_name="NVIDIA H100 NVL").resolved_model == h100p
 
 
