@@ -298,3 +298,11 @@ def test_signup_with_a_nul_byte_in_the_name_is_400(invite):
     assert response.status_code == 400
     assert 'id="id_full_name_error"' in response.content.decode()
     assert not User.objects.filter(email="nul@example.com").exists()
+
+
+def test_invitation_email_states_the_expiry_in_utc_whatever_the_inviters_zone(owner, invite, mailoutbox):
+    owner.time_zone = "Asia/Tokyo"
+    owner.save()
+    invite("tz@example.com")
+    expires = Invitation.objects.get(email="tz@example.com").expires_at
+    assert f"expires on {expires:%Y-%m-%d %H:%M} UTC" in mailoutbox[-1].body
