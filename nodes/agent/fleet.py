@@ -50,7 +50,10 @@ def node_config(
         labels={str(k): str(v) for k, v in (node.get("labels") or {}).items()},
         hostname=hostname,
         heartbeat_interval_s=heartbeat_interval_s,
-        sim_gpus=[{"model": g["model"], "count": int(g.get("count", 1))} for g in node.get("gpus") or []],
+        sim_gpus=[
+            {"model": g["model"], "count": int(g.get("count", 1)), "memory_mib": g.get("memory_mib")}
+            for g in node.get("gpus") or []
+        ],
         cpu_cores=node.get("cpu_cores"),
         ram_mib=node.get("ram_mib"),
         interconnect=str(node.get("interconnect") or "nvswitch"),

@@ -59,6 +59,14 @@ def test_inventory_from_the_fleet_declaration(runtime: SimulatedRuntime, tmp_pat
     assert [g.uuid for g in again.gpus] == [g.uuid for g in inventory.gpus]
 
 
+def test_fleet_file_memory_overrides_the_builtin_table(tmp_path: Path) -> None:
+    collector = SimulatedCollector(
+        gpus=[{"model": H100, "count": 1, "memory_mib": 81920}, {"model": "Mystery GPU"}]
+    )
+    assert [g.memory_mib for g in collector.discover().gpus] == [81920, 81920]
+    assert [g.name for g in collector.discover().gpus] == [H100, "Mystery GPU"]
+
+
 def test_numbers_follow_the_workloads(runtime: SimulatedRuntime, clock: Clock, tmp_path: Path) -> None:
     collector = make_node(runtime, tmp_path)
     gpus = collector.discover().gpus

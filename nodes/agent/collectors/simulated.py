@@ -10,6 +10,7 @@ XID, a double-bit ECC error, a GPU falling off the bus, ...) can be injected thr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -105,8 +106,10 @@ class SimulatedCollector:
         index = 0
         for entry in gpus or []:
             model = str(entry["model"])
+            spec = spec_for(model)
+            if entry.get("memory_mib"):  # the fleet file may state the catalog's memory
+                spec = dataclasses.replace(spec, memory_mib=int(entry["memory_mib"]))
             for _ in range(int(entry.get("count", 1))):
-                spec = spec_for(model)
                 self._gpus.append((self._gpu_info(index, model, spec, len(self._gpus)), spec))
                 index += 1
         count = len(self._gpus)
