@@ -71,6 +71,9 @@ class PortalClient:
         self.http = httpx.AsyncClient(
             base_url=base_url.rstrip("/"),
             timeout=httpx.Timeout(timeout_s),
+            # Below the usual server keep-alive (uvicorn: 5 s), so an idle pooled connection is not
+            # reused just as the server closes it.
+            limits=httpx.Limits(keepalive_expiry=2.0),
             headers={"User-Agent": f"gpupool-agent/{__version__}"},
         )
 
