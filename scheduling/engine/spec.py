@@ -1,0 +1,100 @@
+"""Which GPU models a request accepts, and the normalized demand the placement index works with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .types import MILLI, GpuModelInfo, GpuSpec, Plan, Request, Vendor
+
+
+def _rocm_matches(info: GpuModelInfo, target: str) -> bool:
+    return info.vendor == Vendor.AMD and info.rocm_target is not None and info.rocm_target == target
+
+
+def model_matches(info: GpuModelInfo, spec: GpuSpec) -> bool:
+    """True when the catalog entry ``info`` satisfies every constraint of ``spec``."""
+    if spec.models and info.name not in spec.models:
+        return False
+    if info.memory_mib < spec.min_memory_mib:
+        return False
+    if info.compute_weight < spec.min_compute_weight:
+        return False
+    if spec.vendor is not None and info.vendor != spec.vendor:
+        return False
+    if spec.cuda_capability is not None and (
+        info.vendor != Vendor.NVIDIA
+        or info.cuda_capability is None
+        or info.cuda_capability < spec.cuda_capability
+    ):
+        return False
+    return spec.rocm_target is None or _rocm_matches(info, spec.rocm_target)
+
+
+def allowed_models(spec: GpuSpec, catalog: dict[str, GpuModelInfo]) -> frozenset[str]:
+    return frozenset(name for name, info in catalog.items() if model_matches(info, spec))
+
+
+# Access modes to reserved capacity, part of a Demand.
+ACCESS_NONE = ""
+"""May use only unreserved nodes (on-demand)."""
+ACCESS_LEND = "*"
+"""May also borrow other tenants' idle reserved nodes (spot, warm pool): preemptible."""
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """A request reduced to what decides where it fits; identical demands share one index entry."""
+
+    models: frozenset[str]
+    milli: int
+    gpus: int
+    cpu: int
+    mem: int
+    gang: bool = False
+    region: str | None = None
+    other_regions_ok: bool = True
+    access: str = ACCESS_NONE
+    """ACCESS_NONE, ACCESS_LEND, or the tenant id for work on that tenant's own reservation."""
+
+    @property
+    def shared(self) -> bool:
+        return self.milli < MILLI
+
+
+def access_for(request: Request) -> str:
+    if request.plan == Plan.RESERVED:
+        return request.tenant
+    if request.plan in (Plan.SPOT, Plan.WARM_POOL):
+        return ACCESS_LEND
+    return ACCESS_NONE
+
+
+def validate(request: Request) -> str | None:
+    """Return why the request is malformed, or None."""
+    if request.milli <= 0 or request.milli > MILLI:
+        return "milli must be in 1..1000"
+    if request.milli < MILLI and request.gpus != 1:
+        return "a fraction applies to exactly one GPU"
+    if request.gpus < 0:
+        return "gpus must not be negative"
+    if not request.gang and request.gpus > 8:
+        return "more than 8 GPUs needs a gang across nodes"
+    if request.gang and request.gpus < 1:
+        return "a gang needs GPUs"
+    if request.cpu_milli < 0 or request.memory_mib < 0:
+        return "cpu and memory must not be negative"
+    return None
+
+
+def demand_for(request: Request, catalog: dict[str, GpuModelInfo]) -> Demand:
+    return Demand(
+        models=allowed_models(request.gpu, catalog),
+        milli=request.milli,
+        gpus=request.gpus,
+        cpu=request.cpu_milli,
+        mem=request.memory_mib,
+        gang=request.gang,
+        region=request.region,
+        other_regions_ok=request.other_regions_ok,
+        access=access_for(request),
+    )

@@ -1,0 +1,497 @@
+"""The mutable placement index over a snapshot.
+
+Nodes in identical states (same hardware class, same free CPU and RAM, same free capacity per GPU
+within each NVLink island) are kept in one *bucket*, because identical nodes score identically: a
+policy scores a bucket once per demand, not every node. For every demand in use there is a heap of
+(score, bucket) entries; a placement moves one node from its bucket to another, so the only new work
+after a placement is to score buckets that did not exist before (they are appended to a log that each
+demand's heap catches up with lazily). Emptied buckets are dropped from a heap when they reach its top.
+The cost of a decision therefore depends on the number of distinct states, not on the number of nodes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .spec import ACCESS_LEND, Demand
+from .types import MILLI, GpuModelInfo, Node, NodeState
+
+if TYPE_CHECKING:
+    from .policies import Policy
+
+GKey = tuple[tuple[int, ...], ...]
+Key = tuple[int, int, int, GKey]
+Picks = tuple[tuple[int, int], ...]
+"""The GPUs a placement takes on a node, as (island, free milli before) pairs."""
+Option = tuple[int, Picks, GKey]
+"""(topology penalty, picks, GPU key after the placement)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeClass:
+    id: int
+    model: str
+    region: str
+    gpu_count: int
+    cpu_cap: int
+    mem_cap: int
+    islands: tuple[tuple[int, ...], ...]
+    """Positions (into the node's GPU list) of the GPUs of each island."""
+    reserved_for: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """Where one node's share of a placement went."""
+
+    node: int
+    positions: tuple[int, ...]
+    milli: int
+    cpu: int
+    mem: int
+
+
+class _Heap:
+    __slots__ = ("cursor", "entries", "fit", "members")
+
+    def __init__(self, fit: list[int | None], cursor: int) -> None:
+        self.entries: list[tuple] = []
+        self.members: set[Key] = set()
+        self.fit = fit
+        self.cursor = cursor
+
+
+def gpu_options(cls: NodeClass, gkey: GKey, demand: Demand) -> list[Option]:
+    """Every distinct way to take ``demand``'s GPUs from a node whose GPUs are ``gkey``."""
+    if demand.gpus == 0:
+        return [(0, (), gkey)]
+    milli = demand.milli
+    if milli < MILLI:
+        out: list[Option] = []
+        for ii, island in enumerate(gkey):
+            last = -1
+            for pos, free in enumerate(island):
+                if free < milli:
+                    break
+                if free == last:
+                    continue
+                last = free
+                new_island = tuple(sorted((*island[:pos], free - milli, *island[pos + 1 :]), reverse=True))
+                out.append((0, ((ii, free),), (*gkey[:ii], new_island, *gkey[ii + 1 :])))
+        return out
+    need = demand.gpus
+    fulls = [island.count(MILLI) for island in gkey]
+    if sum(fulls) < need:
+        return []
+    out = []
+    for ii, n in enumerate(fulls):
+        if n >= need:
+            island = gkey[ii]
+            new_island = (*island[n:], *([0] * need))
+            new_island = tuple(sorted((*island[: n - need], *new_island), reverse=True))
+            out.append((0, ((ii, MILLI),) * need, (*gkey[:ii], new_island, *gkey[ii + 1 :])))
+    if out:
+        return out
+    # Spread across the fewest islands: take from the islands with the most whole GPUs first.
+    order = sorted(range(len(gkey)), key=lambda j: -fulls[j])
+    picks: list[tuple[int, int]] = []
+    new = list(gkey)
+    left = need
+    used = 0
+    for ii in order:
+        take = min(left, fulls[ii])
+        if take <= 0:
+            continue
+        used += 1
+        picks.extend([(ii, MILLI)] * take)
+        island = gkey[ii]
+        new[ii] = tuple(sorted((*island[take:], *([0] * take)), reverse=True))
+        left -= take
+        if left == 0:
+            break
+    return [(used - 1, tuple(picks), tuple(new))]
+
+
+class ClusterState:
+    """Free capacity of every READY node, indexed by state, with placement by a policy."""
+
+    def __init__(
+        self,
+        nodes: Iterable[Node],
+        catalog: dict[str, GpuModelInfo] | None = None,
+        policy: Policy | None = None,
+        seed: int = 0,
+    ) -> None:
+        from .policies import get_policy
+
+        self.catalog = catalog or {}
+        self.policy = policy if policy is not None else get_policy("gpupool")
+        self.rng = random.Random(seed)
+        self.classes: list[NodeClass] = []
+        class_ids: dict[tuple, int] = {}
+        self.ids: list[str] = []
+        self.index: dict[str, int] = {}
+        self.ncls: list[int] = []
+        self.cpu_free: list[int] = []
+        self.mem_free: list[int] = []
+        self.gfree: list[list[int]] = []
+        self.gpu_index: list[tuple[int, ...]] = []
+        self.keys: list[Key | None] = []
+        self.pos: list[int] = []
+        self.buckets: dict[Key, list[int]] = {}
+        self.log: list[Key] = []
+        self.held: set[int] = set()
+        self._heaps: dict[Demand, _Heap] = {}
+        self._fits: dict[Demand, list[int | None]] = {}
+        self.capacity_milli = 0
+        self._max_spec: tuple[int, int] | None = None
+        for node in nodes:
+            self._add_node(node, class_ids)
+
+    # -- building -------------------------------------------------------------------------------
+
+    def _add_node(self, node: Node, class_ids: dict[tuple, int]) -> None:
+        islands: dict[int, list[int]] = {}
+        for p, g in enumerate(node.gpus):
+            islands.setdefault(g.island, []).append(p)
+        isl = tuple(tuple(v) for _, v in sorted(islands.items())) or ((),)
+        sig = (
+            node.model,
+            node.region,
+            len(node.gpus),
+            node.cpu_milli,
+            node.memory_mib,
+            isl,
+            node.reserved_for,
+        )
+        cid = class_ids.get(sig)
+        if cid is None:
+            cid = len(self.classes)
+            class_ids[sig] = cid
+            self.classes.append(NodeClass(cid, *sig))
+        i = len(self.ids)
+        self.ids.append(node.id)
+        self.index[node.id] = i
+        self.ncls.append(cid)
+        self.cpu_free.append(node.cpu_milli - node.cpu_used)
+        self.mem_free.append(node.memory_mib - node.memory_used)
+        self.gfree.append([g.free_milli if g.healthy else 0 for g in node.gpus])
+        self.gpu_index.append(tuple(g.index for g in node.gpus))
+        self.keys.append(None)
+        self.pos.append(-1)
+        if node.state == NodeState.READY:
+            self.capacity_milli += MILLI * sum(1 for g in node.gpus if g.healthy)
+            self._enter(i)
+
+    def _key(self, i: int) -> Key:
+        cls = self.classes[self.ncls[i]]
+        g = self.gfree[i]
+        if len(cls.islands) == 1:
+            gk: GKey = (tuple(sorted(g, reverse=True)),)
+        else:
+            gk = tuple(tuple(sorted((g[p] for p in isl), reverse=True)) for isl in cls.islands)
+        return (cls.id, self.cpu_free[i], self.mem_free[i], gk)
+
+    def _enter(self, i: int) -> None:
+        key = self._key(i)
+        self.keys[i] = key
+        lst = self.buckets.get(key)
+        if lst is None:
+            self.buckets[key] = lst = []
+            self.log.append(key)
+        self.pos[i] = len(lst)
+        lst.append(i)
+
+    def _leave(self, i: int) -> None:
+        key = self.keys[i]
+        if key is None:
+            return
+        lst = self.buckets[key]
+        p = self.pos[i]
+        last = lst.pop()
+        if last != i:
+            lst[p] = last
+            self.pos[last] = p
+        if not lst:
+            del self.buckets[key]
+        self.keys[i] = None
+        self.pos[i] = -1
+
+    # -- queries -----------------------------------------------------------------------------------
+
+    def class_fit(self, demand: Demand) -> list[int | None]:
+        """Per node class: None where the class can never take ``demand``, else its region penalty."""
+        fit = self._fits.get(demand)
+        if fit is not None:
+            return fit
+        fit = []
+        for cls in self.classes:
+            fit.append(self._class_penalty(cls, demand))
+        self._fits[demand] = fit
+        return fit
+
+    def _class_penalty(self, cls: NodeClass, demand: Demand) -> int | None:
+        if demand.gpus and cls.model not in demand.models:
+            return None
+        if cls.reserved_for is None:
+            if demand.access not in ("", ACCESS_LEND):
+                return None
+        elif demand.access != ACCESS_LEND and demand.access != cls.reserved_for:
+            return None
+        if demand.gang:
+            if cls.gpu_count == 0 or demand.gpus % cls.gpu_count:
+                return None
+        elif demand.gpus > cls.gpu_count:
+            return None
+        if demand.cpu > cls.cpu_cap or demand.mem > cls.mem_cap:
+            return None
+        if demand.region is None or demand.region == cls.region:
+            return 0
+        return 1 if demand.other_regions_ok else None
+
+    def options(self, key: Key, demand: Demand) -> list[Option]:
+        if key[1] < demand.cpu or key[2] < demand.mem:
+            return []
+        return gpu_options(self.classes[key[0]], key[3], demand)
+
+    def max_spec(self) -> tuple[int, int]:
+        """The largest server's CPU and GPU capacity (milli), for normalizing scores."""
+        if self._max_spec is None:
+            self._max_spec = (
+                max((c.cpu_cap for c in self.classes), default=1) or 1,
+                max((c.gpu_count * MILLI for c in self.classes), default=1) or 1,
+            )
+        return self._max_spec
+
+    def node_count(self) -> int:
+        return len(self.ids)
+
+    # -- placement ---------------------------------------------------------------------------------
+
+    def _heap(self, demand: Demand) -> _Heap:
+        h = self._heaps.get(demand)
+        if h is None:
+            h = _Heap(self.class_fit(demand), len(self.log))
+            self._heaps[demand] = h
+            for key in self.buckets:
+                self._push(h, key, demand)
+            heapq.heapify(h.entries)
+        elif h.cursor < len(self.log):
+            log = self.log
+            buckets = self.buckets
+            members = h.members
+            for j in range(h.cursor, len(log)):
+                key = log[j]
+                if key in buckets and key not in members:
+                    entry = self._entry(h, key, demand)
+                    if entry is not None:
+                        heapq.heappush(h.entries, entry)
+                        members.add(key)
+            h.cursor = len(log)
+        return h
+
+    def _push(self, h: _Heap, key: Key, demand: Demand) -> None:
+        entry = self._entry(h, key, demand)
+        if entry is not None:
+            h.entries.append(entry)
+            h.members.add(key)
+
+    def _entry(self, h: _Heap, key: Key, demand: Demand) -> tuple | None:
+        pen = h.fit[key[0]]
+        if pen is None or key[1] < demand.cpu or key[2] < demand.mem:
+            return None
+        cls = self.classes[key[0]]
+        opts = gpu_options(cls, key[3], demand)
+        if not opts:
+            return None
+        score, opt = self.policy.choose(self, cls, key, demand, opts)
+        return (pen, opt[0], score, self.rng.random(), key, opt[1])
+
+    def invalidate(self) -> None:
+        """Forget every score (call when the policy's view of the workload changes)."""
+        self._heaps.clear()
+
+    def place(self, demand: Demand) -> list[Slot] | None:
+        """Place ``demand`` by the policy, update the index, and return where it went (or None)."""
+        if demand.gang:
+            return self._place_gang(demand)
+        if self.policy.scan:
+            return self._place_scan(demand)
+        h = self._heap(demand)
+        entries = h.entries
+        buckets = self.buckets
+        while entries:
+            top = entries[0]
+            key = top[4]
+            lst = buckets.get(key)
+            if lst is None:
+                heapq.heappop(entries)
+                h.members.discard(key)
+                continue
+            return [self._apply(lst[-1], top[5], demand)]
+        return None
+
+    def place_on(self, i: int, demand: Demand) -> Slot | None:
+        """Place ``demand`` on node ``i`` (best option by the policy), or None if it does not fit."""
+        key = self.keys[i] if i not in self.held else None
+        if key is None:
+            key = self._key(i)
+        opts = self.options(key, demand)
+        if not opts:
+            return None
+        _, opt = self.policy.choose(self, self.classes[key[0]], key, demand, opts)
+        return self._apply(i, opt[1], demand)
+
+    def _place_scan(self, demand: Demand) -> list[Slot] | None:
+        """Uniform choice among all nodes with the best score (a random node for random-fit).
+
+        Used by policies whose scores tie often and whose published form breaks ties uniformly at
+        random between nodes (as kube-scheduler does); it costs one pass over the buckets.
+        """
+        fit = self.class_fit(demand)
+        rng = self.rng
+        pol = self.policy
+        rand = pol.random_fit
+        best = None
+        cands: list[tuple[int, Key, Option]] = []
+        total = 0
+        for key, lst in self.buckets.items():
+            pen = fit[key[0]]
+            if pen is None or (best is not None and pen > best[0]):
+                continue
+            opts = self.options(key, demand)
+            if not opts:
+                continue
+            if rand:
+                s = (pen, 0, 0.0)
+                opt = opts[0] if len(opts) == 1 else rng.choice(opts)
+            else:
+                score, opt = pol.choose(self, self.classes[key[0]], key, demand, opts)
+                s = (pen, opt[0], score)
+            if best is None or s < best:
+                best = s
+                cands = [(len(lst), key, opt)]
+                total = len(lst)
+            elif s == best:
+                cands.append((len(lst), key, opt))
+                total += len(lst)
+        if not cands:
+            return None
+        r = rng.randrange(total)
+        for n, key, opt in cands:
+            if r < n:
+                return [self._apply(self.buckets[key][r], opt[1], demand)]
+            r -= n
+        raise AssertionError("unreachable")
+
+    def _place_gang(self, demand: Demand) -> list[Slot] | None:
+        fit = self.class_fit(demand)
+        groups: dict[tuple[int, str, str], list[int]] = {}
+        for key, lst in self.buckets.items():
+            pen = fit[key[0]]
+            if pen is None or key[1] < demand.cpu or key[2] < demand.mem:
+                continue
+            cls = self.classes[key[0]]
+            if any(f != MILLI for island in key[3] for f in island):
+                continue
+            groups.setdefault((pen, cls.model, cls.region), []).extend(lst)
+        for (_pen, _model, _region), members in sorted(groups.items()):
+            per = self.classes[self.ncls[members[0]]].gpu_count
+            need = demand.gpus // per
+            if len(members) >= need:
+                chosen = sorted(members)[:need]
+                slots = []
+                for i in chosen:
+                    cls = self.classes[self.ncls[i]]
+                    picks = tuple((ii, MILLI) for ii, isl in enumerate(cls.islands) for _ in isl)
+                    slots.append(self._apply(i, picks, demand))
+                return slots
+        return None
+
+    def _apply(self, i: int, picks: Picks, demand: Demand) -> Slot:
+        cls = self.classes[self.ncls[i]]
+        g = self.gfree[i]
+        milli = demand.milli
+        taken: list[int] = []
+        for ii, free in picks:
+            for p in cls.islands[ii]:
+                if g[p] == free and p not in taken:
+                    taken.append(p)
+                    break
+            else:
+                raise AssertionError("index out of step with node state")
+        held = i in self.held
+        if not held:
+            self._leave(i)
+        for p in taken:
+            g[p] -= milli
+        self.cpu_free[i] -= demand.cpu
+        self.mem_free[i] -= demand.mem
+        if not held:
+            self._enter(i)
+        return Slot(i, tuple(taken), milli if taken else 0, demand.cpu, demand.mem)
+
+    def release(self, slot: Slot) -> None:
+        i = slot.node
+        held = i in self.held
+        if not held:
+            self._leave(i)
+        g = self.gfree[i]
+        for p in slot.positions:
+            g[p] += slot.milli
+        self.cpu_free[i] += slot.cpu
+        self.mem_free[i] += slot.mem
+        if not held and self.keys[i] is None and self.pos[i] == -1:
+            self._enter(i)
+
+    def allocate(self, i: int, positions: Iterable[int], milli: int, cpu: int, mem: int) -> Slot:
+        """Take capacity on a given node directly (existing allocations, preemption targets)."""
+        held = i in self.held
+        if not held:
+            self._leave(i)
+        g = self.gfree[i]
+        pos = tuple(positions)
+        for p in pos:
+            g[p] -= milli
+        self.cpu_free[i] -= cpu
+        self.mem_free[i] -= mem
+        if not held:
+            self._enter(i)
+        return Slot(i, pos, milli, cpu, mem)
+
+    def hold(self, i: int) -> None:
+        """Take a node out of the index (kept for the job at the head of the queue)."""
+        if i not in self.held:
+            self._leave(i)
+            self.held.add(i)
+
+    def unhold(self, i: int) -> None:
+        if i in self.held:
+            self.held.discard(i)
+            self._enter(i)
+
+    # -- reporting ---------------------------------------------------------------------------------
+
+    def allocated_milli(self) -> int:
+        """GPU milli held on READY nodes (capacity less what is free)."""
+        free = 0
+        for key, lst in self.buckets.items():
+            free += sum(map(sum, key[3])) * len(lst)
+        for i in self.held:
+            free += sum(self.gfree[i])
+        return self.capacity_milli - free
+
+    def fragmentation(self, dist) -> float:
+        """Expected GPU milli that the workload ``dist`` cannot use, summed over indexed nodes."""
+        from .fragmentation import node_fragmentation
+
+        total = 0.0
+        for key, lst in self.buckets.items():
+            total += node_fragmentation(dist, self.classes[key[0]].model, key[1], key[2], key[3], True) * len(
+                lst
+            )
+        return total

@@ -1,0 +1,206 @@
+"""Plain data the engine works on: a snapshot of the fleet, the pending requests, and the decisions.
+
+Everything here is a dataclass of built-in types so that the live scheduler (which builds them from
+database rows), the trace simulator and the benchmarks hand the engine exactly the same things.
+GPU capacity is counted in thousandths of one GPU ("milli"): a whole GPU is 1000.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum, StrEnum
+
+MILLI = 1000
+
+
+class Vendor(StrEnum):
+    NVIDIA = "nvidia"
+    AMD = "amd"
+
+
+class NodeState(StrEnum):
+    READY = "READY"
+    SUSPECT = "SUSPECT"
+    DOWN = "DOWN"
+    DRAINING = "DRAINING"
+
+
+class Plan(StrEnum):
+    ON_DEMAND = "on_demand"
+    SPOT = "spot"
+    RESERVED = "reserved"
+    WARM_POOL = "warm_pool"
+
+
+class PriorityClass(IntEnum):
+    """Higher runs first and may preempt lower."""
+
+    WARM_POOL = 0
+    SPOT = 1
+    ON_DEMAND = 2
+    RESERVED = 3
+
+
+PLAN_PRIORITY = {
+    Plan.WARM_POOL: PriorityClass.WARM_POOL,
+    Plan.SPOT: PriorityClass.SPOT,
+    Plan.ON_DEMAND: PriorityClass.ON_DEMAND,
+    Plan.RESERVED: PriorityClass.RESERVED,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GpuModelInfo:
+    """One entry of the GPU catalog."""
+
+    name: str
+    vendor: Vendor = Vendor.NVIDIA
+    memory_mib: int = 0
+    compute_weight: float = 1.0
+    cuda_capability: tuple[int, int] | None = None
+    rocm_target: str | None = None
+
+
+@dataclass(slots=True)
+class Gpu:
+    index: int
+    healthy: bool = True
+    island: int = 0
+    """NVLink island / NUMA node inside the server; multi-GPU work prefers one island."""
+    free_milli: int = MILLI
+
+
+@dataclass(slots=True)
+class Node:
+    id: str
+    model: str
+    """The GPU model of this server (servers are homogeneous)."""
+    gpus: list[Gpu]
+    cpu_milli: int
+    memory_mib: int
+    cpu_used: int = 0
+    memory_used: int = 0
+    region: str = "default"
+    state: NodeState = NodeState.READY
+    reserved_for: str | None = None
+    """Tenant whose reservation holds this node; others may only borrow it for preemptible work."""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSpec:
+    """Which GPUs a request accepts. Empty ``models`` means any model that meets the constraints."""
+
+    models: tuple[str, ...] = ()
+    min_memory_mib: int = 0
+    min_compute_weight: float = 0.0
+    vendor: Vendor | None = None
+    cuda_capability: tuple[int, int] | None = None
+    """Minimum CUDA compute capability (NVIDIA only)."""
+    rocm_target: str | None = None
+    """Exact ROCm gfx target, e.g. ``gfx90a`` (AMD only)."""
+
+
+@dataclass(slots=True)
+class Request:
+    """A workload waiting for GPUs.
+
+    ``gpus`` GPUs on one node (1..8), or with ``gang`` a multiple of a node's GPU count across several
+    whole nodes (all or nothing), or with ``milli`` < 1000 that share of one GPU (``gpus`` must be 1).
+    ``cpu_milli`` and ``memory_mib`` are per node.
+    """
+
+    id: str
+    tenant: str
+    gpu: GpuSpec = field(default_factory=GpuSpec)
+    gpus: int = 1
+    milli: int = MILLI
+    gang: bool = False
+    cpu_milli: int = 0
+    memory_mib: int = 0
+    region: str | None = None
+    other_regions_ok: bool = True
+    plan: Plan = Plan.ON_DEMAND
+    priority: PriorityClass | None = None
+    """Defaults to the plan's class."""
+    submit_time: float = 0.0
+    est_runtime: float | None = None
+
+    @property
+    def priority_class(self) -> PriorityClass:
+        return self.priority if self.priority is not None else PLAN_PRIORITY[self.plan]
+
+    @property
+    def gpu_milli_total(self) -> int:
+        return self.gpus * self.milli
+
+
+@dataclass(slots=True)
+class Running:
+    """A workload holding GPUs now (used for fair share, backfill and preemption)."""
+
+    id: str
+    tenant: str
+    node_id: str
+    gpu_indices: tuple[int, ...]
+    milli: int = MILLI
+    cpu_milli: int = 0
+    memory_mib: int = 0
+    plan: Plan = Plan.ON_DEMAND
+    priority: PriorityClass | None = None
+    start_time: float = 0.0
+    est_end: float | None = None
+    checkpointable: bool = False
+    gang_id: str | None = None
+    """Gang members are preempted together."""
+
+    @property
+    def priority_class(self) -> PriorityClass:
+        return self.priority if self.priority is not None else PLAN_PRIORITY[self.plan]
+
+
+@dataclass(slots=True)
+class Snapshot:
+    nodes: list[Node]
+    models: dict[str, GpuModelInfo]
+    running: list[Running] = field(default_factory=list)
+    tenant_weights: dict[str, float] = field(default_factory=dict)
+    now: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    node_id: str
+    gpu_indices: tuple[int, ...]
+    milli: int
+    cpu_milli: int
+    memory_mib: int
+
+
+@dataclass(frozen=True, slots=True)
+class Place:
+    request_id: str
+    assignments: tuple[Assignment, ...]
+    preempt: tuple[str, ...] = ()
+    """Running workloads to stop first (ids); empty for a plain placement."""
+    backfill: bool = False
+
+
+class Reason(StrEnum):
+    NO_MATCHING_MODEL = "no_matching_model"
+    REGION = "region"
+    CAPACITY = "capacity"
+    GANG = "gang"
+    RESERVATION = "reservation"
+    BLOCKED_BY_HEAD = "blocked_by_head"
+    INVALID = "invalid"
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    request_id: str
+    reason: Reason
+    message: str
+    expected_start: float | None = None
+
+
+Decision = Place | Pending
