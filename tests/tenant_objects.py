@@ -19,3 +19,17 @@ def make_tenant_object(model: type[Model], *, tenant) -> Model:
     if maker is not None:
         return maker(tenant=tenant)
     return baker.make(model, tenant=tenant)
+
+
+def _make_reservation(*, tenant):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    start = timezone.now()
+    return baker.make(
+        "scheduling.Reservation", tenant=tenant, starts_at=start, ends_at=start + timedelta(days=1), count=1
+    )
+
+
+MAKERS["scheduling.Reservation"] = _make_reservation

@@ -1,0 +1,371 @@
+"""Workloads (instances and jobs), their events, GPU allocations, quotas, reservations and warm pools.
+
+Capacity is counted in thousandths of a GPU ("milli"): a whole GPU is 1000.
+
+Double allocation is impossible by construction in the database, not only by the scheduler's care:
+every active Allocation holds the half-open range ``[milli_offset, milli_offset + fraction_milli)``
+of its GPU's 0..1000 capacity, and active ranges on one GPU may not overlap. A whole GPU is
+``[0, 1000)`` and so conflicts with anything else on that GPU; shared fractions are disjoint ranges,
+so their sum can never pass 1000. On PostgreSQL this is an exclusion constraint
+(``EXCLUDE USING gist (gpu_id WITH =, int4range(...) WITH &&) WHERE (ended_at IS NULL)``); on SQLite
+the same rule is a pair of triggers that abort the insert or update (SQLite also serialises writers,
+so the check cannot race). Both are created by migration ``0002_allocation_no_overlap``. The offsets
+are bookkeeping only: the scheduler packs them (``scheduling.services.allocations``) and nothing
+outside this app reads them.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+from django.db.models import F, Q
+from django.utils import timezone
+
+from portal.tenancy import TenantOwnedModel, TenantQuerySet
+
+MILLI = 1000
+MAX_GPUS_PER_NODE = 8
+
+
+class WorkloadKind(models.TextChoices):
+    INSTANCE = "instance", "Instance"
+    JOB = "job", "Job"
+
+
+class WorkloadState(models.TextChoices):
+    PENDING = "pending", "Pending"
+    QUEUED = "queued", "Queued"
+    SCHEDULED = "scheduled", "Scheduled"
+    STARTING = "starting", "Starting"
+    RUNNING = "running", "Running"
+    STOPPING = "stopping", "Stopping"
+    PREEMPTED = "preempted", "Preempted"
+    STOPPED = "stopped", "Stopped"
+    SUCCEEDED = "succeeded", "Succeeded"
+    FAILED = "failed", "Failed"
+
+
+TERMINAL_STATES = frozenset({WorkloadState.STOPPED, WorkloadState.SUCCEEDED, WorkloadState.FAILED})
+WAITING_STATES = frozenset({WorkloadState.PENDING, WorkloadState.QUEUED})
+# States in which a workload holds its allocation.
+HOLDING_STATES = frozenset(
+    {
+        WorkloadState.SCHEDULED,
+        WorkloadState.STARTING,
+        WorkloadState.RUNNING,
+        WorkloadState.STOPPING,
+        WorkloadState.PREEMPTED,
+    }
+)
+ACTIVE_STATES = WAITING_STATES | HOLDING_STATES
+
+
+class Plan(models.TextChoices):
+    ON_DEMAND = "on_demand", "On demand"
+    SPOT = "spot", "Spot"
+    RESERVED = "reserved", "Reserved"
+
+
+class PriorityClass(models.TextChoices):
+    """Higher runs first and may preempt lower. Empty on a workload: its plan's class."""
+
+    RESERVED = "reserved", "Reserved"
+    ON_DEMAND = "on_demand", "On demand"
+    SPOT = "spot", "Spot"
+    WARM_POOL = "warm_pool", "Warm pool"
+
+
+class GpuVendor(models.TextChoices):
+    NVIDIA = "nvidia", "NVIDIA"
+    AMD = "amd", "AMD"
+    INTEL = "intel", "Intel"
+
+
+class Workload(TenantOwnedModel):
+    """An instance (long-running, interactive) or a job (batch, runs to completion)."""
+
+    tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="workloads")
+    kind = models.CharField(max_length=16, choices=WorkloadKind.choices)
+    name = models.CharField(max_length=100, blank=True)
+    state = models.CharField(max_length=16, choices=WorkloadState.choices, default=WorkloadState.PENDING)
+    state_reason = models.CharField(max_length=255, blank=True)
+
+    # GPUs: explicit models (any of them), and/or constraints; no model and no constraint = any GPU.
+    gpu_models = models.ManyToManyField("nodes.GpuModel", blank=True, related_name="+")
+    min_gpu_memory_gib = models.PositiveIntegerField(default=0)
+    min_compute_weight = models.DecimalField(max_digits=5, decimal_places=2, default=0)
+    gpu_vendor = models.CharField(max_length=16, choices=GpuVendor.choices, blank=True)
+    cuda_capability = models.CharField(max_length=8, blank=True, help_text="Minimum, e.g. 8.0")
+    rocm_target = models.CharField(max_length=16, blank=True, help_text="Exact gfx target, e.g. gfx942")
+    gpu_count = models.PositiveSmallIntegerField(default=1)
+    gang = models.BooleanField(default=False, help_text="All-or-nothing across whole nodes.")
+    gpu_fraction_milli = models.PositiveSmallIntegerField(default=MILLI)
+    mig_profile = models.CharField(max_length=32, blank=True)
+    cpu_millicores = models.PositiveIntegerField(default=0, help_text="Per node.")
+    ram_mib = models.PositiveBigIntegerField(default=0, help_text="Per node.")
+    region = models.ForeignKey(
+        "nodes.Region", null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+    other_regions_ok = models.BooleanField(default=True)
+    plan = models.CharField(max_length=16, choices=Plan.choices, default=Plan.ON_DEMAND)
+    spot_max_price = models.DecimalField(max_digits=22, decimal_places=10, null=True, blank=True)
+    reservation = models.ForeignKey(
+        "scheduling.Reservation", null=True, blank=True, on_delete=models.PROTECT, related_name="workloads"
+    )
+    priority_class = models.CharField(max_length=16, choices=PriorityClass.choices, blank=True)
+
+    # What runs. Instances: image or template, ports, SSH key, optional maximum runtime.
+    # Jobs: image and command, estimated runtime, requeue on preemption (resuming from the
+    # checkpoint the job writes), maximum retries.
+    image = models.CharField(max_length=255, blank=True)
+    template = models.CharField(max_length=100, blank=True)
+    command = models.JSONField(default=list, blank=True)
+    env = models.JSONField(default=dict, blank=True)
+    ports = models.JSONField(default=list, blank=True)
+    ssh_public_key = models.TextField(blank=True)
+    max_runtime_s = models.PositiveIntegerField(null=True, blank=True)
+    estimated_runtime_s = models.PositiveIntegerField(null=True, blank=True)
+    requeue_on_preemption = models.BooleanField(default=True)
+    checkpoint_resume = models.BooleanField(default=False)
+    max_retries = models.PositiveSmallIntegerField(default=0)
+    retries = models.PositiveSmallIntegerField(default=0)
+    attempt = models.PositiveIntegerField(default=0, help_text="Placements so far; part of command ids.")
+    stop_requested_at = models.DateTimeField(null=True, blank=True)
+    # Set on a victim while it is being preempted: the workload it makes room for.
+    preempted_for = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+
+    # Why it waits, as the scheduler last saw it.
+    pending_reason = models.CharField(max_length=32, blank=True)
+    pending_message = models.CharField(max_length=255, blank=True)
+    expected_start_at = models.DateTimeField(null=True, blank=True)
+
+    exit_code = models.IntegerField(null=True, blank=True)
+    log_tail = models.TextField(blank=True, help_text="The last message the agent reported.")
+    submitted_at = models.DateTimeField(default=timezone.now)
+    queued_at = models.DateTimeField(null=True, blank=True)
+    scheduled_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    state_changed_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [
+            models.Index(fields=["state", "submitted_at"], name="workload_state_submitted"),
+            models.Index(fields=["tenant", "state"], name="workload_tenant_state"),
+        ]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(gpu_fraction_milli__gte=1, gpu_fraction_milli__lte=MILLI),
+                name="workload_fraction_range",
+            ),
+            models.CheckConstraint(
+                condition=Q(gpu_fraction_milli=MILLI) | Q(gpu_count=1), name="workload_fraction_one_gpu"
+            ),
+            models.CheckConstraint(condition=Q(gpu_count__gte=1), name="workload_gpu_count_positive"),
+            models.CheckConstraint(
+                condition=~Q(plan="reserved") | Q(reservation__isnull=False),
+                name="workload_reserved_has_reservation",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.pk}{f' ({self.name})' if self.name else ''}"
+
+    @property
+    def gpu_milli(self) -> int:
+        """GPU capacity this workload asks for, in thousandths of a GPU."""
+        return self.gpu_count * self.gpu_fraction_milli
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+
+class WorkloadEvent(TenantOwnedModel):
+    """One state transition (or a notable step) of a workload, with its reason."""
+
+    tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="+")
+    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="events")
+    at = models.DateTimeField(default=timezone.now)
+    from_state = models.CharField(max_length=16, choices=WorkloadState.choices, blank=True)
+    to_state = models.CharField(max_length=16, choices=WorkloadState.choices)
+    reason = models.CharField(max_length=64)
+    message = models.CharField(max_length=500, blank=True)
+    actor_repr = models.CharField(max_length=200, blank=True)
+    data = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["at", "id"]
+        indexes = [models.Index(fields=["workload", "at"], name="workloadevent_workload_at")]
+
+    def __str__(self) -> str:
+        return f"{self.workload_id}: {self.from_state or '-'} -> {self.to_state} ({self.reason})"
+
+
+class AllocationQuerySet(TenantQuerySet):
+    def active(self):
+        return self.filter(ended_at__isnull=True)
+
+
+class Allocation(TenantOwnedModel):
+    """A share of one GPU held by a workload from ``started_at`` to ``ended_at`` (open while held).
+
+    ``tenant``, ``gpu_model`` and ``plan`` are copied from the workload and GPU when the row is made,
+    so metering bills intervals without re-reading specs that may change later.
+    """
+
+    tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="+")
+    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="allocations")
+    node = models.ForeignKey("nodes.Node", on_delete=models.PROTECT, related_name="+")
+    gpu = models.ForeignKey("nodes.Gpu", on_delete=models.PROTECT, related_name="+")
+    gpu_model = models.ForeignKey("nodes.GpuModel", on_delete=models.PROTECT, related_name="+")
+    plan = models.CharField(max_length=16, choices=Plan.choices)
+    fraction_milli = models.PositiveSmallIntegerField(default=MILLI)
+    milli_offset = models.PositiveSmallIntegerField(default=0)
+    started_at = models.DateTimeField(default=timezone.now)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    end_reason = models.CharField(max_length=64, blank=True)
+
+    objects = AllocationQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-id"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(fraction_milli__gte=1, fraction_milli__lte=MILLI),
+                name="allocation_fraction_range",
+            ),
+            models.CheckConstraint(
+                condition=Q(milli_offset__gte=0) & Q(milli_offset__lte=MILLI - F("fraction_milli")),
+                name="allocation_range_inside_gpu",
+            ),
+            models.CheckConstraint(
+                condition=Q(ended_at__isnull=True) | Q(ended_at__gte=F("started_at")),
+                name="allocation_ends_after_start",
+            ),
+            # A workload holds a GPU at most once at a time.
+            models.UniqueConstraint(
+                fields=["workload", "gpu"],
+                condition=Q(ended_at__isnull=True),
+                name="allocation_one_per_workload_gpu",
+            ),
+        ]
+        indexes = [
+            models.Index(fields=["gpu"], condition=Q(ended_at__isnull=True), name="allocation_active_gpu"),
+            models.Index(fields=["tenant", "started_at"], name="allocation_tenant_started"),
+            models.Index(fields=["ended_at"], name="allocation_ended"),
+        ]
+
+    def __str__(self) -> str:
+        return f"workload {self.workload_id} on gpu {self.gpu_id} ({self.fraction_milli}/1000)"
+
+
+class Quota(TenantOwnedModel):
+    """A tenant's limits, set by staff. Empty (null) means no limit. One row per tenant; it is also
+    the row that submissions lock (``scheduling.locks.lock_quota``) so that concurrent submissions
+    of one tenant are admitted one at a time."""
+
+    tenant = models.OneToOneField("portal.Tenant", on_delete=models.CASCADE, related_name="quota")
+    max_gpus_total = models.PositiveIntegerField(null=True, blank=True)
+    max_concurrent_workloads = models.PositiveIntegerField(null=True, blank=True)
+    max_spot_gpus = models.PositiveIntegerField(null=True, blank=True)
+    max_gpus_per_request = models.PositiveIntegerField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["tenant_id"]
+
+    def __str__(self) -> str:
+        return f"quota of tenant {self.tenant_id}"
+
+
+class QuotaModelLimit(models.Model):
+    """The most GPUs of one model a tenant may hold (counting waiting single-model requests)."""
+
+    quota = models.ForeignKey(Quota, on_delete=models.CASCADE, related_name="model_limits")
+    gpu_model = models.ForeignKey("nodes.GpuModel", on_delete=models.CASCADE, related_name="+")
+    max_gpus = models.PositiveIntegerField()
+
+    class Meta:
+        ordering = ["quota_id", "gpu_model_id"]
+        constraints = [models.UniqueConstraint(fields=["quota", "gpu_model"], name="quotamodellimit_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.gpu_model_id}: {self.max_gpus}"
+
+
+class ReservationStatus(models.TextChoices):
+    REQUESTED = "requested", "Requested"
+    ACTIVE = "active", "Active"
+    CANCELLED = "cancelled", "Cancelled"
+
+
+class Reservation(TenantOwnedModel):
+    """Capacity guaranteed to a tenant: ``count`` GPUs of ``gpu_model`` in ``region`` during the
+    half-open period ``[starts_at, ends_at)``. Active reservations are what metering bills; while
+    idle, the capacity may be lent to preemptible (spot, warm-pool) work of others."""
+
+    tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="reservations")
+    gpu_model = models.ForeignKey("nodes.GpuModel", on_delete=models.PROTECT, related_name="+")
+    region = models.ForeignKey("nodes.Region", on_delete=models.PROTECT, related_name="+")
+    count = models.PositiveIntegerField()
+    starts_at = models.DateTimeField()
+    ends_at = models.DateTimeField()
+    status = models.CharField(
+        max_length=16, choices=ReservationStatus.choices, default=ReservationStatus.REQUESTED
+    )
+    note = models.CharField(max_length=255, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-starts_at", "-id"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(ends_at__gt=F("starts_at")), name="reservation_period_positive"
+            ),
+            models.CheckConstraint(condition=Q(count__gte=1), name="reservation_count_positive"),
+        ]
+        indexes = [models.Index(fields=["status", "starts_at", "ends_at"], name="reservation_status_period")]
+
+    def __str__(self) -> str:
+        return f"{self.count}x {self.gpu_model_id} in {self.region_id} for tenant {self.tenant_id}"
+
+    def is_in_force(self, at) -> bool:
+        return self.status == ReservationStatus.ACTIVE and self.starts_at <= at < self.ends_at
+
+
+class WarmPool(models.Model):
+    """Staff-defined pool of prewarmed GPUs per (model, image or template, region).
+
+    ``target_size`` is what the scheduler keeps warm: at least ``min_size``, grown from recent
+    demand (an exponentially weighted arrival rate times the cold-start time) and shrunk when it
+    falls, never above ``max_size``."""
+
+    gpu_model = models.ForeignKey("nodes.GpuModel", on_delete=models.CASCADE, related_name="+")
+    region = models.ForeignKey("nodes.Region", on_delete=models.CASCADE, related_name="+")
+    image = models.CharField(max_length=255, blank=True)
+    template = models.CharField(max_length=100, blank=True)
+    min_size = models.PositiveIntegerField(default=0)
+    max_size = models.PositiveIntegerField(default=8)
+    target_size = models.PositiveIntegerField(default=0)
+    cold_start_s = models.PositiveIntegerField(default=120)
+    arrival_rate_per_s = models.FloatField(
+        default=0.0, help_text="Exponentially weighted arrivals per second."
+    )
+    rate_updated_at = models.DateTimeField(null=True, blank=True)
+    enabled = models.BooleanField(default=True)
+
+    class Meta:
+        ordering = ["gpu_model_id", "region_id", "image", "template"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["gpu_model", "region", "image", "template"], name="warmpool_unique"
+            ),
+            models.CheckConstraint(condition=~Q(image="", template=""), name="warmpool_image_or_template"),
+            models.CheckConstraint(condition=Q(max_size__gte=F("min_size")), name="warmpool_max_ge_min"),
+        ]
+
+    def __str__(self) -> str:
+        return f"warm pool {self.gpu_model_id}/{self.region_id}/{self.image or self.template}"
