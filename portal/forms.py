@@ -10,7 +10,7 @@ from django.contrib.auth import forms as auth_forms
 from django.utils import timezone
 
 from portal.errors import DomainError
-from portal.models import ROLE_SCOPES, Role, Scope
+from portal.models import ROLE_SCOPES, Role, Scope, User
 
 SCOPE_HELP = {
     Scope.READ: "See instances, jobs, usage and the fleet.",
@@ -60,6 +60,18 @@ class PasswordResetRequestForm(auth_forms.PasswordResetForm):
     email = forms.EmailField(
         label="Email", max_length=254, widget=forms.EmailInput(attrs={"autocomplete": "email"})
     )
+
+    def get_users(self, email):
+        """Active people with this address, including those who never set a password.
+
+        Owners made by ``createtenant`` start without one; proving they read this address's mail
+        is how they set it. Django's default skips them silently.
+        """
+        return (
+            user
+            for user in User.objects.filter(email__iexact=email, is_active=True)
+            if user.email.casefold() == email.casefold()
+        )
 
 
 class NewPasswordForm(auth_forms.SetPasswordForm):

@@ -120,11 +120,37 @@ def tenant_create(
     tenant = Tenant.objects.create(slug=slug, name=name, billing_email=billing_email, currency=currency)
     owner, _ = user_get_or_create(email=owner_email, password=owner_password)
     membership = Membership.objects.create(tenant=tenant, user=owner, role=Role.OWNER)
+    if not owner.has_usable_password():
+        transaction.on_commit(lambda: user_send_account_setup(user=owner, tenant=tenant))
     audit_record(tenant=tenant, actor=actor, action="tenant.create", target=tenant, data={"slug": slug})
     audit_record(
         tenant=tenant, actor=actor, action="member.add", target=membership, data={"role": Role.OWNER}
     )
     return tenant
+
+
+def user_send_account_setup(*, user: User, tenant: Tenant) -> None:
+    """Email a new owner the link to choose a password (a password-reset link: it proves the
+    address and works once)."""
+    from django.contrib.auth.tokens import default_token_generator
+    from django.urls import reverse
+    from django.utils.encoding import force_bytes
+    from django.utils.http import urlsafe_base64_encode
+
+    path = reverse(
+        "portal:password-reset-confirm",
+        kwargs={
+            "uidb64": urlsafe_base64_encode(force_bytes(user.pk)),
+            "token": default_token_generator.make_token(user),
+        },
+    )
+    context = {"user": user, "tenant": tenant, "url": settings.SITE_URL.rstrip("/") + path}
+    send_mail(
+        subject=f"Your gpupool team {tenant.name} is ready",
+        message=render_to_string("portal/email/account_setup.txt", context),
+        from_email=settings.DEFAULT_FROM_EMAIL,
+        recipient_list=[user.email],
+    )
 
 
 @transaction.atomic

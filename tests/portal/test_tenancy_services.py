@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import pytest
@@ -17,8 +18,11 @@ from portal.models import AuditEvent, Invitation, Membership, Role, Tenant, User
 pytestmark = pytest.mark.django_db
 
 
-def test_createtenant_makes_tenant_owner_and_audit(capsys):
-    call_command("createtenant", "lab-one", "--name", "Lab One", "--owner-email", "Boss@Lab.test")
+def test_createtenant_makes_tenant_owner_and_audit(
+    capsys, mailoutbox, django_capture_on_commit_callbacks, client
+):
+    with django_capture_on_commit_callbacks(execute=True):
+        call_command("createtenant", "lab-one", "--name", "Lab One", "--owner-email", "Boss@Lab.test")
     tenant = Tenant.objects.get(slug="lab-one")
     membership = Membership.objects.get(tenant=tenant)
     assert membership.role == Role.OWNER and membership.user.email == "boss@lab.test"
@@ -29,6 +33,26 @@ def test_createtenant_makes_tenant_owner_and_audit(capsys):
         "member.add",
     }
     assert "Created tenant lab-one" in capsys.readouterr().out
+
+    # The new owner gets a link to choose a password, and it works.
+    (mail,) = mailoutbox
+    assert mail.to == ["boss@lab.test"] and "Lab One" in mail.subject
+    link = re.search(r"https?://[^/\s]+(/password-reset/\S+)", mail.body).group(1)
+    form_page = client.get(link, follow=True)
+    assert form_page.status_code == 200
+    done = client.post(
+        form_page.redirect_chain[-1][0],
+        {"new_password1": "a-Strong-pass-42", "new_password2": "a-Strong-pass-42"},
+    )
+    assert done.status_code == 302
+    assert client.login(email="boss@lab.test", password="a-Strong-pass-42")
+
+
+def test_password_reset_reaches_owners_who_never_set_a_password(mailoutbox, client):
+    services.tenant_create(slug="lab", name="Lab", owner_email="new@lab.test", actor=Actor.system())
+    response = client.post("/password-reset/", {"email": "NEW@lab.test"})
+    assert response.status_code == 302
+    assert [m.to for m in mailoutbox] == [["new@lab.test"]]
 
 
 @pytest.mark.parametrize(
@@ -74,7 +98,9 @@ def test_invitation_round_trip(tenant, owner, django_capture_on_commit_callbacks
 
 
 def test_invitation_for_someone_else_is_refused(tenant, owner):
-    _, plaintext = services.invitation_create(tenant=tenant, email="a@acme.test", role="member", actor=Actor(user=owner))
+    _, plaintext = services.invitation_create(
+        tenant=tenant, email="a@acme.test", role="member", actor=Actor(user=owner)
+    )
     intruder = User.objects.create_user(email="b@acme.test", password="pw")
     with pytest.raises(PermissionDenied):
         services.invitation_accept(token=plaintext, user=intruder)
@@ -93,8 +119,12 @@ def test_expired_invitations_cannot_be_used_and_are_purged(tenant, owner):
 
 
 def test_reinviting_replaces_the_open_invitation(tenant, owner):
-    _, first = services.invitation_create(tenant=tenant, email="x@acme.test", role="member", actor=Actor(user=owner))
-    _, second = services.invitation_create(tenant=tenant, email="x@acme.test", role="admin", actor=Actor(user=owner))
+    _, first = services.invitation_create(
+        tenant=tenant, email="x@acme.test", role="member", actor=Actor(user=owner)
+    )
+    _, second = services.invitation_create(
+        tenant=tenant, email="x@acme.test", role="admin", actor=Actor(user=owner)
+    )
     assert Invitation.objects.filter(tenant=tenant).count() == 1
     with pytest.raises(NotFound):
         services.invitation_lookup(token=first)
@@ -110,7 +140,9 @@ def test_only_owners_grant_ownership(tenant, owner):
     with pytest.raises(PermissionDenied):
         services.membership_change_role(membership=member, role=Role.OWNER, actor=Actor(user=admin))
     with pytest.raises(PermissionDenied):
-        services.invitation_create(tenant=tenant, email="o@acme.test", role=Role.OWNER, actor=Actor(user=admin))
+        services.invitation_create(
+            tenant=tenant, email="o@acme.test", role=Role.OWNER, actor=Actor(user=admin)
+        )
     services.membership_change_role(membership=member, role=Role.OWNER, actor=Actor(user=owner))
     assert Membership.objects.get(pk=member.pk).role == Role.OWNER
 
@@ -138,7 +170,12 @@ def test_suspension_needs_a_reason(tenant):
 
 def test_seed_demo_is_idempotent(capsys):
     call_command("seed_demo")
-    counts = (Tenant.objects.count(), User.objects.count(), Membership.objects.count(), AuditEvent.objects.count())
+    counts = (
+        Tenant.objects.count(),
+        User.objects.count(),
+        Membership.objects.count(),
+        AuditEvent.objects.count(),
+    )
     call_command("seed_demo")
     assert counts == (
         Tenant.objects.count(),
