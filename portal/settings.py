@@ -266,6 +266,9 @@ STRIPE_API_BASE = env.str("STRIPE_API_BASE", default="")
 # --- gpupool ------------------------------------------------------------------------------------------
 GPUPOOL_INVITATION_TTL = timedelta(days=env.int("GPUPOOL_INVITATION_TTL_DAYS", default=7))
 GPUPOOL_TOKEN_LAST_USED_RESOLUTION = timedelta(seconds=60)
+GPUPOOL_LOGIN_FAILURE_LIMIT = env.int("GPUPOOL_LOGIN_FAILURE_LIMIT", default=10)
+GPUPOOL_LOGIN_FAILURE_WINDOW_S = env.int("GPUPOOL_LOGIN_FAILURE_WINDOW_S", default=900)
+GPUPOOL_PASSWORD_RESET_LIMIT = env.int("GPUPOOL_PASSWORD_RESET_LIMIT", default=5)
 
 # --- gpupool: nodes (the fleet) -------------------------------------------------------------------
 NODE_HEARTBEAT_INTERVAL_S = env.int("NODE_HEARTBEAT_INTERVAL_S", default=5)

@@ -3,8 +3,18 @@ from __future__ import annotations
 import pytest
 
 from portal.actors import Actor
-from portal.models import Membership, Role, Tenant, User  # noqa: F401
+from portal.models import Membership, Role, Tenant, User
 from portal.services import api_token_create, tenant_create
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache():
+    """Throttle and sign-in counters must not leak from one test into the next."""
+    from django.core.cache import cache
+
+    cache.clear()
+    yield
+    cache.clear()
 
 
 @pytest.fixture
@@ -38,7 +48,11 @@ def make_token(db):
         """A token made by the tenant's (first) owner, as the tokens page would make it."""
         owner = Membership.objects.filter(tenant=tenant, role=Role.OWNER).order_by("pk").first()
         _, plaintext = api_token_create(
-            tenant=tenant, name=kwargs.pop("name", "test"), scopes=scopes, actor=Actor(user=owner.user), **kwargs
+            tenant=tenant,
+            name=kwargs.pop("name", "test"),
+            scopes=scopes,
+            actor=Actor(user=owner.user),
+            **kwargs,
         )
         return plaintext
 

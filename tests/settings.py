@@ -19,3 +19,7 @@ if os.environ.get("TEST_DB_NAME"):
 # Threads (Channels' database_sync_to_async, live servers) must not keep connections open past
 # their work, or they leak into later tests.
 DATABASES["default"]["CONN_MAX_AGE"] = 0  # noqa: F405
+
+# Rate limits and throttles count in the cache; each test starts from an empty one (see conftest).
+# The broker and channel layer stay on Redis when REDIS_URL is set.
+CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "tests"}}

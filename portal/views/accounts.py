@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth import login
 from django.contrib.auth import views as auth_views
@@ -23,6 +24,7 @@ from portal.forms import (
     apply_domain_error,
 )
 from portal.middleware import SESSION_TENANT_KEY
+from portal.ratelimit import AttemptLimiter, client_ip
 from portal.views.base import bad_request, forbidden, not_found
 
 
@@ -35,10 +37,44 @@ class _BadRequestOnInvalid:
         return response
 
 
+login_limiter = AttemptLimiter(
+    "login", limit=settings.GPUPOOL_LOGIN_FAILURE_LIMIT, window_s=settings.GPUPOOL_LOGIN_FAILURE_WINDOW_S
+)
+reset_limiter = AttemptLimiter(
+    "password-reset",
+    limit=settings.GPUPOOL_PASSWORD_RESET_LIMIT,
+    window_s=settings.GPUPOOL_LOGIN_FAILURE_WINDOW_S,
+)
+
+
+def _too_many(request, template_name, form, retry_after: int):
+    minutes = max(1, round(retry_after / 60))
+    form.add_error(
+        None, f"Too many attempts. Try again in about {minutes} minute{'s' if minutes != 1 else ''}."
+    )
+    response = render(request, template_name, {"form": form}, status=429)
+    response["Retry-After"] = str(retry_after)
+    return response
+
+
 class LoginView(_BadRequestOnInvalid, auth_views.LoginView):
+    """Failed sign-ins are counted per address and per email; past the limit: 429."""
+
     template_name = "registration/login.html"
     form_class = LoginForm
     redirect_authenticated_user = True
+
+    def post(self, request, *args, **kwargs):
+        keys = (client_ip(request), (request.POST.get("username") or "")[:254])
+        wait = login_limiter.retry_after(*keys)
+        if wait:
+            return _too_many(request, self.template_name, self.get_form(), wait)
+        response = super().post(request, *args, **kwargs)
+        if response.status_code == 400:
+            login_limiter.hit(*keys)
+        else:
+            login_limiter.reset(keys[1])
+        return response
 
 
 class LogoutView(auth_views.LogoutView):
@@ -46,11 +82,22 @@ class LogoutView(auth_views.LogoutView):
 
 
 class PasswordResetView(_BadRequestOnInvalid, auth_views.PasswordResetView):
+    """Reset emails are limited per address and per email, so the form cannot be used to flood
+    someone's inbox."""
+
     template_name = "registration/password_reset_form.html"
     form_class = PasswordResetRequestForm
     email_template_name = "registration/password_reset_email.txt"
     subject_template_name = "registration/password_reset_subject.txt"
     success_url = reverse_lazy("portal:password-reset-done")
+
+    def post(self, request, *args, **kwargs):
+        keys = (client_ip(request), (request.POST.get("email") or "")[:254])
+        wait = reset_limiter.retry_after(*keys)
+        if wait:
+            return _too_many(request, self.template_name, self.get_form(), wait)
+        reset_limiter.hit(*keys)
+        return super().post(request, *args, **kwargs)
 
 
 class PasswordResetDoneView(auth_views.PasswordResetDoneView):
