@@ -314,3 +314,43 @@ LOGGING = {
         "django.db.backends": {"level": "WARNING"},
     },
 }
+
+# --- gpupool: scheduling ----------------------------------------------------------------------------
+# The engine's placement policy for the live scheduler (scheduling.engine.policies.POLICIES).
+SCHEDULING_POLICY = env.str("SCHEDULING_POLICY", default="gpupool")
+# Ask for a cycle on submit, release and node change (debounced); beat runs one every few seconds.
+SCHEDULING_TRIGGER_CYCLES = env.bool("SCHEDULING_TRIGGER_CYCLES", default=True)
+SCHEDULING_CYCLE_DEBOUNCE_S = env.float("SCHEDULING_CYCLE_DEBOUNCE_S", default=0.5)
+SCHEDULING_CYCLE_INTERVAL_S = env.float("SCHEDULING_CYCLE_INTERVAL_S", default=5)
+SCHEDULING_RECONCILE_INTERVAL_S = env.float("SCHEDULING_RECONCILE_INTERVAL_S", default=15)
+# SCHEDULED but not started within this: placed again (or failed after the last attempt).
+SCHEDULING_START_TIMEOUT_S = env.int("SCHEDULING_START_TIMEOUT_S", default=300)
+SCHEDULING_MAX_START_ATTEMPTS = env.int("SCHEDULING_MAX_START_ATTEMPTS", default=3)
+SCHEDULING_STOP_GRACE_S = env.int("SCHEDULING_STOP_GRACE_S", default=30)
+# How long past a stop's grace or a preemption's notice the node may take to report.
+SCHEDULING_REPORT_GRACE_S = env.int("SCHEDULING_REPORT_GRACE_S", default=60)
+# Notice a preempted workload gets, per plan (seconds).
+SCHEDULING_PREEMPTION_NOTICE_S = {"spot": 30, "on_demand": 120, "reserved": 120, "default": 30}
+# Lowest spot_max_price a request may name when no price provider (metering) gives a floor.
+SCHEDULING_SPOT_PRICE_FLOOR = env.str("SCHEDULING_SPOT_PRICE_FLOOR", default="0")
+# A new tenant's quota (None: no limit); staff change it in the admin.
+SCHEDULING_DEFAULT_QUOTA = {
+    "max_gpus_total": env.int("SCHEDULING_DEFAULT_MAX_GPUS", default=64),
+    "max_concurrent_workloads": env.int("SCHEDULING_DEFAULT_MAX_WORKLOADS", default=100),
+    "max_spot_gpus": None,
+    "max_gpus_per_request": None,
+}
+SCHEDULING_LOG_TAIL_CHARS = 16_000
+CELERY_BEAT_SCHEDULE.update(
+    {
+        "scheduling-cycle": {
+            "task": "scheduling.tasks.run_cycle",
+            "schedule": timedelta(seconds=SCHEDULING_CYCLE_INTERVAL_S),
+        },
+        "scheduling-reconcile": {
+            "task": "scheduling.tasks.reconcile",
+            "schedule": timedelta(seconds=SCHEDULING_RECONCILE_INTERVAL_S),
+        },
+    }
+)
+# --- end of the scheduling block -------------------------------------------------------------------

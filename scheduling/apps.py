@@ -5,3 +5,8 @@ class SchedulingConfig(AppConfig):
     name = "scheduling"
     verbose_name = "Scheduling"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from scheduling import receivers
+
+        receivers.connect()

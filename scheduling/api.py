@@ -1,0 +1,443 @@
+"""``/api/v1/instances/``, ``/jobs/``, ``/gpu-types/``, ``/reservations/``, ``/quotas/``.
+
+Registered on portal's shared router (portal autodiscovers this module). Views parse input and
+call one service; the rules live in ``scheduling.services``.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+import django_filters
+from django.conf import settings
+from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.response import Response
+
+from nodes.models import GpuModel
+from portal.api.routers import router
+from portal.api.viewsets import TenantReadOnlyViewSet, TenantScopedViewSet
+from portal.models import Scope
+from scheduling import selectors
+from scheduling.models import (
+    Plan,
+    PriorityClass,
+    Quota,
+    Reservation,
+    Workload,
+    WorkloadKind,
+    WorkloadState,
+)
+from scheduling.pricing import gpu_prices
+from scheduling.services.lifecycle import workload_stop
+from scheduling.services.reservations import reservation_cancel, reservation_request
+from scheduling.services.submission import workload_submit
+
+# --- serializers -----------------------------------------------------------------------------------
+
+
+class WorkloadSerializer(serializers.ModelSerializer):
+    gpu_models = serializers.SlugRelatedField(many=True, read_only=True, slug_field="name")
+    region = serializers.SlugRelatedField(read_only=True, slug_field="code")
+    pending = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Workload
+        fields = [
+            "id",
+            "kind",
+            "name",
+            "state",
+            "state_reason",
+            "pending",
+            "gpu_models",
+            "min_gpu_memory_gib",
+            "min_compute_weight",
+            "gpu_vendor",
+            "cuda_capability",
+            "rocm_target",
+            "gpu_count",
+            "gang",
+            "gpu_fraction_milli",
+            "mig_profile",
+            "cpu_millicores",
+            "ram_mib",
+            "region",
+            "other_regions_ok",
+            "plan",
+            "spot_max_price",
+            "reservation",
+            "priority_class",
+            "image",
+            "template",
+            "command",
+            "env",
+            "ports",
+            "ssh_public_key",
+            "max_runtime_s",
+            "estimated_runtime_s",
+            "requeue_on_preemption",
+            "checkpoint_resume",
+            "max_retries",
+            "retries",
+            "attempt",
+            "exit_code",
+            "submitted_at",
+            "scheduled_at",
+            "started_at",
+            "finished_at",
+        ]
+        read_only_fields = fields
+
+    def get_pending(self, w: Workload) -> dict | None:
+        """Why it waits and, where the scheduler can tell, when it is expected to start."""
+        if w.state not in (WorkloadState.PENDING, WorkloadState.QUEUED):
+            return None
+        return {
+            "reason": w.pending_reason or "queued",
+            "message": w.pending_message,
+            "expected_start_at": w.expected_start_at,
+        }
+
+
+class WorkloadDetailSerializer(WorkloadSerializer):
+    placement = serializers.SerializerMethodField()
+
+    class Meta(WorkloadSerializer.Meta):
+        fields = [*WorkloadSerializer.Meta.fields, "placement"]
+        read_only_fields = fields
+
+    def get_placement(self, w: Workload) -> list[dict]:
+        return [
+            {
+                "node": p["node__hostname"],
+                "region": p["node__region__code"],
+                "gpu_index": p["gpu__index"],
+                "gpu_model": p["gpu_model__name"],
+                "fraction_milli": p["fraction_milli"],
+            }
+            for p in selectors.workload_placement(workload=w)
+        ]
+
+
+class _SpecSerializer(serializers.Serializer):
+    """Shape and types only; the service checks the spec against the catalog, fleet and quotas."""
+
+    name = serializers.CharField(required=False, allow_blank=True, max_length=100)
+    gpu_models = serializers.ListField(
+        child=serializers.CharField(max_length=80), required=False, max_length=32
+    )
+    gpu_model = serializers.CharField(required=False, max_length=80)
+    min_gpu_memory_gib = serializers.IntegerField(required=False)
+    min_compute_weight = serializers.DecimalField(required=False, max_digits=5, decimal_places=2)
+    gpu_vendor = serializers.CharField(required=False, allow_blank=True)
+    cuda_capability = serializers.CharField(required=False, allow_blank=True)
+    rocm_target = serializers.CharField(required=False, allow_blank=True)
+    gpu_count = serializers.IntegerField(required=False)
+    gang = serializers.BooleanField(required=False)
+    gpu_fraction_milli = serializers.IntegerField(required=False)
+    mig_profile = serializers.CharField(required=False, allow_blank=True)
+    cpu_millicores = serializers.IntegerField(required=False)
+    ram_mib = serializers.IntegerField(required=False)
+    region = serializers.CharField(required=False, allow_blank=True)
+    other_regions_ok = serializers.BooleanField(required=False)
+    plan = serializers.ChoiceField(choices=Plan.choices, required=False)
+    spot_max_price = serializers.DecimalField(
+        required=False, max_digits=22, decimal_places=10, allow_null=True
+    )
+    reservation = serializers.IntegerField(required=False, allow_null=True)
+    priority_class = serializers.ChoiceField(choices=PriorityClass.choices, required=False, allow_blank=True)
+    image = serializers.CharField(required=False, allow_blank=True, max_length=255)
+    max_runtime_s = serializers.IntegerField(required=False, allow_null=True)
+
+
+class InstanceCreateSerializer(_SpecSerializer):
+    template = serializers.CharField(required=False, allow_blank=True, max_length=100)
+    ports = serializers.ListField(child=serializers.IntegerField(), required=False, max_length=64)
+    ssh_public_key = serializers.CharField(required=False, allow_blank=True)
+
+
+class JobCreateSerializer(_SpecSerializer):
+    command = serializers.ListField(child=serializers.CharField(allow_blank=True), required=False)
+    env = serializers.DictField(child=serializers.CharField(allow_blank=True), required=False)
+    estimated_runtime_s = serializers.IntegerField(required=False, allow_null=True)
+    requeue_on_preemption = serializers.BooleanField(required=False)
+    checkpoint_resume = serializers.BooleanField(required=False)
+    max_retries = serializers.IntegerField(required=False)
+
+
+class WorkloadEventSerializer(serializers.Serializer):
+    at = serializers.DateTimeField()
+    from_state = serializers.CharField()
+    to_state = serializers.CharField()
+    reason = serializers.CharField()
+    message = serializers.CharField()
+
+
+# --- instances and jobs ----------------------------------------------------------------------------
+
+
+class WorkloadFilter(django_filters.FilterSet):
+    state = django_filters.MultipleChoiceFilter(choices=WorkloadState.choices)
+    plan = django_filters.ChoiceFilter(choices=Plan.choices)
+    region = django_filters.CharFilter(field_name="region__code")
+    name = django_filters.CharFilter(lookup_expr="icontains")
+    submitted_after = django_filters.IsoDateTimeFilter(field_name="submitted_at", lookup_expr="gte")
+    submitted_before = django_filters.IsoDateTimeFilter(field_name="submitted_at", lookup_expr="lt")
+    active = django_filters.BooleanFilter(method="filter_active")
+
+    class Meta:
+        model = Workload
+        fields = ["state", "plan", "region", "name"]
+
+    def filter_active(self, queryset, name, value):
+        terminal = [WorkloadState.STOPPED, WorkloadState.SUCCEEDED, WorkloadState.FAILED]
+        return queryset.exclude(state__in=terminal) if value else queryset.filter(state__in=terminal)
+
+
+class _WorkloadViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
+    kind: str = ""
+    create_serializer: type[serializers.Serializer] = _SpecSerializer
+    filterset_class = WorkloadFilter
+
+    def get_queryset(self):
+        return (
+            super()
+            .get_queryset()
+            .filter(kind=self.kind)
+            .select_related("region")
+            .prefetch_related("gpu_models")
+        )
+
+    def get_serializer_class(self):
+        if self.action == "create":
+            return self.create_serializer
+        return WorkloadDetailSerializer if self.action in ("retrieve", "stop") else WorkloadSerializer
+
+    def create(self, request, *args, **kwargs):
+        serializer = self.get_serializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        spec = dict(serializer.validated_data)
+        workload = workload_submit(tenant=self.ctx.tenant, kind=self.kind, spec=spec, actor=self.actor)
+        workload = self.get_queryset().get(pk=workload.pk)
+        return Response(WorkloadDetailSerializer(workload).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=None, responses=WorkloadDetailSerializer)
+    @action(detail=True, methods=["post"])
+    def stop(self, request, pk=None):
+        workload_stop(workload=self.get_object(), actor=self.actor)
+        return Response(WorkloadDetailSerializer(self.get_queryset().get(pk=pk)).data)
+
+    @extend_schema(responses=WorkloadEventSerializer(many=True))
+    @action(detail=True, methods=["get"])
+    def events(self, request, pk=None):
+        events = selectors.workload_events(workload=self.get_object())
+        return Response(WorkloadEventSerializer(events, many=True).data)
+
+
+class InstanceViewSet(_WorkloadViewSet):
+    """GPU instances: long-running and interactive. POST to ask for one; POST ``{id}/stop/`` to stop it."""
+
+    queryset = Workload.objects.all()
+    kind = WorkloadKind.INSTANCE
+    create_serializer = InstanceCreateSerializer
+
+
+class JobViewSet(_WorkloadViewSet):
+    """Batch jobs: run to completion. ``{id}/logs/`` gives the last output the agent reported."""
+
+    queryset = Workload.objects.all()
+    kind = WorkloadKind.JOB
+    create_serializer = JobCreateSerializer
+
+    @action(detail=True, methods=["get"])
+    def logs(self, request, pk=None):
+        """What is stored: the agent's last reported message for the job (its exit message or log
+        tail, up to SCHEDULING_LOG_TAIL_CHARS) and the job's state events. There is no live log
+        stream in the agent protocol yet."""
+        w = self.get_object()
+        return Response(
+            {
+                "id": w.pk,
+                "state": w.state,
+                "exit_code": w.exit_code,
+                "log_tail": w.log_tail,
+                "source": "agent_report",
+                "events": WorkloadEventSerializer(selectors.workload_events(workload=w), many=True).data,
+            }
+        )
+
+
+# --- GPU types -------------------------------------------------------------------------------------
+
+
+class GpuTypeSerializer(serializers.ModelSerializer):
+    availability = serializers.SerializerMethodField()
+
+    class Meta:
+        model = GpuModel
+        fields = [
+            "id",
+            "name",
+            "short_name",
+            "vendor",
+            "architecture",
+            "memory_gib",
+            "bf16_tflops",
+            "fp32_tflops",
+            "memory_bandwidth_gbps",
+            "compute_weight",
+            "mig_capable",
+            "mig_profiles",
+            "software_stack",
+            "cuda_compute_capability",
+            "gfx_target",
+            "availability",
+        ]
+        read_only_fields = fields
+
+    def get_availability(self, m: GpuModel) -> list[dict]:
+        """Per region: GPUs in the fleet, schedulable, wholly free, free capacity, and the hourly
+        price per GPU per plan (null until a price provider, i.e. metering, supplies it)."""
+        per_region = self.context["availability"].get(m.pk, {})
+        regions = self.context["regions"]
+        out = []
+        for code in sorted(per_region):
+            ra = per_region[code]
+            out.append(
+                {
+                    "region": code,
+                    "total_gpus": ra.total_gpus,
+                    "schedulable_gpus": ra.schedulable_gpus,
+                    "free_gpus": ra.free_gpus,
+                    "free_gpu_milli": ra.free_milli,
+                    "price_per_gpu_hour": {
+                        k: (str(v) if v is not None else None)
+                        for k, v in gpu_prices(gpu_model=m, region=regions.get(code)).items()
+                    },
+                }
+            )
+        return out
+
+
+class GpuTypeViewSet(viewsets.ReadOnlyModelViewSet):
+    """The GPU catalog (shared by every tenant) with live availability per region."""
+
+    queryset = GpuModel.objects.all().order_by("vendor", "name")
+    serializer_class = GpuTypeSerializer
+    pagination_class = None
+    filterset_fields = ["vendor", "mig_capable"]
+    lookup_value_regex = r"[0-9]+"
+
+    def get_serializer_context(self):
+        from nodes.models import Region
+
+        ctx = super().get_serializer_context()
+        ctx["availability"] = selectors.gpu_availability()
+        ctx["regions"] = {r.code: r for r in Region.objects.all()}
+        return ctx
+
+
+# --- reservations ----------------------------------------------------------------------------------
+
+
+class ReservationSerializer(serializers.ModelSerializer):
+    gpu_model = serializers.SlugRelatedField(read_only=True, slug_field="name")
+    region = serializers.SlugRelatedField(read_only=True, slug_field="code")
+
+    class Meta:
+        model = Reservation
+        fields = [
+            "id",
+            "gpu_model",
+            "region",
+            "count",
+            "starts_at",
+            "ends_at",
+            "status",
+            "note",
+            "created_at",
+        ]
+        read_only_fields = fields
+
+
+class ReservationCreateSerializer(serializers.Serializer):
+    gpu_model = serializers.CharField(max_length=80)
+    region = serializers.CharField(max_length=32)
+    count = serializers.IntegerField(min_value=1, max_value=100_000)
+    starts_at = serializers.DateTimeField()
+    ends_at = serializers.DateTimeField()
+    note = serializers.CharField(required=False, allow_blank=True, max_length=255)
+
+
+class ReservationViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
+    """Reserved capacity. POST asks for one (staff confirm it); ``{id}/cancel/`` withdraws a request."""
+
+    queryset = Reservation.objects.select_related("gpu_model", "region")
+    serializer_class = ReservationSerializer
+    filterset_fields = ["status"]
+
+    def get_serializer_class(self):
+        return ReservationCreateSerializer if self.action == "create" else ReservationSerializer
+
+    @extend_schema(responses={201: ReservationSerializer})
+    def create(self, request, *args, **kwargs):
+        serializer = self.get_serializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        r = reservation_request(tenant=self.ctx.tenant, actor=self.actor, **serializer.validated_data)
+        return Response(ReservationSerializer(r).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=None, responses=ReservationSerializer)
+    @action(detail=True, methods=["post"])
+    def cancel(self, request, pk=None):
+        r = reservation_cancel(reservation=self.get_object(), actor=self.actor)
+        return Response(ReservationSerializer(r).data)
+
+
+# --- quotas ----------------------------------------------------------------------------------------
+
+
+class QuotaViewSet(mixins.ListModelMixin, TenantScopedViewSet):
+    """The tenant's limits (null: no limit) and what counts against them now."""
+
+    queryset = Quota.objects.all()
+    pagination_class = None
+    read_scope = Scope.READ
+
+    def list(self, request, *args, **kwargs):
+        tenant = self.ctx.tenant
+        quota = selectors.quota_for_tenant(tenant=tenant)
+        if quota is not None:
+            limits = {
+                "max_gpus_total": quota.max_gpus_total,
+                "max_concurrent_workloads": quota.max_concurrent_workloads,
+                "max_spot_gpus": quota.max_spot_gpus,
+                "max_gpus_per_request": quota.max_gpus_per_request,
+            }
+            model_limits = {lim.gpu_model.name: lim.max_gpus for lim in quota.model_limits.all()}
+        else:
+            limits = dict(settings.SCHEDULING_DEFAULT_QUOTA)
+            model_limits = {}
+        usage = selectors.quota_usage(tenant=tenant)
+        names = dict(GpuModel.objects.filter(pk__in=list(usage.model_milli)).values_list("pk", "name"))
+        return Response(
+            {
+                "limits": {**limits, "max_gpus_per_model": model_limits},
+                "usage": {
+                    "workloads": usage.workloads,
+                    "gpus": str(usage.gpus),
+                    "spot_gpus": str(usage.spot_gpus),
+                    "gpus_per_model": {
+                        names[k]: str(Decimal(v) / 1000) for k, v in usage.model_milli.items() if k in names
+                    },
+                },
+            }
+        )
+
+
+router.register("instances", InstanceViewSet, basename="instance")
+router.register("jobs", JobViewSet, basename="job")
+router.register("gpu-types", GpuTypeViewSet, basename="gpu-type")
+router.register("reservations", ReservationViewSet, basename="reservation")
+router.register("quotas", QuotaViewSet, basename="quota")

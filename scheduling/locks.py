@@ -1,0 +1,81 @@
+"""Every row lock and advisory lock scheduling takes, in one place (Saleor's ``lock_objects.py``).
+
+Lock order, to keep deadlocks out: the cycle's advisory lock, then a tenant's Quota row, then
+Workload rows (by id), then Allocation rows. Code that needs several takes them in that order.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import QuerySet
+
+from scheduling.models import Quota, Reservation, Workload
+
+# The key of the scheduling cycle's PostgreSQL advisory lock (a stable 32-bit number).
+CYCLE_LOCK_KEY = zlib.crc32(b"gpupool.scheduling.cycle")
+
+
+def lock_quota(*, tenant) -> Quota:
+    """The tenant's Quota row, created on first use and locked until the transaction ends.
+
+    Every submission of a tenant takes this lock before counting the tenant's use, so two
+    submissions of one tenant are admitted one after the other and cannot both pass a limit.
+    Must run inside ``transaction.atomic()``.
+    """
+    if not transaction.get_connection().in_atomic_block:
+        raise RuntimeError("lock_quota needs a transaction")
+    quota = Quota.objects.select_for_update().filter(tenant=tenant).first()
+    if quota is not None:
+        return quota
+    # First submission of the tenant: make the row (a concurrent maker loses on the unique
+    # tenant column inside its savepoint and then waits for ours) and lock it.
+    Quota.objects.get_or_create(tenant=tenant, defaults=dict(settings.SCHEDULING_DEFAULT_QUOTA))
+    return Quota.objects.select_for_update().get(tenant=tenant)
+
+
+def lock_workload(*, workload_id: int) -> Workload:
+    """One workload row, locked until the transaction ends (state changes go through this)."""
+    return Workload.objects.select_for_update().get(pk=workload_id)
+
+
+def lock_workload_if_exists(*, workload_id: int) -> Workload | None:
+    return Workload.objects.select_for_update().filter(pk=workload_id).first()
+
+
+def lock_workloads(*, ids, states=None) -> dict[int, Workload]:
+    """Several workload rows (optionally only those in ``states``), locked in id order."""
+    qs = Workload.objects.select_for_update().filter(pk__in=list(ids))
+    if states is not None:
+        qs = qs.filter(state__in=list(states))
+    return {w.pk: w for w in qs.order_by("pk")}
+
+
+def lock_workloads_where(**filters) -> QuerySet[Workload]:
+    """Workloads matching ``filters``, locked in id order; rows another transaction holds are
+    skipped (the cycle and the reconciler come back to them), so these never wait on a tenant's
+    stop or a fleet report. Joins are not locked (``of=self``)."""
+    return Workload.objects.select_for_update(skip_locked=True, of=("self",)).filter(**filters).order_by("pk")
+
+
+def lock_reservation(*, reservation_id: int) -> Reservation:
+    return Reservation.objects.select_for_update().get(pk=reservation_id)
+
+
+def try_cycle_lock() -> bool:
+    """Take the cycle's single-flight lock for the current transaction, or return False at once.
+
+    PostgreSQL: ``pg_try_advisory_xact_lock``, released when the transaction ends (also when the
+    worker dies: the connection closes). SQLite has no advisory locks; the settings open every
+    transaction with BEGIN IMMEDIATE, which takes the database's write lock at once, so two
+    cycles (like any two writers) already run one after the other, and this returns True.
+    """
+    if not transaction.get_connection().in_atomic_block:
+        raise RuntimeError("try_cycle_lock needs a transaction")
+    if connection.vendor != "postgresql":
+        return True
+    with connection.cursor() as cur:
+        cur.execute("SELECT pg_try_advisory_xact_lock(%s)", [CYCLE_LOCK_KEY])
+        return bool(cur.fetchone()[0])

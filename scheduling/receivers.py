@@ -1,0 +1,52 @@
+"""Receivers of the fleet's signals (``nodes.signals``), connected in ``SchedulingConfig.ready()``.
+
+Thin: each calls one service. nodes sends them after its transaction commits, with
+``send_robust``, so a failure here is logged there and never undoes the fleet's change; the
+reconciler (``scheduling.services.lifecycle.scheduling_reconcile``) finishes whatever a failed
+receiver left.
+"""
+
+from __future__ import annotations
+
+from nodes import signals
+from nodes.models import CommandKind
+from scheduling.services import lifecycle
+from scheduling.services.triggers import cycle_request
+
+WORKLOAD_COMMANDS = (CommandKind.START_WORKLOAD, CommandKind.STOP_WORKLOAD, CommandKind.PREEMPT_WORKLOAD)
+
+
+def on_command_finished(sender, command, state, result, **kwargs) -> None:
+    if command.kind in WORKLOAD_COMMANDS:
+        lifecycle.workload_on_command_finished(
+            kind=command.kind,
+            payload=command.payload,
+            node_id=command.node_id,
+            state=state,
+            result=result or {},
+        )
+
+
+def on_workload_exited(
+    sender, node, workload_id, state, exit_code, finished_at=None, message="", **kwargs
+) -> None:
+    lifecycle.workload_on_exited(
+        node_id=node.pk, workload_id=workload_id, state=state, exit_code=exit_code, message=message or ""
+    )
+
+
+def on_node_down(sender, node, last_heartbeat_at=None, **kwargs) -> None:
+    lifecycle.workloads_on_node_down(node_id=node.pk, reason=node.state_reason)
+    cycle_request(reason="node_down")
+
+
+def on_gpu_unhealthy(sender, gpu, node, reason, **kwargs) -> None:
+    lifecycle.workloads_on_gpu_unhealthy(gpu_id=gpu.pk, node_id=node.pk, reason=reason)
+    cycle_request(reason="gpu_unhealthy")
+
+
+def connect() -> None:
+    signals.command_finished.connect(on_command_finished, dispatch_uid="scheduling.command_finished")
+    signals.workload_exited.connect(on_workload_exited, dispatch_uid="scheduling.workload_exited")
+    signals.node_down.connect(on_node_down, dispatch_uid="scheduling.node_down")
+    signals.gpu_unhealthy.connect(on_gpu_unhealthy, dispatch_uid="scheduling.gpu_unhealthy")

@@ -1,0 +1,155 @@
+"""Reads shared by the API, the web UI and the services."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from decimal import Decimal
+
+from django.db.models import Count, F, Q, QuerySet, Sum
+
+from nodes.models import SCHEDULABLE_NODE_STATES, Gpu, GpuHealth, GpuModel
+from scheduling.models import (
+    ACTIVE_STATES,
+    HOLDING_STATES,
+    MILLI,
+    WAITING_STATES,
+    Allocation,
+    Plan,
+    Quota,
+    Reservation,
+    Workload,
+    WorkloadEvent,
+)
+
+
+@dataclass
+class QuotaUsage:
+    workloads: int = 0
+    gpu_milli: int = 0
+    spot_gpu_milli: int = 0
+    model_milli: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def gpus(self) -> Decimal:
+        return Decimal(self.gpu_milli) / MILLI
+
+    @property
+    def spot_gpus(self) -> Decimal:
+        return Decimal(self.spot_gpu_milli) / MILLI
+
+
+def quota_usage(*, tenant) -> QuotaUsage:
+    """What counts against the tenant's quotas now: every workload that is waiting or holds GPUs.
+
+    Per model: GPUs allocated on that model, plus waiting requests that accept that model only.
+    Three queries.
+    """
+    milli = F("gpu_count") * F("gpu_fraction_milli")
+    active = Workload.objects.for_tenant(tenant).filter(state__in=ACTIVE_STATES)
+    agg = active.aggregate(
+        n=Count("id"),
+        gpu=Sum(milli),
+        spot=Sum(milli, filter=Q(plan=Plan.SPOT)),
+    )
+    per_model: dict[int, int] = defaultdict(int)
+    for row in (
+        Allocation.objects.for_tenant(tenant)
+        .active()
+        .values("gpu_model_id")
+        .annotate(m=Sum("fraction_milli"))
+        .order_by()
+    ):
+        per_model[row["gpu_model_id"]] += row["m"]
+    waiting = (
+        active.filter(state__in=WAITING_STATES)
+        .annotate(models_n=Count("gpu_models"))
+        .filter(models_n=1)
+        .values_list("gpu_models", "gpu_count", "gpu_fraction_milli")
+    )
+    for model_id, count, fraction in waiting:
+        per_model[model_id] += count * fraction
+    return QuotaUsage(
+        workloads=agg["n"] or 0,
+        gpu_milli=agg["gpu"] or 0,
+        spot_gpu_milli=agg["spot"] or 0,
+        model_milli=dict(per_model),
+    )
+
+
+def quota_for_tenant(*, tenant) -> Quota | None:
+    return Quota.objects.for_tenant(tenant).prefetch_related("model_limits__gpu_model").first()
+
+
+def workloads_for_tenant(*, tenant, kind: str | None = None) -> QuerySet[Workload]:
+    qs = Workload.objects.for_tenant(tenant).select_related("region").prefetch_related("gpu_models")
+    return qs.filter(kind=kind) if kind else qs
+
+
+def workload_get(*, tenant, id: int) -> Workload | None:
+    return workloads_for_tenant(tenant=tenant).filter(pk=id).first()
+
+
+def workload_events(*, workload: Workload) -> QuerySet[WorkloadEvent]:
+    return WorkloadEvent.objects.filter(workload=workload).order_by("at", "id")
+
+
+def workload_placement(*, workload: Workload) -> list[dict]:
+    """Where a workload holds GPUs now: node, GPU index, share."""
+    return list(
+        Allocation.objects.filter(workload=workload, ended_at__isnull=True)
+        .order_by("node_id", "gpu__index")
+        .values("node__hostname", "node__region__code", "gpu__index", "gpu_model__name", "fraction_milli")
+    )
+
+
+def reservations_for_tenant(*, tenant) -> QuerySet[Reservation]:
+    return Reservation.objects.for_tenant(tenant).select_related("gpu_model", "region")
+
+
+@dataclass
+class RegionAvailability:
+    region: str
+    total_gpus: int = 0
+    schedulable_gpus: int = 0
+    free_gpus: int = 0
+    free_milli: int = 0
+
+
+def gpu_availability() -> dict[int, dict[str, RegionAvailability]]:
+    """Per GPU model, per region: GPUs in the fleet, schedulable now (READY node, healthy, not
+    isolated), wholly free and free capacity in thousandths. Two queries."""
+    used: dict[int, int] = defaultdict(int)
+    for gpu_id, m in (
+        Allocation.objects.active()
+        .values("gpu_id")
+        .annotate(m=Sum("fraction_milli"))
+        .values_list("gpu_id", "m")
+    ):
+        used[gpu_id] = m
+    out: dict[int, dict[str, RegionAvailability]] = defaultdict(dict)
+    rows = Gpu.objects.filter(removed_at__isnull=True, model__isnull=False).values_list(
+        "pk", "model_id", "node__region__code", "node__state", "health", "isolated"
+    )
+    for gpu_id, model_id, region, node_state, health, isolated in rows:
+        ra = out[model_id].get(region)
+        if ra is None:
+            ra = out[model_id][region] = RegionAvailability(region=region)
+        ra.total_gpus += 1
+        if node_state in SCHEDULABLE_NODE_STATES and health == GpuHealth.HEALTHY and not isolated:
+            ra.schedulable_gpus += 1
+            free = MILLI - used.get(gpu_id, 0)
+            ra.free_milli += max(free, 0)
+            if free >= MILLI:
+                ra.free_gpus += 1
+    return out
+
+
+def gpu_catalog() -> QuerySet[GpuModel]:
+    return GpuModel.objects.all()
+
+
+def holding_workloads_on_node(*, node_id: int) -> QuerySet[Workload]:
+    return Workload.objects.filter(
+        state__in=HOLDING_STATES, allocations__node_id=node_id, allocations__ended_at__isnull=True
+    ).distinct()

@@ -1,0 +1,529 @@
+"""The scheduling cycle: snapshot -> engine decisions -> one transaction of allocations, state changes
+and NodeCommands.
+
+Single flight: the cycle runs inside one transaction that first takes a PostgreSQL advisory lock
+(``scheduling.locks.try_cycle_lock``); a second cycle that finds it taken returns at once (the one
+running sees its work, or the next beat does). On SQLite the IMMEDIATE transaction mode already
+serialises writers. A worker killed mid-cycle rolls the whole transaction back: no allocation
+without its state change or its start command, and the next cycle starts from the database.
+
+The snapshot is loaded with a fixed number of queries whatever the fleet and queue size: catalog,
+READY nodes, their GPUs, open allocations (with their workloads' fields), the queue, the queue's
+GPU-model choices, reservations in force, per-model quota limits and preemptions in progress.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from nodes.models import SCHEDULABLE_NODE_STATES, CommandKind, Gpu, GpuHealth, GpuModel, Node
+from nodes.services.commands import node_command_enqueue
+from portal.actors import Actor
+from scheduling.engine import types as E
+from scheduling.engine.cycle import CycleConfig, schedule
+from scheduling.engine.spec import allowed_models
+from scheduling.locks import lock_workloads, lock_workloads_where, try_cycle_lock
+from scheduling.models import (
+    MILLI,
+    Allocation,
+    QuotaModelLimit,
+    Reservation,
+    ReservationStatus,
+    Workload,
+    WorkloadKind,
+    WorkloadState,
+)
+from scheduling.services.allocations import allocation_ranges_move, gpu_range_choose
+from scheduling.services.states import workload_transition
+
+logger = logging.getLogger(__name__)
+
+SYSTEM = Actor.system()
+ENGINE_VENDORS = {v.value for v in E.Vendor}
+# States whose work may be preempted (a workload already being stopped or preempted is leaving).
+PREEMPTIBLE_STATES = (WorkloadState.SCHEDULED, WorkloadState.STARTING, WorkloadState.RUNNING)
+
+
+@dataclass
+class CycleResult:
+    ran: bool = False
+    admitted: int = 0
+    placed: list[int] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+    pending: int = 0
+    seconds: float = 0.0
+
+
+def _epoch(dt: datetime | None) -> float | None:
+    return dt.timestamp() if dt is not None else None
+
+
+def _from_epoch(t: float | None) -> datetime | None:
+    return datetime.fromtimestamp(t, tz=UTC) if t is not None else None
+
+
+def _model_info(m: GpuModel) -> E.GpuModelInfo:
+    return E.GpuModelInfo(
+        name=m.name,
+        vendor=E.Vendor(m.vendor),
+        memory_mib=m.memory_gib * 1024,
+        compute_weight=float(m.compute_weight),
+        cuda_capability=m.cuda_cc_tuple,
+        rocm_target=m.gfx_target or None if m.vendor == "amd" else None,
+    )
+
+
+@dataclass
+class _Context:
+    """What the commit step needs besides the decisions."""
+
+    now: datetime
+    workloads: dict[int, Workload]
+    gpus: dict[tuple[int, int], dict[str, Any]]  # (node id, gpu index) -> gpu row
+    ranges: dict[int, list[tuple[int, int, int]]]  # gpu id -> open (offset, fraction, alloc id)
+    holders: dict[int, list[dict[str, Any]]]  # workload id -> its open allocation rows
+    model_use: dict[tuple[int, int], int]  # (tenant id, model id) -> milli held
+    model_limits: dict[tuple[int, int], int]  # (tenant id, model id) -> max GPUs
+    model_ids: dict[str, int]
+    waiting_for_victims: dict[int, int]  # preemptor id -> victims still holding
+    quota_blocked: set[int]  # queued workloads whose every acceptable model is at its quota
+
+
+def _priority(workload_pc: str, plan: str) -> E.PriorityClass | None:
+    if not workload_pc:
+        return None
+    return E.PriorityClass[workload_pc.upper()]
+
+
+def _load(now: datetime) -> tuple[E.Snapshot, list[E.Request], _Context]:
+    catalog_rows = list(GpuModel.objects.all())
+    catalog = {m.name: _model_info(m) for m in catalog_rows if m.vendor in ENGINE_VENDORS}
+    model_ids = {m.name: m.pk for m in catalog_rows}
+    model_names = {m.pk: m.name for m in catalog_rows}
+
+    node_rows = {
+        n["id"]: n
+        for n in Node.objects.filter(state__in=SCHEDULABLE_NODE_STATES).values(
+            "id", "region__code", "cpu_cores", "ram_mib"
+        )
+    }
+    gpu_rows = list(
+        Gpu.objects.filter(node_id__in=list(node_rows), removed_at__isnull=True)
+        .order_by("node_id", "index")
+        .values(
+            "id", "node_id", "index", "uuid", "model_id", "health", "isolated", "nvlink_island", "numa_node"
+        )
+    )
+    gpus = {(g["node_id"], g["index"]): g for g in gpu_rows}
+
+    allocs = list(
+        Allocation.objects.active().values(
+            "id",
+            "workload_id",
+            "node_id",
+            "gpu_id",
+            "gpu__index",
+            "gpu_model_id",
+            "fraction_milli",
+            "milli_offset",
+            "tenant_id",
+            "workload__state",
+            "workload__kind",
+            "workload__plan",
+            "workload__priority_class",
+            "workload__cpu_millicores",
+            "workload__ram_mib",
+            "workload__gang",
+            "workload__scheduled_at",
+            "workload__started_at",
+            "workload__estimated_runtime_s",
+            "workload__max_runtime_s",
+            "workload__checkpoint_resume",
+            "workload__requeue_on_preemption",
+        )
+    )
+    used: dict[int, int] = defaultdict(int)
+    ranges: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+    holders: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    model_use: dict[tuple[int, int], int] = defaultdict(int)
+    node_load: dict[int, dict[int, tuple[int, int]]] = defaultdict(dict)  # node -> workload -> (cpu, ram)
+    for a in allocs:
+        used[a["gpu_id"]] += a["fraction_milli"]
+        ranges[a["gpu_id"]].append((a["milli_offset"], a["fraction_milli"], a["id"]))
+        holders[a["workload_id"]].append(a)
+        model_use[(a["tenant_id"], a["gpu_model_id"])] += a["fraction_milli"]
+        node_load[a["node_id"]][a["workload_id"]] = (a["workload__cpu_millicores"], a["workload__ram_mib"])
+
+    # Reservations in force: whole nodes of the model in the region, enough to cover the count,
+    # preferring nodes that already run the owner's reserved work, then by id (stable).
+    reserved_for: dict[int, str] = {}
+    by_model_region: dict[tuple[int, str], list[int]] = defaultdict(list)
+    node_model: dict[int, int | None] = {}
+    node_gpu_count: dict[int, int] = defaultdict(int)
+    for g in gpu_rows:
+        node_gpu_count[g["node_id"]] += 1
+        node_model.setdefault(g["node_id"], g["model_id"])
+    for nid, mid in node_model.items():
+        if mid is not None:
+            by_model_region[(mid, node_rows[nid]["region__code"])].append(nid)
+    reservations = list(
+        Reservation.objects.filter(status=ReservationStatus.ACTIVE, starts_at__lte=now, ends_at__gt=now)
+        .order_by("starts_at", "id")
+        .values("tenant_id", "gpu_model_id", "region__code", "count")
+    )
+    for res in reservations:
+        owner_nodes = {
+            a["node_id"] for ws in holders.values() for a in ws if a["tenant_id"] == res["tenant_id"]
+        }
+        cands = sorted(
+            (
+                n
+                for n in by_model_region.get((res["gpu_model_id"], res["region__code"]), [])
+                if n not in reserved_for
+            ),
+            key=lambda n: (n not in owner_nodes, n),
+        )
+        covered = 0
+        for n in cands:
+            if covered >= res["count"]:
+                break
+            reserved_for[n] = str(res["tenant_id"])
+            covered += node_gpu_count[n]
+
+    nodes: list[E.Node] = []
+    for nid, n in node_rows.items():
+        mid = node_model.get(nid)
+        if mid is None or model_names[mid] not in catalog:
+            continue
+        nodes.append(
+            E.Node(
+                id=str(nid),
+                model=model_names[mid],
+                gpus=[],
+                cpu_milli=n["cpu_cores"] * 1000,
+                memory_mib=n["ram_mib"],
+                cpu_used=sum(c for c, _ in node_load[nid].values()),
+                memory_used=sum(m for _, m in node_load[nid].values()),
+                region=n["region__code"],
+                reserved_for=reserved_for.get(nid),
+            )
+        )
+    node_by_id = {int(n.id): n for n in nodes}
+    for g in gpu_rows:
+        en = node_by_id.get(g["node_id"])
+        if en is None:
+            continue
+        ok = (
+            g["health"] == GpuHealth.HEALTHY
+            and not g["isolated"]
+            and g["model_id"] == node_model[g["node_id"]]
+        )
+        island = g["nvlink_island"] if g["nvlink_island"] is not None else (g["numa_node"] or 0)
+        en.gpus.append(
+            E.Gpu(index=g["index"], healthy=ok, island=island, free_milli=max(MILLI - used[g["id"]], 0))
+        )
+
+    running: list[E.Running] = []
+    for wid, rows in holders.items():
+        a0 = rows[0]
+        if a0["workload__state"] not in PREEMPTIBLE_STATES:
+            continue
+        start = a0["workload__started_at"] or a0["workload__scheduled_at"] or now
+        est = a0["workload__estimated_runtime_s"] or a0["workload__max_runtime_s"]
+        per_node: dict[int, list[int]] = defaultdict(list)
+        for a in rows:
+            per_node[a["node_id"]].append(a["gpu__index"])
+        for nid, indices in per_node.items():
+            running.append(
+                E.Running(
+                    id=str(wid),
+                    tenant=str(a0["tenant_id"]),
+                    node_id=str(nid),
+                    gpu_indices=tuple(sorted(indices)),
+                    milli=a0["fraction_milli"],
+                    cpu_milli=a0["workload__cpu_millicores"],
+                    memory_mib=a0["workload__ram_mib"],
+                    plan=E.Plan(a0["workload__plan"]),
+                    priority=_priority(a0["workload__priority_class"], a0["workload__plan"]),
+                    start_time=start.timestamp(),
+                    est_end=start.timestamp() + est if est else None,
+                    checkpointable=a0["workload__kind"] == WorkloadKind.JOB
+                    and a0["workload__checkpoint_resume"]
+                    and a0["workload__requeue_on_preemption"],
+                    gang_id=str(wid) if a0["workload__gang"] else None,
+                )
+            )
+
+    queue = {w.pk: w for w in lock_workloads_where(state=WorkloadState.QUEUED).select_related("region")}
+    chosen: dict[int, list[str]] = defaultdict(list)
+    for wid, name in Workload.gpu_models.through.objects.filter(workload_id__in=list(queue)).values_list(
+        "workload_id", "gpumodel__name"
+    ):
+        chosen[wid].append(name)
+    tenants = {w.tenant_id for w in queue.values()}
+    model_limits = {
+        (q["quota__tenant_id"], q["gpu_model_id"]): q["max_gpus"]
+        for q in QuotaModelLimit.objects.filter(quota__tenant_id__in=tenants).values(
+            "quota__tenant_id", "gpu_model_id", "max_gpus"
+        )
+    }
+    waiting_for_victims: dict[int, int] = defaultdict(int)
+    for pid in Workload.objects.filter(
+        state=WorkloadState.PREEMPTED, preempted_for__isnull=False
+    ).values_list("preempted_for_id", flat=True):
+        waiting_for_victims[pid] += 1
+
+    requests: list[E.Request] = []
+    ctx_quota_blocked: set[int] = set()
+    for w in queue.values():
+        spec = E.GpuSpec(
+            models=tuple(sorted(chosen.get(w.pk, ()))),
+            min_memory_mib=w.min_gpu_memory_gib * 1024,
+            min_compute_weight=float(w.min_compute_weight),
+            vendor=E.Vendor(w.gpu_vendor) if w.gpu_vendor in ENGINE_VENDORS else None,
+            cuda_capability=tuple(int(x) for x in w.cuda_capability.split("."))
+            if w.cuda_capability
+            else None,
+            rocm_target=w.rocm_target or None,
+        )
+        limited = [m for (t, m) in model_limits if t == w.tenant_id]
+        if limited:
+            need = w.gpu_count * w.gpu_fraction_milli
+            allowed = allowed_models(spec, catalog)
+            room = tuple(
+                sorted(
+                    name
+                    for name in allowed
+                    if (w.tenant_id, model_ids[name]) not in model_limits
+                    or model_use[(w.tenant_id, model_ids[name])] + need
+                    <= model_limits[(w.tenant_id, model_ids[name])] * MILLI
+                )
+            )
+            if not room:
+                ctx_quota_blocked.add(w.pk)
+                continue
+            spec = E.GpuSpec(models=room)
+        requests.append(
+            E.Request(
+                id=str(w.pk),
+                tenant=str(w.tenant_id),
+                gpu=spec,
+                gpus=w.gpu_count,
+                milli=w.gpu_fraction_milli,
+                gang=w.gang,
+                cpu_milli=w.cpu_millicores,
+                memory_mib=w.ram_mib,
+                region=w.region.code if w.region_id else None,
+                other_regions_ok=w.other_regions_ok,
+                plan=E.Plan(w.plan),
+                priority=_priority(w.priority_class, w.plan),
+                submit_time=w.submitted_at.timestamp(),
+                est_runtime=float(w.estimated_runtime_s) if w.estimated_runtime_s else None,
+            )
+        )
+    snapshot = E.Snapshot(nodes=nodes, models=catalog, running=running, now=now.timestamp())
+    ctx = _Context(
+        now=now,
+        workloads=queue,
+        gpus=gpus,
+        ranges=ranges,
+        holders=holders,
+        model_use=model_use,
+        model_limits=model_limits,
+        model_ids=model_ids,
+        waiting_for_victims=waiting_for_victims,
+        quota_blocked=ctx_quota_blocked,
+    )
+    return snapshot, requests, ctx
+
+
+def _start_payload(w: Workload, gpu_uuids: list[str], assignment: E.Assignment) -> dict[str, Any]:
+    payload: dict[str, Any] = {
+        "workload_id": str(w.pk),
+        "image": w.image,
+        "command": list(w.command),
+        "env": dict(w.env),
+        "gpu_uuids": gpu_uuids,
+        "gpu_fraction_milli": w.gpu_fraction_milli,
+        "cpu_millicores": assignment.cpu_milli,
+        "ram_mib": assignment.memory_mib,
+        "ports": list(w.ports),
+        "max_runtime_s": w.max_runtime_s,
+        # Optional fields (agents ignore what they do not know).
+        "kind": w.kind,
+        "attempt": w.attempt,
+    }
+    if w.template:
+        payload["template"] = w.template
+    if w.ssh_public_key:
+        payload["ssh_public_key"] = w.ssh_public_key
+    if w.mig_profile:
+        payload["mig_profile"] = w.mig_profile
+    if w.kind == WorkloadKind.JOB and w.checkpoint_resume:
+        payload["resume_from_checkpoint"] = w.retries > 0 or w.attempt > 1
+    return payload
+
+
+def _commit_place(ctx: _Context, w: Workload, decision: E.Place) -> bool:
+    """Allocation rows, SCHEDULED, start commands. False (and nothing written) when a per-model
+    quota would be passed by an earlier placement of this same cycle."""
+    now = ctx.now
+    rows: list[tuple[dict[str, Any], int]] = []
+    need: dict[int, int] = defaultdict(int)
+    for a in decision.assignments:
+        for index in a.gpu_indices:
+            g = ctx.gpus[(int(a.node_id), index)]
+            rows.append((g, a.milli))
+            need[g["model_id"]] += a.milli
+    for mid, milli in need.items():
+        limit = ctx.model_limits.get((w.tenant_id, mid))
+        if limit is not None and ctx.model_use[(w.tenant_id, mid)] + milli > limit * MILLI:
+            return False
+    w.attempt += 1
+    w.save(update_fields=["attempt"])
+    workload_transition(
+        workload=w,
+        to=WorkloadState.SCHEDULED,
+        reason="backfilled" if decision.backfill else "placed",
+        actor=SYSTEM,
+        message=f"Placed on {', '.join(sorted({a.node_id for a in decision.assignments}))}.",
+        now=now,
+    )
+    for g, milli in rows:
+        choice = gpu_range_choose(ctx.ranges[g["id"]], milli)
+        if choice is None:
+            raise AssertionError(f"engine placed {milli} on full GPU {g['id']}")
+        offset, moves = choice
+        if moves:
+            allocation_ranges_move(moves=moves)
+            moved = dict(moves)
+            ctx.ranges[g["id"]] = [(moved.get(i, o), f, i) for o, f, i in ctx.ranges[g["id"]]]
+        alloc = Allocation.objects.create(
+            tenant_id=w.tenant_id,
+            workload=w,
+            node_id=g["node_id"],
+            gpu_id=g["id"],
+            gpu_model_id=g["model_id"],
+            plan=w.plan,
+            fraction_milli=milli,
+            milli_offset=offset,
+            started_at=now,
+        )
+        ctx.ranges[g["id"]].append((offset, milli, alloc.pk))
+        ctx.model_use[(w.tenant_id, g["model_id"])] += milli
+    for a in decision.assignments:
+        uuids = [ctx.gpus[(int(a.node_id), i)]["uuid"] for i in a.gpu_indices]
+        node_command_enqueue(
+            node=Node(pk=int(a.node_id)),
+            kind=CommandKind.START_WORKLOAD,
+            payload=_start_payload(w, uuids, a),
+            idempotency_key=f"start:{w.pk}:{w.attempt}",
+            now=now,
+        )
+    return True
+
+
+def preempt_notice_s(plan: str) -> int:
+    notices = settings.SCHEDULING_PREEMPTION_NOTICE_S
+    return int(notices.get(plan, notices.get("default", 30)))
+
+
+def _commit_preempt(ctx: _Context, preemptor: Workload, victim_ids: list[int]) -> list[int]:
+    done = []
+    for v in lock_workloads(ids=victim_ids, states=PREEMPTIBLE_STATES).values():
+        v.preempted_for = preemptor
+        v.save(update_fields=["preempted_for"])
+        notice = preempt_notice_s(v.plan)
+        workload_transition(
+            workload=v,
+            to=WorkloadState.PREEMPTED,
+            reason="preempted",
+            actor=SYSTEM,
+            message=f"Making room for higher-priority {preemptor.kind} {preemptor.pk}; stopping in {notice} s.",
+            data={"preempted_for": preemptor.pk, "notice_s": notice},
+            now=ctx.now,
+        )
+        for node_id in sorted({a["node_id"] for a in ctx.holders.get(v.pk, [])}):
+            node_command_enqueue(
+                node=Node(pk=node_id),
+                kind=CommandKind.PREEMPT_WORKLOAD,
+                payload={"workload_id": str(v.pk), "notice_s": notice},
+                idempotency_key=f"preempt:{v.pk}:{v.attempt}",
+                now=ctx.now,
+            )
+        done.append(v.pk)
+    return done
+
+
+def _set_pending(w: Workload, reason: str, message: str, expected: datetime | None) -> bool:
+    if (w.pending_reason, w.pending_message, w.expected_start_at) == (reason, message[:255], expected):
+        return False
+    w.pending_reason, w.pending_message, w.expected_start_at = reason, message[:255], expected
+    return True
+
+
+def scheduling_cycle_run(*, now: datetime | None = None, config: CycleConfig | None = None) -> CycleResult:
+    """Run one cycle; returns ``ran=False`` when another cycle holds the lock."""
+    started = time.perf_counter()
+    now = now or timezone.now()
+    result = CycleResult()
+    with transaction.atomic():
+        if not try_cycle_lock():
+            return result
+        result.ran = True
+        for w in lock_workloads_where(state=WorkloadState.PENDING):
+            workload_transition(workload=w, to=WorkloadState.QUEUED, reason="admitted", actor=SYSTEM, now=now)
+            result.admitted += 1
+        snapshot, requests, ctx = _load(now)
+        # A request whose victims are still stopping sits this cycle out: the victims' GPUs stay
+        # allocated until they stop, and it must not pick more victims meanwhile.
+        requests = [r for r in requests if int(r.id) not in ctx.waiting_for_victims]
+        decisions = schedule(snapshot, requests, config or CycleConfig(policy=settings.SCHEDULING_POLICY))
+        changed: list[Workload] = []
+        for d in decisions:
+            w = ctx.workloads[int(d.request_id)]
+            if isinstance(d, E.Place) and d.preempt:
+                victims = [int(v) for v in d.preempt]
+                result.preempted += _commit_preempt(ctx, w, victims)
+                msg = f"Waiting for {len(victims)} preempted workload(s) to stop."
+                if _set_pending(w, "preempting", msg, None):
+                    changed.append(w)
+            elif isinstance(d, E.Place):
+                if _commit_place(ctx, w, d):
+                    result.placed.append(w.pk)
+                elif _set_pending(w, "quota", "Waiting for the per-model GPU quota.", None):
+                    changed.append(w)
+            else:
+                reason, message = str(d.reason), d.message
+                if _set_pending(w, reason, message, _from_epoch(d.expected_start)):
+                    changed.append(w)
+        for wid in ctx.waiting_for_victims:
+            w = ctx.workloads.get(wid)
+            if w is not None and _set_pending(w, "preempting", "Waiting for preempted work to stop.", None):
+                changed.append(w)
+        for wid in ctx.quota_blocked:
+            w = ctx.workloads[wid]
+            if _set_pending(w, "quota", "Every acceptable GPU model is at your per-model GPU quota.", None):
+                changed.append(w)
+        if changed:
+            Workload.objects.bulk_update(changed, ["pending_reason", "pending_message", "expected_start_at"])
+        result.pending = len(ctx.workloads) - len(result.placed)
+    result.seconds = time.perf_counter() - started
+    if result.placed or result.preempted:
+        logger.info(
+            "Scheduling cycle: %d placed, %d preempted, %d waiting, %.3f s",
+            len(result.placed),
+            len(result.preempted),
+            result.pending,
+            result.seconds,
+        )
+    return result

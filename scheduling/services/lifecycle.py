@@ -1,0 +1,356 @@
+"""What happens to placed workloads: a tenant stops one; the fleet reports a command finished, a
+workload exited, a node down or a GPU unhealthy; and the reconciler finishes what a crash or a lost
+message left (not started in time, stuck preempting or stopping, over its maximum runtime).
+
+Every function here locks the workload rows it changes (``scheduling.locks``) and goes through
+``workload_transition``; handlers ignore reports that belong to an earlier placement (another node
+or another attempt), so at-least-once delivery and replays change nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from nodes.models import CommandKind, CommandState, Node, NodeWorkloadStatus
+from nodes.services.commands import node_command_enqueue
+from portal.actors import Actor
+from portal.errors import Conflict
+from portal.services import audit_record
+from scheduling.locks import lock_workload, lock_workload_if_exists, lock_workloads, lock_workloads_where
+from scheduling.models import (
+    HOLDING_STATES,
+    TERMINAL_STATES,
+    WAITING_STATES,
+    Allocation,
+    Workload,
+    WorkloadKind,
+)
+from scheduling.models import WorkloadState as S
+from scheduling.services.states import can_transition, workload_transition
+from scheduling.services.triggers import cycle_request
+
+logger = logging.getLogger(__name__)
+SYSTEM = Actor.system()
+
+
+def _nodes_of(workload_id: int) -> list[int]:
+    return sorted(
+        set(
+            Allocation.objects.filter(workload_id=workload_id, ended_at__isnull=True).values_list(
+                "node_id", flat=True
+            )
+        )
+    )
+
+
+def _send_stop(w: Workload, node_ids: list[int], *, now: datetime, why: str) -> None:
+    for node_id in node_ids:
+        node_command_enqueue(
+            node=Node(pk=node_id),
+            kind=CommandKind.STOP_WORKLOAD,
+            payload={"workload_id": str(w.pk), "grace_s": settings.SCHEDULING_STOP_GRACE_S},
+            idempotency_key=f"stop:{w.pk}:{w.attempt}:{why}",
+            now=now,
+        )
+
+
+def _requeue_or_fail(w: Workload, *, reason: str, message: str, now: datetime, count_retry: bool) -> None:
+    """A job goes back to the queue (while retries last, when ``count_retry``); an instance fails."""
+    if w.kind == WorkloadKind.JOB and w.stop_requested_at is None and can_transition(w, S.QUEUED):
+        if not count_retry or w.retries < w.max_retries:
+            if count_retry:
+                w.retries += 1
+            w.preempted_for = None
+            w.save(update_fields=["retries", "preempted_for"])
+            workload_transition(
+                workload=w, to=S.QUEUED, reason=reason, actor=SYSTEM, message=message, now=now
+            )
+            return
+        message = f"{message} No retries left ({w.max_retries})."
+    to = S.STOPPED if w.stop_requested_at is not None or w.state == S.STOPPING else S.FAILED
+    workload_transition(workload=w, to=to, reason=reason, actor=SYSTEM, message=message, now=now)
+
+
+# --- tenants ---------------------------------------------------------------------------------------
+
+
+def workload_stop(*, workload: Workload, actor: Actor, now: datetime | None = None) -> Workload:
+    """Stop a workload: a waiting one stops at once; a placed one is told to stop (STOPPING) and
+    stops when the agent reports it; one being preempted is stopped instead of requeued."""
+    now = now or timezone.now()
+    with transaction.atomic():
+        w = lock_workload(workload_id=workload.pk)
+        if w.state in TERMINAL_STATES or w.state == S.STOPPING or w.stop_requested_at is not None:
+            raise Conflict(f"This {w.kind} is already {w.state}.", fields={"state": [w.state]})
+        w.stop_requested_at = now
+        w.save(update_fields=["stop_requested_at"])
+        if w.state in WAITING_STATES:
+            workload_transition(workload=w, to=S.STOPPED, reason="stopped_by_user", actor=actor, now=now)
+        else:
+            nodes = _nodes_of(w.pk)
+            if w.state != S.PREEMPTED:
+                workload_transition(workload=w, to=S.STOPPING, reason="stop_requested", actor=actor, now=now)
+            _send_stop(w, nodes, now=now, why="user")
+        audit_record(tenant=w.tenant, actor=actor, action=f"{w.kind}.stop", target=w)
+    return w
+
+
+# --- the fleet's reports ---------------------------------------------------------------------------
+
+
+def _workload_id(raw: Any) -> int | None:
+    try:
+        return int(str(raw))
+    except (TypeError, ValueError):
+        return None
+
+
+def workload_on_command_finished(*, kind: str, payload: dict, node_id: int, state: str, result: dict) -> None:
+    """A start, stop or preempt command reached a final state."""
+    wid = _workload_id(payload.get("workload_id"))
+    if wid is None:
+        return
+    now = timezone.now()
+    with transaction.atomic():
+        w = lock_workload_if_exists(workload_id=wid)
+        if w is None or node_id not in _nodes_of(w.pk):
+            return  # an earlier placement's command, or the workload has moved on
+        if kind == CommandKind.START_WORKLOAD:
+            if payload.get("attempt", w.attempt) != w.attempt:
+                return
+            if state == CommandState.SUCCEEDED:
+                target = S.STARTING if result.get("state") == "starting" else S.RUNNING
+                if w.state == S.SCHEDULED or (w.state == S.STARTING and target == S.RUNNING):
+                    workload_transition(workload=w, to=target, reason="started", actor=SYSTEM, now=now)
+            elif w.state == S.SCHEDULED:
+                why = result.get("reason") or result.get("error") or state
+                if w.attempt >= settings.SCHEDULING_MAX_START_ATTEMPTS:
+                    workload_transition(
+                        workload=w,
+                        to=S.FAILED,
+                        reason="start_failed",
+                        actor=SYSTEM,
+                        message=f"Could not start after {w.attempt} attempts: {why}",
+                        now=now,
+                    )
+                else:
+                    workload_transition(
+                        workload=w,
+                        to=S.QUEUED,
+                        reason="start_failed",
+                        actor=SYSTEM,
+                        message=str(why),
+                        now=now,
+                    )
+        elif kind == CommandKind.STOP_WORKLOAD and state == CommandState.SUCCEEDED and w.state == S.STOPPING:
+            workload_transition(workload=w, to=S.STOPPED, reason="stopped", actor=SYSTEM, now=now)
+        elif (
+            kind == CommandKind.PREEMPT_WORKLOAD
+            and state == CommandState.SUCCEEDED
+            and w.state == S.PREEMPTED
+        ):
+            _finish_preempted(w, now=now)
+
+
+def _finish_preempted(w: Workload, *, now: datetime) -> None:
+    if w.kind == WorkloadKind.JOB and w.requeue_on_preemption and w.stop_requested_at is None:
+        w.preempted_for = None
+        w.save(update_fields=["preempted_for"])
+        message = (
+            "Back in the queue; it resumes from its checkpoint."
+            if w.checkpoint_resume
+            else "Back in the queue."
+        )
+        workload_transition(
+            workload=w, to=S.QUEUED, reason="preempted", actor=SYSTEM, message=message, now=now
+        )
+    else:
+        workload_transition(workload=w, to=S.STOPPED, reason="preempted", actor=SYSTEM, now=now)
+
+
+def workload_on_exited(
+    *, node_id: int, workload_id: Any, state: str, exit_code: int | None, message: str = ""
+) -> Workload | None:
+    """The agent reported the workload in a terminal state (exited, failed, stopped, preempted)."""
+    wid = _workload_id(workload_id)
+    if wid is None:
+        return None
+    now = timezone.now()
+    with transaction.atomic():
+        w = lock_workload_if_exists(workload_id=wid)
+        if w is None or w.state not in HOLDING_STATES or node_id not in _nodes_of(w.pk):
+            return w
+        w.exit_code = exit_code
+        if message:
+            w.log_tail = message[-settings.SCHEDULING_LOG_TAIL_CHARS :]
+        w.save(update_fields=["exit_code", "log_tail"])
+        detail = f"exit code {exit_code}" if exit_code is not None else state
+        if w.state == S.PREEMPTED:
+            _finish_preempted(w, now=now)
+        elif w.state == S.STOPPING or w.stop_requested_at is not None:
+            workload_transition(
+                workload=w, to=S.STOPPED, reason="stopped", actor=SYSTEM, message=detail, now=now
+            )
+        elif state == "exited" and exit_code == 0:
+            to = S.SUCCEEDED if w.kind == WorkloadKind.JOB else S.STOPPED
+            workload_transition(workload=w, to=to, reason="exited", actor=SYSTEM, message=detail, now=now)
+        elif state == "stopped":
+            workload_transition(
+                workload=w, to=S.STOPPED, reason="stopped", actor=SYSTEM, message=detail, now=now
+            )
+        elif state == "preempted":
+            _finish_preempted(w, now=now)
+        else:
+            _requeue_or_fail(
+                w, reason="failed", message=f"Failed ({detail}). {message[:200]}", now=now, count_retry=True
+            )
+    return w
+
+
+def workloads_on_node_down(*, node_id: int, reason: str = "") -> list[int]:
+    """A node is DOWN: its jobs go back to the queue, its instances fail (with the reason). Gangs
+    are stopped on their other nodes."""
+    now = timezone.now()
+    why = reason or "The node stopped sending heartbeats."
+    with transaction.atomic():
+        ids = set(
+            Allocation.objects.filter(node_id=node_id, ended_at__isnull=True).values_list(
+                "workload_id", flat=True
+            )
+        )
+        moved = []
+        for w in lock_workloads(ids=ids).values():
+            if w.state not in HOLDING_STATES:
+                continue
+            others = [n for n in _nodes_of(w.pk) if n != node_id]
+            _requeue_or_fail(w, reason="node_down", message=why, now=now, count_retry=False)
+            _send_stop(w, others, now=now, why="node_down")
+            moved.append(w.pk)
+    return moved
+
+
+def workloads_on_gpu_unhealthy(*, gpu_id: int, node_id: int, reason: str) -> list[int]:
+    """A GPU failed (and is isolated): work on it is stopped there; jobs are queued again to run
+    elsewhere, instances fail with the reason (their local state cannot move)."""
+    now = timezone.now()
+    with transaction.atomic():
+        ids = set(
+            Allocation.objects.filter(gpu_id=gpu_id, ended_at__isnull=True).values_list(
+                "workload_id", flat=True
+            )
+        )
+        moved = []
+        for w in lock_workloads(ids=ids).values():
+            if w.state not in HOLDING_STATES:
+                continue
+            nodes = _nodes_of(w.pk)
+            _requeue_or_fail(
+                w, reason="gpu_unhealthy", message=f"GPU failed: {reason}", now=now, count_retry=False
+            )
+            _send_stop(w, nodes, now=now, why="gpu_unhealthy")
+            moved.append(w.pk)
+    return moved
+
+
+# --- the reconciler --------------------------------------------------------------------------------
+
+
+@dataclass
+class ReconcileResult:
+    start_timeouts: list[int] = field(default_factory=list)
+    running: list[int] = field(default_factory=list)
+    preempt_forced: list[int] = field(default_factory=list)
+    stop_forced: list[int] = field(default_factory=list)
+    over_runtime: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, list[int]]:
+        return asdict(self)
+
+
+def scheduling_reconcile(*, now: datetime | None = None) -> ReconcileResult:
+    """Finish what messages or crashes left behind. Safe to run any time, any number of times."""
+    now = now or timezone.now()
+    out = ReconcileResult()
+    start_timeout = now - timedelta(seconds=settings.SCHEDULING_START_TIMEOUT_S)
+    with transaction.atomic():
+        # SCHEDULED but not started in time: stop it there (in case it starts late) and place it
+        # again (elsewhere if that node is the problem), or fail after the last attempt.
+        for w in lock_workloads_where(state=S.SCHEDULED, state_changed_at__lt=start_timeout):
+            nodes = _nodes_of(w.pk)
+            if w.attempt >= settings.SCHEDULING_MAX_START_ATTEMPTS:
+                msg = f"Not started after {w.attempt} attempts."
+                workload_transition(
+                    workload=w, to=S.FAILED, reason="start_timeout", actor=SYSTEM, message=msg, now=now
+                )
+            else:
+                workload_transition(
+                    workload=w,
+                    to=S.QUEUED,
+                    reason="start_timeout",
+                    actor=SYSTEM,
+                    message="Not started in time.",
+                    now=now,
+                )
+            _send_stop(w, nodes, now=now, why="start_timeout")
+            out.start_timeouts.append(w.pk)
+
+        # STARTING workloads the agent reports running.
+        starting = {w.pk: w for w in lock_workloads_where(state=S.STARTING)}
+        if starting:
+            running_ids = set(
+                NodeWorkloadStatus.objects.filter(
+                    workload_id__in=[str(pk) for pk in starting], state="running"
+                ).values_list("workload_id", flat=True)
+            )
+            for wid in sorted(int(x) for x in running_ids):
+                workload_transition(
+                    workload=starting[wid], to=S.RUNNING, reason="running", actor=SYSTEM, now=now
+                )
+                out.running.append(wid)
+
+        # Preempted past its notice (plus a grace), or stopping past its grace: the agent did not
+        # report; release the capacity.
+        grace = settings.SCHEDULING_STOP_GRACE_S + settings.SCHEDULING_REPORT_GRACE_S
+        from scheduling.services.cycle import preempt_notice_s
+
+        for w in lock_workloads_where(state=S.PREEMPTED):
+            if w.state_changed_at + timedelta(seconds=preempt_notice_s(w.plan) + grace) < now:
+                _finish_preempted(w, now=now)
+                out.preempt_forced.append(w.pk)
+        for w in lock_workloads_where(state=S.STOPPING, state_changed_at__lt=now - timedelta(seconds=grace)):
+            workload_transition(
+                workload=w,
+                to=S.STOPPED,
+                reason="stop_timeout",
+                actor=SYSTEM,
+                message="No report from the node.",
+                now=now,
+            )
+            out.stop_forced.append(w.pk)
+
+        # Over the maximum runtime.
+        for w in lock_workloads_where(state=S.RUNNING, max_runtime_s__isnull=False, started_at__isnull=False):
+            if w.started_at + timedelta(seconds=w.max_runtime_s) <= now:
+                nodes = _nodes_of(w.pk)
+                w.stop_requested_at = now
+                w.save(update_fields=["stop_requested_at"])
+                workload_transition(
+                    workload=w,
+                    to=S.STOPPING,
+                    reason="max_runtime",
+                    actor=SYSTEM,
+                    message="Maximum runtime reached.",
+                    now=now,
+                )
+                _send_stop(w, nodes, now=now, why="max_runtime")
+                out.over_runtime.append(w.pk)
+    if out.start_timeouts or out.preempt_forced or out.stop_forced:
+        cycle_request(reason="reconcile")
+    return out

@@ -1,0 +1,519 @@
+"""Submitting a workload: validate the spec against the catalog and the fleet, enforce the tenant's
+quotas atomically, run the admission checks, store it PENDING and ask for a scheduling cycle.
+
+One transaction: a refusal (400 naming the field, a quota error naming the quota, an admission
+check's error) stores nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from nodes.models import Gpu, GpuModel, NodeState, Region
+from portal.actors import Actor
+from portal.errors import DomainError, ValidationFailed
+from portal.events import publish
+from portal.services import audit_record
+from scheduling.admission import run_admission_checks
+from scheduling.locks import lock_quota
+from scheduling.models import (
+    MAX_GPUS_PER_NODE,
+    MILLI,
+    GpuVendor,
+    Plan,
+    PriorityClass,
+    Quota,
+    Reservation,
+    ReservationStatus,
+    Workload,
+    WorkloadEvent,
+    WorkloadKind,
+    WorkloadState,
+)
+from scheduling.pricing import spot_price_floor
+from scheduling.selectors import QuotaUsage, quota_usage
+
+PLAN_PRIORITY_RANK = {
+    PriorityClass.WARM_POOL: 0,
+    PriorityClass.SPOT: 1,
+    PriorityClass.ON_DEMAND: 2,
+    PriorityClass.RESERVED: 3,
+}
+# Vendors the placement engine can represent (scheduling.engine.types.Vendor).
+SCHEDULABLE_VENDORS = frozenset({GpuVendor.NVIDIA, GpuVendor.AMD})
+MIG_PROFILE_RE = re.compile(r"^(\d)g\.(\d+)gb$")
+SSH_KEY_RE = re.compile(
+    r"^(ssh-(rsa|ed25519|dss)|ecdsa-sha2-nistp\d+|sk-\S+@openssh\.com) [A-Za-z0-9+/=]+( .*)?$"
+)
+CUDA_CC_RE = re.compile(r"^\d{1,2}\.\d$")
+
+
+class QuotaExceeded(DomainError):
+    status_code = 403
+    code = "quota_exceeded"
+
+
+def _fail(field: str, message: str) -> ValidationFailed:
+    return ValidationFailed(f"{field}: {message}", fields={field: [message]})
+
+
+# --- reading the spec ------------------------------------------------------------------------------
+
+
+def _int(spec: dict, key: str, default: int | None, lo: int, hi: int) -> int | None:
+    value = spec.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(key, "Must be an integer.")
+    if not lo <= value <= hi:
+        raise _fail(key, f"Must be between {lo} and {hi}.")
+    return value
+
+
+def _bool(spec: dict, key: str, default: bool) -> bool:
+    value = spec.get(key, default)
+    if not isinstance(value, bool):
+        raise _fail(key, "Must be true or false.")
+    return value
+
+
+def _str(spec: dict, key: str, max_length: int, default: str = "") -> str:
+    value = spec.get(key, default)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise _fail(key, "Must be a string.")
+    value = value.strip()
+    if len(value) > max_length:
+        raise _fail(key, f"At most {max_length} characters.")
+    return value
+
+
+def _decimal(spec: dict, key: str) -> Decimal | None:
+    value = spec.get(key)
+    if value is None or value == "":
+        return None
+    if isinstance(value, float | bool):
+        raise _fail(key, "Give a decimal as a string or an integer (no floats for money).")
+    try:
+        d = Decimal(str(value))
+    except InvalidOperation:
+        raise _fail(key, "Not a decimal number.") from None
+    if not d.is_finite():
+        raise _fail(key, "Not a decimal number.")
+    return d
+
+
+@dataclass
+class _Resolved:
+    models: list[GpuModel]  # explicit choices (empty: any model meeting the constraints)
+    candidates: list[GpuModel]  # every catalog model this request accepts
+    region: Region | None
+    reservation: Reservation | None
+
+
+def _explicit_models(spec: dict, catalog: list[GpuModel]) -> list[GpuModel]:
+    raw = spec.get("gpu_models")
+    if raw is None and spec.get("gpu_model") is not None:
+        raw = [spec["gpu_model"]]
+        key = "gpu_model"
+    else:
+        key = "gpu_models"
+    if raw in (None, []):
+        return []
+    if not isinstance(raw, list):
+        raise _fail(key, "Must be a list of GPU model names or ids.")
+    by_id = {m.pk: m for m in catalog}
+    by_name: dict[str, GpuModel] = {}
+    for m in catalog:
+        for name in (m.name, m.short_name, *(m.aliases or [])):
+            if name:
+                by_name.setdefault(str(name).lower(), m)
+    out: list[GpuModel] = []
+    for item in raw:
+        m = by_id.get(item) if isinstance(item, int) and not isinstance(item, bool) else None
+        if m is None and isinstance(item, str):
+            m = by_name.get(item.strip().lower())
+        if m is None:
+            raise _fail(key, f"Unknown GPU model {item!r}; see /api/v1/gpu-types/.")
+        if m not in out:
+            out.append(m)
+    return out
+
+
+def _cc_tuple(text: str) -> tuple[int, int]:
+    major, _, minor = text.partition(".")
+    return int(major), int(minor or 0)
+
+
+def _meets_constraints(m: GpuModel, c: dict[str, Any]) -> bool:
+    if m.memory_gib < c["min_gpu_memory_gib"] or m.compute_weight < c["min_compute_weight"]:
+        return False
+    if c["gpu_vendor"] and m.vendor != c["gpu_vendor"]:
+        return False
+    if c["cuda_capability"]:
+        cc = m.cuda_cc_tuple
+        if m.vendor != GpuVendor.NVIDIA or cc is None or cc < _cc_tuple(c["cuda_capability"]):
+            return False
+    return not c["rocm_target"] or (m.vendor == GpuVendor.AMD and m.gfx_target == c["rocm_target"])
+
+
+def _fleet_nodes(candidates: Iterable[GpuModel]) -> list[dict[str, Any]]:
+    """Per node carrying a candidate model (and not DOWN or in maintenance): its model, region,
+    GPU count, CPU and RAM. A few rows: one per node, one query."""
+    ids = [m.pk for m in candidates]
+    rows = (
+        Gpu.objects.filter(model_id__in=ids, removed_at__isnull=True)
+        .exclude(node__state__in=[NodeState.DOWN, NodeState.MAINTENANCE])
+        .values("node_id", "model_id", "node__region_id", "node__cpu_cores", "node__ram_mib")
+    )
+    nodes: dict[int, dict[str, Any]] = {}
+    for r in rows:
+        n = nodes.setdefault(
+            r["node_id"],
+            {
+                "model_id": r["model_id"],
+                "region_id": r["node__region_id"],
+                "gpus": 0,
+                "cpu_milli": r["node__cpu_cores"] * 1000,
+                "ram_mib": r["node__ram_mib"],
+            },
+        )
+        n["gpus"] += 1
+    return list(nodes.values())
+
+
+def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolved]:
+    if not isinstance(spec, dict):
+        raise ValidationFailed("The spec must be an object.")
+    if kind not in WorkloadKind.values:
+        raise _fail("kind", f"One of {', '.join(WorkloadKind.values)}.")
+    f: dict[str, Any] = {"kind": kind, "name": _str(spec, "name", 100)}
+
+    # GPUs: models and constraints.
+    catalog = list(GpuModel.objects.all())
+    explicit = _explicit_models(spec, catalog)
+    f["min_gpu_memory_gib"] = _int(spec, "min_gpu_memory_gib", 0, 0, 4096)
+    weight = _decimal(spec, "min_compute_weight") or Decimal(0)
+    if weight < 0 or weight > Decimal("999.99"):
+        raise _fail("min_compute_weight", "Must be between 0 and 999.99.")
+    f["min_compute_weight"] = weight
+    f["gpu_vendor"] = _str(spec, "gpu_vendor", 16)
+    if f["gpu_vendor"] and f["gpu_vendor"] not in GpuVendor.values:
+        raise _fail("gpu_vendor", f"One of {', '.join(GpuVendor.values)}.")
+    f["cuda_capability"] = _str(spec, "cuda_capability", 8)
+    if f["cuda_capability"] and not CUDA_CC_RE.match(f["cuda_capability"]):
+        raise _fail("cuda_capability", "Like 8.0 or 9.0.")
+    f["rocm_target"] = _str(spec, "rocm_target", 16)
+    if f["cuda_capability"] and f["rocm_target"]:
+        raise _fail("rocm_target", "A request needs CUDA or ROCm, not both.")
+    pool = explicit or catalog
+    candidates = [m for m in pool if _meets_constraints(m, f)]
+    if not candidates:
+        raise _fail(
+            "gpu_models" if explicit else "gpu_vendor" if f["gpu_vendor"] else "min_gpu_memory_gib",
+            "No GPU model in the catalog meets these requirements.",
+        )
+    unschedulable = [m for m in candidates if m.vendor not in SCHEDULABLE_VENDORS]
+    candidates = [m for m in candidates if m.vendor in SCHEDULABLE_VENDORS]
+    if not candidates:
+        names = ", ".join(m.name for m in unschedulable)
+        raise _fail("gpu_models", f"{names}: this vendor's GPUs cannot be scheduled yet.")
+
+    # Plan, reservation and priority.
+    f["plan"] = _str(spec, "plan", 16, Plan.ON_DEMAND) or Plan.ON_DEMAND
+    if f["plan"] not in Plan.values:
+        raise _fail("plan", f"One of {', '.join(Plan.values)}.")
+    reservation = None
+    if f["plan"] == Plan.RESERVED:
+        rid = spec.get("reservation")
+        if rid is None:
+            raise _fail("reservation", "The reserved plan needs a reservation.")
+        if isinstance(rid, bool) or not isinstance(rid, int):
+            raise _fail("reservation", "Must be a reservation id.")
+        now = timezone.now()
+        reservation = (
+            Reservation.objects.for_tenant(tenant)
+            .select_related("gpu_model", "region")
+            .filter(pk=rid, status=ReservationStatus.ACTIVE, ends_at__gt=now)
+            .first()
+        )
+        if reservation is None:
+            raise _fail("reservation", "No active reservation of yours with this id.")
+        if reservation.gpu_model not in candidates:
+            raise _fail("gpu_models", f"Reservation {rid} is for {reservation.gpu_model.name}.")
+        candidates = [reservation.gpu_model]
+        explicit = [reservation.gpu_model]
+    elif spec.get("reservation") is not None:
+        raise _fail("reservation", "Only the reserved plan draws from a reservation.")
+    f["priority_class"] = _str(spec, "priority_class", 16)
+    if f["priority_class"]:
+        if f["priority_class"] not in PriorityClass.values:
+            raise _fail("priority_class", f"One of {', '.join(PriorityClass.values)}.")
+        if (
+            PLAN_PRIORITY_RANK[PriorityClass(f["priority_class"])]
+            > PLAN_PRIORITY_RANK[PriorityClass(f["plan"])]
+        ):
+            raise _fail("priority_class", f"The {f['plan']} plan runs at most at its own priority.")
+
+    # Region.
+    region = None
+    code = _str(spec, "region", 32)
+    if reservation is not None:
+        if code and code != reservation.region.code:
+            raise _fail("region", f"Reservation {reservation.pk} is in {reservation.region.code}.")
+        region = reservation.region
+    elif code:
+        region = Region.objects.filter(code=code).first()
+        if region is None:
+            raise _fail("region", f"Unknown region {code!r}.")
+    f["other_regions_ok"] = _bool(spec, "other_regions_ok", True) and reservation is None
+
+    # Count, gang, fraction, MIG.
+    f["gang"] = _bool(spec, "gang", False)
+    f["gpu_count"] = _int(spec, "gpu_count", 1, 1, 4096)
+    f["mig_profile"] = _str(spec, "mig_profile", 32)
+    fraction = _int(spec, "gpu_fraction_milli", None, 1, MILLI)
+    if f["mig_profile"]:
+        match = MIG_PROFILE_RE.match(f["mig_profile"])
+        lacking = [m.name for m in candidates if f["mig_profile"] not in (m.mig_profiles or [])]
+        if match is None or lacking:
+            raise _fail("mig_profile", f"Not a MIG profile of {', '.join(lacking) or 'these GPUs'}.")
+        mig_fraction = int(match.group(1)) * MILLI // 7
+        if fraction is not None and fraction != mig_fraction:
+            raise _fail("gpu_fraction_milli", f"The MIG profile {f['mig_profile']} is {mig_fraction}/1000.")
+        fraction = mig_fraction
+    f["gpu_fraction_milli"] = MILLI if fraction is None else fraction
+    if f["gpu_fraction_milli"] < MILLI and f["gpu_count"] != 1:
+        raise _fail("gpu_fraction_milli", "A fraction applies to exactly one GPU.")
+    if f["gang"] and f["gpu_fraction_milli"] < MILLI:
+        raise _fail("gang", "A gang takes whole nodes, not fractions.")
+    if not f["gang"] and f["gpu_count"] > MAX_GPUS_PER_NODE:
+        raise _fail("gpu_count", f"At most {MAX_GPUS_PER_NODE} on one node; more needs a gang across nodes.")
+
+    # CPU and RAM.
+    f["cpu_millicores"] = _int(spec, "cpu_millicores", 0, 0, 10_000_000)
+    f["ram_mib"] = _int(spec, "ram_mib", 0, 0, 1 << 40)
+
+    # Against the fleet: some node must be able to hold it.
+    nodes = _fleet_nodes(candidates)
+    if region is not None and not f["other_regions_ok"]:
+        nodes = [n for n in nodes if n["region_id"] == region.pk]
+    if not nodes:
+        where = f" in {region.code}" if region is not None and not f["other_regions_ok"] else ""
+        raise _fail("gpu_models", f"No node{where} has these GPUs.")
+    if f["gang"]:
+        sizes = sorted({n["gpus"] for n in nodes})
+        if not any(f["gpu_count"] % s == 0 for s in sizes):
+            raise _fail(
+                "gpu_count", f"A gang must be a multiple of a node's GPUs ({', '.join(map(str, sizes))})."
+            )
+    else:
+        biggest = max(n["gpus"] for n in nodes)
+        if f["gpu_count"] > biggest:
+            raise _fail("gpu_count", f"No node has {f['gpu_count']} of these GPUs (at most {biggest}).")
+    if f["cpu_millicores"] > max(n["cpu_milli"] for n in nodes):
+        raise _fail("cpu_millicores", "More CPU than any node with these GPUs has.")
+    if f["ram_mib"] > max(n["ram_mib"] for n in nodes):
+        raise _fail("ram_mib", "More RAM than any node with these GPUs has.")
+
+    # Spot price.
+    f["spot_max_price"] = _decimal(spec, "spot_max_price")
+    if f["spot_max_price"] is not None:
+        if f["plan"] != Plan.SPOT:
+            raise _fail("spot_max_price", "Only spot requests name a maximum price.")
+        floor = min(spot_price_floor(gpu_model=m, region=region) for m in candidates)
+        if f["spot_max_price"] < floor:
+            raise _fail("spot_max_price", f"Below the spot price floor of {floor}.")
+        if f["spot_max_price"].as_tuple().exponent < -10:
+            raise _fail("spot_max_price", "At most 10 decimal places.")
+
+    # What runs.
+    f["image"] = _str(spec, "image", 255)
+    f["template"] = _str(spec, "template", 100)
+    command = spec.get("command", [])
+    if not isinstance(command, list) or not all(isinstance(c, str) for c in command):
+        raise _fail("command", "Must be a list of strings.")
+    f["command"] = command
+    env = spec.get("env", {})
+    if not isinstance(env, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
+        raise _fail("env", "Must be an object of strings.")
+    f["env"] = env
+    ports = spec.get("ports", [])
+    if not isinstance(ports, list) or not all(
+        isinstance(p, int) and not isinstance(p, bool) and 1 <= p <= 65535 for p in ports
+    ):
+        raise _fail("ports", "Must be a list of port numbers (1-65535).")
+    f["ports"] = sorted(set(ports))
+    f["ssh_public_key"] = _str(spec, "ssh_public_key", 16_000)
+    if f["ssh_public_key"] and not SSH_KEY_RE.match(f["ssh_public_key"]):
+        raise _fail("ssh_public_key", "Not an OpenSSH public key.")
+    f["max_runtime_s"] = _int(spec, "max_runtime_s", None, 60, 366 * 86400)
+    f["estimated_runtime_s"] = _int(spec, "estimated_runtime_s", None, 1, 366 * 86400)
+    f["requeue_on_preemption"] = _bool(spec, "requeue_on_preemption", True)
+    f["checkpoint_resume"] = _bool(spec, "checkpoint_resume", False)
+    f["max_retries"] = _int(spec, "max_retries", 0, 0, 100)
+    if kind == WorkloadKind.INSTANCE:
+        if not f["image"] and not f["template"]:
+            raise _fail("image", "An instance needs an image or a template.")
+        if f["command"] or f["estimated_runtime_s"] is not None:
+            raise _fail("command" if f["command"] else "estimated_runtime_s", "Jobs only.")
+    else:
+        if not f["image"]:
+            raise _fail("image", "A job needs an image.")
+        if not f["command"]:
+            raise _fail("command", "A job needs a command.")
+        if f["ssh_public_key"] or f["ports"]:
+            raise _fail("ssh_public_key" if f["ssh_public_key"] else "ports", "Instances only.")
+    return f, _Resolved(models=explicit, candidates=candidates, region=region, reservation=reservation)
+
+
+# --- quotas ----------------------------------------------------------------------------------------
+
+
+def _check_quota(quota: Quota, usage: QuotaUsage, f: dict[str, Any], candidates: list[GpuModel]) -> None:
+    def refuse(name: str, limit: int, in_use: Any, requested: Any, unit: str) -> QuotaExceeded:
+        return QuotaExceeded(
+            f"Quota {name} exceeded: limit {limit} {unit}, in use {in_use}, this request {requested}.",
+            fields={"quota": name, "limit": limit, "in_use": in_use, "requested": requested},
+        )
+
+    milli = f["gpu_count"] * f["gpu_fraction_milli"]
+    gpus = Decimal(milli) / MILLI
+    if quota.max_gpus_per_request is not None and gpus > quota.max_gpus_per_request:
+        raise refuse("max_gpus_per_request", quota.max_gpus_per_request, 0, gpus, "GPUs")
+    if quota.max_concurrent_workloads is not None and usage.workloads + 1 > quota.max_concurrent_workloads:
+        raise refuse(
+            "max_concurrent_workloads", quota.max_concurrent_workloads, usage.workloads, 1, "workloads"
+        )
+    if quota.max_gpus_total is not None and usage.gpu_milli + milli > quota.max_gpus_total * MILLI:
+        raise refuse("max_gpus_total", quota.max_gpus_total, usage.gpus, gpus, "GPUs")
+    if (
+        f["plan"] == Plan.SPOT
+        and quota.max_spot_gpus is not None
+        and usage.spot_gpu_milli + milli > quota.max_spot_gpus * MILLI
+    ):
+        raise refuse("max_spot_gpus", quota.max_spot_gpus, usage.spot_gpus, gpus, "GPUs")
+    limits = {lim.gpu_model_id: lim.max_gpus for lim in quota.model_limits.all()}
+    if limits:
+        # Admitted when at least one acceptable model has room; the cycle then places it only on
+        # models with room (scheduling.services.cycle).
+        blocked = []
+        for m in candidates:
+            limit = limits.get(m.pk)
+            if limit is None or usage.model_milli.get(m.pk, 0) + milli <= limit * MILLI:
+                return
+            blocked.append((m, limit))
+        m, limit = blocked[0]
+        in_use = Decimal(usage.model_milli.get(m.pk, 0)) / MILLI
+        raise refuse(f"max_gpus[{m.name}]", limit, in_use, gpus, "GPUs")
+
+
+# --- the service -----------------------------------------------------------------------------------
+
+
+def workload_submit(*, tenant, kind: str, spec: dict[str, Any], actor: Actor) -> Workload:
+    """Validate ``spec`` (see the API's InstanceCreate/JobCreate), check quotas and admission, and
+    store a PENDING workload; a scheduling cycle is requested when the transaction commits."""
+    f, resolved = _validate(tenant=tenant, kind=kind, spec=spec)
+    now = timezone.now()
+    with transaction.atomic():
+        quota = lock_quota(tenant=tenant)
+        _check_quota(quota, quota_usage(tenant=tenant), f, resolved.candidates)
+        workload = Workload(
+            tenant=tenant,
+            region=resolved.region,
+            reservation=resolved.reservation,
+            state=WorkloadState.PENDING,
+            submitted_at=now,
+            state_changed_at=now,
+            pending_reason="submitted",
+            pending_message="Waiting for the next scheduling cycle.",
+            **f,
+        )
+        workload._spec_models = resolved.models
+        run_admission_checks(tenant=tenant, workload=workload, actor=actor)
+        workload.save()
+        if resolved.models:
+            workload.gpu_models.set(resolved.models)
+        WorkloadEvent.objects.create(
+            tenant=tenant,
+            workload=workload,
+            at=now,
+            from_state="",
+            to_state=WorkloadState.PENDING,
+            reason="submitted",
+            actor_repr=str(actor)[:200],
+        )
+        if actor.kind != "system":
+            audit_record(
+                tenant=tenant,
+                actor=actor,
+                action=f"{kind}.submit",
+                target=workload,
+                data={"plan": workload.plan, "gpu_count": workload.gpu_count},
+            )
+        publish(
+            tenant_id=tenant.pk,
+            event={
+                "type": "workload.state",
+                "workload_id": workload.pk,
+                "kind": kind,
+                "from": "",
+                "to": WorkloadState.PENDING,
+                "reason": "submitted",
+                "at": now.isoformat(),
+            },
+        )
+        from scheduling.services.triggers import cycle_request
+
+        cycle_request(reason="submit")
+    return workload
+
+
+def quota_update(
+    *,
+    tenant,
+    actor: Actor,
+    max_gpus_total: int | None = None,
+    max_concurrent_workloads: int | None = None,
+    max_spot_gpus: int | None = None,
+    max_gpus_per_request: int | None = None,
+    model_limits: dict[GpuModel, int] | None = None,
+) -> Quota:
+    """Staff set a tenant's limits (None = no limit). ``model_limits`` replaces the per-model ones."""
+    with transaction.atomic():
+        quota = lock_quota(tenant=tenant)
+        quota.max_gpus_total = max_gpus_total
+        quota.max_concurrent_workloads = max_concurrent_workloads
+        quota.max_spot_gpus = max_spot_gpus
+        quota.max_gpus_per_request = max_gpus_per_request
+        quota.save()
+        if model_limits is not None:
+            quota.model_limits.all().delete()
+            for model, limit in model_limits.items():
+                quota.model_limits.create(gpu_model=model, max_gpus=limit)
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="quota.update",
+            target=quota,
+            data={
+                "max_gpus_total": max_gpus_total,
+                "max_concurrent_workloads": max_concurrent_workloads,
+                "max_spot_gpus": max_spot_gpus,
+                "max_gpus_per_request": max_gpus_per_request,
+                "model_limits": {m.name: n for m, n in (model_limits or {}).items()},
+            },
+        )
+    return quota
