@@ -139,6 +139,8 @@ class Node(models.Model):
     seq_epoch = models.PositiveIntegerField(default=1)
     last_seq = models.BigIntegerField(default=0)
     status = models.JSONField(default=dict, blank=True, help_text="The agent's last reported status.")
+    # Hash of the last workloads list a heartbeat carried: an unchanged list is not looked at again.
+    workloads_digest = models.CharField(max_length=32, blank=True, editable=False)
     simulated = models.BooleanField(default=False, help_text="Part of the labelled simulated fleet.")
 
     class Meta:
