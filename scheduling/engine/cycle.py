@@ -67,6 +67,8 @@ class Engine:
         self._allowed: dict[GpuSpec, frozenset[str]] = {}
         self._demands: dict[tuple, Demand] = {}
         self._workload_fixed = workload is not None
+        self._fair_base: tuple | None = None
+        self.now = 0.0
         if workload is not None:
             self.policy.set_distribution(workload)
 
@@ -235,7 +237,9 @@ class Engine:
         if not self._workload_fixed:
             self.policy.set_distribution(Distribution.from_demands(self.demand(r) for r in pending))
             st.invalidate()
-        fair = FairShare(self.nodes, self.models, list(running), tenant_weights or {})
+        if self._fair_base is None:
+            self._fair_base = FairShare.base(self.nodes, self.models)
+        fair = FairShare(self.nodes, self.models, list(running), tenant_weights or {}, self._fair_base)
         queue = FairQueue(list(pending), fair, now, cfg.queue)
         preemptor = (
             Preemptor(st, list(running), self.reserved_for, now) if cfg.preemption and running else None

@@ -36,17 +36,26 @@ class FairShare:
         models: dict[str, GpuModelInfo],
         running: list[Running],
         weights: dict[str, float],
+        base: tuple[dict[str, float], float, int, int] | None = None,
     ) -> None:
         self.weights = weights
-        self._gpu_weight = {
-            n.id: (models[n.model].compute_weight if n.model in models else 1.0) for n in nodes
-        }
-        self.total_gpu = sum(len(n.gpus) * MILLI * self._gpu_weight[n.id] for n in nodes) or 1.0
-        self.total_cpu = sum(n.cpu_milli for n in nodes) or 1
-        self.total_mem = sum(n.memory_mib for n in nodes) or 1
+        if base is None:
+            base = self.base(nodes, models)
+        self._gpu_weight, self.total_gpu, self.total_cpu, self.total_mem = base
         self.use: dict[str, list[float]] = {}
         for r in running:
             self.add(r.tenant, r.node_id, len(r.gpu_indices) * r.milli, r.cpu_milli, r.memory_mib)
+
+    @staticmethod
+    def base(nodes: list[Node], models: dict[str, GpuModelInfo]) -> tuple[dict[str, float], float, int, int]:
+        """Per-node compute weight of its GPUs and the cluster totals (reusable across cycles)."""
+        w = {n.id: (models[n.model].compute_weight if n.model in models else 1.0) for n in nodes}
+        return (
+            w,
+            sum(len(n.gpus) * MILLI * w[n.id] for n in nodes) or 1.0,
+            sum(n.cpu_milli for n in nodes) or 1,
+            sum(n.memory_mib for n in nodes) or 1,
+        )
 
     def add(self, tenant: str, node_id: str, gpu_milli: int, cpu: int, mem: int) -> None:
         u = self.use.get(tenant)
