@@ -19,7 +19,6 @@ import json
 import multiprocessing as mp
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -113,7 +112,9 @@ def make_batch(seq: int, uuids: list[str], ticks: int, t0: datetime) -> bytes:
     return orjson.dumps(body)
 
 
-def client_worker(base: str, nodes: list[dict], ticks: int, duration: float, threads: int, out: mp.Queue) -> None:
+def client_worker(
+    base: str, nodes: list[dict], ticks: int, duration: float, threads: int, out: mp.Queue
+) -> None:
     """Post heartbeats round-robin over this worker's nodes from a few threads until time is up."""
     stop_at = time.monotonic() + duration
     lock = threading.Lock()
@@ -136,7 +137,10 @@ def client_worker(base: str, nodes: list[dict], ticks: int, duration: float, thr
                 r = client.post(
                     f"/agent/v1/nodes/{node['node_id']}/heartbeat",
                     content=body,
-                    headers={"Authorization": f"Node {node['credential']}", "Content-Type": "application/json"},
+                    headers={
+                        "Authorization": f"Node {node['credential']}",
+                        "Content-Type": "application/json",
+                    },
                 )
                 elapsed = time.monotonic() - started
                 with lock:
@@ -218,7 +222,9 @@ def main() -> int:
         else:
             print("the server did not start", file=sys.stderr)
             return 1
-        print(f"uvicorn: {args.workers} worker(s) on port {port}, redis: {'yes' if env.get('REDIS_URL') else 'no'}")
+        print(
+            f"uvicorn: {args.workers} worker(s) on port {port}, redis: {'yes' if env.get('REDIS_URL') else 'no'}"
+        )
 
         nodes = []
         with httpx.Client(base_url=base, timeout=30) as client:
@@ -232,7 +238,12 @@ def main() -> int:
                     "interconnect": "nvswitch",
                     "agent_version": "bench",
                     "gpus": [
-                        {"index": i, "uuid": f"GPU-{hostname}-{i}", "name": "NVIDIA H100 80GB HBM3", "memory_mib": 81559}
+                        {
+                            "index": i,
+                            "uuid": f"GPU-{hostname}-{i}",
+                            "name": "NVIDIA H100 80GB HBM3",
+                            "memory_mib": 81559,
+                        }
                         for i in range(args.gpus)
                     ],
                 }
@@ -279,8 +290,12 @@ def main() -> int:
             cur.execute("SELECT count(*) FROM nodes_gpuminuterollup")
             rollup_rows = cur.fetchone()[0]
         raw_bytes = (sizes_after["nodes_gpusample"] - sizes_before["nodes_gpusample"]) / max(samples, 1)
-        rollup_bytes = (sizes_after["nodes_gpuminuterollup"] - sizes_before["nodes_gpuminuterollup"]) / max(rollup_rows, 1)
-        hb_bytes = (sizes_after["nodes_heartbeatbatch"] - sizes_before["nodes_heartbeatbatch"]) / max(batches, 1)
+        rollup_bytes = (sizes_after["nodes_gpuminuterollup"] - sizes_before["nodes_gpuminuterollup"]) / max(
+            rollup_rows, 1
+        )
+        hb_bytes = (sizes_after["nodes_heartbeatbatch"] - sizes_before["nodes_heartbeatbatch"]) / max(
+            batches, 1
+        )
         per_day = 86400 / args.sample_interval_s
         raw_day = raw_bytes * per_day
         rollup_day = rollup_bytes * 1440
@@ -290,9 +305,13 @@ def main() -> int:
             f"raw {raw_day / 1e6:.2f} MB + rollups {rollup_day / 1e6:.2f} MB = {(raw_day + rollup_day) / 1e6:.2f} MB"
         )
 
-        rtts = command_round_trips(base, rtt_node, args.commands, node_command_enqueue, NodeCommand, connection)
+        rtts = command_round_trips(
+            base, rtt_node, args.commands, node_command_enqueue, NodeCommand, connection
+        )
         p50, p95 = pct(rtts, 50) * 1000, pct(rtts, 95) * 1000
-        print(f"command round trip over {len(rtts)} commands: p50 {p50:.1f} ms, p95 {p95:.1f} ms, max {max(rtts) * 1000:.1f} ms")
+        print(
+            f"command round trip over {len(rtts)} commands: p50 {p50:.1f} ms, p95 {p95:.1f} ms, max {max(rtts) * 1000:.1f} ms"
+        )
         print(
             json.dumps(
                 {
@@ -333,10 +352,10 @@ def pct(values: list[float], p: float) -> float:
     if not values:
         return 0.0
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
+    return values[min(len(values) - 1, round(p / 100 * (len(values) - 1)))]
 
 
-def command_round_trips(base, node, count, enqueue, NodeCommand, connection) -> list[float]:  # noqa: N803
+def command_round_trips(base, node, count, enqueue, NodeCommand, connection) -> list[float]:
     """The agent side long-polls in a thread and reports ``accepted`` at once; this side enqueues
     one command at a time and times enqueue -> accepted report answered."""
     from nodes.models import Node
@@ -354,7 +373,12 @@ def command_round_trips(base, node, count, enqueue, NodeCommand, connection) -> 
                 for command in r.json()["commands"]:
                     rep = client.post(
                         f"/agent/v1/nodes/{node['node_id']}/commands/{command['id']}/report",
-                        json={"status": "accepted", "result": {}, "message": "", "at": iso(datetime.now(UTC))},
+                        json={
+                            "status": "accepted",
+                            "result": {},
+                            "message": "",
+                            "at": iso(datetime.now(UTC)),
+                        },
                     )
                     if rep.status_code == 200 and rep.json()["status"] == "accepted":
                         with cond:

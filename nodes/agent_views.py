@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import connection
+from django.db import close_old_connections
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
@@ -64,14 +64,15 @@ def agent_endpoint(view):
     return csrf_exempt(wrapper)
 
 
-def _credential(request: HttpRequest) -> str:
-    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+def _credential(request: HttpRequest | str) -> str:
+    header = request if isinstance(request, str) else request.headers.get("Authorization", "")
+    scheme, _, value = header.partition(" ")
     if scheme.lower() != AUTH_SCHEME.lower() or not value.strip():
         raise NotAuthenticated(f"Send the node credential as 'Authorization: {AUTH_SCHEME} gpn_...'.")
     return value.strip()
 
 
-def authenticate_for(request: HttpRequest, node_id: int) -> AuthenticatedNode:
+def authenticate_for(request: HttpRequest | str, node_id: int) -> AuthenticatedNode:
     """401 for a missing or wrong credential; 404 when the credential is another node's."""
     node = node_authenticate(credential=_credential(request))
     if node.id != node_id:
@@ -161,54 +162,72 @@ def register(request):
     )
 
 
+# --- database work from async views -------------------------------------------------------------------
+
+# Under ASGI, Django runs each sync view in a thread of its own, which opens a database connection
+# of its own: a new PostgreSQL connection per heartbeat. The agent views are async instead and run
+# their database work on the event loop's worker threads, whose connections persist (CONN_MAX_AGE)
+# and are shared by all requests; nothing holds a connection while a long poll sleeps. Django's
+# test client needs the work in the caller's thread (the test's transaction): tests/nodes sets
+# this to True.
+DB_THREAD_SENSITIVE = False
+
+
+def in_db_thread(fn):
+    def job(*args, **kwargs):
+        if not DB_THREAD_SENSITIVE:
+            close_old_connections()  # what Django does around a request: drop broken or old ones
+        return fn(*args, **kwargs)
+
+    return sync_to_async(job, thread_sensitive=DB_THREAD_SENSITIVE)
+
+
 # --- heartbeat ----------------------------------------------------------------------------------------
 
 
-@require_POST
-@agent_endpoint
-def heartbeat(request, node_id: int):
-    node = authenticate_for(request, node_id)
-    batch = heartbeat_parse(request.body)
-    result = heartbeat_ingest(node=node, batch=batch)
-    body = {
+def _heartbeat_sync(authorization: str, body: bytes, node_id: int) -> JsonResponse:
+    try:
+        node = authenticate_for(authorization, node_id)
+        batch = heartbeat_parse(body)
+        result = heartbeat_ingest(node=node, batch=batch)
+    except DomainError as exc:
+        if isinstance(exc, NotAuthenticated) or exc.status_code == 400:
+            node_metrics.AGENT_REJECTED.labels(status=str(exc.status_code)).inc()
+        return _domain_error(exc)
+    data = {
         "status": result.status,
         "gap": list(result.gap) if result.gap else None,
         "server_time": _now_str(),
     }
     if result.ignored_samples:
-        body["ignored_samples"] = result.ignored_samples
-    return JsonResponse(body)
+        data["ignored_samples"] = result.ignored_samples
+    return JsonResponse(data)
+
+
+@csrf_exempt
+@require_POST
+async def heartbeat(request, node_id: int):
+    return await in_db_thread(_heartbeat_sync)(
+        request.headers.get("Authorization", ""), request.body, node_id
+    )
 
 
 # --- commands -----------------------------------------------------------------------------------------
 
 
-def _release_connection() -> None:
-    """Hand the database connection back while the long poll sleeps (kept inside a test's
-    transaction, where closing it would end the test's transaction)."""
-    if not connection.in_atomic_block:
-        connection.close()
+def _auth_sync(authorization: str, node_id: int) -> AuthenticatedNode:
+    return authenticate_for(authorization, node_id)
 
 
-def _auth_sync(request, node_id):
-    try:
-        return authenticate_for(request, node_id)
-    finally:
-        _release_connection()
-
-
-def _deliver_sync(node_id):
-    try:
-        return command_services.node_commands_deliver_due(node_id=node_id)
-    finally:
-        _release_connection()
+def _deliver_sync(node_id: int):
+    return command_services.node_commands_deliver_due(node_id=node_id)
 
 
 @csrf_exempt
 @require_GET
 async def commands(request, node_id: int):
     try:
-        await sync_to_async(_auth_sync)(request, node_id)
+        await in_db_thread(_auth_sync)(request.headers.get("Authorization", ""), node_id)
         raw_wait = request.GET.get("wait", str(settings.NODE_COMMANDS_DEFAULT_WAIT_S))
         try:
             wait = float(raw_wait)
@@ -222,7 +241,7 @@ async def commands(request, node_id: int):
     give_up = time.monotonic() + wait
     async with CommandWaiter(node_id) as waiter:
         while True:
-            delivered, next_due = await sync_to_async(_deliver_sync)(node_id)
+            delivered, next_due = await in_db_thread(_deliver_sync)(node_id)
             remaining = give_up - time.monotonic()
             if delivered or remaining <= 0:
                 break

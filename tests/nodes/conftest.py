@@ -183,3 +183,11 @@ def capture_signal():
 
 def minutes_ago(n: float) -> datetime:
     return datetime.now(UTC) - timedelta(minutes=n)
+
+
+@pytest.fixture(autouse=True)
+def agent_views_in_test_thread(monkeypatch):
+    """The test client's requests must use the test's database connection (its transaction)."""
+    from nodes import agent_views
+
+    monkeypatch.setattr(agent_views, "DB_THREAD_SENSITIVE", True)
