@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('nodes', '0001_fleet'),
+        ("nodes", "0001_fleet"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='node',
-            name='workloads_digest',
+            model_name="node",
+            name="workloads_digest",
             field=models.CharField(blank=True, editable=False, max_length=32),
         ),
     ]
