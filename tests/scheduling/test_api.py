@@ -1,0 +1,148 @@
+from __future__ import annotations
+
+import pytest
+
+from scheduling.models import Quota, Workload
+from scheduling.pricing import register_price_provider, unregister_price_provider
+from tests.scheduling.conftest import H100, reload
+
+pytestmark = pytest.mark.django_db
+
+JOB = {"gpu_models": ["H100"], "gpu_count": 2, "image": "ghcr.io/acme/train:1", "command": ["python", "t.py"]}
+
+
+@pytest.fixture
+def client(tenant, make_token, api):
+    return api(make_token(tenant))
+
+
+def test_create_list_detail_and_stop_a_job(client, make_node, cycle):
+    make_node()
+    r = client.post("/api/v1/jobs/", JOB, content_type="application/json")
+    assert r.status_code == 201, r.content
+    body = r.json()
+    assert body["state"] == "pending" and body["gpu_models"] == [H100] and body["kind"] == "job"
+    assert body["pending"]["reason"] == "submitted"
+    jid = body["id"]
+    assert client.get("/api/v1/instances/").json()["results"] == []
+    assert [j["id"] for j in client.get("/api/v1/jobs/?state=pending").json()["results"]] == [jid]
+    assert client.get("/api/v1/jobs/?state=running").json()["results"] == []
+    cycle()
+    detail = client.get(f"/api/v1/jobs/{jid}/").json()
+    assert detail["state"] == "scheduled" and detail["pending"] is None
+    assert len(detail["placement"]) == 2 and detail["placement"][0]["gpu_model"] == H100
+    events = client.get(f"/api/v1/jobs/{jid}/events/").json()
+    assert [e["to_state"] for e in events] == ["pending", "queued", "scheduled"]
+    r = client.post(f"/api/v1/jobs/{jid}/stop/")
+    assert r.status_code == 200 and r.json()["state"] == "stopping"
+    r = client.post(f"/api/v1/jobs/{jid}/stop/")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"
+    logs = client.get(f"/api/v1/jobs/{jid}/logs/").json()
+    assert logs["source"] == "agent_report" and len(logs["events"]) == 4
+
+
+def test_bad_input_is_a_400_naming_the_field(client, make_node):
+    make_node()
+    for spec, field in [
+        ({**JOB, "gpu_models": ["nope"]}, "gpu_models"),
+        ({**JOB, "gpu_count": 0}, "gpu_count"),
+        ({**JOB, "gpu_count": "many"}, "gpu_count"),
+        ({**JOB, "region": "mars"}, "region"),
+        ({**JOB, "gpu_count": 2, "gpu_fraction_milli": 100}, "gpu_fraction_milli"),
+    ]:
+        r = client.post("/api/v1/jobs/", spec, content_type="application/json")
+        assert r.status_code == 400, r.content
+        assert field in r.json()["error"]["fields"], r.json()
+    r = client.post("/api/v1/instances/", {"gpu_models": ["H100"]}, content_type="application/json")
+    assert r.status_code == 400 and "image" in r.json()["error"]["fields"]
+    assert not Workload.objects.exists()
+
+
+def test_a_quota_error_and_the_quota_endpoint(client, tenant, make_node):
+    make_node()
+    Quota.objects.create(tenant=tenant, max_gpus_total=3)
+    assert client.post("/api/v1/jobs/", JOB, content_type="application/json").status_code == 201
+    r = client.post("/api/v1/jobs/", JOB, content_type="application/json")
+    assert r.status_code == 403
+    err = r.json()["error"]
+    assert err["code"] == "quota_exceeded" and err["fields"]["quota"] == "max_gpus_total"
+    assert err["fields"]["limit"] == 3 and "in use 2" in err["message"]
+    q = client.get("/api/v1/quotas/").json()
+    assert q["limits"]["max_gpus_total"] == 3 and q["usage"]["gpus"] == "2" and q["usage"]["workloads"] == 1
+    assert q["usage"]["gpus_per_model"] == {H100: "2"}
+
+
+def test_gpu_types_show_live_availability_and_prices_when_provided(client, tenant, make_node, cycle, submit):
+    make_node(gpus=8)
+    make_node(gpus=8, region="eu")
+    submit(tenant, gpu_count=3)
+    cycle()
+    types = {t["name"]: t for t in client.get("/api/v1/gpu-types/").json()}
+    avail = {a["region"]: a for a in types[H100]["availability"]}
+    assert avail["us-east-1"]["free_gpus"] + avail["eu-west-1"]["free_gpus"] == 13
+    assert avail["us-east-1"]["total_gpus"] == 8
+    assert avail["us-east-1"]["price_per_gpu_hour"] == {"on_demand": None, "spot": None, "reserved": None}
+    assert types["NVIDIA T4"]["availability"] == []
+
+    from decimal import Decimal
+
+    class Flat:
+        def prices(self, *, gpu_model, region):
+            return {"on_demand": Decimal("2.50")}
+
+        def spot_floor(self, *, gpu_model, region):
+            return Decimal("0.80")
+
+    provider = register_price_provider(Flat())
+    try:
+        types = {t["name"]: t for t in client.get("/api/v1/gpu-types/").json()}
+        assert types[H100]["availability"][0]["price_per_gpu_hour"]["on_demand"] == "2.50"
+        r = client.post(
+            "/api/v1/jobs/", {**JOB, "plan": "spot", "spot_max_price": "0.5"}, content_type="application/json"
+        )
+        assert r.status_code == 400 and "spot_max_price" in r.json()["error"]["fields"]
+    finally:
+        unregister_price_provider(provider)
+
+
+def test_reservations_are_requested_listed_and_cancelled(client, make_node):
+    make_node()
+    r = client.post(
+        "/api/v1/reservations/",
+        {
+            "gpu_model": "H100",
+            "region": "us-east-1",
+            "count": 8,
+            "starts_at": "2030-01-01T00:00:00Z",
+            "ends_at": "2030-02-01T00:00:00Z",
+        },
+        content_type="application/json",
+    )
+    assert r.status_code == 201, r.content
+    rid = r.json()["id"]
+    assert r.json()["status"] == "requested" and r.json()["gpu_model"] == H100
+    assert [x["id"] for x in client.get("/api/v1/reservations/").json()["results"]] == [rid]
+    assert client.post(f"/api/v1/reservations/{rid}/cancel/").json()["status"] == "cancelled"
+    r = client.post(
+        "/api/v1/reservations/",
+        {
+            "gpu_model": "H100",
+            "region": "us-east-1",
+            "count": 8,
+            "starts_at": "2030-02-01T00:00:00Z",
+            "ends_at": "2030-01-01T00:00:00Z",
+        },
+        content_type="application/json",
+    )
+    assert r.status_code == 400 and "ends_at" in r.json()["error"]["fields"]
+
+
+def test_a_waiting_instance_says_why(client, tenant, make_node, submit, cycle):
+    make_node(gpus=1)
+    submit(tenant, kind="instance")
+    w = submit(tenant, kind="instance")
+    cycle()
+    body = client.get(f"/api/v1/instances/{w.pk}/").json()
+    assert body["state"] == "queued"
+    assert body["pending"]["reason"] == "capacity" and body["pending"]["message"]
+    assert reload(w).pending_reason == "capacity"

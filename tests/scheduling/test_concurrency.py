@@ -1,0 +1,166 @@
+"""Races, on PostgreSQL (SQLite serialises writers, so there is nothing to race there)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from django.db import connection, connections, transaction
+from django.test import Client
+
+from nodes.models import CommandKind, NodeCommand
+from portal.actors import Actor
+from scheduling.locks import try_cycle_lock
+from scheduling.models import Allocation, Quota, Workload
+from scheduling.models import WorkloadState as S
+from scheduling.services.cycle import scheduling_cycle_run
+from scheduling.services.submission import workload_submit
+from scheduling.services.triggers import cycle_request_clear
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+JOB = {"gpu_models": ["H100"], "image": "ghcr.io/acme/train:1", "command": ["python", "t.py"]}
+
+
+@pytest.fixture(autouse=True)
+def _postgres_only():
+    if connection.vendor != "postgresql":
+        pytest.skip("needs PostgreSQL (row locks, advisory locks, concurrent writers)")
+
+
+def test_parallel_requests_cannot_pass_a_quota(tenant, make_token, make_node):
+    make_node()
+    Quota.objects.create(tenant=tenant, max_concurrent_workloads=3, max_gpus_total=100)
+    token = make_token(tenant)
+    n = 10
+    barrier = threading.Barrier(n)
+    codes: list[int] = []
+
+    def post():
+        try:
+            client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+            barrier.wait()
+            codes.append(client.post("/api/v1/jobs/", JOB, content_type="application/json").status_code)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=post) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(codes) == [201] * 3 + [403] * (n - 3)
+    assert Workload.objects.filter(tenant=tenant).count() == 3
+
+
+def test_parallel_gpu_quota_counts_every_admitted_request(tenant, make_node):
+    make_node()
+    make_node()
+    Quota.objects.create(tenant=tenant, max_gpus_total=10)
+    barrier = threading.Barrier(8)
+    admitted: list[int] = []
+
+    def submit():
+        try:
+            barrier.wait()
+            workload_submit(tenant=tenant, kind="job", spec={**JOB, "gpu_count": 3}, actor=Actor.system())
+            admitted.append(3)
+        except Exception as e:  # the quota error is the expected refusal
+            assert type(e).__name__ == "QuotaExceeded", e
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=submit) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(admitted) == 9 and Workload.objects.count() == 3
+
+
+def test_a_second_cycle_does_not_run_while_one_holds_the_lock(tenant, make_node, submit):
+    make_node()
+    submit(tenant)
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        try:
+            with transaction.atomic():
+                assert try_cycle_lock()
+                held.set()
+                release.wait(10)
+        finally:
+            connections.close_all()
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert held.wait(10)
+    try:
+        assert scheduling_cycle_run().ran is False
+        assert Workload.objects.get().state == S.PENDING
+    finally:
+        release.set()
+        t.join()
+    assert scheduling_cycle_run().ran is True
+
+
+CHILD = """
+import django, os, sys
+django.setup()
+from scheduling.services.cycle import scheduling_cycle_run
+placed = 0
+for _ in range(int(sys.argv[1])):
+    placed += len(scheduling_cycle_run().placed)
+print(placed)
+"""
+
+
+def test_two_processes_running_cycles_never_double_allocate(tenant, make_node, submit):
+    for _ in range(4):
+        make_node(gpus=8)
+    ws = [submit(tenant, gpu_count=g) for g in (1, 2, 3, 4, 1, 2, 3, 4, 1, 1, 2)]
+    ws += [submit(tenant, gpu_fraction_milli=300) for _ in range(6)]
+    db = connection.settings_dict
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
+        "SCHEDULING_TRIGGER_CYCLES": "0",
+    }
+    env.pop("TEST_DB_NAME", None)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", CHILD, "15"], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    placed = sum(int(o.strip().splitlines()[-1]) for o in outs)
+    assert placed == len(ws)
+    assert all(Workload.objects.get(pk=w.pk).state == S.SCHEDULED for w in ws)
+    per_gpu: dict[int, int] = {}
+    for gpu_id, milli in Allocation.objects.active().values_list("gpu_id", "fraction_milli"):
+        per_gpu[gpu_id] = per_gpu.get(gpu_id, 0) + milli
+    assert max(per_gpu.values()) <= 1000
+    assert NodeCommand.objects.filter(kind=CommandKind.START_WORKLOAD).count() == len(ws)
+
+
+def test_a_real_celery_worker_runs_the_cycle_a_submission_asks_for(tenant, make_node, submit, settings):
+    from celery.contrib.testing.worker import start_worker
+
+    from portal.celery import app
+
+    settings.SCHEDULING_TRIGGER_CYCLES = True
+    settings.SCHEDULING_CYCLE_DEBOUNCE_S = 0.1
+    cycle_request_clear()
+    make_node()
+    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
+        w = submit(tenant, gpu_count=2)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and Workload.objects.get(pk=w.pk).state != S.SCHEDULED:
+            time.sleep(0.2)
+    assert Workload.objects.get(pk=w.pk).state == S.SCHEDULED
+    assert Allocation.objects.active().filter(workload=w).count() == 2
