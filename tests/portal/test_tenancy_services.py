@@ -168,15 +168,18 @@ def test_suspension_needs_a_reason(tenant):
     assert Tenant.objects.get(pk=tenant.pk).status == "active"
 
 
-def test_seed_demo_is_idempotent(capsys):
-    call_command("seed_demo")
+def test_seed_demo_is_idempotent(capsys, settings, tmp_path, django_capture_on_commit_callbacks):
+    settings.FLEET_FILE = tmp_path / "fleet.json"  # the simulated fleet's file, written on commit
+    with django_capture_on_commit_callbacks(execute=True):
+        call_command("seed_demo")
     counts = (
         Tenant.objects.count(),
         User.objects.count(),
         Membership.objects.count(),
         AuditEvent.objects.count(),
     )
-    call_command("seed_demo")
+    with django_capture_on_commit_callbacks(execute=True):
+        call_command("seed_demo")
     assert counts == (
         Tenant.objects.count(),
         User.objects.count(),
