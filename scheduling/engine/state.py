@@ -56,13 +56,15 @@ class Slot:
 
 
 class _Heap:
-    __slots__ = ("cursor", "entries", "fit", "members")
+    __slots__ = ("cursor", "entries", "fit", "members", "scores")
 
-    def __init__(self, fit: list[int | None], cursor: int) -> None:
+    def __init__(self, fit: list[int | None], cursor: int, scores: dict[int, tuple | None]) -> None:
         self.entries: list[tuple] = []
-        self.members: set[Key] = set()
+        self.members: set[int] = set()
         self.fit = fit
         self.cursor = cursor
+        self.scores = scores
+        """Policy score per state id, shared by demands that differ only in region or plan."""
 
 
 def gpu_options(cls: NodeClass, gkey: GKey, demand: Demand) -> list[Option]:
@@ -143,9 +145,15 @@ class ClusterState:
         self.keys: list[Key | None] = []
         self.pos: list[int] = []
         self.buckets: dict[Key, list[int]] = {}
-        self.log: list[Key] = []
+        # Every state ever seen gets a small integer id, so that the hot paths (heap catch-up and
+        # top-of-heap checks) hash ints instead of nested tuples.
+        self._kid: dict[Key, int] = {}
+        self._kkey: list[Key] = []
+        self._kbucket: list[list[int] | None] = []
+        self.log: list[int] = []
         self.held: set[int] = set()
         self._heaps: dict[Demand, _Heap] = {}
+        self._scores: dict[tuple, dict[int, tuple | None]] = {}
         self._fits: dict[Demand, list[int | None]] = {}
         self.capacity_milli = 0
         self._max_spec: tuple[int, int] | None = None
@@ -199,10 +207,15 @@ class ClusterState:
     def _enter(self, i: int) -> None:
         key = self._key(i)
         self.keys[i] = key
-        lst = self.buckets.get(key)
+        kid = self._kid.get(key)
+        if kid is None:
+            kid = self._kid[key] = len(self._kkey)
+            self._kkey.append(key)
+            self._kbucket.append(None)
+        lst = self._kbucket[kid]
         if lst is None:
-            self.buckets[key] = lst = []
-            self.log.append(key)
+            self.buckets[key] = self._kbucket[kid] = lst = []
+            self.log.append(kid)
         self.pos[i] = len(lst)
         lst.append(i)
 
@@ -218,6 +231,7 @@ class ClusterState:
             self.pos[last] = p
         if not lst:
             del self.buckets[key]
+            self._kbucket[self._kid[key]] = None
         self.keys[i] = None
         self.pos[i] = -1
 
@@ -275,45 +289,58 @@ class ClusterState:
     def _heap(self, demand: Demand) -> _Heap:
         h = self._heaps.get(demand)
         if h is None:
-            h = _Heap(self.class_fit(demand), len(self.log))
+            shape = (demand.models, demand.milli, demand.gpus, demand.cpu, demand.mem)
+            scores = self._scores.get(shape)
+            if scores is None:
+                scores = self._scores[shape] = {}
+            h = _Heap(self.class_fit(demand), len(self.log), scores)
             self._heaps[demand] = h
             for key in self.buckets:
-                self._push(h, key, demand)
+                self._push(h, self._kid[key], demand)
             heapq.heapify(h.entries)
         elif h.cursor < len(self.log):
-            log = self.log
-            buckets = self.buckets
+            kbucket = self._kbucket
             members = h.members
-            for j in range(h.cursor, len(log)):
-                key = log[j]
-                if key in buckets and key not in members:
-                    entry = self._entry(h, key, demand)
+            for kid in self.log[h.cursor :]:
+                if kbucket[kid] is not None and kid not in members:
+                    entry = self._entry(h, kid, demand)
                     if entry is not None:
                         heapq.heappush(h.entries, entry)
-                        members.add(key)
-            h.cursor = len(log)
+                        members.add(kid)
+            h.cursor = len(self.log)
         return h
 
-    def _push(self, h: _Heap, key: Key, demand: Demand) -> None:
-        entry = self._entry(h, key, demand)
+    def _push(self, h: _Heap, kid: int, demand: Demand) -> None:
+        entry = self._entry(h, kid, demand)
         if entry is not None:
             h.entries.append(entry)
-            h.members.add(key)
+            h.members.add(kid)
 
-    def _entry(self, h: _Heap, key: Key, demand: Demand) -> tuple | None:
+    def _entry(self, h: _Heap, kid: int, demand: Demand) -> tuple | None:
+        key = self._kkey[kid]
         pen = h.fit[key[0]]
-        if pen is None or key[1] < demand.cpu or key[2] < demand.mem:
+        if pen is None:
             return None
-        cls = self.classes[key[0]]
-        opts = gpu_options(cls, key[3], demand)
-        if not opts:
+        scores = h.scores
+        if kid in scores:
+            sc = scores[kid]
+        else:
+            sc = None
+            if key[1] >= demand.cpu and key[2] >= demand.mem:
+                cls = self.classes[key[0]]
+                opts = gpu_options(cls, key[3], demand)
+                if opts:
+                    score, opt = self.policy.choose(self, cls, key, demand, opts)
+                    sc = (opt[0], score, opt[1])
+            scores[kid] = sc
+        if sc is None:
             return None
-        score, opt = self.policy.choose(self, cls, key, demand, opts)
-        return (pen, opt[0], score, self.rng.random(), key, opt[1])
+        return (pen, sc[0], sc[1], self.rng.random(), kid, sc[2])
 
     def invalidate(self) -> None:
         """Forget every score (call when the policy's view of the workload changes)."""
         self._heaps.clear()
+        self._scores.clear()
 
     def place(self, demand: Demand) -> list[Slot] | None:
         """Place ``demand`` by the policy, update the index, and return where it went (or None)."""
@@ -323,14 +350,13 @@ class ClusterState:
             return self._place_scan(demand)
         h = self._heap(demand)
         entries = h.entries
-        buckets = self.buckets
+        kbucket = self._kbucket
         while entries:
             top = entries[0]
-            key = top[4]
-            lst = buckets.get(key)
+            lst = kbucket[top[4]]
             if lst is None:
                 heapq.heappop(entries)
-                h.members.discard(key)
+                h.members.discard(top[4])
                 continue
             return [self._apply(lst[-1], top[5], demand)]
         return None
