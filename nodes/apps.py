@@ -15,7 +15,7 @@ class NodesConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from nodes import demo, metrics
+        from nodes import demo, live, metrics, views  # noqa: F401  (live: staff events; views: the nav entry)
         from portal.signals import seed_demo_requested
 
         metrics.register_collector()

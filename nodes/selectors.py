@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
-from django.db.models import Prefetch, QuerySet
+from django.conf import settings
+from django.db.models import Avg, Count, Exists, OuterRef, Prefetch, Q, QuerySet
+from django.utils import timezone
 
 from nodes.models import (
+    FleetAlert,
     Gpu,
     GpuHealth,
     GpuMinuteRollup,
     GpuModel,
+    GpuSample,
     Node,
     NodeCommand,
     NodeState,
+    Region,
     SoftwareStack,
+    UnknownGpuReport,
 )
 
 
@@ -145,3 +151,312 @@ def gpu_rollups_between(*, gpu_ids: list[int], start: datetime, end: datetime) -
 
 def node_commands_history(*, node: Node, limit: int = 100) -> QuerySet[NodeCommand]:
     return NodeCommand.objects.filter(node=node).prefetch_related("events").order_by("-created_at")[:limit]
+
+
+# --- the staff fleet pages (overview, node detail, live snapshot) ------------------------------------
+# Every read below is a fixed number of queries whatever the fleet's size: counts are aggregated in
+# the database, the heat map and the snapshot read one row per GPU as tuples, no model instances.
+
+
+@dataclass(frozen=True)
+class FleetFilters:
+    region: str = ""
+    state: str = ""
+    model: int | None = None  # GpuModel id: nodes with at least one GPU of it
+    q: str = ""  # part of the hostname
+
+    @property
+    def active(self) -> bool:
+        return bool(self.region or self.state or self.model or self.q)
+
+
+def fleet_node_counts() -> dict:
+    """Nodes by state, and by region and state: ``{"total", "by_state": {state: n}, "regions": [...]}``
+    (every state and every region present, zeros included). Two queries."""
+    regions = list(Region.objects.order_by("code").values_list("code", "name", "location"))
+    by_region: dict[str, dict[str, int]] = {
+        code: dict.fromkeys(NodeState.values, 0) for code, _, _ in regions
+    }
+    by_state = dict.fromkeys(NodeState.values, 0)
+    simulated = 0
+    for code, state, is_sim, n in (
+        Node.objects.values_list("region__code", "state", "simulated").annotate(n=Count("id")).order_by()
+    ):
+        by_region.setdefault(code, dict.fromkeys(NodeState.values, 0))[state] += n
+        by_state[state] += n
+        if is_sim:
+            simulated += n
+    return {
+        "total": sum(by_state.values()),
+        "simulated": simulated,
+        "by_state": by_state,
+        "regions": [
+            {
+                "code": code,
+                "name": name,
+                "location": location,
+                "states": by_region[code],
+                "total": sum(by_region[code].values()),
+            }
+            for code, name, location in regions
+        ],
+    }
+
+
+def fleet_gpu_counts() -> dict:
+    """GPUs by model and health (one query): ``{"total", "healthy", "unhealthy", "isolated",
+    "util_avg", "models": [{"name", "vendor", "total", "healthy", "unhealthy", "isolated", "util_avg"}]}``.
+    An isolated GPU counts as isolated whatever its health; ``healthy`` means schedulable health."""
+    models: dict[str, dict] = {}
+    util_weighted = 0.0
+    util_n = 0
+    for name, reported, vendor, health, isolated, n, util_avg, util_n_row in (
+        Gpu.objects.filter(removed_at__isnull=True)
+        .values_list("model__name", "reported_name", "model__vendor", "health", "isolated")
+        .annotate(n=Count("id"), util=Avg("last_util_pct"), util_n=Count("last_util_pct"))
+        .order_by()
+    ):
+        key = name or f"{reported} (not in the catalog)"
+        m = models.setdefault(
+            key,
+            {"name": key, "vendor": vendor or "", "known": bool(name), "total": 0, "healthy": 0,
+             "unhealthy": 0, "isolated": 0, "_util": 0.0, "_util_n": 0},
+        )  # fmt: skip
+        m["total"] += n
+        if health == GpuHealth.UNHEALTHY:
+            m["unhealthy"] += n
+        if isolated:
+            m["isolated"] += n
+        if health == GpuHealth.HEALTHY and not isolated:
+            m["healthy"] += n
+        if util_avg is not None:
+            m["_util"] += util_avg * util_n_row
+            m["_util_n"] += util_n_row
+            util_weighted += util_avg * util_n_row
+            util_n += util_n_row
+    rows = sorted(models.values(), key=lambda m: (-m["total"], m["name"]))
+    for m in rows:
+        m["util_avg"] = round(m.pop("_util") / m["_util_n"], 1) if m["_util_n"] else None
+        m.pop("_util_n")
+    return {
+        "total": sum(m["total"] for m in rows),
+        "healthy": sum(m["healthy"] for m in rows),
+        "unhealthy": sum(m["unhealthy"] for m in rows),
+        "isolated": sum(m["isolated"] for m in rows),
+        "util_avg": round(util_weighted / util_n, 1) if util_n else None,
+        "models": rows,
+    }
+
+
+def fleet_alerts_open() -> list[FleetAlert]:
+    return list(FleetAlert.objects.filter(resolved_at__isnull=True).order_by("-opened_at")[:20])
+
+
+def unknown_gpu_reports_open(*, limit: int = 20) -> list[UnknownGpuReport]:
+    return list(
+        UnknownGpuReport.objects.filter(resolved_at__isnull=True)
+        .select_related("example_node")
+        .order_by("-last_seen_at")[:limit]
+    )
+
+
+def telemetry_stale_before(now: datetime | None = None) -> datetime:
+    """A GPU whose last sample is older than this shows no current value (its node went quiet)."""
+    return (now or timezone.now()) - timedelta(seconds=settings.NODE_SUSPECT_AFTER_S)
+
+
+@dataclass(frozen=True)
+class HeatGpu:
+    id: int
+    index: int
+    model_key: int  # index into FleetHeatmap.models
+    util: float | None  # None: no current sample
+    mem_gib: float | None
+    power_w: float | None
+    temp_c: int | None
+    health: str
+    isolated: bool
+
+
+@dataclass(frozen=True)
+class HeatNode:
+    id: int
+    hostname: str
+    state: str
+    simulated: bool
+    gpus: list[HeatGpu]
+
+
+@dataclass(frozen=True)
+class HeatRegion:
+    code: str
+    name: str
+    nodes: list[HeatNode]
+
+    @property
+    def gpu_count(self) -> int:
+        return sum(len(n.gpus) for n in self.nodes)
+
+
+@dataclass(frozen=True)
+class FleetHeatmap:
+    regions: list[HeatRegion]
+    models: list[tuple[str, int]]  # (short name, memory GiB)
+
+    @property
+    def gpu_count(self) -> int:
+        return sum(r.gpu_count for r in self.regions)
+
+
+def fleet_heatmap(*, now: datetime | None = None) -> FleetHeatmap:
+    """Every present GPU grouped by node, nodes grouped by region (two queries, tuples only)."""
+    stale = telemetry_stale_before(now)
+    nodes: dict[int, HeatNode] = {}
+    regions: dict[str, HeatRegion] = {}
+    for node_id, hostname, state, simulated, code, name in Node.objects.order_by(
+        "region__code", "hostname"
+    ).values_list("id", "hostname", "state", "simulated", "region__code", "region__name"):
+        region = regions.get(code)
+        if region is None:
+            region = regions[code] = HeatRegion(code=code, name=name, nodes=[])
+        node = nodes[node_id] = HeatNode(
+            id=node_id, hostname=hostname, state=state, simulated=simulated, gpus=[]
+        )
+        region.nodes.append(node)
+    model_keys: dict[tuple[str, int], int] = {}
+    for (
+        gpu_id, node_id, index, short, model_name, model_mem, reported, mem_mib, util, mem_used, power, temp,
+        sample_at, health, isolated,
+    ) in (
+        Gpu.objects.filter(removed_at__isnull=True)
+        .order_by("node_id", "index")
+        .values_list(
+            "id", "node_id", "index", "model__short_name", "model__name", "model__memory_gib", "reported_name",
+            "memory_mib", "last_util_pct", "last_mem_used_mib", "last_power_w", "last_temp_c",
+            "last_sample_at", "health", "isolated",
+        )
+    ):  # fmt: skip
+        label = (short or model_name or reported, model_mem or round(mem_mib / 1024))
+        key = model_keys.setdefault(label, len(model_keys))
+        fresh = sample_at is not None and sample_at >= stale and util is not None
+        nodes[node_id].gpus.append(
+            HeatGpu(
+                id=gpu_id,
+                index=index,
+                model_key=key,
+                util=round(util, 1) if fresh else None,
+                mem_gib=round(mem_used / 1024, 1) if fresh and mem_used is not None else None,
+                power_w=round(power) if fresh and power is not None else None,
+                temp_c=temp if fresh else None,
+                health=health,
+                isolated=isolated,
+            )
+        )
+    kept = [
+        HeatRegion(code=r.code, name=r.name, nodes=[n for n in r.nodes if n.gpus]) for r in regions.values()
+    ]
+    return FleetHeatmap(regions=[r for r in kept if r.nodes], models=list(model_keys))
+
+
+def fleet_nodes(*, filters: FleetFilters) -> QuerySet[Node]:
+    """The node table: filtered, with GPU counts and average utilisation aggregated in the database."""
+    present = Q(gpus__removed_at__isnull=True)
+    qs = Node.objects.select_related("region").annotate(
+        gpu_count=Count("gpus", filter=present),
+        gpu_attention=Count(
+            "gpus", filter=present & (Q(gpus__health=GpuHealth.UNHEALTHY) | Q(gpus__isolated=True))
+        ),
+        util_avg=Avg("gpus__last_util_pct", filter=present),
+    )
+    if filters.region:
+        qs = qs.filter(region__code=filters.region)
+    if filters.state:
+        qs = qs.filter(state=filters.state)
+    if filters.model:
+        qs = qs.filter(
+            Exists(Gpu.objects.filter(node=OuterRef("pk"), model_id=filters.model, removed_at__isnull=True))
+        )
+    if filters.q:
+        qs = qs.filter(hostname__icontains=filters.q)
+    return qs.order_by("hostname")
+
+
+def fleet_node_models(*, node_ids: list[int]) -> dict[int, list[tuple[int, str]]]:
+    """``{node_id: [(count, model), ...]}`` for a page of nodes (one query)."""
+    out: dict[int, list[tuple[int, str]]] = {}
+    for node_id, short, name, reported, n in (
+        Gpu.objects.filter(node_id__in=node_ids, removed_at__isnull=True)
+        .values_list("node_id", "model__short_name", "model__name", "reported_name")
+        .annotate(n=Count("id"))
+        .order_by("node_id", "-n")
+    ):
+        out.setdefault(node_id, []).append((n, short or name or reported))
+    return out
+
+
+def node_gpus(*, node: Node) -> list[Gpu]:
+    return list(
+        Gpu.objects.filter(node=node, removed_at__isnull=True).select_related("model").order_by("index")
+    )
+
+
+def node_state_history(*, node: Node, limit: int = 20) -> QuerySet:
+    """Staff actions on the node and its GPUs, from the audit log, newest first."""
+    from portal.models import AuditEvent
+
+    gpu_ids = [str(pk) for pk in Gpu.objects.filter(node=node).values_list("id", flat=True)]
+    return (
+        AuditEvent.objects.filter(tenant__isnull=True)
+        .filter(
+            Q(target_type="nodes.node", target_id=str(node.pk))
+            | Q(target_type="nodes.gpu", target_id__in=gpu_ids)
+        )
+        .select_related("actor_user")
+        .order_by("-created", "-id")[:limit]
+    )
+
+
+TELEMETRY_METRICS = ("util", "mem", "power", "temp")
+
+
+def node_telemetry(*, gpus: list[Gpu], start: datetime, now: datetime | None = None) -> dict:
+    """Chart data for a node's GPUs since ``start``: per-minute rollups for the finished minutes, then
+    the raw samples of the minute in progress (two queries).
+
+    Returns ``{"x": [unix seconds], "gpus": [{"id", "label"}], "util": [[...] per GPU], "mem": ...,
+    "power": ..., "temp": ...}`` with ``None`` where a GPU has no point at that time. Utilisation is a
+    percentage (minute average), memory GiB used (average), power W (average), temperature °C (max).
+    """
+    now = now or timezone.now()
+    ids = [g.id for g in gpus]
+    column = {gpu_id: i for i, gpu_id in enumerate(ids)}
+    current_minute = now.replace(second=0, microsecond=0)
+    points: dict[int, list] = {}
+
+    def put(ts: int, i: int, util, mem_mib, power, temp) -> None:
+        row = points.get(ts)
+        if row is None:
+            row = points[ts] = [[None] * len(ids) for _ in TELEMETRY_METRICS]
+        row[0][i] = round(util, 1)
+        row[1][i] = round(mem_mib / 1024, 2)
+        row[2][i] = round(power, 1)
+        row[3][i] = temp
+
+    for gpu_id, minute, n, util_sum, mem_sum, power_sum, temp_max in GpuMinuteRollup.objects.filter(
+        gpu_id__in=ids, minute__gte=start, minute__lt=current_minute, sample_count__gt=0
+    ).values_list("gpu_id", "minute", "sample_count", "util_sum", "mem_used_sum", "power_sum", "temp_max"):
+        put(int(minute.timestamp()), column[gpu_id], util_sum / n, mem_sum / n, power_sum / n, temp_max)
+    for gpu_id, ts, util, mem, power, temp in (
+        GpuSample.objects.filter(gpu_id__in=ids, ts__gte=max(current_minute, start), ts__lte=now)
+        .order_by("-ts")
+        .values_list("gpu_id", "ts", "util_pct", "mem_used_mib", "power_w", "temp_c")[: 60 * max(len(ids), 1)]
+    ):
+        put(int(ts.timestamp()), column[gpu_id], util, mem, power, temp)
+    xs = sorted(points)
+    data: dict = {
+        "x": xs,
+        "gpus": [{"id": g.id, "label": f"GPU {g.index}"} for g in gpus],
+    }
+    for m, metric in enumerate(TELEMETRY_METRICS):
+        data[metric] = [[points[x][m][i] for x in xs] for i in range(len(ids))]
+    return data

@@ -26,3 +26,11 @@ def expire_commands() -> int:
 @shared_task(name="nodes.tasks.purge_telemetry")
 def purge_telemetry() -> dict:
     return telemetry_purge()
+
+
+@shared_task(name="nodes.tasks.publish_fleet_snapshot", ignore_result=True)
+def publish_fleet_snapshot() -> int:
+    """Push the fleet snapshot to staff browsers (``nodes.live``); returns the GPUs it carried."""
+    from nodes.live import fleet_snapshot_publish
+
+    return len(fleet_snapshot_publish()["g"])

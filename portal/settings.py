@@ -291,8 +291,16 @@ NODE_HEARTBEAT_MAX_BYTES = env.int("NODE_HEARTBEAT_MAX_BYTES", default=1024 * 10
 TELEMETRY_RAW_RETENTION_DAYS = env.int("TELEMETRY_RAW_RETENTION_DAYS", default=14)
 TELEMETRY_ROLLUP_RETENTION_DAYS = env.int("TELEMETRY_ROLLUP_RETENTION_DAYS", default=400)
 FLEET_FILE = Path(env.str("FLEET_FILE", default=str(VAR_DIR / "fleet.json")))
+# How often staff pages get a fleet snapshot (heat map, counts) over the events websocket.
+FLEET_SNAPSHOT_INTERVAL_S = env.float("FLEET_SNAPSHOT_INTERVAL_S", default=5)
 CELERY_BEAT_SCHEDULE.update(
     {
+        "nodes-publish-fleet-snapshot": {
+            "task": "nodes.tasks.publish_fleet_snapshot",
+            "schedule": timedelta(seconds=FLEET_SNAPSHOT_INTERVAL_S),
+            # A snapshot nobody ran in time is worthless: the next one replaces it.
+            "options": {"expires": FLEET_SNAPSHOT_INTERVAL_S},
+        },
         "nodes-reconcile-node-health": {
             "task": "nodes.tasks.reconcile_node_health",
             "schedule": timedelta(seconds=10),

@@ -1,0 +1,13 @@
+"""The staff fleet pages, mounted at ``/fleet/`` by the project URLconf."""
+
+from django.urls import path
+
+from nodes.views import fleet, node
+
+app_name = "nodes"
+urlpatterns = [
+    path("", fleet.FleetOverviewView.as_view(), name="fleet"),
+    path("nodes/<int:pk>/", node.NodeDetailView.as_view(), name="node"),
+    path("nodes/<int:pk>/actions/<str:action>/", node.NodeActionView.as_view(), name="node-action"),
+    path("gpus/<int:pk>/return/", node.GpuReturnView.as_view(), name="gpu-return"),
+]
