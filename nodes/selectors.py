@@ -207,13 +207,18 @@ def fleet_gpu_counts() -> dict:
     """GPUs by model and health (one query): ``{"total", "healthy", "unhealthy", "isolated",
     "util_avg", "models": [{"name", "vendor", "total", "healthy", "unhealthy", "isolated", "util_avg"}]}``.
     An isolated GPU counts as isolated whatever its health; ``healthy`` means schedulable health."""
+    fresh = Q(last_sample_at__gte=telemetry_stale_before())  # a silent GPU has no current utilisation
     models: dict[str, dict] = {}
     util_weighted = 0.0
     util_n = 0
     for name, reported, vendor, health, isolated, n, util_avg, util_n_row in (
         Gpu.objects.filter(removed_at__isnull=True)
         .values_list("model__name", "reported_name", "model__vendor", "health", "isolated")
-        .annotate(n=Count("id"), util=Avg("last_util_pct"), util_n=Count("last_util_pct"))
+        .annotate(
+            n=Count("id"),
+            util=Avg("last_util_pct", filter=fresh),
+            util_n=Count("last_util_pct", filter=fresh),
+        )
         .order_by()
     ):
         key = name or f"{reported} (not in the catalog)"
@@ -366,7 +371,9 @@ def fleet_nodes(*, filters: FleetFilters) -> QuerySet[Node]:
         gpu_attention=Count(
             "gpus", filter=present & (Q(gpus__health=GpuHealth.UNHEALTHY) | Q(gpus__isolated=True))
         ),
-        util_avg=Avg("gpus__last_util_pct", filter=present),
+        util_avg=Avg(
+            "gpus__last_util_pct", filter=present & Q(gpus__last_sample_at__gte=telemetry_stale_before())
+        ),
     )
     if filters.region:
         qs = qs.filter(region__code=filters.region)

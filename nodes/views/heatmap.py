@@ -40,7 +40,7 @@ def heatmap_html(heatmap: FleetHeatmap) -> SafeString:
             out.append(
                 f'<a class="hm-node s-{node.state}" href="{node_url.format(node.id)}" data-node="{node.id}" '
                 f'data-host="{host}" aria-label="{host}: {labels.get(node.state, node.state)}">'
-                f'<span class="hm-host">{host}{sim}</span><span class="hm-cells">'
+                f'<span class="hm-host"><span class="hm-name">{host}</span>{sim}</span><span class="hm-cells">'
             )
             for g in node.gpus:
                 extra = ""

@@ -78,6 +78,7 @@
         places: PLACES[metric],
         sync: "node-" + root.getAttribute("data-node-charts")
       });
+      el.setAttribute("data-points", String(t.x.length));
       charts.push({ metric: metric, chart: chart, el: el });
     });
     document.addEventListener("gpupool:event", function (e) {

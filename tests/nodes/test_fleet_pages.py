@@ -226,6 +226,18 @@ def test_overview_counts_nodes_by_state_and_region_and_gpus_by_model_and_health(
 
 
 @pytest.mark.django_db
+def test_silent_gpus_do_not_count_in_utilisation(staff_client, fleet):
+    live = fleet.nodes(1, gpus=2, util=80.0)[0]
+    quiet = fleet.nodes(1, gpus=2, util=10.0)[0]
+    Gpu.objects.filter(node=quiet).update(last_sample_at=timezone.now() - timedelta(minutes=10))
+    response = staff_client.get("/fleet/")
+    assert response.context["gpu_counts"]["util_avg"] == 80.0
+    assert response.context["gpu_counts"]["models"][0]["util_avg"] == 80.0
+    rows = {n.pk: n.util_avg for n in response.context["nodes"]}
+    assert rows == {live.pk: 80.0, quiet.pk: None}
+
+
+@pytest.mark.django_db
 def test_heat_map_has_one_cell_per_present_gpu_coloured_by_utilisation(staff_client, fleet):
     busy = fleet.nodes(2, util=87.0)
     idle = fleet.nodes(1, region="eu-west-1", util=3.0, gpus=2)
