@@ -436,14 +436,17 @@ class SequenceGap(models.Model):
 
 
 class GpuSample(models.Model):
-    """One raw per-GPU sample; kept ``TELEMETRY_RAW_RETENTION_DAYS`` days. Written with COPY."""
+    """One raw per-GPU reading; kept ``TELEMETRY_RAW_RETENTION_DAYS`` days. Written in bulk at ingest.
+
+    A gauge is NULL when the GPU could not report it (utilisation of a GPU in MIG mode, every gauge of
+    a GPU that fell off the bus): "unknown", never 0."""
 
     gpu = models.ForeignKey(Gpu, on_delete=models.CASCADE, related_name="+", db_index=False)
     ts = models.DateTimeField()
-    util_pct = models.FloatField()
-    mem_used_mib = models.IntegerField()
-    power_w = models.FloatField()
-    temp_c = models.SmallIntegerField()
+    util_pct = models.FloatField(null=True, blank=True)
+    mem_used_mib = models.IntegerField(null=True, blank=True)
+    power_w = models.FloatField(null=True, blank=True)
+    temp_c = models.SmallIntegerField(null=True, blank=True)
     sm_clock_mhz = models.IntegerField(null=True, blank=True)
     ecc_sbe = models.IntegerField(default=0)
     ecc_dbe = models.IntegerField(default=0)
@@ -461,18 +464,24 @@ class GpuSample(models.Model):
 class GpuMinuteRollup(models.Model):
     """Per GPU per minute, built at ingest by an additive upsert (so late batches land correctly).
 
-    Join with allocation intervals on ``gpu_id`` and ``minute`` in ``[start, end)``.
+    Join with allocation intervals on ``gpu_id`` and ``minute`` in ``[start, end)``. ``sample_count``
+    counts readings; each gauge also counts the readings that reported it (NULLs are left out of its
+    sum, count and max), so an average is ``<gauge>_sum / <gauge>_count`` and a max is NULL when no
+    reading of the minute reported the gauge.
     """
 
     gpu = models.ForeignKey(Gpu, on_delete=models.CASCADE, related_name="+", db_index=False)
     minute = models.DateTimeField()
     sample_count = models.PositiveIntegerField(default=0)
     util_sum = models.FloatField(default=0)
-    util_max = models.FloatField(default=0)
+    util_count = models.PositiveIntegerField(default=0)
+    util_max = models.FloatField(null=True, blank=True)
     mem_used_sum = models.BigIntegerField(default=0)
-    mem_used_max = models.IntegerField(default=0)
+    mem_used_count = models.PositiveIntegerField(default=0)
+    mem_used_max = models.IntegerField(null=True, blank=True)
     power_sum = models.FloatField(default=0)
-    temp_max = models.SmallIntegerField(default=0)
+    power_count = models.PositiveIntegerField(default=0)
+    temp_max = models.SmallIntegerField(null=True, blank=True)
 
     class Meta:
         ordering = ["gpu_id", "minute"]
@@ -483,16 +492,16 @@ class GpuMinuteRollup(models.Model):
         return f"rollup gpu {self.gpu_id} {self.minute:%Y-%m-%d %H:%M}"
 
     @property
-    def util_avg(self) -> float:
-        return self.util_sum / self.sample_count if self.sample_count else 0.0
+    def util_avg(self) -> float | None:
+        return self.util_sum / self.util_count if self.util_count else None
 
     @property
-    def mem_used_avg_mib(self) -> float:
-        return self.mem_used_sum / self.sample_count if self.sample_count else 0.0
+    def mem_used_avg_mib(self) -> float | None:
+        return self.mem_used_sum / self.mem_used_count if self.mem_used_count else None
 
     @property
-    def power_avg_w(self) -> float:
-        return self.power_sum / self.sample_count if self.sample_count else 0.0
+    def power_avg_w(self) -> float | None:
+        return self.power_sum / self.power_count if self.power_count else None
 
 
 class FleetAlert(models.Model):

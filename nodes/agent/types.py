@@ -78,21 +78,13 @@ class GpuSample:
     processes: list[ProcessSample] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        """The wire form. The portal requires numbers for the four gauges, so a gauge the GPU cannot
-        report (utilisation in MIG mode, everything of a GPU that fell off the bus) goes as 0; the
-        counters and flags go as null, which the portal reads as "not reported"."""
+        """The wire form. A gauge the GPU cannot report (utilisation in MIG mode, everything of a GPU
+        that fell off the bus), a process's memory the driver does not tell, and the counters and
+        flags not supported go as null: the portal stores "unknown", never a made-up 0."""
         data = dataclasses.asdict(self)
         data["ts"] = rfc3339(self.ts)
-        for gauge in REQUIRED_GAUGES:
-            if data[gauge] is None:
-                data[gauge] = 0
-        for process in data["processes"]:
-            if process["used_mib"] is None:
-                process["used_mib"] = 0
         return data
 
-
-REQUIRED_GAUGES = ("util_pct", "mem_used_mib", "power_w", "temp_c")
 
 # Workload states, as the protocol names them.
 STARTING = "starting"

@@ -1,20 +1,25 @@
-"""Heartbeat ingest: the hot path. One transaction and a handful of statements per batch.
+"""Heartbeat ingest: the hot path. One transaction of three round trips per batch on PostgreSQL.
 
-Per batch: lock the node row, insert the (node, epoch, seq) marker with ON CONFLICT DO NOTHING (a
-duplicate stops there and writes nothing), record a gap or fill one, COPY the samples (PostgreSQL;
-``executemany`` on SQLite), upsert the per-minute rollups additively, update each GPU's latest
-values in one pipelined ``executemany``, and update the node. No ORM object is built per sample.
+Per batch: one statement checks the node credential, locks the node row, inserts the (node, epoch,
+seq) marker with ON CONFLICT DO NOTHING (a duplicate stops there and writes nothing) and reads the
+node's GPUs; a gap is recorded or filled (rare); then the samples (``INSERT ... SELECT FROM unnest``
+of column arrays), the additive per-minute rollup upsert, the GPUs' latest values (one ``UPDATE ...
+FROM unnest``) and the node update go in one pipeline; commit. The statement texts do not depend on
+the batch size, so psycopg prepares them. No ORM object is built per sample. SQLite runs the same
+steps as plain statements.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
+import psycopg
 from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
@@ -26,9 +31,10 @@ from nodes.models import (
     NodeState,
     NodeWorkloadStatus,
     SequenceGap,
+    hash_secret,
 )
 from nodes.services.health import gpu_mark_unhealthy
-from nodes.services.registration import AuthenticatedNode
+from nodes.services.registration import NotAuthenticated
 from nodes.signals import send_on_commit, workload_exited
 from nodes.validation import fail, get_bool, get_int, get_str, parse_time, require_object
 
@@ -55,12 +61,14 @@ MAX_FUTURE = timedelta(minutes=10)
 
 @dataclass(slots=True)
 class Sample:
+    """One reading of one GPU. A gauge is None when the GPU could not report it (stored as NULL)."""
+
     gpu_uuid: str
     ts: datetime
-    util_pct: float
-    mem_used_mib: int
-    power_w: float
-    temp_c: int
+    util_pct: float | None
+    mem_used_mib: int | None
+    power_w: float | None
+    temp_c: int | None
     sm_clock_mhz: int | None
     ecc_sbe: int
     ecc_dbe: int
@@ -103,10 +111,13 @@ class IngestResult:
 # --- validation ---------------------------------------------------------------------------------------
 
 
-def _number(obj: dict, key: str, field: str, lo: float, hi: float) -> float:
-    value = obj.get(key)
+def _number(obj: dict, key: str, field: str, lo: float, hi: float) -> float | None:
+    """A gauge: a number in [lo, hi], or null when the GPU cannot report it (the key must be there)."""
+    if key not in obj:
+        raise fail(field, "This field is required (null when the GPU cannot report it).")
+    value = obj[key]
     if value is None:
-        raise fail(field, "This field is required.")
+        return None
     t = type(value)
     if t is not float and t is not int:
         raise fail(field, "Expected a number.")
@@ -128,7 +139,10 @@ def _procs_ok(procs: Any) -> bool:
     if type(procs) is not list:
         return False
     for p in procs:
-        if type(p) is not dict or type(p.get("pid")) is not int or type(p.get("used_mib")) is not int:
+        if type(p) is not dict or type(p.get("pid")) is not int:
+            return False
+        used = p.get("used_mib")
+        if used is not None and type(used) is not int:
             return False
     return True
 
@@ -147,9 +161,13 @@ def _sample_error(i: int, s: dict, times: dict[str, datetime], latest_ok: dateti
             raise fail(f"samples[{i}].ts", "More than 10 minutes in the future: check the node's clock.")
         times[ts_raw] = ts
     _number(s, "util_pct", f"samples[{i}].util_pct", 0, 100)
-    mem = s.get("mem_used_mib")
-    if type(mem) is not int or mem < 0 or mem >= 2**31:
-        raise fail(f"samples[{i}].mem_used_mib", "Expected a non-negative integer.")
+    if "mem_used_mib" not in s:
+        raise fail(
+            f"samples[{i}].mem_used_mib", "This field is required (null when the GPU cannot report it)."
+        )
+    mem = s["mem_used_mib"]
+    if mem is not None and (type(mem) is not int or mem < 0 or mem >= 2**31):
+        raise fail(f"samples[{i}].mem_used_mib", "Expected a non-negative integer or null.")
     _number(s, "power_w", f"samples[{i}].power_w", 0, 100_000)
     _number(s, "temp_c", f"samples[{i}].temp_c", -100, 300)
     clock = s.get("sm_clock_mhz")
@@ -165,9 +183,15 @@ def _sample_error(i: int, s: dict, times: dict[str, datetime], latest_ok: dateti
         if type(procs) is not list:
             raise fail(f"samples[{i}].processes", "Expected a list.")
         for j, p in enumerate(procs):
-            if type(p) is not dict or type(p.get("pid")) is not int or type(p.get("used_mib")) is not int:
+            used = p.get("used_mib") if type(p) is dict else None
+            if (
+                type(p) is not dict
+                or type(p.get("pid")) is not int
+                or (used is not None and type(used) is not int)
+            ):
                 raise fail(
-                    f"samples[{i}].processes[{j}]", "Expected an object with integer pid and used_mib."
+                    f"samples[{i}].processes[{j}]",
+                    "Expected an object with an integer pid and an integer (or null) used_mib.",
                 )
     for key in ("retired_pages_pending", "row_remap_failure", "fell_off_bus"):
         get_bool(s, key, f"samples[{i}].{key}")
@@ -209,6 +233,7 @@ def heartbeat_parse(raw: bytes, *, now: datetime | None = None) -> HeartbeatData
             raise fail(f"samples[{i}]", "Expected a JSON object.")
         get = s.get
         uuid = get("gpu_uuid")
+        # A gauge the GPU cannot report is null, but its key must be there (a missing one is an error).
         ts_raw = get("ts")
         util = get("util_pct")
         mem = get("mem_used_mib")
@@ -229,14 +254,10 @@ def heartbeat_parse(raw: bytes, *, now: datetime | None = None) -> HeartbeatData
             ts is not None
             and type(uuid) is str
             and 0 < len(uuid) <= 96
-            and (tu is float or tu is int)
-            and 0 <= util <= 100
-            and type(mem) is int
-            and 0 <= mem < 2**31
-            and (tp is float or tp is int)
-            and 0 <= power <= 100_000
-            and (tt is float or tt is int)
-            and -100 <= temp <= 300
+            and (((tu is float or tu is int) and 0 <= util <= 100) or (util is None and "util_pct" in s))
+            and ((type(mem) is int and 0 <= mem < 2**31) or (mem is None and "mem_used_mib" in s))
+            and (((tp is float or tp is int) and 0 <= power <= 100_000) or (power is None and "power_w" in s))
+            and (((tt is float or tt is int) and -100 <= temp <= 300) or (temp is None and "temp_c" in s))
             and (clock is None or (type(clock) is int and 0 <= clock <= 100_000))
             and type(sbe) is int
             and sbe >= 0
@@ -256,10 +277,10 @@ def heartbeat_parse(raw: bytes, *, now: datetime | None = None) -> HeartbeatData
             Sample(
                 uuid,
                 ts,
-                float(util),
+                None if util is None else float(util),
                 mem,
-                float(power),
-                int(temp),
+                None if power is None else float(power),
+                None if temp is None else int(temp),
                 clock,
                 sbe,
                 dbe,
@@ -325,43 +346,104 @@ def _from_db_dt(value: Any) -> datetime | None:
     return datetime.fromisoformat(value).replace(tzinfo=UTC)
 
 
-_INSERT_BATCH = (
+# The head of a batch, one statement on PostgreSQL: lock the node row (batches of one node are
+# serialised), check the credential, insert the (node, epoch, seq) marker unless it is there (a
+# duplicate, even a concurrent one, stops here having written nothing), and read the node's GPUs.
+_HEAD_PG = """
+WITH n AS (
+    SELECT n.id, n.seq_epoch, n.last_seq, n.state, n.resume_state, n.workloads_digest, c.key_hash
+    FROM nodes_node n JOIN nodes_nodecredential c ON c.node_id = n.id
+    WHERE n.id = %(node)s FOR UPDATE OF n
+), m AS (
+    INSERT INTO nodes_heartbeatbatch (node_id, epoch, seq, received_at, sent_at, sample_count, out_of_order)
+    SELECT n.id, n.seq_epoch, %(seq)s, %(now)s, %(sent)s, %(count)s, %(seq)s < n.last_seq
+    FROM n WHERE n.key_hash = %(hash)s
+    ON CONFLICT (node_id, epoch, seq) DO NOTHING RETURNING id
+)
+SELECT n.key_hash, n.seq_epoch, n.last_seq, n.state, n.resume_state, n.workloads_digest, (SELECT id FROM m),
+       g.id, g.uuid, g.health, g.ecc_dbe_total, g.last_sample_at
+FROM n LEFT JOIN nodes_gpu g ON g.node_id = n.id AND g.removed_at IS NULL
+"""
+_HEAD_SQLITE = (
+    "SELECT c.key_hash, n.seq_epoch, n.last_seq, n.state, n.resume_state, n.workloads_digest, NULL, "
+    "g.id, g.uuid, g.health, g.ecc_dbe_total, g.last_sample_at "
+    "FROM nodes_node n JOIN nodes_nodecredential c ON c.node_id = n.id "
+    "LEFT JOIN nodes_gpu g ON g.node_id = n.id AND g.removed_at IS NULL WHERE n.id = %s"
+)
+_MARKER_SQLITE = (
     "INSERT INTO nodes_heartbeatbatch (node_id, epoch, seq, received_at, sent_at, sample_count, out_of_order) "
     "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (node_id, epoch, seq) DO NOTHING RETURNING id"
 )
+
 _SAMPLE_COLUMNS = (
     "gpu_id, ts, util_pct, mem_used_mib, power_w, temp_c, sm_clock_mhz, ecc_sbe, ecc_dbe, "
     "throttle_reasons, xid_errors, processes"
 )
-_ROLLUP_SQL = (
-    "INSERT INTO nodes_gpuminuterollup AS r (gpu_id, minute, sample_count, util_sum, util_max, "
-    "mem_used_sum, mem_used_max, power_sum, temp_max) VALUES {values} "
-    "ON CONFLICT (gpu_id, minute) DO UPDATE SET "
+# Constant statement texts (whatever the batch size): psycopg prepares them after a few uses.
+_SAMPLES_PG = (
+    f"INSERT INTO nodes_gpusample ({_SAMPLE_COLUMNS}) SELECT * FROM unnest("
+    "%s::bigint[], %s::timestamptz[], %s::float8[], %s::int[], %s::float8[], %s::smallint[], %s::int[], "
+    "%s::int[], %s::int[], %s::bigint[], %s::jsonb[], %s::jsonb[])"
+)
+_SAMPLES_SQLITE = f"INSERT INTO nodes_gpusample ({_SAMPLE_COLUMNS}) VALUES ({', '.join(['%s'] * 12)})"
+
+_ROLLUP_COLUMNS = (
+    "gpu_id, minute, sample_count, util_sum, util_count, util_max, mem_used_sum, mem_used_count, "
+    "mem_used_max, power_sum, power_count, temp_max"
+)
+# Additive, so late and replayed batches land in their minute; NULL gauges count nowhere.
+_ROLLUP_UPDATE = (
+    " ON CONFLICT (gpu_id, minute) DO UPDATE SET "
     "sample_count = r.sample_count + excluded.sample_count, "
-    "util_sum = r.util_sum + excluded.util_sum, "
-    "util_max = {greatest}(r.util_max, excluded.util_max), "
+    "util_sum = r.util_sum + excluded.util_sum, util_count = r.util_count + excluded.util_count, "
+    "util_max = {max}(r.util_max, excluded.util_max), "
     "mem_used_sum = r.mem_used_sum + excluded.mem_used_sum, "
-    "mem_used_max = {greatest}(r.mem_used_max, excluded.mem_used_max), "
-    "power_sum = r.power_sum + excluded.power_sum, "
-    "temp_max = {greatest}(r.temp_max, excluded.temp_max)"
+    "mem_used_count = r.mem_used_count + excluded.mem_used_count, "
+    "mem_used_max = {max}(r.mem_used_max, excluded.mem_used_max), "
+    "power_sum = r.power_sum + excluded.power_sum, power_count = r.power_count + excluded.power_count, "
+    "temp_max = {max}(r.temp_max, excluded.temp_max)"
 )
-_GPU_LATEST_SQL = (
-    "UPDATE nodes_gpu SET last_sample_at = %s, last_util_pct = %s, last_mem_used_mib = %s, "
-    "last_power_w = %s, last_temp_c = %s, last_sm_clock_mhz = %s, ecc_sbe_total = %s, "
-    "ecc_dbe_total = %s, last_xid = %s, xid_count = %s WHERE id = %s"
+_ROLLUP_PG = (
+    f"INSERT INTO nodes_gpuminuterollup AS r ({_ROLLUP_COLUMNS}) SELECT * FROM unnest("
+    "%s::bigint[], %s::timestamptz[], %s::int[], %s::float8[], %s::int[], %s::float8[], %s::bigint[], "
+    "%s::int[], %s::int[], %s::float8[], %s::int[], %s::smallint[])"
+    + _ROLLUP_UPDATE.format(max="GREATEST")  # GREATEST ignores NULLs
 )
-
-
-_NODE_AND_GPUS = (
-    "SELECT n.last_seq, n.state, n.resume_state, n.workloads_digest, g.id, g.uuid, g.health, "
-    "g.ecc_dbe_total, g.last_sample_at, g.xid_count, g.last_xid "
-    "FROM nodes_node n LEFT JOIN nodes_gpu g ON g.node_id = n.id AND g.removed_at IS NULL WHERE n.id = %s"
+# SQLite's two-argument MAX is NULL when either is: take the other one then.
+_ROLLUP_SQLITE = (
+    f"INSERT INTO nodes_gpuminuterollup AS r ({_ROLLUP_COLUMNS}) VALUES {{values}}"
+    + _ROLLUP_UPDATE.replace("{max}(r.", "MAX(COALESCE(r.")
+    .replace(", excluded.util_max)", ", excluded.util_max), COALESCE(excluded.util_max, r.util_max))")
+    .replace(
+        ", excluded.mem_used_max)",
+        ", excluded.mem_used_max), COALESCE(excluded.mem_used_max, r.mem_used_max))",
+    )
+    .replace(", excluded.temp_max)", ", excluded.temp_max), COALESCE(excluded.temp_max, r.temp_max))")
 )
+_GPU_LATEST_COLUMNS = (
+    "last_sample_at = v.ts, last_util_pct = v.util, last_mem_used_mib = v.mem, last_power_w = v.power, "
+    "last_temp_c = v.temp, last_sm_clock_mhz = v.clock, ecc_sbe_total = v.sbe, ecc_dbe_total = v.dbe"
+)
+# Only newer values replace the latest ones (a replayed batch is older): the guard is in SQL, so it
+# holds against the row as it is now, whatever the batch read before it took the node's lock.
+_GPU_LATEST_PG = (
+    f"UPDATE nodes_gpu AS g SET {_GPU_LATEST_COLUMNS} FROM unnest("
+    "%s::bigint[], %s::timestamptz[], %s::float8[], %s::int[], %s::float8[], %s::smallint[], %s::int[], "
+    "%s::bigint[], %s::bigint[]) AS v(id, ts, util, mem, power, temp, clock, sbe, dbe) "
+    "WHERE g.id = v.id AND (g.last_sample_at IS NULL OR g.last_sample_at <= v.ts)"
+)
+_GPU_LATEST_SQLITE = (
+    "UPDATE nodes_gpu SET last_sample_at = %s, last_util_pct = %s, last_mem_used_mib = %s, last_power_w = %s, "
+    "last_temp_c = %s, last_sm_clock_mhz = %s, ecc_sbe_total = %s, ecc_dbe_total = %s "
+    "WHERE id = %s AND (last_sample_at IS NULL OR last_sample_at <= %s)"
+)
+_GPU_XIDS = "UPDATE nodes_gpu SET xid_count = xid_count + %s, last_xid = %s WHERE id = %s"
 
 
 @dataclass(slots=True)
 class _NodeRow:
     id: int
+    seq_epoch: int
     last_seq: int
     state: str
     resume_state: str
@@ -369,47 +451,34 @@ class _NodeRow:
 
 
 def heartbeat_ingest(
-    *, node: AuthenticatedNode, batch: HeartbeatData, now: datetime | None = None
+    *, node_id: int, credential: str, batch: HeartbeatData, now: datetime | None = None
 ) -> IngestResult:
+    """Store one heartbeat batch of the node that ``credential`` (``gpn_<node_id>_...``) opens.
+
+    One transaction of three round trips on PostgreSQL whatever the batch size: the head statement
+    (credential, node lock, marker, GPUs), the writes pipelined (samples, rollups, GPUs' latest
+    values, node), commit. A wrong credential raises NotAuthenticated and writes nothing.
+    """
     now = now or timezone.now()
     pg = _is_pg()
+    key_hash = hash_secret(credential)
     with transaction.atomic():
-        with connection.cursor() as cur:
-            # The marker first: a duplicate (even a concurrent one) stops here having written nothing.
-            cur.execute(
-                _INSERT_BATCH,
-                [
-                    node.id,
-                    node.seq_epoch,
-                    batch.seq,
-                    _db_dt(now),
-                    _db_dt(batch.sent_at) if batch.sent_at else None,
-                    len(batch.samples),
-                    False,
-                ],
-            )
-            if cur.fetchone() is None:
+        connection.ensure_connection()
+        raw = connection.connection
+        # Server-side binding for the constant statements below (Django's cursors bind client-side).
+        cur = psycopg.Cursor(raw) if pg else connection.cursor()
+        try:
+            n, marker_id, gpus = _head(cur, node_id, key_hash, batch, now, pg)
+            if marker_id is None:
                 node_metrics.HEARTBEATS.labels(result="duplicate").inc()
                 return IngestResult(status="duplicate")
-            # Then the node row, locked: batches of one node are serialised (gaps, latest values).
-            cur.execute(_NODE_AND_GPUS + (" FOR UPDATE OF n" if pg else ""), [node.id])
-            rows = cur.fetchall()
-            n = _NodeRow(node.id, *rows[0][:4])
-            gpus = {r[5]: r[4:] for r in rows if r[4] is not None}
-            seq, epoch, last_seq = batch.seq, node.seq_epoch, n.last_seq
-            gap = _record_sequence(n.id, epoch, seq, last_seq, now)
-            if seq < last_seq:
-                cur.execute(
-                    "UPDATE nodes_heartbeatbatch SET out_of_order = %s WHERE node_id = %s AND epoch = %s AND seq = %s",
-                    [True, n.id, epoch, seq],
-                )
-            written, ignored, newly_unhealthy, tail = _write_samples(cur, gpus, batch.samples, pg)
-
+            seq, last_seq = batch.seq, n.last_seq
+            gap = _record_sequence(n.id, n.seq_epoch, seq, last_seq, now)
+            written, ignored, newly_unhealthy, tail = _write_samples(gpus, batch.samples, pg)
             newest = seq > last_seq
-            node_sql, node_params = _node_update(n, batch, newest, now, pg)
-            tail.append((node_sql, node_params))
+            tail.append(_node_update(n, batch, newest, now, pg))
             if pg:
-                with connection.connection.pipeline():
+                with raw.pipeline():
                     for sql, params in tail:
                         cur.execute(sql, params)
             else:
@@ -418,6 +487,8 @@ def heartbeat_ingest(
                         cur.executemany(sql, params)
                     else:
                         cur.execute(sql, params)
+        finally:
+            cur.close()
         # Workload statuses from the newest batch only: a late batch's are out of date.
         if newest and batch.workloads and batch.workloads_digest != n.workloads_digest:
             _record_workloads(n.id, batch.workloads, now)
@@ -429,6 +500,37 @@ def heartbeat_ingest(
     if ignored:
         node_metrics.SAMPLES_IGNORED.inc(ignored)
     return IngestResult(status="accepted", gap=gap, samples=written, ignored_samples=ignored)
+
+
+def _head(
+    cur, node_id: int, key_hash: str, batch: HeartbeatData, now: datetime, pg: bool
+) -> tuple[_NodeRow, int | None, dict[str, tuple]]:
+    """Check the credential, lock the node, insert the marker. Returns the node, the marker id (None
+    for a duplicate) and the node's GPUs by uuid: (id, uuid, health, ecc_dbe_total, last_sample_at)."""
+    sent = _db_dt(batch.sent_at) if batch.sent_at else None
+    if pg:
+        cur.execute(
+            _HEAD_PG,
+            {"node": node_id, "seq": batch.seq, "now": now, "sent": sent, "count": len(batch.samples),
+             "hash": key_hash},
+        )  # fmt: skip
+        rows = cur.fetchall()
+    else:
+        cur.execute(_HEAD_SQLITE, [node_id])
+        rows = cur.fetchall()
+    if not rows or not hmac.compare_digest(rows[0][0], key_hash):
+        raise NotAuthenticated("Invalid node credential.")
+    n = _NodeRow(node_id, *rows[0][1:6])
+    marker_id = rows[0][6]
+    if not pg:
+        cur.execute(
+            _MARKER_SQLITE,
+            [node_id, n.seq_epoch, batch.seq, _db_dt(now), sent, len(batch.samples), batch.seq < n.last_seq],
+        )
+        row = cur.fetchone()
+        marker_id = row[0] if row else None
+    gpus = {r[8]: r[7:] for r in rows if r[7] is not None}
+    return n, marker_id, gpus
 
 
 def _node_update(
@@ -490,29 +592,21 @@ def _record_sequence(
     return None
 
 
-_GPU_LATEST_PG = (
-    "UPDATE nodes_gpu AS g SET last_sample_at = v.ts, last_util_pct = v.util, last_mem_used_mib = v.mem, "
-    "last_power_w = v.power, last_temp_c = v.temp, last_sm_clock_mhz = v.clock, ecc_sbe_total = v.sbe, "
-    "ecc_dbe_total = v.dbe, last_xid = v.xid, xid_count = v.xcount FROM (VALUES {values}) "
-    "AS v(ts, util, mem, power, temp, clock, sbe, dbe, xid, xcount, id) WHERE g.id = v.id"
-)
-_GPU_LATEST_PG_ROW = (
-    "(%s::timestamptz, %s::float8, %s::int, %s::float8, %s::smallint, %s::int, %s::bigint, %s::bigint, "
-    "%s::int, %s::bigint, %s::bigint)"
-)
-
-
-def _write_samples(cur, gpus: dict[str, tuple], samples: list[Sample], pg: bool):
-    """COPY the samples now; return the statements that upsert the rollups and update the GPUs'
-    latest values (run by the caller, pipelined with the node update). ``gpus`` maps uuid to
-    (id, uuid, health, ecc_dbe_total, last_sample_at, xid_count, last_xid).
+def _write_samples(gpus: dict[str, tuple], samples: list[Sample], pg: bool):
+    """The statements that insert the samples, upsert the rollups and update the GPUs' latest values
+    (run by the caller, pipelined with the node update). ``gpus`` maps uuid to
+    (id, uuid, health, ecc_dbe_total, last_sample_at).
 
     Returns (written, ignored, [(gpu_id, reason)] for GPUs this batch shows failing, statements).
     """
     if not samples:
         return 0, 0, [], []
-    rows: list[tuple] = []
+    cols: list[list] = [[] for _ in range(12)]  # the sample columns, as arrays
+    (c_gid, c_ts, c_util, c_mem, c_power, c_temp, c_clock, c_sbe, c_dbe, c_thr, c_xid, c_proc) = cols
+    # (gpu_id, minute) -> [count, util_sum, util_n, util_max, mem_sum, mem_n, mem_max, power_sum,
+    # power_n, temp_max]
     rollups: dict[tuple[int, datetime], list] = {}
+    minutes: dict[datetime, datetime] = {}
     latest: dict[int, Sample] = {}
     xids_seen: dict[int, list[int]] = {}
     failing: dict[int, str] = {}
@@ -534,37 +628,42 @@ def _write_samples(cur, gpus: dict[str, tuple], samples: list[Sample], pg: bool)
             else:
                 procs = dumps(s.processes)
                 proc_json[gid] = (s.processes, procs)
-        rows.append(
-            (
-                gid,
-                ts if pg else _db_dt(ts),
-                s.util_pct,
-                s.mem_used_mib,
-                s.power_w,
-                s.temp_c,
-                s.sm_clock_mhz,
-                s.ecc_sbe,
-                s.ecc_dbe,
-                s.throttle_reasons,
-                dumps(s.xid_errors) if s.xid_errors else None,
-                procs,
-            )
-        )
-        key = (gid, ts.replace(second=0, microsecond=0))
+        util, mem, power, temp = s.util_pct, s.mem_used_mib, s.power_w, s.temp_c
+        c_gid.append(gid)
+        c_ts.append(ts)
+        c_util.append(util)
+        c_mem.append(mem)
+        c_power.append(power)
+        c_temp.append(temp)
+        c_clock.append(s.sm_clock_mhz)
+        c_sbe.append(s.ecc_sbe)
+        c_dbe.append(s.ecc_dbe)
+        c_thr.append(s.throttle_reasons)
+        c_xid.append(dumps(s.xid_errors) if s.xid_errors else None)
+        c_proc.append(procs)
+        minute = minutes.get(ts)
+        if minute is None:
+            minute = minutes[ts] = ts.replace(second=0, microsecond=0)
+        key = (gid, minute)
         r = rollups.get(key)
         if r is None:
-            rollups[key] = [1, s.util_pct, s.util_pct, s.mem_used_mib, s.mem_used_mib, s.power_w, s.temp_c]
-        else:
-            r[0] += 1
-            r[1] += s.util_pct
-            if s.util_pct > r[2]:
-                r[2] = s.util_pct
-            r[3] += s.mem_used_mib
-            if s.mem_used_mib > r[4]:
-                r[4] = s.mem_used_mib
-            r[5] += s.power_w
-            if s.temp_c > r[6]:
-                r[6] = s.temp_c
+            r = rollups[key] = [0, 0.0, 0, None, 0, 0, None, 0.0, 0, None]
+        r[0] += 1
+        if util is not None:
+            r[1] += util
+            r[2] += 1
+            if r[3] is None or util > r[3]:
+                r[3] = util
+        if mem is not None:
+            r[4] += mem
+            r[5] += 1
+            if r[6] is None or mem > r[6]:
+                r[6] = mem
+        if power is not None:
+            r[7] += power
+            r[8] += 1
+        if temp is not None and (r[9] is None or temp > r[9]):
+            r[9] = temp
         prev = latest.get(gid)
         if prev is None or ts >= prev.ts:
             latest[gid] = s
@@ -574,64 +673,44 @@ def _write_samples(cur, gpus: dict[str, tuple], samples: list[Sample], pg: bool)
             reason = _failure_reason(s, g[3])
             if reason:
                 failing[gid] = reason
-    if not rows:
+    if not c_gid:
         return 0, ignored, [], []
 
-    if pg:
-        with cur.cursor.copy(f"COPY nodes_gpusample ({_SAMPLE_COLUMNS}) FROM STDIN") as copy:
-            write = copy.write_row
-            for row in rows:
-                write(row)
-    else:
-        cur.executemany(
-            f"INSERT INTO nodes_gpusample ({_SAMPLE_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-            rows,
-        )
-
     tail: list[tuple[str, Any]] = []
-    values_sql = ", ".join(["(%s, %s, %s, %s, %s, %s, %s, %s, %s)"] * len(rollups))
-    params: list[Any] = []
-    for (gid, minute), r in sorted(rollups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        params.extend((gid, minute if pg else _db_dt(minute), *r))
-    tail.append((_ROLLUP_SQL.format(values=values_sql, greatest="GREATEST" if pg else "MAX"), params))
+    keys = sorted(rollups)  # a fixed order: concurrent upserts of one GPU lock rows alike
+    if pg:
+        tail.append((_SAMPLES_PG, cols))
+        rcols: list[list] = [[] for _ in range(12)]
+        for key in keys:
+            for col, value in zip(rcols, (*key, *rollups[key]), strict=True):
+                col.append(value)
+        tail.append((_ROLLUP_PG, rcols))
+    else:
+        rows = [(gid, _db_dt(ts), *rest) for gid, ts, *rest in zip(*cols, strict=True)]
+        tail.append((_SAMPLES_SQLITE, rows))
+        values = ", ".join(["(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"] * len(keys))
+        params: list[Any] = []
+        for gid, minute in keys:
+            params.extend((gid, _db_dt(minute), *rollups[(gid, minute)]))
+        tail.append((_ROLLUP_SQLITE.format(values=values), params))
 
-    updates, late = [], []
     by_id = {g[0]: g for g in gpus.values()}
+    fresh = []
     for gid, s in latest.items():
-        g = by_id[gid]
-        prev_at = _from_db_dt(g[4])
-        xids = xids_seen.get(gid, ())
-        xid_count = g[5] + len(xids)
-        last_xid = xids[-1] if xids else g[6]
+        prev_at = _from_db_dt(by_id[gid][4])
         if prev_at is not None and s.ts < prev_at:
-            # A late batch (buffer replay): keep the newer latest values, fold in the XID count.
-            if xids:
-                late.append((last_xid, xid_count, gid))
-            continue
-        updates.append(
-            (
-                s.ts if pg else _db_dt(s.ts),
-                s.util_pct,
-                s.mem_used_mib,
-                s.power_w,
-                s.temp_c,
-                s.sm_clock_mhz,
-                s.ecc_sbe,
-                s.ecc_dbe,
-                last_xid,
-                xid_count,
-                gid,
-            )
+            continue  # a late batch (buffer replay): the latest values stay
+        fresh.append(
+            (gid, s.ts, s.util_pct, s.mem_used_mib, s.power_w, s.temp_c, s.sm_clock_mhz, s.ecc_sbe, s.ecc_dbe)
         )
-    if updates:
+    if fresh:
         if pg:
-            sql = _GPU_LATEST_PG.format(values=", ".join([_GPU_LATEST_PG_ROW] * len(updates)))
-            tail.append((sql, [v for u in updates for v in u]))
+            tail.append((_GPU_LATEST_PG, [list(col) for col in zip(*fresh, strict=True)]))
         else:
-            tail.append((_GPU_LATEST_SQL, updates))
-    for params in late:
-        tail.append(("UPDATE nodes_gpu SET last_xid = %s, xid_count = %s WHERE id = %s", list(params)))
-    return len(rows), ignored, sorted(failing.items()), tail
+            tail.append((_GPU_LATEST_SQLITE, [(*(_db_dt(f[1]),), *f[2:], f[0], _db_dt(f[1])) for f in fresh]))
+    for gid, xids in xids_seen.items():
+        tail.append((_GPU_XIDS, [len(xids), xids[-1], gid]))
+    return len(c_gid), ignored, sorted(failing.items()), tail
 
 
 def _failure_reason(s: Sample, dbe_baseline: int) -> str:

@@ -255,6 +255,14 @@ class AuthenticatedNode:
     hostname: str
 
 
+def credential_node_id(credential: str) -> int | None:
+    """The node id a ``gpn_<node_id>_<secret>`` credential names (not checked), or None."""
+    parts = _split_token(credential, NodeCredential.PREFIX)
+    if parts is None or not parts[0].isdigit():
+        return None
+    return int(parts[0])
+
+
 def node_authenticate(*, credential: str) -> AuthenticatedNode:
     """Check a ``gpn_<node_id>_<secret>`` credential; raise NotAuthenticated (401) when wrong."""
     parts = _split_token(credential, NodeCredential.PREFIX)

@@ -316,13 +316,14 @@ def test_sample_units_unsupported_fields_and_processes(collector: NvmlCollector,
     assert first.throttle_reasons == 0x4
     assert (first.retired_pages_pending, first.row_remap_failure, first.fell_off_bus) == (False, False, False)
     assert [(p.pid, p.used_mib) for p in first.processes] == [(4242, 40000), (4243, None)]
-    assert [p["used_mib"] for p in first.to_json()["processes"]] == [40000, 0]
+    assert [p["used_mib"] for p in first.to_json()["processes"]] == [40000, None]
     # GPU 1 has no ECC and no retired-page reporting: None, not a crash.
     second = samples["GPU-bbbb"]
     assert (second.ecc_sbe, second.ecc_dbe, second.retired_pages_pending) == (None, None, None)
     assert second.row_remap_failure is True
-    # A GPU in MIG mode has no utilisation counter.
+    # A GPU in MIG mode has no utilisation counter: null on the wire, not a made-up 0.
     assert samples["GPU-cccc"].util_pct is None
+    assert samples["GPU-cccc"].to_json()["util_pct"] is None
     assert first.to_json()["ts"] == "2023-11-14T22:13:20.000Z"
 
 
@@ -353,9 +354,14 @@ def test_gpu_that_fell_off_the_bus(collector: NvmlCollector, gpus: list[FakeGpu]
     lost = samples["GPU-dddd"]
     assert lost.fell_off_bus is True
     assert lost.util_pct is None and lost.mem_used_mib is None
-    # On the wire the portal requires numbers for the gauges: a lost GPU's batch must not be refused.
+    # On the wire its gauges are null (unknown), which the portal stores as NULL.
     wire = lost.to_json()
-    assert (wire["util_pct"], wire["mem_used_mib"], wire["power_w"], wire["temp_c"]) == (0, 0, 0, 0)
+    assert (wire["util_pct"], wire["mem_used_mib"], wire["power_w"], wire["temp_c"]) == (
+        None,
+        None,
+        None,
+        None,
+    )
     assert (wire["fell_off_bus"], wire["ecc_dbe"], wire["retired_pages_pending"]) == (True, None, None)
     assert samples["GPU-aaaa"].fell_off_bus is False
     assert samples["GPU-aaaa"].util_pct == 0.0

@@ -149,6 +149,9 @@ def test_mig_reconfiguration(runtime: SimulatedRuntime, tmp_path: Path) -> None:
     result = collector.configure_mig(gpus[0].uuid, True, ["3g.40gb", "3g.40gb"])
     assert result["mig_mode"] is True and len(result["mig_devices"]) == 2
     assert collector.discover().gpus[0].mig_mode is True
+    sample = collector.sample(1.0)
+    assert sample[0].util_pct is None and sample[0].to_json()["util_pct"] is None  # as NVML: no counter
+    assert sample[1].util_pct is not None
     with pytest.raises(CollectorError, match="does not support MIG"):
         collector.configure_mig(gpus[4].uuid, True, ["1g.5gb"])
 

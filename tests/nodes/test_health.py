@@ -1,11 +1,11 @@
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from django.utils import timezone
 
-from nodes.models import FleetAlert, Gpu, Node, NodeCommand
+from nodes.models import FleetAlert, Gpu, GpuHealth, GpuSample, Node, NodeCommand
 from nodes.selectors import gpus_schedulable
 from nodes.services.health import (
     gpu_return_to_service,
@@ -210,3 +210,31 @@ def test_staff_state_rules(agent):
     with pytest.raises(Conflict):
         node_cordon(node=agent.node, actor=actor)
     assert node_uncordon(node=agent.node, actor=actor).state == "ready"
+
+
+def test_a_gpu_that_fell_off_the_bus_with_no_gauges_is_isolated(
+    agent, capture_signal, django_capture_on_commit_callbacks
+):
+    """What the agent sends for a lost GPU: every gauge null, ``fell_off_bus`` true."""
+    lost = agent.sample(
+        agent.uuids[1],
+        datetime.now(UTC),
+        util_pct=None,
+        mem_used_mib=None,
+        power_w=None,
+        temp_c=None,
+        sm_clock_mhz=None,
+        ecc_sbe=None,
+        ecc_dbe=None,
+        fell_off_bus=True,
+        xid_errors=[79],
+        processes=[],
+    )
+    with capture_signal(gpu_unhealthy) as calls, django_capture_on_commit_callbacks(execute=True):
+        response = agent.heartbeat(agent.batch(samples=[lost]))
+    assert response.status_code == 200, response.content
+    gpu = Gpu.objects.get(uuid=agent.uuids[1])
+    assert gpu.health == GpuHealth.UNHEALTHY and gpu.isolated and "XID 79" in gpu.health_reason
+    assert [c["gpu"].pk for c in calls] == [gpu.pk]
+    assert gpu.last_util_pct is None and gpu.last_temp_c is None
+    assert GpuSample.objects.get(gpu=gpu).util_pct is None

@@ -266,3 +266,86 @@ def test_concurrent_duplicate_heartbeats_insert_once(register_node):
         sum(GpuMinuteRollup.objects.filter(gpu__node_id=agent.node_id).values_list("sample_count", flat=True))
         == 120
     )
+
+
+def test_gauges_a_gpu_cannot_report_are_null_and_rollups_leave_them_out(agent):
+    """A GPU in MIG mode reports no utilisation: null on the wire, NULL in the database, and the
+    minute's utilisation average is over the readings that had one."""
+    t0 = datetime(2026, 12, 2, 12, 5, 0, tzinfo=UTC)
+    u = agent.uuids[0]
+    samples = [
+        agent.sample(u, t0, util_pct=40.0, mem_used_mib=1000, power_w=100.0, temp_c=50),
+        agent.sample(
+            u, t0 + timedelta(seconds=10), util_pct=None, mem_used_mib=3000, power_w=None, temp_c=70
+        ),
+        agent.sample(
+            u,
+            t0 + timedelta(seconds=20),
+            util_pct=None,
+            processes=[{"pid": 7, "used_mib": None, "workload_id": "w1"}],
+        ),
+    ]
+    response = agent.heartbeat(agent.batch(samples=samples))
+    assert response.status_code == 200, response.content
+    stored = list(GpuSample.objects.filter(gpu__uuid=u).order_by("ts").values_list("util_pct", "power_w"))
+    assert stored == [(40.0, 100.0), (None, None), (None, 300.5)]
+    assert GpuSample.objects.filter(gpu__uuid=u).order_by("ts").last().processes == [
+        {"pid": 7, "used_mib": None, "workload_id": "w1"}
+    ]
+    rollup = GpuMinuteRollup.objects.get(gpu__uuid=u)
+    assert (rollup.sample_count, rollup.util_count, rollup.power_count, rollup.mem_used_count) == (3, 1, 2, 3)
+    assert rollup.util_avg == 40.0 and rollup.util_max == 40.0  # not dragged down to 13.3 by zeros
+    assert rollup.power_avg_w == pytest.approx(200.25) and rollup.temp_max == 70
+    gpu = Gpu.objects.get(uuid=u)
+    assert gpu.last_util_pct is None and gpu.last_power_w == 300.5 and gpu.last_mem_used_mib == 1000
+
+
+def test_a_minute_without_any_reading_of_a_gauge_has_no_max_or_average(agent):
+    t0 = datetime(2026, 12, 2, 12, 7, 0, tzinfo=UTC)
+    u = agent.uuids[0]
+    blank = {"util_pct": None, "mem_used_mib": None, "power_w": None, "temp_c": None}
+    agent.heartbeat(agent.batch(samples=[agent.sample(u, t0, **blank)]))
+    rollup = GpuMinuteRollup.objects.get(gpu__uuid=u)
+    assert (rollup.sample_count, rollup.util_max, rollup.mem_used_max, rollup.temp_max) == (
+        1,
+        None,
+        None,
+        None,
+    )
+    assert (rollup.util_avg, rollup.mem_used_avg_mib, rollup.power_avg_w) == (None, None, None)
+    # A later reading in the same minute fills them in; the NULL one still counts nowhere.
+    agent.heartbeat(
+        agent.batch(samples=[agent.sample(u, t0 + timedelta(seconds=30), util_pct=80.0, temp_c=65)])
+    )
+    rollup.refresh_from_db()
+    assert (rollup.sample_count, rollup.util_count, rollup.util_max, rollup.util_avg) == (2, 1, 80.0, 80.0)
+    assert rollup.temp_max == 65 and rollup.mem_used_max == 1000
+
+
+@pytest.mark.parametrize("gauge", ["util_pct", "mem_used_mib", "power_w", "temp_c"])
+def test_a_gauge_must_be_sent_even_when_null(agent, gauge):
+    body = agent.batch()
+    body["samples"][0].pop(gauge)
+    response = agent.heartbeat(body)
+    assert response.status_code == 400 and f"samples[0].{gauge}" in response.json()["error"]["fields"]
+    assert written(agent.node_id) == (0, 0, 0)
+
+
+def test_the_agents_wire_form_for_unreportable_gauges_is_accepted(agent):
+    """Both sides of the contract: what the agent program sends for a GPU in MIG mode and for one
+    that fell off the bus goes through the portal's validation and is stored as NULL."""
+    from nodes.agent.types import GpuSample as AgentSample
+    from nodes.agent.types import ProcessSample
+
+    now = datetime.now(UTC).timestamp()
+    mig = AgentSample(
+        gpu_uuid=agent.uuids[0], ts=now, util_pct=None, mem_used_mib=2048, power_w=250.0, temp_c=60,
+        processes=[ProcessSample(pid=9, used_mib=None, workload_id="w")],
+    )  # fmt: skip
+    lost = AgentSample(gpu_uuid=agent.uuids[1], ts=now, fell_off_bus=True, xid_errors=[79])
+    response = agent.heartbeat(agent.batch(samples=[mig.to_json(), lost.to_json()]))
+    assert response.status_code == 200, response.content
+    rows = dict(GpuSample.objects.filter(gpu__node_id=agent.node_id).values_list("gpu__uuid", "util_pct"))
+    assert rows == {agent.uuids[0]: None, agent.uuids[1]: None}
+    assert Gpu.objects.get(uuid=agent.uuids[0]).last_mem_used_mib == 2048
+    assert Gpu.objects.get(uuid=agent.uuids[1]).isolated

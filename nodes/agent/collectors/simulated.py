@@ -241,7 +241,7 @@ class SimulatedCollector:
         return GpuSample(
             gpu_uuid=gpu.uuid,
             ts=now,
-            util_pct=round(util, 1),
+            util_pct=None if gpu.mig_mode else round(util, 1),  # NVML has no utilisation in MIG mode
             mem_used_mib=min(spec.memory_mib, mem_used),
             power_w=round(power, 1),
             temp_c=round(temp),
