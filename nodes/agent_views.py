@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import close_old_connections
+from django.db import connections
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
@@ -27,13 +27,14 @@ from nodes.services.registration import (
     GpuInfo,
     NodeInfo,
     NotAuthenticated,
+    credential_node_id,
     node_authenticate,
     node_register,
 )
 from nodes.services.wakeup import CommandWaiter
 from nodes.validation import fail, get_bool, get_int, get_str, parse_time, require_object
 from portal.api.errors import error_response
-from portal.errors import DomainError, NotFound
+from portal.errors import DomainError, NotFound, ValidationFailed
 
 AUTH_SCHEME = "Node"
 
@@ -173,11 +174,33 @@ def register(request):
 DB_THREAD_SENSITIVE = False
 
 
+def _connections_checked() -> None:
+    """What Django does around a request (drop a connection that failed or outlived CONN_MAX_AGE),
+    without the health check query (``SELECT 1``) that ``close_old_connections`` makes the next
+    query run each time: at hundreds of heartbeats a second that is a round trip per request. A
+    connection that breaks fails one request (the agent sends it again) and is replaced."""
+    for conn in connections.all(initialized_only=True):
+        if conn.connection is None:
+            continue
+        if conn.errors_occurred or (conn.close_at is not None and time.monotonic() >= conn.close_at):
+            conn.close_if_unusable_or_obsolete()
+
+
+def _connections_released() -> None:
+    for conn in connections.all(initialized_only=True):
+        if conn.settings_dict.get("CONN_MAX_AGE") == 0 and conn.connection is not None:
+            conn.close()  # no persistent connections configured: none is kept past the request
+
+
 def in_db_thread(fn):
     def job(*args, **kwargs):
-        if not DB_THREAD_SENSITIVE:
-            close_old_connections()  # what Django does around a request: drop broken or old ones
-        return fn(*args, **kwargs)
+        if DB_THREAD_SENSITIVE:
+            return fn(*args, **kwargs)
+        _connections_checked()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _connections_released()
 
     return sync_to_async(job, thread_sensitive=DB_THREAD_SENSITIVE)
 
@@ -187,9 +210,17 @@ def in_db_thread(fn):
 
 def _heartbeat_sync(authorization: str, body: bytes, node_id: int) -> JsonResponse:
     try:
-        node = authenticate_for(authorization, node_id)
-        batch = heartbeat_parse(body)
-        result = heartbeat_ingest(node=node, batch=batch)
+        credential = _credential(authorization)
+        if credential_node_id(credential) != node_id:
+            authenticate_for(authorization, node_id)  # 401, or 404 for another node's credential
+            raise NotAuthenticated("Invalid node credential.")
+        try:
+            batch = heartbeat_parse(body)
+        except ValidationFailed:
+            node_authenticate(credential=credential)  # a wrong credential is 401 whatever the body
+            raise
+        # The credential is checked in the ingest transaction's first statement.
+        result = heartbeat_ingest(node_id=node_id, credential=credential, batch=batch)
     except DomainError as exc:
         if isinstance(exc, NotAuthenticated) or exc.status_code == 400:
             node_metrics.AGENT_REJECTED.labels(status=str(exc.status_code)).inc()
@@ -252,21 +283,35 @@ async def commands(request, node_id: int):
     return JsonResponse({"commands": [command_services.command_as_wire(c) for c in delivered]})
 
 
-@require_POST
-@agent_endpoint
-def command_report(request, node_id: int, command_id: str):
-    authenticate_for(request, node_id)
-    data = _json_body(request)
-    status = get_str(data, "status", "status", required=True, max_length=16)
-    result = data.get("result") or {}
-    if not isinstance(result, dict):
-        raise fail("result", "Expected an object.")
-    command = command_services.node_command_report(
-        node_id=node_id,
-        command_id=command_id,
-        status=status,
-        result=result,
-        message=get_str(data, "message", "message", max_length=10_000),
-        at=parse_time(data.get("at"), "at", required=False),
-    )
+def _report_sync(authorization: str, body: bytes, node_id: int, command_id: str) -> JsonResponse:
+    try:
+        authenticate_for(authorization, node_id)
+        try:
+            data = require_object(json.loads(body), "body")
+        except (ValueError, UnicodeDecodeError):
+            raise fail("body", "Not valid JSON.") from None
+        status = get_str(data, "status", "status", required=True, max_length=16)
+        result = data.get("result") or {}
+        if not isinstance(result, dict):
+            raise fail("result", "Expected an object.")
+        command = command_services.node_command_report(
+            node_id=node_id,
+            command_id=command_id,
+            status=status,
+            result=result,
+            message=get_str(data, "message", "message", max_length=10_000),
+            at=parse_time(data.get("at"), "at", required=False),
+        )
+    except DomainError as exc:
+        if isinstance(exc, NotAuthenticated) or exc.status_code == 400:
+            node_metrics.AGENT_REJECTED.labels(status=str(exc.status_code)).inc()
+        return _domain_error(exc)
     return JsonResponse({"status": command.state})
+
+
+@csrf_exempt
+@require_POST
+async def command_report(request, node_id: int, command_id: str):
+    return await in_db_thread(_report_sync)(
+        request.headers.get("Authorization", ""), request.body, node_id, command_id
+    )
