@@ -40,7 +40,7 @@ from django.dispatch import receiver
 from django.utils import timezone
 
 from nodes.models import FleetAlert, Gpu, GpuHealth, Node, NodeState, UnknownGpuReport
-from nodes.selectors import telemetry_stale_before
+from nodes.selectors import fresh_sample
 from nodes.signals import gpu_unhealthy, node_down
 from portal.events import publish
 
@@ -71,16 +71,16 @@ def fleet_snapshot(*, now: datetime | None = None) -> dict[str, Any]:
     ):
         not_ready.setdefault(state, []).append(node_id)
 
-    stale = telemetry_stale_before(now)
     rows = []
     health = {"total": 0, "healthy": 0, "unhealthy": 0, "isolated": 0}
     util_sum, util_n = 0.0, 0
-    for gpu_id, util, mem, power, temp, sample_at, gpu_health, isolated in (
+    for gpu_id, util, mem, power, temp, fresh, gpu_health, isolated in (
         Gpu.objects.filter(removed_at__isnull=True)
+        .annotate(fresh=fresh_sample(now))
         .order_by("id")
         .values_list(
-            "id", "last_util_pct", "last_mem_used_mib", "last_power_w", "last_temp_c", "last_sample_at",
-            "health", "isolated",
+            "id", "last_util_pct", "last_mem_used_mib", "last_power_w", "last_temp_c", "fresh", "health",
+            "isolated",
         )
     ):  # fmt: skip
         health["total"] += 1
@@ -90,12 +90,14 @@ def fleet_snapshot(*, now: datetime | None = None) -> dict[str, Any]:
             health["unhealthy"] += 1
         elif not isolated:
             health["healthy"] += 1
-        if sample_at is None or sample_at < stale or util is None:
+        if not fresh or util is None:
             rows.append([gpu_id, None, None, None, None])
             continue
         util_sum += util
         util_n += 1
-        rows.append([gpu_id, _num(util), _num(mem / 1024, 1) if mem is not None else None, _num(power), temp])
+        rows.append(
+            [gpu_id, round(util), round(mem / 1024, 1) if mem is not None else None, _num(power), temp]
+        )
     alerts = [
         {"id": pk, "kind": kind, "message": message}
         for pk, kind, message in FleetAlert.objects.filter(resolved_at__isnull=True)

@@ -71,9 +71,11 @@ class FleetOverviewView(StaffRequiredMixin, View):
         paginator = Paginator(selectors.fleet_nodes(filters=filters), PAGE_SIZE)
         page = paginator.get_page(request.GET.get("page"))
         nodes = list(page.object_list)
-        models = selectors.fleet_node_models(node_ids=[n.pk for n in nodes])
+        stats = selectors.fleet_node_stats(node_ids=[n.pk for n in nodes])
         for n in nodes:
-            n.model_summary = models.get(n.pk, [])
+            st = stats.get(n.pk) or selectors.NodeStats()
+            n.gpu_count, n.gpu_attention, n.util_avg = st.gpu_count, st.gpu_attention, st.util_avg
+            n.model_summary = st.models or []
         context = {
             "form": form,
             "filters": filters,

@@ -39,7 +39,7 @@ def heatmap_html(heatmap: FleetHeatmap) -> SafeString:
             sim = ' <span class="hm-sim" title="Simulated node">sim</span>' if node.simulated else ""
             out.append(
                 f'<a class="hm-node s-{node.state}" href="{node_url.format(node.id)}" data-node="{node.id}" '
-                f'data-host="{host}" aria-label="{host}: {labels.get(node.state, node.state)}">'
+                f'aria-label="{host}: {labels.get(node.state, node.state)}">'
                 f'<span class="hm-host"><span class="hm-name">{host}</span>{sim}</span><span class="hm-cells">'
             )
             for g in node.gpus:

@@ -151,7 +151,7 @@
       tip.textContent = "";
       var head = document.createElement("div");
       head.className = "hm-tip-head";
-      head.textContent = node.getAttribute("data-host") + " · GPU " + cell.getAttribute("data-i");
+      head.textContent = node.querySelector(".hm-name").textContent + " · GPU " + cell.getAttribute("data-i");
       tip.appendChild(head);
       tip.appendChild(line("Model", model[0] + (model[1] ? " · " + model[1] + " GiB" : "")));
       tip.appendChild(line("Utilisation", fmt(r[1], 0, "%")));
