@@ -34,11 +34,21 @@ from nodes.agent.client import (
 from nodes.agent.collectors import Collector, CollectorError, make_collector
 from nodes.agent.config import AgentConfig
 from nodes.agent.runtimes import Runtime, RuntimeFailure, make_runtime
-from nodes.agent.types import FAILED, PREEMPTED, RUNNING, NodeInventory, WorkloadSpec, WorkloadStatus, rfc3339
+from nodes.agent.types import (
+    FAILED,
+    PREEMPTED,
+    RUNNING,
+    GpuSample,
+    NodeInventory,
+    WorkloadSpec,
+    WorkloadStatus,
+    rfc3339,
+)
 
 log = logging.getLogger(__name__)
 
-DEFAULT_HEARTBEAT_INTERVAL_S = 5.0
+DEFAULT_HEARTBEAT_INTERVAL_S = 10.0
+MAX_BATCH_SAMPLES = 2000  # the portal's limit per batch (NODE_HEARTBEAT_MAX_SAMPLES)
 DEFAULT_COMMANDS_WAIT_S = 25
 MAX_COMMANDS_WAIT_S = 30
 TERMINAL_REPORTS = 3  # a finished workload is reported in this many batches, then forgotten
@@ -118,6 +128,7 @@ class Agent:
         self._fail_messages: dict[str, str] = {}
         self.fatal: BaseException | None = None
         self.heartbeats_built = 0
+        self._readings: list[GpuSample] = []  # sampled, not yet in a batch
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -189,6 +200,10 @@ class Agent:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._readings and self.credential is not None:
+            # Readings taken since the last batch: into one last batch, kept in the buffer.
+            with contextlib.suppress(Exception):
+                await self.build_heartbeat(sample=False)
         deadline = time.monotonic() + self.config.shutdown_flush_s
         running = [task for task in self._command_tasks.values() if not task.done()]
         if running:
@@ -313,14 +328,25 @@ class Agent:
 
     # -- heartbeats -------------------------------------------------------------------------------
 
+    @property
+    def sample_interval_s(self) -> float:
+        return min(self.config.sample_interval_s, self.heartbeat_interval_s)
+
     async def _heartbeat_loop(self) -> None:
+        """Read the GPUs every ``sample_interval_s``; every ``heartbeat_interval_s`` put the readings
+        since the last batch into a new batch (DCGM-style 1 Hz telemetry sent every 10 s)."""
         loop = asyncio.get_running_loop()
-        next_at = loop.time()
+        next_sample = next_batch = loop.time()
         while not self.stopping:
-            await self.build_heartbeat()
-            next_at += self.heartbeat_interval_s
-            next_at = max(next_at, loop.time())  # after a slow sample, do not try to catch up
-            if await self._sleep(next_at - loop.time()):
+            if loop.time() >= next_batch - 1e-3:
+                await self.build_heartbeat()
+                next_batch = max(next_batch + self.heartbeat_interval_s, loop.time())
+            else:
+                await self.take_sample()
+            # After a slow sample, do not try to catch up; never sample past the batch's time.
+            next_sample = max(next_sample + self.sample_interval_s, loop.time())
+            next_sample = min(next_sample, next_batch)
+            if await self._sleep(next_sample - loop.time()):
                 return
 
     async def _runtime_status(self) -> list[WorkloadStatus]:
@@ -330,18 +356,30 @@ class Agent:
             self.log.error("runtime status failed: %s", exc)
             return []
 
-    async def build_heartbeat(self) -> int:
-        """Sample, queue one numbered batch in the buffer, wake the sender; returns its seq."""
+    async def take_sample(self) -> int:
+        """Read every GPU once and keep the readings for the next batch; returns how many."""
         now = time.time()
         try:
             samples = await asyncio.to_thread(self.collector.sample, now)
         except Exception as exc:  # a collector failure must not stop the heartbeats
             self.log.error("collector sample failed: %r", exc)
             samples = []
+        if len(self._readings) + len(samples) > MAX_BATCH_SAMPLES:
+            await self.build_heartbeat(sample=False)  # the portal takes at most this many at once
+        self._readings.extend(samples)
+        return len(samples)
+
+    async def build_heartbeat(self, *, sample: bool = True) -> int:
+        """Read the GPUs (unless ``sample`` is false), queue one numbered batch with every reading
+        since the last batch in the buffer, wake the sender; returns its seq."""
+        if sample:
+            await self.take_sample()
+        now = time.time()
+        samples, self._readings = self._readings, []
         statuses = await self._runtime_status()
         await self._enforce_max_runtime(statuses, now)
-        for sample in samples:
-            for process in sample.processes:
+        for reading in samples:
+            for process in reading.processes:
                 if process.workload_id is None:
                     process.workload_id = self.runtime.workload_for_pid(process.pid)
         workloads = []
@@ -358,7 +396,7 @@ class Agent:
                 "agent_version": __version__,
                 "draining": self.draining,
             },
-            "samples": [sample.to_json() for sample in samples],
+            "samples": [reading.to_json() for reading in samples],
             "workloads": workloads,
         }
         seq = self.buffer.add_heartbeat(body)

@@ -34,6 +34,8 @@ class AgentConfig:
     region: str = ""
     labels: dict[str, str] = field(default_factory=dict)
     hostname: str = ""
+    # How often the GPUs are read; every reading since the last batch goes in the next one.
+    sample_interval_s: float = 1.0
     # Unset (None): the portal's answer to register decides.
     heartbeat_interval_s: float | None = None
     commands_wait_s: int | None = None
@@ -63,6 +65,8 @@ class AgentConfig:
             raise ConfigError(f"runtime must be one of {', '.join(RUNTIME_KINDS)}, not {self.runtime!r}")
         if self.heartbeat_interval_s is not None and self.heartbeat_interval_s <= 0:
             raise ConfigError("heartbeat_interval_s must be positive")
+        if self.sample_interval_s <= 0:
+            raise ConfigError("sample_interval_s must be positive")
         if not self.hostname:
             self.hostname = socket.gethostname()
         return self
@@ -82,6 +86,7 @@ ENV = {
     "GPUPOOL_LABELS": "labels",
     "GPUPOOL_HOSTNAME": "hostname",
     "GPUPOOL_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
+    "GPUPOOL_SAMPLE_INTERVAL_S": "sample_interval_s",
     "GPUPOOL_COMMANDS_WAIT_S": "commands_wait_s",
     "GPUPOOL_LOG_LEVEL": "log_level",
 }

@@ -3,8 +3,10 @@ run once, outages with nothing lost or doubled, bad batches, credential loss."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -252,3 +254,36 @@ def test_registration_waits_for_the_portal(
         thread.stop()
         later.stop()
     assert later.register_calls == 1
+
+
+def test_readings_every_sample_interval_are_batched_every_heartbeat_interval(
+    portal: FakePortal, make_config: Callable[..., AgentConfig], run_agent: Callable[[Agent], AgentThread]
+) -> None:
+    """DCGM-style: the GPUs are read every sample_interval_s and each batch carries every reading
+    since the last one; none is lost or sent twice at a batch boundary or at shutdown."""
+    from datetime import datetime
+
+    agent = Agent(make_config(sample_interval_s=0.05, heartbeat_interval_s=0.4))
+    thread = run_agent(agent)
+    wait_for(lambda: len(portal.seqs(1)) >= 4, what="four batches")
+    thread.stop()
+    assert thread.error is None
+    stopped_at = time.time()
+
+    batches = [portal.heartbeats[1][seq] for seq in portal.seqs(1)]
+    assert contiguous(portal.seqs(1))
+    per_batch = [len({s["ts"] for s in b["samples"]}) for b in batches[1:-1]]
+    assert all(5 <= n <= 9 for n in per_batch), per_batch  # about 0.4 / 0.05 readings
+    for b in batches:
+        assert len(b["samples"]) == 2 * len({s["ts"] for s in b["samples"]})  # both GPUs each time
+    uuid = batches[0]["samples"][0]["gpu_uuid"]
+    times = [
+        datetime.fromisoformat(s["ts"]).timestamp()
+        for b in batches
+        for s in b["samples"]
+        if s["gpu_uuid"] == uuid
+    ]
+    assert times == sorted(set(times))  # in order, none twice
+    steps = [b - a for a, b in itertools.pairwise(times)]
+    assert max(steps) < 0.3, steps  # none missing between batches
+    assert stopped_at - times[-1] < 0.5  # the readings since the last batch went in a final one
