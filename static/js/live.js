@@ -95,8 +95,16 @@
       ev.not_ready[s].forEach(function (id) { stateOf[id] = s; });
     });
     each("[data-node-state]", function (el) {
-      var id = el.getAttribute("data-node-state");
-      applyNodeState(id, stateOf[id] || "ready");
+      var state = stateOf[el.getAttribute("data-node-state")] || "ready";
+      var cls = "badge badge-node badge-node-" + state;
+      if (el.className !== cls) {
+        el.className = cls;
+        setText(el, STATE_LABELS[state] || state);
+      }
+    });
+    each(".hm-node[data-node]", function (el) {
+      var state = stateOf[el.getAttribute("data-node")] || "ready";
+      if (!el.classList.contains("s-" + state)) el.className = el.className.replace(/\bs-[a-z]+\b/, "s-" + state);
     });
 
     // the GPU table of a node page

@@ -112,7 +112,7 @@ def seed():
     Gpu.objects.filter(node=nodes[12]).update(last_sample_at=now - timedelta(hours=2))
     UnknownGpuReport.objects.create(reported_name="NVIDIA B200", gpu_count=8, example_node=nodes[9])
     other = nodes[4]
-    print(json.dumps({"node": watched.pk, "host": watched.hostname, "gpu": gpus[2].pk, "bad_node": nodes[1].pk, "bad_gpu": bad.pk,
+    print(json.dumps({"node": watched.pk, "host": watched.hostname, "gpu": gpus[2].pk, "bad_node": nodes[1].pk, "bad_gpu": bad.pk, "quiet": nodes[10].pk,
                       "other": other.pk, "other_host": other.hostname, "other_gpu": other.gpus.get(index=0).pk}))
 
 def telemetry():
@@ -125,6 +125,13 @@ def cordon():
     node = Node.objects.get(pk=int(args[0]))
     node_cordon(node=node, actor=Actor(user=User.objects.get(email=args[1])), reason=args[2])
 
+def silence():
+    # The node stops talking: the health reconciler marks it SUSPECT with one UPDATE (no signal);
+    # the next snapshot carries it.
+    from nodes.services.health import node_health_reconcile
+    Node.objects.filter(pk=int(args[0])).update(last_heartbeat_at=timezone.now() - timedelta(seconds=60))
+    print(node_health_reconcile().suspect, publish_fleet_snapshot())
+
 def gpu():
     g = Gpu.objects.get(pk=int(args[0]))
     print(json.dumps({"health": g.health, "isolated": g.isolated,
@@ -135,8 +142,17 @@ def state():
     audit = list(AuditEvent.objects.filter(target_type="nodes.node", target_id=str(node.pk)).values_list("action", "actor_repr"))
     print(json.dumps({"state": node.state, "reason": node.state_reason, "audit": audit}))
 
-{"seed": seed, "telemetry": telemetry, "cordon": cordon, "state": state, "gpu": gpu}[command]()
+{"seed": seed, "telemetry": telemetry, "cordon": cordon, "state": state, "gpu": gpu, "silence": silence}[command]()
 """
+
+
+def _redis_url() -> str:
+    # redis-py 8 reads with a 5 s socket timeout by default, and channels_redis waits for messages
+    # with a blocking BZPOPMIN of about as long: idle websockets then die every few seconds with
+    # "Timeout reading from 127.0.0.1:6379" (django/channels_redis#422, redis/redis-py#4091). The
+    # server here reads with a longer timeout; the project's CHANNEL_LAYERS needs the same fix.
+    url = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/6"
+    return url if "socket_timeout=" in url else url + ("&" if "?" in url else "?") + "socket_timeout=30"
 
 
 def _free_port() -> int:
@@ -155,7 +171,7 @@ class Server:
             "DEBUG": "1",
             "GPUPOOL_VAR_DIR": str(tmp),
             "DATABASE_URL": f"sqlite:///{tmp / 'fleet.sqlite3'}",
-            "REDIS_URL": os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/6",
+            "REDIS_URL": _redis_url(),
             "CHANNELS_PREFIX": f"fleet-browser-{uuid.uuid4().hex[:8]}",
             "CACHE_KEY_PREFIX": f"fleet-browser-{uuid.uuid4().hex[:8]}",
             # This test watches the fleet pages; no scheduling cycles on node changes.
@@ -280,6 +296,11 @@ def test_fleet_pages_update_live_and_node_actions_work(server, page):
     expect(page.locator(f'.hm-node[data-node="{seeded["other"]}"]')).to_have_class("hm-node s-cordoned")
     server.manage("telemetry", str(seeded["other_gpu"]), "97")  # the next snapshot carries the counts
     expect(page.locator('[data-count="state:cordoned"]').first).to_have_text("2")
+    server.manage("silence", str(seeded["quiet"]))
+    expect(page.locator(f'.hm-node[data-node="{seeded["quiet"]}"]')).to_have_class("hm-node s-suspect")
+    expect(page.locator(f'#node-table [data-node-state="{seeded["quiet"]}"]')).to_have_text("Suspect")
+    expect(page.locator('[data-count="state:suspect"]').first).to_have_text("1")
+    expect(page.locator('[data-count="state:ready"]').first).to_have_text("12")
     assert page.evaluate("window.__noReload") is True
 
     # hovering a cell shows its node, GPU and numbers
