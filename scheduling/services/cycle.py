@@ -96,6 +96,7 @@ class _Context:
     model_ids: dict[str, int]
     waiting_for_victims: dict[int, int]  # preemptor id -> victims still holding
     quota_blocked: set[int]  # queued workloads whose every acceptable model is at its quota
+    draining_nodes: set[int] = field(default_factory=set)  # nodes whose victims are stopping
 
 
 def _priority(workload_pc: str, plan: str) -> E.PriorityClass | None:
@@ -373,13 +374,16 @@ def _start_payload(w: Workload, gpu_uuids: list[str], assignment: E.Assignment) 
     return payload
 
 
-def _commit_place(ctx: _Context, w: Workload, decision: E.Place) -> bool:
-    """Allocation rows, SCHEDULED, start commands. False (and nothing written) when a per-model
-    quota would be passed by an earlier placement of this same cycle."""
+def _commit_place(ctx: _Context, w: Workload, decision: E.Place) -> tuple[str, str] | None:
+    """Allocation rows, SCHEDULED, start commands. Returns why not (and writes nothing) when the
+    placement cannot be committed: a per-model quota passed by an earlier placement of this same
+    cycle, or capacity the engine counted free that is still held (work being preempted)."""
     now = ctx.now
     rows: list[tuple[dict[str, Any], int]] = []
     need: dict[int, int] = defaultdict(int)
     for a in decision.assignments:
+        if int(a.node_id) in ctx.draining_nodes:
+            return "capacity", "Capacity on the chosen node is still being freed by preemption."
         for index in a.gpu_indices:
             g = ctx.gpus[(int(a.node_id), index)]
             rows.append((g, a.milli))
@@ -387,7 +391,11 @@ def _commit_place(ctx: _Context, w: Workload, decision: E.Place) -> bool:
     for mid, milli in need.items():
         limit = ctx.model_limits.get((w.tenant_id, mid))
         if limit is not None and ctx.model_use[(w.tenant_id, mid)] + milli > limit * MILLI:
-            return False
+            return "quota", "Waiting for the per-model GPU quota."
+    for g, milli in rows:
+        if sum(f for _, f, _ in ctx.ranges[g["id"]]) + milli > MILLI:
+            logger.error("Engine placed %s milli on GPU %s, which has no room; skipped", milli, g["id"])
+            return "capacity", "Waiting for capacity."
     w.attempt += 1
     w.save(update_fields=["attempt"])
     workload_transition(
@@ -400,8 +408,7 @@ def _commit_place(ctx: _Context, w: Workload, decision: E.Place) -> bool:
     )
     for g, milli in rows:
         choice = gpu_range_choose(ctx.ranges[g["id"]], milli)
-        if choice is None:
-            raise AssertionError(f"engine placed {milli} on full GPU {g['id']}")
+        assert choice is not None  # room checked above
         offset, moves = choice
         if moves:
             allocation_ranges_move(moves=moves)
@@ -429,7 +436,7 @@ def _commit_place(ctx: _Context, w: Workload, decision: E.Place) -> bool:
             idempotency_key=f"start:{w.pk}:{w.attempt}",
             now=now,
         )
-    return True
+    return None
 
 
 def preempt_notice_s(plan: str) -> int:
@@ -440,6 +447,9 @@ def preempt_notice_s(plan: str) -> int:
 def _commit_preempt(ctx: _Context, preemptor: Workload, victim_ids: list[int]) -> list[int]:
     done = []
     for v in lock_workloads(ids=victim_ids, states=PREEMPTIBLE_STATES).values():
+        # Until the victim stops, its node keeps the GPUs, CPU and RAM the engine now counts free:
+        # nothing else is placed there in this cycle.
+        ctx.draining_nodes.update(a["node_id"] for a in ctx.holders.get(v.pk, []))
         v.preempted_for = preemptor
         v.save(update_fields=["preempted_for"])
         notice = preempt_notice_s(v.plan)
@@ -498,9 +508,10 @@ def scheduling_cycle_run(*, now: datetime | None = None, config: CycleConfig | N
                 if _set_pending(w, "preempting", msg, None):
                     changed.append(w)
             elif isinstance(d, E.Place):
-                if _commit_place(ctx, w, d):
+                why = _commit_place(ctx, w, d)
+                if why is None:
                     result.placed.append(w.pk)
-                elif _set_pending(w, "quota", "Waiting for the per-model GPU quota.", None):
+                elif _set_pending(w, *why, None):
                     changed.append(w)
             else:
                 reason, message = str(d.reason), d.message

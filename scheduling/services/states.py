@@ -32,7 +32,10 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     S.PENDING: frozenset({S.QUEUED, S.STOPPED, S.FAILED}),
     S.QUEUED: frozenset({S.SCHEDULED, S.STOPPED, S.FAILED}),
     # SCHEDULED -> QUEUED: not started in time (reconciler) or its node went down, placed again.
-    S.SCHEDULED: frozenset({S.STARTING, S.RUNNING, S.QUEUED, S.STOPPING, S.PREEMPTED, S.FAILED, S.STOPPED}),
+    # SCHEDULED -> SUCCEEDED: the node reports the exit before the start command's report arrives.
+    S.SCHEDULED: frozenset(
+        {S.STARTING, S.RUNNING, S.QUEUED, S.STOPPING, S.PREEMPTED, S.SUCCEEDED, S.FAILED, S.STOPPED}
+    ),
     S.STARTING: frozenset({S.RUNNING, S.STOPPING, S.PREEMPTED, S.QUEUED, S.SUCCEEDED, S.FAILED, S.STOPPED}),
     S.RUNNING: frozenset({S.STOPPING, S.PREEMPTED, S.QUEUED, S.SUCCEEDED, S.FAILED, S.STOPPED}),
     S.STOPPING: frozenset({S.STOPPED, S.SUCCEEDED, S.FAILED}),
