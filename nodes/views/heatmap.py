@@ -17,10 +17,11 @@ from nodes.selectors import FleetHeatmap
 
 
 def util_class(util: float | None) -> str:
-    """The colour bucket of a utilisation: ``h0`` (idle) to ``h10`` (100 %), ``hx`` without data."""
+    """The colour bucket of a utilisation: ``u0`` (idle) to ``u10`` (100 %), ``ux`` without data.
+    (Not ``h3``: the base stylesheet styles that class as a heading.)"""
     if util is None:
-        return "hx"
-    return f"h{min(10, max(0, int(util // 10)))}"
+        return "ux"
+    return f"u{min(10, max(0, int(util // 10)))}"
 
 
 def heatmap_html(heatmap: FleetHeatmap) -> SafeString:

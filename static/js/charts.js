@@ -113,7 +113,7 @@
     var values = {};
     var cells = {};
     root.querySelectorAll("i.hc[data-g]").forEach(function (cell) { cells[cell.getAttribute("data-g")] = cell; });
-    function bucket(u) { return u === null || u === undefined ? "hx" : "h" + Math.min(10, Math.max(0, Math.floor(u / 10))); }
+    function bucket(u) { return u === null || u === undefined ? "ux" : "u" + Math.min(10, Math.max(0, Math.floor(u / 10))); }
     function apply(rows, paint) {
       rows.forEach(function (r) {
         values[r[0]] = r;
@@ -162,8 +162,9 @@
       else if (cell.classList.contains("iso")) tip.appendChild(line("Health", "isolated"));
       tip.hidden = false;
       var box = cell.getBoundingClientRect();
-      var left = Math.min(window.innerWidth - tip.offsetWidth - 8, box.left + box.width / 2 - tip.offsetWidth / 2);
-      tip.style.left = Math.max(8, left) + window.scrollX + "px";
+      var bounds = root.getBoundingClientRect(); // keep the tip over the heat map, not the sidebar
+      var left = Math.min(bounds.right - tip.offsetWidth, box.left + box.width / 2 - tip.offsetWidth / 2);
+      tip.style.left = Math.max(bounds.left, left) + window.scrollX + "px";
       tip.style.top = box.top + window.scrollY - tip.offsetHeight - 8 + "px";
     });
     root.addEventListener("mouseleave", function () { tip.hidden = true; });

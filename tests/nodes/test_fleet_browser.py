@@ -285,9 +285,9 @@ def test_fleet_pages_update_live_and_node_actions_work(server, page):
     # a GPU gets busy and a node is cordoned elsewhere: the page follows without reloading
     cell = page.locator(f'i.hc[data-g="{seeded["other_gpu"]}"]')
     server.manage("telemetry", str(seeded["other_gpu"]), "2")
-    expect(cell).to_have_class("hc h0")
+    expect(cell).to_have_class("hc u0")
     server.manage("telemetry", str(seeded["other_gpu"]), "97")
-    expect(cell).to_have_class("hc h9")
+    expect(cell).to_have_class("hc u9")
     expect(page.locator('[data-count="state:cordoned"]').first).to_have_text("1")
     server.manage("cordon", str(seeded["other"]), EMAIL, "bad DIMM")
     badge = page.locator(f'#node-table [data-node-state="{seeded["other"]}"]')

@@ -253,11 +253,11 @@ def test_heat_map_has_one_cell_per_present_gpu_coloured_by_utilisation(staff_cli
     cells = {int(g): cls for cls, g in re.findall(r'<i class="hc ([a-z0-9 ]+)" data-g="(\d+)"', page)}
     present = set(Gpu.objects.filter(removed_at__isnull=True).values_list("pk", flat=True))
     assert set(cells) == present and len(present) == 2 * 8 - 1 + 2 + 2 + 1
-    assert cells[bad.pk] == "h8 bad"
-    assert {cells[g.pk] for g in busy[0].gpus.exclude(pk=bad.pk)} == {"h8"}
-    assert {cells[g.pk] for g in idle[0].gpus.all()} == {"h0"}
-    assert {cells[g.pk] for g in silent[0].gpus.all()} == {"hx"}
-    assert {cells[g.pk] for g in stale.gpus.all()} == {"hx"}  # an hour-old sample is not "current"
+    assert cells[bad.pk] == "u8 bad"
+    assert {cells[g.pk] for g in busy[0].gpus.exclude(pk=bad.pk)} == {"u8"}
+    assert {cells[g.pk] for g in idle[0].gpus.all()} == {"u0"}
+    assert {cells[g.pk] for g in silent[0].gpus.all()} == {"ux"}
+    assert {cells[g.pk] for g in stale.gpus.all()} == {"ux"}  # an hour-old sample is not "current"
     # grouped by region, then node: every node tile sits inside its region's block
     eu = page.index('data-region="eu-west-1"')
     us = page.index('data-region="us-east-1"')
