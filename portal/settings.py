@@ -123,7 +123,13 @@ if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL], "prefix": env.str("CHANNELS_PREFIX", default="gpupool")},
+            "CONFIG": {
+                # redis-py 8 reads with a 5 s timeout by default, and channels_redis waits for
+                # messages with a blocking read about that long: idle websockets would drop every
+                # few seconds (channels_redis#422). No read timeout; a bounded connect timeout.
+                "hosts": [{"address": REDIS_URL, "socket_timeout": None, "socket_connect_timeout": 5}],
+                "prefix": env.str("CHANNELS_PREFIX", default="gpupool"),
+            },
         }
     }
 else:
