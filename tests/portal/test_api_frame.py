@@ -46,7 +46,9 @@ def test_oversized_body_is_json_413_and_writes_nothing(tenant, make_token, api, 
 
 
 def test_malformed_json_is_400(tenant, make_token, api):
-    response = api(make_token(tenant)).post("/api/v1/invitations/", "{not json", content_type="application/json")
+    response = api(make_token(tenant)).post(
+        "/api/v1/invitations/", "{not json", content_type="application/json"
+    )
     error = _assert_error_shape(response, 400, "invalid")
     assert "JSON" in error["message"]
 
@@ -54,7 +56,9 @@ def test_malformed_json_is_400(tenant, make_token, api):
 def test_validation_errors_name_the_field(tenant, make_token, api):
     error = _assert_error_shape(
         api(make_token(tenant)).post(
-            "/api/v1/invitations/", {"email": "not-an-email", "role": "emperor"}, content_type="application/json"
+            "/api/v1/invitations/",
+            {"email": "not-an-email", "role": "emperor"},
+            content_type="application/json",
         ),
         400,
         "invalid",
@@ -147,7 +151,9 @@ def test_invitations_api_creates_and_emails(
     client = api(make_token(tenant))
     with django_capture_on_commit_callbacks(execute=True):
         with_commit = client.post(
-            "/api/v1/invitations/", {"email": "New@Example.test", "role": "viewer"}, content_type="application/json"
+            "/api/v1/invitations/",
+            {"email": "New@Example.test", "role": "viewer"},
+            content_type="application/json",
         )
     assert with_commit.status_code == 201, with_commit.content
     assert with_commit.json()["email"] == "new@example.test"

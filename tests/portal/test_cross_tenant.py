@@ -132,7 +132,9 @@ def test_another_tenants_objects_do_not_exist(route, two_tenants):
     before = _snapshot(obj)
     for method in route.methods:
         response = _call(two_tenants["b_all"], method, _url(route, obj.pk))
-        assert response.status_code == 404, f"{method.upper()} {route.route} as tenant B: {response.status_code}"
+        assert response.status_code == 404, (
+            f"{method.upper()} {route.route} as tenant B: {response.status_code}"
+        )
         assert response.json()["error"]["code"] == "not_found"
     assert _snapshot(obj) == before, f"{route.route}: tenant B changed tenant A's object"
 
@@ -161,12 +163,18 @@ def test_a_read_only_token_cannot_write(route, two_tenants):
     obj = None
     if route.is_detail:
         model = route.model
-        obj = make_tenant_object(model, tenant=two_tenants["a"]) if issubclass(model, TenantOwnedModel) else None
+        obj = (
+            make_tenant_object(model, tenant=two_tenants["a"])
+            if issubclass(model, TenantOwnedModel)
+            else None
+        )
         pk = obj.pk if obj is not None else 1
     before = _snapshot(obj) if obj is not None else None
     for method in set(route.methods) & set(UNSAFE):
         response = _call(two_tenants["a_read"], method, _url(route, pk))
-        assert response.status_code == 403, f"{method.upper()} {route.route} with a read token: {response.status_code}"
+        assert response.status_code == 403, (
+            f"{method.upper()} {route.route} with a read token: {response.status_code}"
+        )
         assert response.json()["error"]["code"] == "permission_denied"
     if obj is not None:
         assert _snapshot(obj) == before

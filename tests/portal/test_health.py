@@ -27,7 +27,9 @@ def test_readyz_is_503_when_the_broker_is_unreachable(client, monkeypatch):
     from portal.celery import app
 
     # A real connection attempt to a port where no broker listens.
-    monkeypatch.setattr(app, "connection_for_write", lambda: Connection("redis://127.0.0.1:1/0", connect_timeout=1))
+    monkeypatch.setattr(
+        app, "connection_for_write", lambda: Connection("redis://127.0.0.1:1/0", connect_timeout=1)
+    )
     response = client.get("/readyz")
     body = response.json()
     assert response.status_code == 503

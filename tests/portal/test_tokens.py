@@ -36,7 +36,9 @@ def test_two_tokens_never_share_a_secret(tenant, make_token):
 
 def test_api_shows_the_secret_once(tenant, make_token, api):
     admin = api(make_token(tenant, scopes=["read", "write", "admin"]))
-    created = admin.post("/api/v1/tokens/", {"name": "deploy", "scopes": ["read"]}, content_type="application/json")
+    created = admin.post(
+        "/api/v1/tokens/", {"name": "deploy", "scopes": ["read"]}, content_type="application/json"
+    )
     assert created.status_code == 201, created.content
     body = created.json()
     plaintext = body["token"]
@@ -140,10 +142,14 @@ def test_write_implies_read(tenant, owner):
 
 def test_unknown_scope_and_blank_name_are_400_naming_the_field(tenant, make_token, api):
     admin = api(make_token(tenant, scopes=["read", "admin"]))
-    bad_scope = admin.post("/api/v1/tokens/", {"name": "x", "scopes": ["root"]}, content_type="application/json")
+    bad_scope = admin.post(
+        "/api/v1/tokens/", {"name": "x", "scopes": ["root"]}, content_type="application/json"
+    )
     assert bad_scope.status_code == 400
     assert "scopes" in bad_scope.json()["error"]["fields"]
-    blank = admin.post("/api/v1/tokens/", {"name": "   ", "scopes": ["read"]}, content_type="application/json")
+    blank = admin.post(
+        "/api/v1/tokens/", {"name": "   ", "scopes": ["read"]}, content_type="application/json"
+    )
     assert blank.status_code == 400
     assert "name" in blank.json()["error"]["fields"]
     assert ApiToken.objects.filter(tenant=tenant).count() == 1
@@ -152,7 +158,9 @@ def test_unknown_scope_and_blank_name_are_400_naming_the_field(tenant, make_toke
 def test_a_token_cannot_grant_more_than_it_holds(tenant, make_token, api):
     admin_only = api(make_token(tenant, scopes=["read", "admin"]))
     response = admin_only.post(
-        "/api/v1/tokens/", {"name": "escalate", "scopes": ["read", "billing"]}, content_type="application/json"
+        "/api/v1/tokens/",
+        {"name": "escalate", "scopes": ["read", "billing"]},
+        content_type="application/json",
     )
     assert response.status_code == 403
     assert not ApiToken.objects.filter(name="escalate").exists()
@@ -168,7 +176,9 @@ def test_a_member_cannot_mint_admin_tokens(tenant):
 def test_removing_a_member_revokes_their_tokens(tenant, owner, api):
     member = User.objects.create_user(email="m@acme.test", password="x")
     membership = Membership.objects.create(tenant=tenant, user=member, role=Role.MEMBER)
-    _, plaintext = services.api_token_create(tenant=tenant, name="m", scopes=["read"], actor=Actor(user=member))
+    _, plaintext = services.api_token_create(
+        tenant=tenant, name="m", scopes=["read"], actor=Actor(user=member)
+    )
     services.membership_remove(membership=membership, actor=Actor(user=owner))
     assert api(plaintext).get("/api/v1/me/").status_code == 401
 
@@ -197,7 +207,9 @@ def test_me_reports_tenant_and_scopes(tenant, make_token, api):
 
 def test_suspended_tenant_tokens_get_403_with_the_reason(tenant, make_token, api):
     plaintext = make_token(tenant)
-    services.tenant_set_status(tenant=tenant, status="suspended", reason="unpaid invoice", actor=Actor.system())
+    services.tenant_set_status(
+        tenant=tenant, status="suspended", reason="unpaid invoice", actor=Actor.system()
+    )
     response = api(plaintext).get("/api/v1/me/")
     assert response.status_code == 403
     assert "suspended" in response.json()["error"]["message"]
