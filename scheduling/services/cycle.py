@@ -23,6 +23,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import F
 from django.utils import timezone
 
 from nodes.models import SCHEDULABLE_NODE_STATES, CommandKind, Gpu, GpuHealth, GpuModel, Node
@@ -43,7 +44,7 @@ from scheduling.models import (
     WorkloadState,
 )
 from scheduling.services.allocations import allocation_ranges_move, gpu_range_choose
-from scheduling.services.states import workload_transition
+from scheduling.services.states import workload_transition, workloads_transition
 
 logger = logging.getLogger(__name__)
 
@@ -374,11 +375,21 @@ def _start_payload(w: Workload, gpu_uuids: list[str], assignment: E.Assignment) 
     return payload
 
 
-def _commit_place(ctx: _Context, w: Workload, decision: E.Place) -> tuple[str, str] | None:
-    """Allocation rows, SCHEDULED, start commands. Returns why not (and writes nothing) when the
-    placement cannot be committed: a per-model quota passed by an earlier placement of this same
-    cycle, or capacity the engine counted free that is still held (work being preempted)."""
-    now = ctx.now
+@dataclass
+class _Batch:
+    """Placements of one cycle, written together at the end (a fixed number of statements per
+    kind of row; start commands one per node and placement)."""
+
+    placed: dict[str, list[Workload]] = field(default_factory=lambda: defaultdict(list))
+    messages: dict[int, str] = field(default_factory=dict)
+    allocations: dict[int, Allocation] = field(default_factory=dict)  # negative key: not yet inserted
+    commands: list[tuple[int, dict[str, Any], str]] = field(default_factory=list)
+
+
+def _plan_place(ctx: _Context, batch: _Batch, w: Workload, decision: E.Place) -> tuple[str, str] | None:
+    """Prepare the allocation rows, state change and start commands of one placement, or say why
+    it cannot be committed: a per-model quota passed by an earlier placement of this cycle, or
+    capacity the engine counted free that is still held (work being preempted)."""
     rows: list[tuple[dict[str, Any], int]] = []
     need: dict[int, int] = defaultdict(int)
     for a in decision.assignments:
@@ -396,25 +407,21 @@ def _commit_place(ctx: _Context, w: Workload, decision: E.Place) -> tuple[str, s
         if sum(f for _, f, _ in ctx.ranges[g["id"]]) + milli > MILLI:
             logger.error("Engine placed %s milli on GPU %s, which has no room; skipped", milli, g["id"])
             return "capacity", "Waiting for capacity."
-    w.attempt += 1
-    w.save(update_fields=["attempt"])
-    workload_transition(
-        workload=w,
-        to=WorkloadState.SCHEDULED,
-        reason="backfilled" if decision.backfill else "placed",
-        actor=SYSTEM,
-        message=f"Placed on {', '.join(sorted({a.node_id for a in decision.assignments}))}.",
-        now=now,
-    )
     for g, milli in rows:
         choice = gpu_range_choose(ctx.ranges[g["id"]], milli)
         assert choice is not None  # room checked above
         offset, moves = choice
         if moves:
-            allocation_ranges_move(moves=moves)
+            # Existing rows move in the database now (leftwards, in order: never overlapping);
+            # rows of this cycle are still in memory.
+            allocation_ranges_move(moves=[(i, o) for i, o in moves if i > 0])
+            for i, o in moves:
+                if i < 0:
+                    batch.allocations[i].milli_offset = o
             moved = dict(moves)
             ctx.ranges[g["id"]] = [(moved.get(i, o), f, i) for o, f, i in ctx.ranges[g["id"]]]
-        alloc = Allocation.objects.create(
+        key = -(len(batch.allocations) + 1)
+        batch.allocations[key] = Allocation(
             tenant_id=w.tenant_id,
             workload=w,
             node_id=g["node_id"],
@@ -423,20 +430,39 @@ def _commit_place(ctx: _Context, w: Workload, decision: E.Place) -> tuple[str, s
             plan=w.plan,
             fraction_milli=milli,
             milli_offset=offset,
-            started_at=now,
+            started_at=ctx.now,
         )
-        ctx.ranges[g["id"]].append((offset, milli, alloc.pk))
+        ctx.ranges[g["id"]].append((offset, milli, key))
         ctx.model_use[(w.tenant_id, g["model_id"])] += milli
+    w.attempt += 1
+    batch.placed["backfilled" if decision.backfill else "placed"].append(w)
+    batch.messages[w.pk] = f"Placed on {', '.join(sorted({a.node_id for a in decision.assignments}))}."
     for a in decision.assignments:
         uuids = [ctx.gpus[(int(a.node_id), i)]["uuid"] for i in a.gpu_indices]
-        node_command_enqueue(
-            node=Node(pk=int(a.node_id)),
-            kind=CommandKind.START_WORKLOAD,
-            payload=_start_payload(w, uuids, a),
-            idempotency_key=f"start:{w.pk}:{w.attempt}",
-            now=now,
-        )
+        batch.commands.append((int(a.node_id), _start_payload(w, uuids, a), f"start:{w.pk}:{w.attempt}"))
     return None
+
+
+def _flush(ctx: _Context, batch: _Batch) -> None:
+    for reason, workloads in batch.placed.items():
+        workloads_transition(
+            workloads=workloads,
+            to=WorkloadState.SCHEDULED,
+            reason=reason,
+            actor=SYSTEM,
+            messages=batch.messages,
+            extra_updates={"attempt": F("attempt") + 1} if len(workloads) > 1 else {"attempt": None},
+            now=ctx.now,
+        )
+    Allocation.objects.bulk_create(list(batch.allocations.values()), batch_size=1000)
+    for node_id, payload, key in batch.commands:
+        node_command_enqueue(
+            node=Node(pk=node_id),
+            kind=CommandKind.START_WORKLOAD,
+            payload=payload,
+            idempotency_key=key,
+            now=ctx.now,
+        )
 
 
 def preempt_notice_s(plan: str) -> int:
@@ -481,6 +507,17 @@ def _set_pending(w: Workload, reason: str, message: str, expected: datetime | No
     return True
 
 
+def _save_pending(changed: list[Workload]) -> None:
+    """Write the pending reasons: one UPDATE per distinct (reason, message, expected start)."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for w in changed:
+        groups[(w.pending_reason, w.pending_message, w.expected_start_at)].append(w.pk)
+    for (reason, message, expected), ids in groups.items():
+        Workload.objects.filter(pk__in=ids).update(
+            pending_reason=reason, pending_message=message, expected_start_at=expected
+        )
+
+
 def scheduling_cycle_run(*, now: datetime | None = None, config: CycleConfig | None = None) -> CycleResult:
     """Run one cycle; returns ``ran=False`` when another cycle holds the lock."""
     started = time.perf_counter()
@@ -499,6 +536,7 @@ def scheduling_cycle_run(*, now: datetime | None = None, config: CycleConfig | N
         requests = [r for r in requests if int(r.id) not in ctx.waiting_for_victims]
         decisions = schedule(snapshot, requests, config or CycleConfig(policy=settings.SCHEDULING_POLICY))
         changed: list[Workload] = []
+        batch = _Batch()
         for d in decisions:
             w = ctx.workloads[int(d.request_id)]
             if isinstance(d, E.Place) and d.preempt:
@@ -508,7 +546,7 @@ def scheduling_cycle_run(*, now: datetime | None = None, config: CycleConfig | N
                 if _set_pending(w, "preempting", msg, None):
                     changed.append(w)
             elif isinstance(d, E.Place):
-                why = _commit_place(ctx, w, d)
+                why = _plan_place(ctx, batch, w, d)
                 if why is None:
                     result.placed.append(w.pk)
                 elif _set_pending(w, *why, None):
@@ -517,6 +555,7 @@ def scheduling_cycle_run(*, now: datetime | None = None, config: CycleConfig | N
                 reason, message = str(d.reason), d.message
                 if _set_pending(w, reason, message, _from_epoch(d.expected_start)):
                     changed.append(w)
+        _flush(ctx, batch)
         for wid in ctx.waiting_for_victims:
             w = ctx.workloads.get(wid)
             if w is not None and _set_pending(w, "preempting", "Waiting for preempted work to stop.", None):
@@ -525,8 +564,7 @@ def scheduling_cycle_run(*, now: datetime | None = None, config: CycleConfig | N
             w = ctx.workloads[wid]
             if _set_pending(w, "quota", "Every acceptable GPU model is at your per-model GPU quota.", None):
                 changed.append(w)
-        if changed:
-            Workload.objects.bulk_update(changed, ["pending_reason", "pending_message", "expected_start_at"])
+        _save_pending(changed)
         result.pending = len(ctx.workloads) - len(result.placed)
     result.seconds = time.perf_counter() - started
     if result.placed or result.preempted:

@@ -11,8 +11,11 @@ so the invariant lives here and nowhere else.
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from django.db import transaction
+from django.db.models import Value
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from portal.actors import Actor
@@ -77,64 +80,129 @@ def workload_transition(
     The caller holds the workload's row lock (``scheduling.locks.lock_workload``) or is the
     scheduling cycle (which holds the cycle lock); either way this runs in its transaction.
     """
+    return workloads_transition(
+        workloads=[workload],
+        to=to,
+        reason=reason,
+        actor=actor,
+        messages={workload.pk: message},
+        data=data,
+        now=now,
+    )[0]
+
+
+def _apply(workload: Workload, to: str, reason: str, message: str, now: datetime) -> None:
+    workload.state = to
+    workload.state_reason = (message or reason)[:255]
+    workload.state_changed_at = now
+    if to == S.QUEUED:
+        workload.queued_at = now
+    if to == S.SCHEDULED:
+        workload.scheduled_at = now
+    if to in (S.SCHEDULED, *TERMINAL_STATES):
+        workload.pending_reason, workload.pending_message, workload.expected_start_at = "", "", None
+    if to == S.RUNNING and workload.started_at is None:
+        workload.started_at = now
+    if to in TERMINAL_STATES:
+        workload.finished_at = now
+
+
+_FIELDS = [
+    "state",
+    "state_reason",
+    "state_changed_at",
+    "queued_at",
+    "scheduled_at",
+    "started_at",
+    "finished_at",
+    "pending_reason",
+    "pending_message",
+    "expected_start_at",
+]
+
+
+def workloads_transition(
+    *,
+    workloads: list[Workload],
+    to: str,
+    reason: str,
+    actor: Actor,
+    messages: dict[int, str] | None = None,
+    data: dict | None = None,
+    extra_updates: dict[str, Any] | None = None,
+    now: datetime | None = None,
+) -> list[WorkloadEvent]:
+    """``workload_transition`` for many workloads at once (the cycle places thousands): the same
+    checks and effects, in a fixed number of statements. All or nothing: one invalid transition
+    refuses the lot. ``extra_updates`` are other fields the caller changed on the rows (names of
+    fields already set on the objects; for several workloads, values or expressions to write)."""
     now = now or timezone.now()
-    old = workload.state
-    if not can_transition(workload, to):
-        raise InvalidTransition(
-            f"A {workload.kind} cannot go from {old} to {to}.",
-            fields={"state": [f"{old} -> {to} is not allowed."]},
-        )
+    extra_updates = extra_updates or {}
+    messages = messages or {}
+    for w in workloads:
+        if not can_transition(w, to):
+            raise InvalidTransition(
+                f"A {w.kind} cannot go from {w.state} to {to}.",
+                fields={"state": [f"{w.state} -> {to} is not allowed."]},
+            )
+    if not workloads:
+        return []
+    olds = {w.pk: w.state for w in workloads}
     with transaction.atomic():
-        workload.state = to
-        workload.state_reason = (message or reason)[:255]
-        workload.state_changed_at = now
-        fields = ["state", "state_reason", "state_changed_at"]
-        if to == S.QUEUED:
-            workload.queued_at = now
-            fields.append("queued_at")
-        if to == S.SCHEDULED:
-            workload.scheduled_at = now
-            workload.pending_reason, workload.pending_message, workload.expected_start_at = "", "", None
-            fields += ["scheduled_at", "pending_reason", "pending_message", "expected_start_at"]
-        if to == S.RUNNING and workload.started_at is None:
-            workload.started_at = now
-            fields.append("started_at")
-        if to in TERMINAL_STATES:
-            workload.finished_at = now
-            workload.pending_reason, workload.pending_message, workload.expected_start_at = "", "", None
-            fields += ["finished_at", "pending_reason", "pending_message", "expected_start_at"]
-        workload.save(update_fields=fields)
+        for w in workloads:
+            _apply(w, to, reason, messages.get(w.pk, ""), now)
+        if len(workloads) == 1:
+            workloads[0].save(update_fields=[*_FIELDS, *extra_updates])
+        else:
+            # One UPDATE: every field but the reason text is the same for all (the per-workload
+            # message is kept in its event).
+            values = {f: getattr(workloads[0], f) for f in _FIELDS if f not in ("state_reason", "started_at")}
+            values["state_reason"] = reason[:255]
+            if to == S.RUNNING:
+                values["started_at"] = Coalesce("started_at", Value(now))
+            for w in workloads:
+                w.state_reason = reason[:255]
+            Workload.objects.filter(pk__in=list(olds)).update(**values, **extra_updates)
+        releasing = [w.pk for w in workloads if olds[w.pk] in HOLDING_STATES and to not in HOLDING_STATES]
         released = 0
-        if old in HOLDING_STATES and to not in HOLDING_STATES:
-            released = Allocation.objects.filter(workload=workload, ended_at__isnull=True).update(
+        if releasing:
+            released = Allocation.objects.filter(workload_id__in=releasing, ended_at__isnull=True).update(
                 ended_at=now, end_reason=reason[:64]
             )
-        event = WorkloadEvent.objects.create(
-            tenant_id=workload.tenant_id,
-            workload=workload,
-            at=now,
-            from_state=old,
-            to_state=to,
-            reason=reason[:64],
-            message=message[:500],
-            actor_repr=str(actor)[:200],
-            data=data or {},
-        )
-        publish(
-            tenant_id=workload.tenant_id,
-            event={
-                "type": "workload.state",
-                "workload_id": workload.pk,
-                "kind": workload.kind,
-                "from": old,
-                "to": to,
-                "reason": reason,
-                "message": message,
-                "at": now.isoformat(),
-            },
-        )
+        events = [
+            WorkloadEvent(
+                tenant_id=w.tenant_id,
+                workload=w,
+                at=now,
+                from_state=olds[w.pk],
+                to_state=to,
+                reason=reason[:64],
+                message=messages.get(w.pk, "")[:500],
+                actor_repr=str(actor)[:200],
+                data=data or {},
+            )
+            for w in workloads
+        ]
+        if len(events) == 1:
+            events[0].save()
+        else:
+            WorkloadEvent.objects.bulk_create(events, batch_size=1000)
+        for w in workloads:
+            publish(
+                tenant_id=w.tenant_id,
+                event={
+                    "type": "workload.state",
+                    "workload_id": w.pk,
+                    "kind": w.kind,
+                    "from": olds[w.pk],
+                    "to": to,
+                    "reason": reason,
+                    "message": messages.get(w.pk, ""),
+                    "at": now.isoformat(),
+                },
+            )
         if released:
             from scheduling.services.triggers import cycle_request
 
             cycle_request(reason="release")
-    return event
+    return events
