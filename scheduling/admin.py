@@ -1,0 +1,181 @@
+"""Staff pages: quotas (limits per tenant), reservations (confirm, end), warm pools, and read-only
+views of workloads and allocations. Changes with consequences go through the services."""
+
+from __future__ import annotations
+
+from django.contrib import admin, messages
+
+from portal.actors import Actor
+from portal.errors import DomainError
+from portal.services import audit_record
+from scheduling.models import (
+    Allocation,
+    Quota,
+    QuotaModelLimit,
+    Reservation,
+    WarmPool,
+    Workload,
+    WorkloadEvent,
+)
+from scheduling.services.lifecycle import workload_stop
+from scheduling.services.reservations import reservation_activate, reservation_cancel
+
+
+def _run_each(modeladmin, request, queryset, fn, verb: str) -> None:
+    actor = Actor(user=request.user)
+    done = 0
+    for obj in queryset:
+        try:
+            fn(obj, actor)
+            done += 1
+        except DomainError as e:
+            modeladmin.message_user(request, f"{obj}: {e.message}", level=messages.WARNING)
+    if done:
+        modeladmin.message_user(request, f"{verb}: {done}.")
+
+
+class QuotaModelLimitInline(admin.TabularInline):
+    model = QuotaModelLimit
+    extra = 1
+    autocomplete_fields = ["gpu_model"]
+
+
+@admin.register(Quota)
+class QuotaAdmin(admin.ModelAdmin):
+    """Limits are read under the quota row's lock at every submission, so a change applies to
+    the next submission; what already runs is not touched."""
+
+    list_display = [
+        "tenant",
+        "max_gpus_total",
+        "max_concurrent_workloads",
+        "max_spot_gpus",
+        "max_gpus_per_request",
+        "updated_at",
+    ]
+    search_fields = ["tenant__slug", "tenant__name"]
+    autocomplete_fields = ["tenant"]
+    inlines = [QuotaModelLimitInline]
+
+    def save_model(self, request, obj, form, change):
+        super().save_model(request, obj, form, change)
+        audit_record(
+            tenant=obj.tenant,
+            actor=Actor(user=request.user),
+            action="quota.update",
+            target=obj,
+            data={f: getattr(obj, f) for f in form.changed_data if f.startswith("max_")},
+        )
+
+
+@admin.register(Reservation)
+class ReservationAdmin(admin.ModelAdmin):
+    list_display = ["id", "tenant", "gpu_model", "count", "region", "starts_at", "ends_at", "status"]
+    list_filter = ["status", "region", "gpu_model"]
+    search_fields = ["tenant__slug", "note"]
+    autocomplete_fields = ["tenant", "gpu_model"]
+    readonly_fields = ["status", "created_at"]
+    actions = ["activate", "cancel"]
+
+    @admin.action(description="Confirm (guarantee and bill) the selected reservations")
+    def activate(self, request, queryset):
+        _run_each(
+            self, request, queryset, lambda r, a: reservation_activate(reservation=r, actor=a), "Confirmed"
+        )
+
+    @admin.action(description="Cancel or end the selected reservations")
+    def cancel(self, request, queryset):
+        _run_each(
+            self,
+            request,
+            queryset,
+            lambda r, a: reservation_cancel(reservation=r, actor=a, staff=True),
+            "Cancelled",
+        )
+
+
+@admin.register(WarmPool)
+class WarmPoolAdmin(admin.ModelAdmin):
+    list_display = [
+        "gpu_model",
+        "region",
+        "image",
+        "template",
+        "min_size",
+        "target_size",
+        "max_size",
+        "enabled",
+    ]
+    list_filter = ["enabled", "region", "gpu_model"]
+    readonly_fields = ["target_size", "arrival_rate_per_s", "rate_updated_at"]
+
+
+class WorkloadEventInline(admin.TabularInline):
+    model = WorkloadEvent
+    extra = 0
+    can_delete = False
+    fields = ["at", "from_state", "to_state", "reason", "message", "actor_repr"]
+    readonly_fields = fields
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(Workload)
+class WorkloadAdmin(admin.ModelAdmin):
+    """Read-only: workloads change state only through the state machine."""
+
+    list_display = [
+        "id",
+        "tenant",
+        "kind",
+        "name",
+        "state",
+        "plan",
+        "gpu_count",
+        "gpu_fraction_milli",
+        "submitted_at",
+    ]
+    list_filter = ["state", "kind", "plan"]
+    search_fields = ["=id", "name", "tenant__slug"]
+    inlines = [WorkloadEventInline]
+    actions = ["stop"]
+
+    def get_readonly_fields(self, request, obj=None):
+        return [f.name for f in self.model._meta.fields] + ["gpu_models"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+    @admin.action(description="Stop the selected workloads")
+    def stop(self, request, queryset):
+        _run_each(self, request, queryset, lambda w, a: workload_stop(workload=w, actor=a), "Stopping")
+
+
+@admin.register(Allocation)
+class AllocationAdmin(admin.ModelAdmin):
+    list_display = [
+        "id",
+        "workload",
+        "tenant",
+        "node",
+        "gpu",
+        "gpu_model",
+        "fraction_milli",
+        "started_at",
+        "ended_at",
+    ]
+    list_filter = ["plan", "gpu_model"]
+    search_fields = ["=workload__id", "node__hostname"]
+
+    def get_readonly_fields(self, request, obj=None):
+        return [f.name for f in self.model._meta.fields]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
