@@ -148,6 +148,50 @@ def test_two_processes_running_cycles_never_double_allocate(tenant, make_node, s
     assert NodeCommand.objects.filter(kind=CommandKind.START_WORKLOAD).count() == len(ws)
 
 
+KILLED_CHILD = """
+import sys, time, django
+django.setup()
+import scheduling.services.cycle as cycle
+
+def stall(**kwargs):
+    print("MID-CYCLE", flush=True)
+    time.sleep(600)
+
+cycle.node_command_enqueue = stall
+cycle.scheduling_cycle_run()
+"""
+
+
+def test_a_worker_killed_mid_cycle_leaves_nothing_half_written(tenant, make_node, submit):
+    make_node()
+    ws = [submit(tenant, gpu_count=2) for _ in range(3)]
+    db = connection.settings_dict
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
+        "SCHEDULING_TRIGGER_CYCLES": "0",
+    }
+    env.pop("TEST_DB_NAME", None)
+    child = subprocess.Popen([sys.executable, "-c", KILLED_CHILD], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "MID-CYCLE"  # allocations written, not committed
+    finally:
+        child.kill()
+        child.wait(10)
+        child.stdout.close()
+    assert not Allocation.objects.exists()
+    assert not NodeCommand.objects.exists()
+    assert {w.state for w in Workload.objects.all()} == {S.PENDING}
+    # The lock died with the connection: the next cycle runs and finishes the work.
+    deadline = time.monotonic() + 10
+    result = scheduling_cycle_run()
+    while not result.ran and time.monotonic() < deadline:
+        time.sleep(0.2)
+        result = scheduling_cycle_run()
+    assert sorted(result.placed) == sorted(w.pk for w in ws)
+
+
 def test_a_real_celery_worker_runs_the_cycle_a_submission_asks_for(tenant, make_node, submit, settings):
     from celery.contrib.testing.worker import start_worker
 
