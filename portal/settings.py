@@ -56,6 +56,8 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # The agent protocol's hot paths skip the rest of the chain (see nodes.agent_views).
+    "nodes.agent_views.AgentFastPathMiddleware",
     "portal.middleware.ApiErrorMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
@@ -278,7 +280,7 @@ GPUPOOL_LOGIN_FAILURE_WINDOW_S = env.int("GPUPOOL_LOGIN_FAILURE_WINDOW_S", defau
 GPUPOOL_PASSWORD_RESET_LIMIT = env.int("GPUPOOL_PASSWORD_RESET_LIMIT", default=5)
 
 # --- gpupool: nodes (the fleet) -------------------------------------------------------------------
-NODE_HEARTBEAT_INTERVAL_S = env.int("NODE_HEARTBEAT_INTERVAL_S", default=5)
+NODE_HEARTBEAT_INTERVAL_S = env.int("NODE_HEARTBEAT_INTERVAL_S", default=10)
 NODE_SUSPECT_AFTER_S = env.int("NODE_SUSPECT_AFTER_S", default=30)
 NODE_DOWN_AFTER_S = env.int("NODE_DOWN_AFTER_S", default=120)
 # More than this share of the (non-maintenance) fleet silent at once: alert, mark nobody DOWN.
@@ -356,6 +358,9 @@ SCHEDULING_DEFAULT_QUOTA = {
     "max_gpus_per_request": None,
 }
 SCHEDULING_LOG_TAIL_CHARS = 16_000
+# Warm pools: time constant of the demand estimate, and how often targets and slots are reconciled.
+SCHEDULING_WARM_POOL_TAU_S = env.int("SCHEDULING_WARM_POOL_TAU_S", default=900)
+SCHEDULING_WARM_POOL_INTERVAL_S = env.float("SCHEDULING_WARM_POOL_INTERVAL_S", default=30)
 CELERY_BEAT_SCHEDULE.update(
     {
         "scheduling-cycle": {
@@ -365,6 +370,10 @@ CELERY_BEAT_SCHEDULE.update(
         "scheduling-reconcile": {
             "task": "scheduling.tasks.reconcile",
             "schedule": timedelta(seconds=SCHEDULING_RECONCILE_INTERVAL_S),
+        },
+        "scheduling-warm-pools": {
+            "task": "scheduling.tasks.warm_pools",
+            "schedule": timedelta(seconds=SCHEDULING_WARM_POOL_INTERVAL_S),
         },
     }
 )

@@ -369,3 +369,29 @@ class WarmPool(models.Model):
 
     def __str__(self) -> str:
         return f"warm pool {self.gpu_model_id}/{self.region_id}/{self.image or self.template}"
+
+
+class WarmSlot(models.Model):
+    """One GPU prewarmed for a pool (its image pulled, through a ``prewarm`` command). A slot holds
+    no allocation: real demand takes the GPU whenever it needs it (the slot then ends), and a
+    request that matches the pool binds to a free slot before the engine places the rest."""
+
+    pool = models.ForeignKey(WarmPool, on_delete=models.CASCADE, related_name="slots")
+    node = models.ForeignKey("nodes.Node", on_delete=models.CASCADE, related_name="+")
+    gpu = models.ForeignKey("nodes.Gpu", on_delete=models.CASCADE, related_name="+")
+    command_id = models.UUIDField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    end_reason = models.CharField(max_length=32, blank=True)
+    bound_to = models.ForeignKey(Workload, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+
+    class Meta:
+        ordering = ["pool_id", "node_id", "gpu_id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["gpu"], condition=Q(ended_at__isnull=True), name="warmslot_one_per_gpu"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"warm slot of pool {self.pool_id} on gpu {self.gpu_id}"

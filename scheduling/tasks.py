@@ -7,6 +7,7 @@ from celery import shared_task
 from scheduling.services.cycle import scheduling_cycle_run
 from scheduling.services.lifecycle import scheduling_reconcile
 from scheduling.services.triggers import cycle_request_clear
+from scheduling.services.warm_pools import warm_pools_reconcile
 
 
 @shared_task(name="scheduling.tasks.run_cycle", ignore_result=True)
@@ -19,3 +20,9 @@ def run_cycle() -> dict:
 @shared_task(name="scheduling.tasks.reconcile", ignore_result=True)
 def reconcile() -> dict:
     return scheduling_reconcile().as_dict()
+
+
+@shared_task(name="scheduling.tasks.warm_pools", ignore_result=True)
+def warm_pools() -> dict:
+    r = warm_pools_reconcile()
+    return {"ran": r.ran, "targets": r.targets, "prewarmed": r.prewarmed, "ended": r.ended}

@@ -45,6 +45,7 @@ from scheduling.models import (
 )
 from scheduling.services.allocations import allocation_ranges_move, gpu_range_choose
 from scheduling.services.states import workload_transition, workloads_transition
+from scheduling.services.warm_pools import bind_warm_slots, warm_slots_bind
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,8 @@ class _Context:
     model_ids: dict[str, int]
     waiting_for_victims: dict[int, int]  # preemptor id -> victims still holding
     quota_blocked: set[int]  # queued workloads whose every acceptable model is at its quota
+    chosen_models: dict[int, list[str]] = field(default_factory=dict)  # workload -> model names
+    warm_hits: dict[int, list[int]] = field(default_factory=dict)  # workload -> warm slots it binds
     draining_nodes: set[int] = field(default_factory=set)  # nodes whose victims are stopping
 
 
@@ -344,6 +347,7 @@ def _load(now: datetime) -> tuple[E.Snapshot, list[E.Request], _Context]:
         model_ids=model_ids,
         waiting_for_victims=waiting_for_victims,
         quota_blocked=ctx_quota_blocked,
+        chosen_models=dict(chosen),
     )
     return snapshot, requests, ctx
 
@@ -435,7 +439,8 @@ def _plan_place(ctx: _Context, batch: _Batch, w: Workload, decision: E.Place) ->
         ctx.ranges[g["id"]].append((offset, milli, key))
         ctx.model_use[(w.tenant_id, g["model_id"])] += milli
     w.attempt += 1
-    batch.placed["backfilled" if decision.backfill else "placed"].append(w)
+    reason = "warm_hit" if w.pk in ctx.warm_hits else "backfilled" if decision.backfill else "placed"
+    batch.placed[reason].append(w)
     batch.messages[w.pk] = f"Placed on {', '.join(sorted({a.node_id for a in decision.assignments}))}."
     for a in decision.assignments:
         uuids = [ctx.gpus[(int(a.node_id), i)]["uuid"] for i in a.gpu_indices]
@@ -534,7 +539,17 @@ def scheduling_cycle_run(*, now: datetime | None = None, config: CycleConfig | N
         # A request whose victims are still stopping sits this cycle out: the victims' GPUs stay
         # allocated until they stop, and it must not pick more victims meanwhile.
         requests = [r for r in requests if int(r.id) not in ctx.waiting_for_victims]
-        decisions = schedule(snapshot, requests, config or CycleConfig(policy=settings.SCHEDULING_POLICY))
+        # Requests matching a warm pool take its prewarmed GPUs first; the engine places the rest.
+        warm = bind_warm_slots(
+            now=now,
+            queue=[ctx.workloads[int(r.id)] for r in requests],
+            chosen_models=ctx.chosen_models,
+            nodes=snapshot.nodes,
+        )
+        ctx.warm_hits = {wid: slots for wid, (_, slots) in warm.items()}
+        requests = [r for r in requests if int(r.id) not in warm]
+        decisions: list[E.Decision] = [place for place, _ in warm.values()]
+        decisions += schedule(snapshot, requests, config or CycleConfig(policy=settings.SCHEDULING_POLICY))
         changed: list[Workload] = []
         batch = _Batch()
         for d in decisions:
@@ -556,6 +571,8 @@ def scheduling_cycle_run(*, now: datetime | None = None, config: CycleConfig | N
                 if _set_pending(w, reason, message, _from_epoch(d.expected_start)):
                     changed.append(w)
         _flush(ctx, batch)
+        placed = set(result.placed)
+        warm_slots_bind(bindings={w: s for w, s in ctx.warm_hits.items() if w in placed}, now=now)
         for wid in ctx.waiting_for_victims:
             w = ctx.workloads.get(wid)
             if w is not None and _set_pending(w, "preempting", "Waiting for preempted work to stop.", None):
