@@ -51,6 +51,7 @@ class QuotaAdmin(admin.ModelAdmin):
         "max_concurrent_workloads",
         "max_spot_gpus",
         "max_gpus_per_request",
+        "fair_share_weight",
         "updated_at",
     ]
     search_fields = ["tenant__slug", "tenant__name"]

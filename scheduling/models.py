@@ -16,6 +16,9 @@ outside this app reads them.
 
 from __future__ import annotations
 
+from decimal import Decimal
+
+from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models import F, Q
 from django.utils import timezone
@@ -272,6 +275,13 @@ class Quota(TenantOwnedModel):
     max_concurrent_workloads = models.PositiveIntegerField(null=True, blank=True)
     max_spot_gpus = models.PositiveIntegerField(null=True, blank=True)
     max_gpus_per_request = models.PositiveIntegerField(null=True, blank=True)
+    fair_share_weight = models.DecimalField(
+        max_digits=6,
+        decimal_places=2,
+        default=1,
+        validators=[MinValueValidator(Decimal("0.01"))],
+        help_text="Weight in fair sharing between tenants of one priority class (default 1).",
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:

@@ -36,6 +36,7 @@ from scheduling.locks import lock_workloads, lock_workloads_where, try_cycle_loc
 from scheduling.models import (
     MILLI,
     Allocation,
+    Quota,
     QuotaModelLimit,
     Reservation,
     ReservationStatus,
@@ -335,7 +336,13 @@ def _load(now: datetime) -> tuple[E.Snapshot, list[E.Request], _Context]:
                 est_runtime=float(w.estimated_runtime_s) if w.estimated_runtime_s else None,
             )
         )
-    snapshot = E.Snapshot(nodes=nodes, models=catalog, running=running, now=now.timestamp())
+    weights = {
+        str(t): float(w)
+        for t, w in Quota.objects.exclude(fair_share_weight=1).values_list("tenant_id", "fair_share_weight")
+    }
+    snapshot = E.Snapshot(
+        nodes=nodes, models=catalog, running=running, tenant_weights=weights, now=now.timestamp()
+    )
     ctx = _Context(
         now=now,
         workloads=queue,

@@ -222,3 +222,17 @@ def test_backfill_starts_short_work_that_does_not_delay_the_head(tenant, make_no
     assert reload(head).expected_start_at is not None
     assert reload(long_small).state == S.QUEUED
     assert WorkloadEvent.objects.get(workload=short_small, to_state=S.SCHEDULED).reason == "backfilled"
+
+
+@pytest.mark.parametrize(("weight", "expected"), [(1, (2, 2)), (3, (3, 1))])
+def test_tenants_share_by_their_weight(tenant, make_tenant, make_node, submit, cycle, weight, expected):
+    from scheduling.models import Quota
+
+    make_node(gpus=4)
+    other = make_tenant("other")
+    Quota.objects.create(tenant=tenant, fair_share_weight=weight)
+    mine = [submit(tenant) for _ in range(4)]
+    theirs = [submit(other) for _ in range(4)]
+    cycle()
+    got = tuple(sum(reload(w).state == S.SCHEDULED for w in ws) for ws in (mine, theirs))
+    assert got == expected
