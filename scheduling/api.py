@@ -398,13 +398,20 @@ class ReservationViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
 # --- quotas ----------------------------------------------------------------------------------------
 
 
+class QuotaSerializer(serializers.Serializer):
+    limits = serializers.DictField(help_text="Limits (null: no limit) and max_gpus_per_model by model name.")
+    usage = serializers.DictField(help_text="What counts now: workloads, GPUs, spot GPUs, GPUs per model.")
+
+
 class QuotaViewSet(mixins.ListModelMixin, TenantScopedViewSet):
     """The tenant's limits (null: no limit) and what counts against them now."""
 
     queryset = Quota.objects.all()
+    serializer_class = QuotaSerializer
     pagination_class = None
     read_scope = Scope.READ
 
+    @extend_schema(responses=QuotaSerializer)
     def list(self, request, *args, **kwargs):
         tenant = self.ctx.tenant
         quota = selectors.quota_for_tenant(tenant=tenant)
