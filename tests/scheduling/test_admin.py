@@ -69,6 +69,7 @@ def test_staff_set_a_quota_and_it_is_audited(staff_client, tenant):
             "max_concurrent_workloads": "",
             "max_spot_gpus": "",
             "max_gpus_per_request": 8,
+            "fair_share_weight": "2.00",
             "model_limits-TOTAL_FORMS": 0,
             "model_limits-INITIAL_FORMS": 0,
         },
@@ -76,4 +77,5 @@ def test_staff_set_a_quota_and_it_is_audited(staff_client, tenant):
     assert resp.status_code == 302, resp.content[:2000]
     q = Quota.objects.get(tenant=tenant)
     assert (q.max_gpus_total, q.max_concurrent_workloads, q.max_gpus_per_request) == (16, None, 8)
+    assert q.fair_share_weight == 2
     assert AuditEvent.objects.filter(action="quota.update", tenant=tenant).exists()
