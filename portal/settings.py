@@ -359,8 +359,8 @@ SCHEDULING_LOG_TAIL_CHARS = 16_000
 # Workload.gpu_vendor and GpuModel.vendor share one choice set: one name for it in the schema.
 SPECTACULAR_SETTINGS.setdefault("ENUM_NAME_OVERRIDES", {})["GpuVendorEnum"] = "nodes.models.Vendor"
 # Warm pools: time constant of the demand estimate, and how often targets and slots are reconciled.
-SCHEDULING_WARM_POOL_TAU_S = env.int("SCHEDULING_WARM_POOL_TAU_S", default=900)
-SCHEDULING_WARM_POOL_INTERVAL_S = env.float("SCHEDULING_WARM_POOL_INTERVAL_S", default=30)
+SCHEDULING_WARM_POOL_TAU_S = 900
+SCHEDULING_WARM_POOL_INTERVAL_S = 30
 CELERY_BEAT_SCHEDULE.update(
     {
         "scheduling-cycle": {
