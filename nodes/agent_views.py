@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
+import re
 import time
 from datetime import UTC, datetime
 
-from asgiref.sync import sync_to_async
+from asgiref.sync import markcoroutinefunction, sync_to_async
 from django.conf import settings
-from django.db import connections
+from django.db import connection
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
@@ -37,6 +39,7 @@ from portal.api.errors import error_response
 from portal.errors import DomainError, NotFound, ValidationFailed
 
 AUTH_SCHEME = "Node"
+logger = logging.getLogger(__name__)
 
 
 def _now_str() -> str:
@@ -174,33 +177,33 @@ def register(request):
 DB_THREAD_SENSITIVE = False
 
 
-def _connections_checked() -> None:
+def _connection_checked() -> None:
     """What Django does around a request (drop a connection that failed or outlived CONN_MAX_AGE),
     without the health check query (``SELECT 1``) that ``close_old_connections`` makes the next
     query run each time: at hundreds of heartbeats a second that is a round trip per request. A
-    connection that breaks fails one request (the agent sends it again) and is replaced."""
-    for conn in connections.all(initialized_only=True):
-        if conn.connection is None:
-            continue
-        if conn.errors_occurred or (conn.close_at is not None and time.monotonic() >= conn.close_at):
-            conn.close_if_unusable_or_obsolete()
+    connection that breaks fails one request (the agent sends it again) and is replaced. The agent
+    views use the default database only."""
+    conn = connection
+    if conn.connection is not None and (
+        conn.errors_occurred or (conn.close_at is not None and time.monotonic() >= conn.close_at)
+    ):
+        conn.close_if_unusable_or_obsolete()
 
 
-def _connections_released() -> None:
-    for conn in connections.all(initialized_only=True):
-        if conn.settings_dict.get("CONN_MAX_AGE") == 0 and conn.connection is not None:
-            conn.close()  # no persistent connections configured: none is kept past the request
+def _connection_released() -> None:
+    if connection.connection is not None and connection.settings_dict.get("CONN_MAX_AGE") == 0:
+        connection.close()  # no persistent connections configured: none is kept past the request
 
 
 def in_db_thread(fn):
     def job(*args, **kwargs):
         if DB_THREAD_SENSITIVE:
             return fn(*args, **kwargs)
-        _connections_checked()
+        _connection_checked()
         try:
             return fn(*args, **kwargs)
         finally:
-            _connections_released()
+            _connection_released()
 
     return sync_to_async(job, thread_sensitive=DB_THREAD_SENSITIVE)
 
@@ -315,3 +318,68 @@ async def command_report(request, node_id: int, command_id: str):
     return await in_db_thread(_report_sync)(
         request.headers.get("Authorization", ""), request.body, node_id, command_id
     )
+
+
+# --- the fast path ------------------------------------------------------------------------------------
+
+_FAST_ROUTES = re.compile(
+    r"^/agent/v1/nodes/(?P<node_id>[0-9]+)/(?:(?P<hb>heartbeat)|commands(?:/(?P<cmd>[^/]+)/report)?)$"
+)
+
+
+class AgentFastPathMiddleware:
+    """The first middleware: heartbeats, command polls and command reports go straight to their
+    (async) views, without the session, authentication, CSRF, message, htmx and tenant middleware
+    that the agent protocol does not use. Under ASGI those are sync middleware, and each request
+    through them is several thread hops; at hundreds of heartbeats a second that is most of the
+    server's time. What the chain does that the agent protocol needs is done here: bodies over the
+    upload limit are 413, errors are JSON, and with SECURE_SSL_REDIRECT a plain-HTTP request takes
+    the normal path (and is redirected). Anything else (another method, an unknown URL, register)
+    takes the normal path too."""
+
+    # Async only: Django then runs this middleware on the event loop under ASGI (were it also sync
+    # capable, Django would run it in the sync chain's thread), and adapts the chain after it. Under
+    # WSGI (and the test client) Django wraps it with async_to_sync: the same code path.
+    sync_capable = False
+    async_capable = True
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+        markcoroutinefunction(self)
+
+    async def __call__(self, request):
+        view, kwargs = self._route(request)
+        if view is None:
+            return await self.get_response(request)
+        try:
+            length = int(request.META.get("CONTENT_LENGTH") or 0)
+        except ValueError:
+            return error_response(400, "Content-Length is not a number.")
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        if limit is not None and length > limit:
+            return error_response(413, f"The request body is larger than {limit} bytes.")
+        try:
+            response = await view(request, **kwargs)
+        except Exception:
+            logger.exception("Unhandled error on %s", request.path)
+            return error_response(500, "Internal server error.")
+        if not response.has_header("Content-Length"):  # as CommonMiddleware: no chunked encoding
+            response["Content-Length"] = str(len(response.content))
+        return response
+
+    @staticmethod
+    def _route(request):
+        path = request.path_info
+        if not path.startswith("/agent/v1/nodes/"):
+            return None, None
+        match = _FAST_ROUTES.match(path)
+        if match is None or (settings.SECURE_SSL_REDIRECT and not request.is_secure()):
+            return None, None
+        node_id = int(match["node_id"])
+        if match["hb"]:
+            return (heartbeat, {"node_id": node_id}) if request.method == "POST" else (None, None)
+        if match["cmd"]:
+            if request.method != "POST":
+                return None, None
+            return command_report, {"node_id": node_id, "command_id": match["cmd"]}
+        return (commands, {"node_id": node_id}) if request.method == "GET" else (None, None)

@@ -249,6 +249,20 @@ def heartbeat_parse(raw: bytes, *, now: datetime | None = None) -> HeartbeatData
         rrf = get("row_remap_failure", False)
         fob = get("fell_off_bus", False)
         ts = times.get(ts_raw) if type(ts_raw) is str else None
+        if ts is None and type(ts_raw) is str:  # a time not seen in this batch yet
+            try:
+                ts = datetime.fromisoformat(ts_raw)
+            except ValueError:
+                ts = None
+            if ts is not None:
+                if ts.tzinfo is None:
+                    ts = None  # the slow path names the problem
+                else:
+                    ts = ts.astimezone(UTC)
+                    if ts > latest_ok:
+                        ts = None
+                    else:
+                        times[ts_raw] = ts
         tu, tp, tt = type(util), type(power), type(temp)
         if not (
             ts is not None
@@ -379,11 +393,14 @@ _SAMPLE_COLUMNS = (
     "gpu_id, ts, util_pct, mem_used_mib, power_w, temp_c, sm_clock_mhz, ecc_sbe, ecc_dbe, "
     "throttle_reasons, xid_errors, processes"
 )
-# Constant statement texts (whatever the batch size): psycopg prepares them after a few uses.
+# Constant statement texts (whatever the batch size): psycopg prepares them after a few uses. The
+# rows go as one JSON document each (dumped by orjson, parsed by PostgreSQL), which costs far less
+# than adapting arrays of values one by one in Python.
 _SAMPLES_PG = (
-    f"INSERT INTO nodes_gpusample ({_SAMPLE_COLUMNS}) SELECT * FROM unnest("
-    "%s::bigint[], %s::timestamptz[], %s::float8[], %s::int[], %s::float8[], %s::smallint[], %s::int[], "
-    "%s::int[], %s::int[], %s::bigint[], %s::jsonb[], %s::jsonb[])"
+    f"INSERT INTO nodes_gpusample ({_SAMPLE_COLUMNS}) "
+    "SELECT g, t, u, m, p, c, k, s, d, h, x, r FROM json_to_recordset(%s::json) AS v("
+    "g bigint, t timestamptz, u float8, m int, p float8, c smallint, k int, s int, d int, h bigint, "
+    "x jsonb, r jsonb)"
 )
 _SAMPLES_SQLITE = f"INSERT INTO nodes_gpusample ({_SAMPLE_COLUMNS}) VALUES ({', '.join(['%s'] * 12)})"
 
@@ -404,10 +421,10 @@ _ROLLUP_UPDATE = (
     "temp_max = {max}(r.temp_max, excluded.temp_max)"
 )
 _ROLLUP_PG = (
-    f"INSERT INTO nodes_gpuminuterollup AS r ({_ROLLUP_COLUMNS}) SELECT * FROM unnest("
-    "%s::bigint[], %s::timestamptz[], %s::int[], %s::float8[], %s::int[], %s::float8[], %s::bigint[], "
-    "%s::int[], %s::int[], %s::float8[], %s::int[], %s::smallint[])"
-    + _ROLLUP_UPDATE.format(max="GREATEST")  # GREATEST ignores NULLs
+    f"INSERT INTO nodes_gpuminuterollup AS r ({_ROLLUP_COLUMNS}) "
+    "SELECT g, t, n, us, un, ux, ms, mn, mx, ps, pn, tx FROM json_to_recordset(%s::json) AS v("
+    "g bigint, t timestamptz, n int, us float8, un int, ux float8, ms bigint, mn int, mx int, ps float8, "
+    "pn int, tx smallint)" + _ROLLUP_UPDATE.format(max="GREATEST")  # GREATEST ignores NULLs
 )
 # SQLite's two-argument MAX is NULL when either is: take the other one then.
 _ROLLUP_SQLITE = (
@@ -427,10 +444,9 @@ _GPU_LATEST_COLUMNS = (
 # Only newer values replace the latest ones (a replayed batch is older): the guard is in SQL, so it
 # holds against the row as it is now, whatever the batch read before it took the node's lock.
 _GPU_LATEST_PG = (
-    f"UPDATE nodes_gpu AS g SET {_GPU_LATEST_COLUMNS} FROM unnest("
-    "%s::bigint[], %s::timestamptz[], %s::float8[], %s::int[], %s::float8[], %s::smallint[], %s::int[], "
-    "%s::bigint[], %s::bigint[]) AS v(id, ts, util, mem, power, temp, clock, sbe, dbe) "
-    "WHERE g.id = v.id AND (g.last_sample_at IS NULL OR g.last_sample_at <= v.ts)"
+    f"UPDATE nodes_gpu AS g SET {_GPU_LATEST_COLUMNS} FROM json_to_recordset(%s::json) AS v("
+    "id bigint, ts timestamptz, util float8, mem int, power float8, temp smallint, clock int, sbe bigint, "
+    "dbe bigint) WHERE g.id = v.id AND (g.last_sample_at IS NULL OR g.last_sample_at <= v.ts)"
 )
 _GPU_LATEST_SQLITE = (
     "UPDATE nodes_gpu SET last_sample_at = %s, last_util_pct = %s, last_mem_used_mib = %s, last_power_w = %s, "
@@ -601,8 +617,7 @@ def _write_samples(gpus: dict[str, tuple], samples: list[Sample], pg: bool):
     """
     if not samples:
         return 0, 0, [], []
-    cols: list[list] = [[] for _ in range(12)]  # the sample columns, as arrays
-    (c_gid, c_ts, c_util, c_mem, c_power, c_temp, c_clock, c_sbe, c_dbe, c_thr, c_xid, c_proc) = cols
+    rows: list[tuple] = []
     # (gpu_id, minute) -> [count, util_sum, util_n, util_max, mem_sum, mem_n, mem_max, power_sum,
     # power_n, temp_max]
     rollups: dict[tuple[int, datetime], list] = {}
@@ -611,8 +626,7 @@ def _write_samples(gpus: dict[str, tuple], samples: list[Sample], pg: bool):
     xids_seen: dict[int, list[int]] = {}
     failing: dict[int, str] = {}
     ignored = 0
-    dumps = _dumps
-    proc_json: dict[int, tuple[Any, str]] = {}  # the same processes list, dumped once per GPU
+    append = rows.append
     for s in samples:
         g = gpus.get(s.gpu_uuid)
         if g is None:
@@ -620,27 +634,11 @@ def _write_samples(gpus: dict[str, tuple], samples: list[Sample], pg: bool):
             continue
         gid = g[0]
         ts = s.ts
-        procs = None
-        if s.processes:
-            cached = proc_json.get(gid)
-            if cached is not None and cached[0] == s.processes:
-                procs = cached[1]
-            else:
-                procs = dumps(s.processes)
-                proc_json[gid] = (s.processes, procs)
         util, mem, power, temp = s.util_pct, s.mem_used_mib, s.power_w, s.temp_c
-        c_gid.append(gid)
-        c_ts.append(ts)
-        c_util.append(util)
-        c_mem.append(mem)
-        c_power.append(power)
-        c_temp.append(temp)
-        c_clock.append(s.sm_clock_mhz)
-        c_sbe.append(s.ecc_sbe)
-        c_dbe.append(s.ecc_dbe)
-        c_thr.append(s.throttle_reasons)
-        c_xid.append(dumps(s.xid_errors) if s.xid_errors else None)
-        c_proc.append(procs)
+        append(
+            (gid, ts, util, mem, power, temp, s.sm_clock_mhz, s.ecc_sbe, s.ecc_dbe, s.throttle_reasons,
+             s.xid_errors or None, s.processes or None)
+        )  # fmt: skip
         minute = minutes.get(ts)
         if minute is None:
             minute = minutes[ts] = ts.replace(second=0, microsecond=0)
@@ -673,21 +671,33 @@ def _write_samples(gpus: dict[str, tuple], samples: list[Sample], pg: bool):
             reason = _failure_reason(s, g[3])
             if reason:
                 failing[gid] = reason
-    if not c_gid:
+    if not rows:
         return 0, ignored, [], []
 
     tail: list[tuple[str, Any]] = []
     keys = sorted(rollups)  # a fixed order: concurrent upserts of one GPU lock rows alike
     if pg:
-        tail.append((_SAMPLES_PG, cols))
-        rcols: list[list] = [[] for _ in range(12)]
-        for key in keys:
-            for col, value in zip(rcols, (*key, *rollups[key]), strict=True):
-                col.append(value)
-        tail.append((_ROLLUP_PG, rcols))
+        names = ("g", "t", "u", "m", "p", "c", "k", "s", "d", "h", "x", "r")
+        tail.append((_SAMPLES_PG, [_json_rows(names, rows)]))
+        names = ("g", "t", "n", "us", "un", "ux", "ms", "mn", "mx", "ps", "pn", "tx")
+        tail.append((_ROLLUP_PG, [_json_rows(names, [(*key, *rollups[key]) for key in keys])]))
     else:
-        rows = [(gid, _db_dt(ts), *rest) for gid, ts, *rest in zip(*cols, strict=True)]
-        tail.append((_SAMPLES_SQLITE, rows))
+        dumps = _dumps
+        tail.append(
+            (
+                _SAMPLES_SQLITE,
+                [
+                    (
+                        *r[:1],
+                        _db_dt(r[1]),
+                        *r[2:10],
+                        dumps(r[10]) if r[10] else None,
+                        dumps(r[11]) if r[11] else None,
+                    )
+                    for r in rows
+                ],
+            )
+        )
         values = ", ".join(["(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"] * len(keys))
         params: list[Any] = []
         for gid, minute in keys:
@@ -705,12 +715,18 @@ def _write_samples(gpus: dict[str, tuple], samples: list[Sample], pg: bool):
         )
     if fresh:
         if pg:
-            tail.append((_GPU_LATEST_PG, [list(col) for col in zip(*fresh, strict=True)]))
+            names = ("id", "ts", "util", "mem", "power", "temp", "clock", "sbe", "dbe")
+            tail.append((_GPU_LATEST_PG, [_json_rows(names, fresh)]))
         else:
             tail.append((_GPU_LATEST_SQLITE, [(*(_db_dt(f[1]),), *f[2:], f[0], _db_dt(f[1])) for f in fresh]))
     for gid, xids in xids_seen.items():
         tail.append((_GPU_XIDS, [len(xids), xids[-1], gid]))
-    return len(c_gid), ignored, sorted(failing.items()), tail
+    return len(rows), ignored, sorted(failing.items()), tail
+
+
+def _json_rows(names: tuple[str, ...], rows: list[tuple]) -> str:
+    """Rows as a JSON array of objects, for ``json_to_recordset`` (datetimes as RFC 3339)."""
+    return orjson.dumps([dict(zip(names, row, strict=True)) for row in rows]).decode()
 
 
 def _failure_reason(s: Sample, dbe_baseline: int) -> str:

@@ -349,3 +349,18 @@ def test_the_agents_wire_form_for_unreportable_gauges_is_accepted(agent):
     assert rows == {agent.uuids[0]: None, agent.uuids[1]: None}
     assert Gpu.objects.get(uuid=agent.uuids[0]).last_mem_used_mib == 2048
     assert Gpu.objects.get(uuid=agent.uuids[1]).isolated
+
+
+def test_agent_urls_answer_json_whatever_the_method_or_path(agent):
+    """The agent protocol's fast path (first middleware) serves heartbeats, polls and reports; every
+    other method or path takes the normal chain, and all of them answer in the API's error shape."""
+    ok = agent.heartbeat(agent.batch())
+    assert ok.status_code == 200 and int(ok["Content-Length"]) == len(ok.content)
+    wrong_method = agent.client.get(agent.url("heartbeat"))
+    assert wrong_method.status_code == 405 and wrong_method["Allow"] == "POST"
+    assert wrong_method.json()["error"]["code"]
+    unknown = agent.client.post(agent.url("heartbeats"), data="{}", content_type="application/json")
+    assert unknown.status_code == 404 and "error" in unknown.json()
+    report = agent.client.get(agent.url("commands/not-a-command/report"))
+    assert report.status_code == 405 and "error" in report.json()
+    assert agent.report("not-a-command", "accepted").status_code == 404
