@@ -56,6 +56,8 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # The agent protocol's hot paths skip the rest of the chain (see nodes.agent_views).
+    "nodes.agent_views.AgentFastPathMiddleware",
     "portal.middleware.ApiErrorMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
@@ -278,7 +280,7 @@ GPUPOOL_LOGIN_FAILURE_WINDOW_S = env.int("GPUPOOL_LOGIN_FAILURE_WINDOW_S", defau
 GPUPOOL_PASSWORD_RESET_LIMIT = env.int("GPUPOOL_PASSWORD_RESET_LIMIT", default=5)
 
 # --- gpupool: nodes (the fleet) -------------------------------------------------------------------
-NODE_HEARTBEAT_INTERVAL_S = env.int("NODE_HEARTBEAT_INTERVAL_S", default=5)
+NODE_HEARTBEAT_INTERVAL_S = env.int("NODE_HEARTBEAT_INTERVAL_S", default=10)
 NODE_SUSPECT_AFTER_S = env.int("NODE_SUSPECT_AFTER_S", default=30)
 NODE_DOWN_AFTER_S = env.int("NODE_DOWN_AFTER_S", default=120)
 # More than this share of the (non-maintenance) fleet silent at once: alert, mark nobody DOWN.
