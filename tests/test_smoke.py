@@ -1,5 +1,5 @@
 """`make run` from a clean copy, on SQLite and without Redis: it serves, the demo owner can log in,
-and Ctrl-C stops everything.
+an instance they launch on the simulated fleet reaches RUNNING, and Ctrl-C stops everything.
 
 This is the README's first command exactly as a newcomer runs it: a copy of the working tree
 without anything ignored (no .venv, no var/), a fresh virtualenv made by the Makefile, and no
@@ -63,6 +63,29 @@ def _wait_for(url: str, deadline: float, proc: subprocess.Popen, log: Path) -> h
     pytest.fail(f"{url} did not answer within {START_BUDGET_S}s:\n{log.read_text()[-4000:]}")
 
 
+def _wait_for_schedulable_gpus(browser: httpx.Client, deadline: float) -> str:
+    """The name of a GPU model the simulated fleet offers, once its agents have registered."""
+    seen = []
+    while time.monotonic() < deadline:
+        seen = browser.get("/api/v1/gpu-types/").json()
+        for gpu_type in seen:
+            if any(region["schedulable_gpus"] > 0 for region in gpu_type["availability"]):
+                return gpu_type["name"]
+        time.sleep(1)
+    pytest.fail(f"no simulated GPU became schedulable: {seen}")
+
+
+def _wait_for_state(browser: httpx.Client, instance_id: int, wanted: str, deadline: float) -> str:
+    detail = {}
+    while time.monotonic() < deadline:
+        detail = browser.get(f"/api/v1/instances/{instance_id}/").json()
+        if detail["state"] == wanted:
+            return wanted
+        time.sleep(0.5)
+    events = browser.get(f"/api/v1/instances/{instance_id}/events/").json()
+    pytest.fail(f"instance {instance_id} is {detail.get('state')}, not {wanted}: {detail} {events}")
+
+
 def test_make_run_serves_the_portal_and_stops_on_ctrl_c(tmp_path):
     copy = tmp_path / "gpupool"
     _clean_copy(copy)
@@ -115,6 +138,21 @@ def test_make_run_serves_the_portal_and_stops_on_ctrl_c(tmp_path):
             dashboard = browser.get(response.headers["location"])
             assert dashboard.status_code == 200
             assert "Demo Lab" in dashboard.text
+
+            # The simulated agents registered through the real protocol and report their GPUs.
+            model = _wait_for_schedulable_gpus(browser, time.monotonic() + 90)
+
+            # The whole life of a request: submit (web), a scheduling cycle (worker), the start
+            # command long-polled and run by the node's agent, its report, and RUNNING.
+            created = browser.post(
+                "/api/v1/instances/",
+                json={"name": "smoke", "gpu_model": model, "gpu_count": 1, "image": "gpupool/smoke:1"},
+                headers={"X-CSRFToken": browser.cookies["csrftoken"], "Referer": f"{base}/"},
+            )
+            assert created.status_code == 201, created.text
+            instance_id = created.json()["id"]
+            state = _wait_for_state(browser, instance_id, "running", time.monotonic() + 90)
+            assert state == "running"
 
         ready = httpx.get(f"{base}/readyz", timeout=5)
         assert ready.status_code == 200, ready.text
