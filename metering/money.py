@@ -1,0 +1,61 @@
+"""Money: ``Decimal`` everywhere, rounded once, in one function.
+
+Rounding rule: ROUND_HALF_UP at the currency's minor units (ISO 4217: USD, EUR, GBP 2 places; JPY,
+KRW 0; BHD, KWD 3). Unit prices keep 10 places (``UNIT_PRICE_FIELD``); amounts on usage records keep
+10 places unrounded; an invoice line is rounded once, by :func:`quantize_money`, and an invoice's
+total is the sum of its (rounded) lines, so it equals that sum exactly.
+"""
+
+from __future__ import annotations
+
+from decimal import ROUND_HALF_UP, Decimal
+
+# Minor units per ISO 4217; a currency not listed here has 2.
+MINOR_UNITS: dict[str, int] = {
+    "USD": 2,
+    "EUR": 2,
+    "GBP": 2,
+    "CHF": 2,
+    "CAD": 2,
+    "AUD": 2,
+    "SEK": 2,
+    "JPY": 0,
+    "KRW": 0,
+    "BHD": 3,
+    "KWD": 3,
+}
+
+UNIT_PRICE_MAX_DIGITS = 22
+UNIT_PRICE_PLACES = 10
+AMOUNT_MAX_DIGITS = 22
+AMOUNT_PLACES = 10
+# Rounded money (invoice lines and totals): the largest number of minor units any currency has.
+MONEY_MAX_DIGITS = 18
+MONEY_PLACES = 3
+
+ZERO = Decimal(0)
+HOUR = Decimal(3600)
+
+
+def minor_units(currency: str) -> int:
+    return MINOR_UNITS.get(currency.upper(), 2)
+
+
+def quantize_money(amount: Decimal | int | str, currency: str) -> Decimal:
+    """``amount`` rounded half-up (away from zero on a tie) to ``currency``'s minor units."""
+    if isinstance(amount, float):
+        raise TypeError("Money is never a float; pass a Decimal or a string.")
+    value = Decimal(amount)
+    if not value.is_finite():
+        raise ValueError(f"Not a finite amount: {amount!r}")
+    exponent = Decimal(1).scaleb(-minor_units(currency))
+    return value.quantize(exponent, rounding=ROUND_HALF_UP)
+
+
+def quantize_unit(amount: Decimal) -> Decimal:
+    """An unrounded amount or unit price at the 10 places the database keeps (half-up)."""
+    return Decimal(amount).quantize(Decimal(1).scaleb(-UNIT_PRICE_PLACES), rounding=ROUND_HALF_UP)
+
+
+def percent_of(amount: Decimal, percent: Decimal) -> Decimal:
+    return Decimal(amount) * Decimal(percent) / Decimal(100)
