@@ -380,3 +380,26 @@ CELERY_BEAT_SCHEDULE.update(
     }
 )
 # --- end of the scheduling block -------------------------------------------------------------------
+
+# --- gpupool: metering ------------------------------------------------------------------------------
+# Per-second billing with a minimum per allocation (seconds).
+METERING_MINIMUM_BILLABLE_S = env.int("METERING_MINIMUM_BILLABLE_S", default=60)
+# Days after the month's end an invoice stays a draft (late usage still lands on it).
+METERING_INVOICE_GRACE_DAYS = env.int("METERING_INVOICE_GRACE_DAYS", default=3)
+# Reserved instances: discount (percent) of the monthly fee per term length in months.
+METERING_RESERVED_TERM_DISCOUNTS = {1: 0, 3: 5, 6: 10, 12: 20}
+# The invoice run (usage, last month's drafts, finalizing drafts past their grace) is idempotent;
+# beat runs it every day shortly after midnight UTC so late usage keeps landing on drafts.
+CELERY_BEAT_SCHEDULE.update(
+    {
+        "metering-invoice-run": {
+            "task": "metering.tasks.invoice_run",
+            "schedule": timedelta(days=1),
+        },
+        "metering-usage": {
+            "task": "metering.tasks.usage_build",
+            "schedule": timedelta(minutes=1),
+        },
+    }
+)
+# --- end of the metering block ---------------------------------------------------------------------

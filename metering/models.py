@@ -1,0 +1,360 @@
+"""Rate cards and their versions, tenant billing accounts, usage records, invoices and their lines,
+credits, credit notes and budgets.
+
+Prices never rewrite the past: a :class:`RateCardVersion` is in force on ``[effective_from,
+effective_to)`` (an open end: until further notice) and versions of one card never overlap (checked
+by the service; on PostgreSQL also an exclusion constraint, migration ``0002``). Usage is rated with
+the version in force at each instant, and an interval that crosses a change becomes two records.
+
+A finalized invoice is immutable: a database trigger (PostgreSQL and SQLite, migration ``0002``)
+refuses an update of its money fields and any insert, update or delete of its lines.
+"""
+
+from __future__ import annotations
+
+from django.core.validators import MaxValueValidator, MinValueValidator
+from django.db import models
+from django.db.models import F, Q
+from django.utils import timezone
+
+from metering.money import (
+    AMOUNT_MAX_DIGITS,
+    AMOUNT_PLACES,
+    MONEY_MAX_DIGITS,
+    MONEY_PLACES,
+    UNIT_PRICE_MAX_DIGITS,
+    UNIT_PRICE_PLACES,
+)
+from portal.tenancy import TenantOwnedModel
+from scheduling.models import Plan
+
+
+def _unit_price(**kwargs):
+    return models.DecimalField(
+        max_digits=UNIT_PRICE_MAX_DIGITS,
+        decimal_places=UNIT_PRICE_PLACES,
+        validators=[MinValueValidator(0)],
+        **kwargs,
+    )
+
+
+def _money(**kwargs):
+    return models.DecimalField(max_digits=MONEY_MAX_DIGITS, decimal_places=MONEY_PLACES, **kwargs)
+
+
+def _percent(**kwargs):
+    return models.DecimalField(
+        max_digits=6,
+        decimal_places=3,
+        default=0,
+        validators=[MinValueValidator(0), MaxValueValidator(100)],
+        **kwargs,
+    )
+
+
+class RateCard(models.Model):
+    """A price list. One card is the default; a tenant's billing account may name another (an
+    override card with its own versions)."""
+
+    name = models.CharField(max_length=100, unique=True)
+    currency = models.CharField(max_length=3, default="USD")
+    is_default = models.BooleanField(default=False)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["is_default"], condition=Q(is_default=True), name="ratecard_one_default"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class RateCardVersion(models.Model):
+    rate_card = models.ForeignKey(RateCard, on_delete=models.PROTECT, related_name="versions")
+    number = models.PositiveIntegerField()
+    effective_from = models.DateTimeField()
+    effective_to = models.DateTimeField(null=True, blank=True, help_text="Exclusive; empty: open-ended.")
+    vcpu_hour_price = _unit_price(null=True, blank=True)
+    ram_gib_hour_price = _unit_price(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["rate_card_id", "effective_from"]
+        constraints = [
+            models.UniqueConstraint(fields=["rate_card", "number"], name="ratecardversion_unique_number"),
+            models.UniqueConstraint(
+                fields=["rate_card", "effective_from"], name="ratecardversion_unique_start"
+            ),
+            models.CheckConstraint(
+                condition=Q(effective_to__isnull=True) | Q(effective_to__gt=F("effective_from")),
+                name="ratecardversion_period_positive",
+            ),
+            models.CheckConstraint(
+                condition=Q(vcpu_hour_price__isnull=True) | Q(vcpu_hour_price__gte=0),
+                name="ratecardversion_vcpu_price_nonneg",
+            ),
+            models.CheckConstraint(
+                condition=Q(ram_gib_hour_price__isnull=True) | Q(ram_gib_hour_price__gte=0),
+                name="ratecardversion_ram_price_nonneg",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.rate_card} v{self.number}"
+
+
+class GpuPrice(models.Model):
+    """Price of one GPU-hour of ``gpu_model`` on ``plan`` in one rate-card version. For the
+    reserved plan it is the hourly rate a reservation's monthly fee is computed from."""
+
+    version = models.ForeignKey(RateCardVersion, on_delete=models.CASCADE, related_name="gpu_prices")
+    gpu_model = models.ForeignKey("nodes.GpuModel", on_delete=models.PROTECT, related_name="+")
+    plan = models.CharField(max_length=16, choices=Plan.choices)
+    price_per_gpu_hour = _unit_price()
+
+    class Meta:
+        ordering = ["version_id", "gpu_model_id", "plan"]
+        constraints = [
+            models.UniqueConstraint(fields=["version", "gpu_model", "plan"], name="gpuprice_unique"),
+            models.CheckConstraint(condition=Q(price_per_gpu_hour__gte=0), name="gpuprice_nonneg"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.gpu_model_id}/{self.plan}: {self.price_per_gpu_hour}/h"
+
+
+class BillingAccount(TenantOwnedModel):
+    """A tenant's billing terms: an optional override rate card, a discount and a tax rate."""
+
+    tenant = models.OneToOneField("portal.Tenant", on_delete=models.CASCADE, related_name="billing_account")
+    rate_card = models.ForeignKey(RateCard, null=True, blank=True, on_delete=models.PROTECT, related_name="+")
+    discount_percent = _percent(help_text="Off every usage and reserved-fee price.")
+    tax_rate_percent = _percent()
+    stripe_customer_id = models.CharField(max_length=64, blank=True)
+
+    class Meta:
+        ordering = ["tenant_id"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(discount_percent__gte=0, discount_percent__lte=100), name="billing_discount_range"
+            ),
+            models.CheckConstraint(
+                condition=Q(tax_rate_percent__gte=0, tax_rate_percent__lte=100), name="billing_tax_range"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"billing account of tenant {self.tenant_id}"
+
+
+class UsageRecord(TenantOwnedModel):
+    """One segment of one allocation: inside one billing period and one price version.
+
+    Unique on (allocation, period, version, segment start): rebuilding usage for the same
+    allocation makes the same rows, so replays and reruns never bill twice. ``amount`` is unrounded
+    (10 places); invoices round per line.
+    """
+
+    tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="+")
+    allocation = models.ForeignKey("scheduling.Allocation", on_delete=models.PROTECT, related_name="+")
+    workload = models.ForeignKey("scheduling.Workload", on_delete=models.PROTECT, related_name="+")
+    gpu_model = models.ForeignKey("nodes.GpuModel", on_delete=models.PROTECT, related_name="+")
+    region = models.ForeignKey("nodes.Region", on_delete=models.PROTECT, related_name="+")
+    plan = models.CharField(max_length=16, choices=Plan.choices)
+    period_start = models.DateField(help_text="First day (UTC) of the billing month.")
+    version = models.ForeignKey(RateCardVersion, on_delete=models.PROTECT, related_name="+")
+    start = models.DateTimeField()
+    end = models.DateTimeField()
+    fraction_milli = models.PositiveSmallIntegerField()
+    seconds = models.DecimalField(max_digits=20, decimal_places=6, help_text="Wall-clock seconds.")
+    minimum_topup_s = models.DecimalField(
+        max_digits=20, decimal_places=6, default=0, help_text="Added so the allocation bills its minimum."
+    )
+    gpu_seconds = models.DecimalField(max_digits=24, decimal_places=9)
+    vcpu_seconds = models.DecimalField(max_digits=24, decimal_places=9, default=0)
+    ram_gib_seconds = models.DecimalField(max_digits=24, decimal_places=9, default=0)
+    unit_price = _unit_price(help_text="Per GPU-hour, after the tenant's discount.")
+    amount = models.DecimalField(max_digits=AMOUNT_MAX_DIGITS, decimal_places=AMOUNT_PLACES)
+    avg_util_pct = models.FloatField(null=True, blank=True)
+    avg_mem_used_mib = models.FloatField(null=True, blank=True)
+    invoice = models.ForeignKey(
+        "metering.Invoice", null=True, blank=True, on_delete=models.SET_NULL, related_name="usage_records"
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["start", "id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["allocation", "period_start", "version", "start"], name="usagerecord_unique_segment"
+            ),
+            models.CheckConstraint(condition=Q(end__gt=F("start")), name="usagerecord_end_after_start"),
+            models.CheckConstraint(condition=Q(amount__gte=0), name="usagerecord_amount_nonneg"),
+        ]
+        indexes = [
+            models.Index(fields=["tenant", "period_start"], name="usage_tenant_period"),
+            models.Index(fields=["invoice"], name="usage_invoice"),
+        ]
+
+    def __str__(self) -> str:
+        return f"usage {self.allocation_id} {self.start:%Y-%m-%d %H:%M:%S}..{self.end:%H:%M:%S}"
+
+
+class InvoiceStatus(models.TextChoices):
+    DRAFT = "draft", "Draft"
+    FINALIZED = "finalized", "Finalized"
+    PAID = "paid", "Paid"
+    VOID = "void", "Void"
+
+
+class Invoice(TenantOwnedModel):
+    tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="invoices")
+    period_start = models.DateField(help_text="First day (UTC) of the month; the period is the month.")
+    period_end = models.DateField(help_text="First day of the next month (exclusive).")
+    currency = models.CharField(max_length=3, default="USD")
+    status = models.CharField(max_length=16, choices=InvoiceStatus.choices, default=InvoiceStatus.DRAFT)
+    subtotal = _money(default=0)
+    credits = _money(default=0)
+    tax_rate_percent = _percent()
+    tax = _money(default=0)
+    total = _money(default=0)
+    grace_until = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    built_at = models.DateTimeField(null=True, blank=True)
+    finalized_at = models.DateTimeField(null=True, blank=True)
+    paid_at = models.DateTimeField(null=True, blank=True)
+    voided_at = models.DateTimeField(null=True, blank=True)
+    external_id = models.CharField(max_length=64, blank=True, help_text="The payment provider's id.")
+
+    class Meta:
+        ordering = ["-period_start", "-id"]
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "period_start"], name="invoice_unique_tenant_period"),
+            models.CheckConstraint(
+                condition=Q(period_end__gt=F("period_start")), name="invoice_period_positive"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"invoice {self.tenant_id} {self.period_start:%Y-%m}"
+
+    @property
+    def is_draft(self) -> bool:
+        return self.status == InvoiceStatus.DRAFT
+
+
+class LineKind(models.TextChoices):
+    RESERVED_FEE = "reserved_fee", "Reserved instances"
+    ON_DEMAND = "on_demand", "On-demand usage"
+    SPOT = "spot", "Spot usage"
+    RESERVED_OVERAGE = "reserved_overage", "Usage above reserved capacity"
+    ADJUSTMENT = "adjustment", "Adjustment"
+    CREDIT = "credit", "Credits applied"
+    TAX = "tax", "Tax"
+
+
+# The order lines appear in (and are numbered by).
+LINE_ORDER = [k.value for k in LineKind]
+
+
+class InvoiceLine(TenantOwnedModel):
+    tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="+")
+    invoice = models.ForeignKey(Invoice, on_delete=models.CASCADE, related_name="lines")
+    position = models.PositiveIntegerField()
+    kind = models.CharField(max_length=24, choices=LineKind.choices)
+    description = models.CharField(max_length=255)
+    gpu_model = models.ForeignKey(
+        "nodes.GpuModel", null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+    plan = models.CharField(max_length=16, blank=True)
+    original_period = models.DateField(
+        null=True, blank=True, help_text="Adjustments: the period billed late."
+    )
+    quantity = models.DecimalField(max_digits=24, decimal_places=9, default=0)
+    unit = models.CharField(max_length=16, blank=True)
+    unit_price = models.DecimalField(
+        max_digits=UNIT_PRICE_MAX_DIGITS, decimal_places=UNIT_PRICE_PLACES, null=True, blank=True
+    )
+    amount = _money()
+
+    class Meta:
+        ordering = ["invoice_id", "position"]
+        constraints = [
+            models.UniqueConstraint(fields=["invoice", "position"], name="invoiceline_unique_position"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.description}: {self.amount}"
+
+
+class CreditKind(models.TextChoices):
+    PROMOTIONAL = "promotional", "Promotional"
+    PREPAID = "prepaid", "Prepaid"
+
+
+# Credits are applied in this order: promotional first (they cannot be refunded), then prepaid.
+CREDIT_ORDER = [CreditKind.PROMOTIONAL, CreditKind.PREPAID]
+
+
+class CreditEntry(TenantOwnedModel):
+    """Append-only ledger: a grant is positive, an application to an invoice negative. The balance of
+    a kind is the sum of its entries. Rows are never updated or deleted."""
+
+    tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="+")
+    kind = models.CharField(max_length=16, choices=CreditKind.choices)
+    amount = _money()
+    currency = models.CharField(max_length=3, default="USD")
+    invoice = models.ForeignKey(Invoice, null=True, blank=True, on_delete=models.PROTECT, related_name="+")
+    note = models.CharField(max_length=255, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["created_at", "id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["invoice", "kind"], condition=Q(invoice__isnull=False), name="credit_once_per_invoice"
+            ),
+            models.CheckConstraint(
+                condition=Q(invoice__isnull=True, amount__gt=0) | Q(invoice__isnull=False, amount__lt=0),
+                name="credit_grant_positive_use_negative",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.amount}"
+
+
+class CreditNote(TenantOwnedModel):
+    """A correction to a finalized invoice: the amount given back, with the reason."""
+
+    tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="+")
+    invoice = models.ForeignKey(Invoice, on_delete=models.PROTECT, related_name="credit_notes")
+    amount = _money()
+    reason = models.CharField(max_length=255)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["created_at", "id"]
+        constraints = [models.CheckConstraint(condition=Q(amount__gt=0), name="creditnote_amount_positive")]
+
+    def __str__(self) -> str:
+        return f"credit note {self.amount} on invoice {self.invoice_id}"
+
+
+class Budget(TenantOwnedModel):
+    """A tenant's monthly budget; with ``hard_limit`` new workloads are refused past it."""
+
+    tenant = models.OneToOneField("portal.Tenant", on_delete=models.CASCADE, related_name="budget")
+    monthly_limit = _money(validators=[MinValueValidator(0)])
+    hard_limit = models.BooleanField(default=False)
+    alert_thresholds = models.JSONField(default=list, blank=True, help_text="Percent, e.g. [50, 80, 100].")
+
+    class Meta:
+        ordering = ["tenant_id"]
+        constraints = [models.CheckConstraint(condition=Q(monthly_limit__gte=0), name="budget_limit_nonneg")]
+
+    def __str__(self) -> str:
+        return f"budget {self.monthly_limit} of tenant {self.tenant_id}"

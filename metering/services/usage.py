@@ -1,0 +1,216 @@
+"""Usage records from allocation intervals.
+
+What is billed of an allocation: from the agent-reported start (the workload's first RUNNING event
+at or after the allocation was made, before it ended) to the allocation's end as scheduling records
+it (stop, exit, preemption, failure); when it ended because its node went DOWN, at the node's last
+heartbeat if that is earlier. An allocation that never started bills nothing. Warm-pool slots hold
+no allocation in scheduling, so warm-pool time never reaches a tenant's usage.
+
+The interval is cut at every month boundary (UTC) and every price-version boundary, giving one
+record per piece, keyed by (allocation, period, version, start): building again makes the same keys
+and ``ignore_conflicts`` keeps the first, so reruns and replays never bill twice. A piece is only
+recorded once it is final: when the allocation has ended, or when the piece ends at a boundary that
+is already past (an open allocation's completed months and price versions).
+
+Per-second billing with a minimum (``METERING_MINIMUM_BILLABLE_S``, default 60): an allocation that
+ran less than the minimum bills the minimum; the difference is added to its last piece.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime
+from decimal import Decimal
+
+from django.conf import settings
+from django.db.models import Q, Sum
+from django.utils import timezone
+
+from metering.models import UsageRecord
+from metering.money import HOUR, ZERO, quantize_unit
+from metering.periods import period_of, period_starts_between, split_interval
+from metering.services.rates import PriceBook, billing_account_for, discounted, rate_card_for_tenant
+from nodes.models import GpuMinuteRollup
+from scheduling.models import MILLI, Allocation, Plan, WorkloadEvent, WorkloadState
+
+NODE_DOWN_REASONS = frozenset({"node_down"})
+
+
+@dataclass
+class UsageBuildResult:
+    created: int = 0
+    unchanged: int = 0
+    unrated: list[str] = field(default_factory=list)
+
+
+def _seconds(delta) -> Decimal:
+    return Decimal(delta.days * 86400 + delta.seconds) + Decimal(delta.microseconds) / Decimal(1_000_000)
+
+
+def billable_interval(
+    allocation: Allocation, *, started: datetime | None
+) -> tuple[datetime, datetime | None] | None:
+    """The billed ``[start, end)`` of an allocation (end None while it runs), or None if it never
+    started. ``started`` is the workload's first RUNNING event inside the allocation."""
+    if started is None:
+        return None
+    end = allocation.ended_at
+    if end is not None and allocation.end_reason in NODE_DOWN_REASONS:
+        last = allocation.node.last_heartbeat_at
+        if last is not None and started <= last < end:
+            end = last
+    if end is not None and end <= started:
+        return None
+    return started, end
+
+
+def _running_events(allocations: list[Allocation]) -> dict[int, list[datetime]]:
+    ids = {a.workload_id for a in allocations}
+    out: dict[int, list[datetime]] = defaultdict(list)
+    for wid, at in (
+        WorkloadEvent.objects.filter(workload_id__in=ids, to_state=WorkloadState.RUNNING)
+        .order_by("at")
+        .values_list("workload_id", "at")
+    ):
+        out[wid].append(at)
+    return out
+
+
+def _start_of(allocation: Allocation, events: dict[int, list[datetime]]) -> datetime | None:
+    for at in events.get(allocation.workload_id, ()):
+        if at >= allocation.started_at and (allocation.ended_at is None or at < allocation.ended_at):
+            return at
+    return None
+
+
+def _per_gpu_share(
+    allocation: Allocation, siblings: dict[tuple[int, int, datetime], int]
+) -> tuple[Decimal, Decimal]:
+    """vCPUs and GiB of RAM one allocation carries: the workload's per-node figures shared by its
+    allocations made on that node in the same placement."""
+    w = allocation.workload
+    n = siblings.get((allocation.workload_id, allocation.node_id, allocation.started_at), 1) or 1
+    return Decimal(w.cpu_millicores) / Decimal(1000) / n, Decimal(w.ram_mib) / Decimal(1024) / n
+
+
+def _telemetry(gpu_id: int, start: datetime, end: datetime) -> tuple[float | None, float | None]:
+    floor = start.replace(second=0, microsecond=0)
+    agg = GpuMinuteRollup.objects.filter(gpu_id=gpu_id, minute__gte=floor, minute__lt=end).aggregate(
+        us=Sum("util_sum"), uc=Sum("util_count"), ms=Sum("mem_used_sum"), mc=Sum("mem_used_count")
+    )
+    util = agg["us"] / agg["uc"] if agg["uc"] else None
+    mem = agg["ms"] / agg["mc"] if agg["mc"] else None
+    return util, mem
+
+
+def usage_build(
+    *, tenant=None, since: datetime | None = None, now: datetime | None = None
+) -> UsageBuildResult:
+    """Record the final pieces of allocations that ended at or after ``since`` (default: the start
+    of the previous month) or are still open. Safe to run any number of times."""
+    now = now or timezone.now()
+    if since is None:
+        from metering.periods import period_bounds, previous_period
+
+        since = period_bounds(previous_period(period_of(now)))[0]
+    qs = Allocation.objects.filter(Q(ended_at__isnull=True) | Q(ended_at__gte=since)).select_related(
+        "workload", "node"
+    )
+    if tenant is not None:
+        qs = qs.filter(tenant=tenant)
+    allocations = list(qs.order_by("tenant_id", "id"))
+    result = UsageBuildResult()
+    if not allocations:
+        return result
+    events = _running_events(allocations)
+    siblings: dict[tuple[int, int, datetime], int] = defaultdict(int)
+    for a in Allocation.objects.filter(workload_id__in={a.workload_id for a in allocations}).values(
+        "workload_id", "node_id", "started_at"
+    ):
+        siblings[(a["workload_id"], a["node_id"], a["started_at"])] += 1
+    minimum = Decimal(settings.METERING_MINIMUM_BILLABLE_S)
+    books: dict[int, tuple[PriceBook, Decimal]] = {}
+    rows: list[UsageRecord] = []
+    for a in allocations:
+        if a.tenant_id not in books:
+            books[a.tenant_id] = (
+                PriceBook(rate_card_for_tenant(tenant=a.tenant_id)),
+                billing_account_for(tenant=a.tenant_id).discount_percent,
+            )
+        book, discount = books[a.tenant_id]
+        span = billable_interval(a, started=_start_of(a, events))
+        if span is None:
+            continue
+        start, end = span
+        horizon = end if end is not None else now
+        if horizon <= start:
+            continue
+        cuts = period_starts_between(start, horizon) + book.boundaries(start, horizon)
+        pieces = split_interval(start, horizon, cuts)
+        if end is None:
+            # Only pieces that end at a boundary already passed are final.
+            pieces = [p for p in pieces if p[1] in set(cuts)]
+        total = _seconds((end or start) - start)
+        topup = max(ZERO, minimum - total) if end is not None else ZERO
+        vcpus, ram_gib = _per_gpu_share(a, siblings)
+        fraction = Decimal(a.fraction_milli) / Decimal(MILLI)
+        for i, (s, e) in enumerate(pieces):
+            priced = book.at(s)
+            if priced is None:
+                result.unrated.append(f"allocation {a.pk}: no price version in force at {s.isoformat()}")
+                continue
+            plan_price = priced.gpu.get((a.gpu_model_id, a.plan))
+            if plan_price is None:
+                result.unrated.append(
+                    f"allocation {a.pk}: version {priced.version.number} has no {a.plan} price for "
+                    f"GPU model {a.gpu_model_id}"
+                )
+                continue
+            seconds = _seconds(e - s)
+            extra = topup if (end is not None and i == len(pieces) - 1) else ZERO
+            billed = seconds + extra
+            gpu_seconds = billed * fraction
+            vcpu_seconds = billed * vcpus
+            ram_seconds = billed * ram_gib
+            # Reserved usage is covered by the reservation's fee; usage above its GPUs is billed
+            # on-demand on the invoice (see services.invoices).
+            unit = ZERO if a.plan == Plan.RESERVED else discounted(plan_price, discount)
+            amount = gpu_seconds * unit / HOUR
+            if a.plan != Plan.RESERVED:
+                v = priced.version
+                if v.vcpu_hour_price is not None:
+                    amount += vcpu_seconds * discounted(v.vcpu_hour_price, discount) / HOUR
+                if v.ram_gib_hour_price is not None:
+                    amount += ram_seconds * discounted(v.ram_gib_hour_price, discount) / HOUR
+            util, mem = _telemetry(a.gpu_id, s, e)
+            rows.append(
+                UsageRecord(
+                    tenant_id=a.tenant_id,
+                    allocation=a,
+                    workload_id=a.workload_id,
+                    gpu_model_id=a.gpu_model_id,
+                    region_id=a.node.region_id,
+                    plan=a.plan,
+                    period_start=period_of(s),
+                    version=priced.version,
+                    start=s,
+                    end=e,
+                    fraction_milli=a.fraction_milli,
+                    seconds=seconds,
+                    minimum_topup_s=extra,
+                    gpu_seconds=gpu_seconds,
+                    vcpu_seconds=vcpu_seconds,
+                    ram_gib_seconds=ram_seconds,
+                    unit_price=unit,
+                    amount=quantize_unit(amount),
+                    avg_util_pct=util,
+                    avg_mem_used_mib=mem,
+                    created_at=now,
+                )
+            )
+    before = UsageRecord.objects.count()
+    UsageRecord.objects.bulk_create(rows, batch_size=1000, ignore_conflicts=True)
+    result.created = UsageRecord.objects.count() - before
+    result.unchanged = len(rows) - result.created
+    return result
