@@ -24,7 +24,7 @@ from datetime import datetime
 from decimal import Decimal
 
 from django.conf import settings
-from django.db.models import Q, Sum
+from django.db.models import Exists, OuterRef, Q, Sum
 from django.utils import timezone
 
 from metering.models import UsageRecord
@@ -114,9 +114,12 @@ def usage_build(
         from metering.periods import period_bounds, previous_period
 
         since = period_bounds(previous_period(period_of(now)))[0]
-    qs = Allocation.objects.filter(Q(ended_at__isnull=True) | Q(ended_at__gte=since)).select_related(
-        "workload", "node"
-    )
+    # Open allocations, recently ended ones, and any without a record yet (late data: an allocation
+    # whose end reached the portal after ``since``).
+    recorded = UsageRecord.objects.filter(allocation=OuterRef("pk"))
+    qs = Allocation.objects.filter(
+        Q(ended_at__isnull=True) | Q(ended_at__gte=since) | ~Exists(recorded)
+    ).select_related("workload", "node")
     if tenant is not None:
         qs = qs.filter(tenant=tenant)
     allocations = list(qs.order_by("tenant_id", "id"))

@@ -1,3 +1,4 @@
+import itertools
 from datetime import UTC, date, datetime, timedelta
 
 from hypothesis import given
@@ -27,7 +28,7 @@ def test_splitting_at_periods_and_price_changes_conserves_time(start, length_s, 
     cuts = period_starts_between(start, end) + changes
     pieces = split_interval(start, end, cuts)
     assert pieces[0][0] == start and pieces[-1][1] == end
-    assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:], strict=False))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(pieces))
     assert sum(((e - s) for s, e in pieces), timedelta()) == end - start
     for s, e in pieces:
         assert period_of(s) == period_of(e - timedelta(microseconds=1)), "a piece crosses a month"
