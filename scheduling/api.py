@@ -16,6 +16,7 @@ from rest_framework.decorators import action
 from rest_framework.response import Response
 
 from nodes.models import GpuModel
+from portal.api.filters import UTCDateTimeFilter
 from portal.api.routers import router
 from portal.api.viewsets import TenantReadOnlyViewSet, TenantScopedViewSet
 from portal.models import Scope
@@ -183,8 +184,8 @@ class WorkloadFilter(django_filters.FilterSet):
     plan = django_filters.ChoiceFilter(choices=Plan.choices)
     region = django_filters.CharFilter(field_name="region__code")
     name = django_filters.CharFilter(lookup_expr="icontains")
-    submitted_after = django_filters.IsoDateTimeFilter(field_name="submitted_at", lookup_expr="gte")
-    submitted_before = django_filters.IsoDateTimeFilter(field_name="submitted_at", lookup_expr="lt")
+    submitted_after = UTCDateTimeFilter(field_name="submitted_at", lookup_expr="gte")
+    submitted_before = UTCDateTimeFilter(field_name="submitted_at", lookup_expr="lt")
     active = django_filters.BooleanFilter(method="filter_active")
 
     class Meta:
