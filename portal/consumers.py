@@ -37,6 +37,11 @@ class EventsConsumer(AsyncJsonWebsocketConsumer):
     async def gpupool_event(self, message):
         await self.send_json(message["event"])
 
+    async def gpupool_events(self, message):
+        """Several events in one message (``portal.events.publish_many``), sent in order."""
+        for event in message["events"]:
+            await self.send_json(event)
+
     @database_sync_to_async
     def _tenant_id(self, user, chosen):
         from portal.selectors import membership_active

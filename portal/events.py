@@ -38,3 +38,33 @@ def publish(*, tenant_id: int | None, event: dict[str, Any], staff: bool = False
             _send(STAFF_GROUP, event)
 
     transaction.on_commit(send)
+
+
+def publish_many(*, events: list[tuple[int | None, dict[str, Any]]]) -> None:
+    """``publish`` for many tenant events at once (a scheduling cycle changes thousands of
+    workloads): once the transaction commits, one message per tenant group carries its events in
+    order (the websocket consumer sends them one by one, as if published one at a time)."""
+    if not events:
+        return
+    by_group: dict[str, list[dict[str, Any]]] = {}
+    for tenant_id, event in events:
+        if tenant_id is not None:
+            by_group.setdefault(tenant_group(tenant_id), []).append(event)
+
+    async def send_all(layer: Any) -> None:
+        for group, batch in by_group.items():
+            try:
+                await layer.group_send(group, {"type": "gpupool.events", "events": batch})
+            except Exception:  # as in _send: a lost live update never breaks the change
+                logger.warning("Could not push %d events to %s", len(batch), group, exc_info=True)
+
+    def send() -> None:
+        layer = get_channel_layer()
+        if layer is None or not by_group:
+            return
+        try:
+            async_to_sync(send_all)(layer)
+        except Exception:
+            logger.warning("Could not push %d events", len(events), exc_info=True)
+
+    transaction.on_commit(send)

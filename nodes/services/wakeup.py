@@ -39,6 +39,23 @@ def node_commands_notify(*, node_id: int) -> None:
         logger.warning("Could not wake the long poll of node %s", node_id, exc_info=True)
 
 
+def node_commands_notify_many(*, node_ids: list[int]) -> None:
+    """``node_commands_notify`` for several nodes: one message per node, sent in one round trip."""
+    global _client
+    url = settings.REDIS_URL
+    if not url or not node_ids:
+        return
+    try:
+        if _client is None:
+            _client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+        pipe = _client.pipeline(transaction=False)
+        for node_id in node_ids:
+            pipe.publish(channel_for(node_id), b"1")
+        pipe.execute()
+    except redis.RedisError:
+        logger.warning("Could not wake the long polls of %d node(s)", len(node_ids), exc_info=True)
+
+
 class CommandWaiter:
     """``async with CommandWaiter(node_id) as w: await w.wait(seconds)``: returns when the node is
     notified, or after ``seconds`` (with Redis), or after at most one poll interval (without)."""

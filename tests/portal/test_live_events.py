@@ -10,13 +10,14 @@ from django.conf import settings
 from django.test import Client
 
 from portal.asgi import application
-from portal.events import publish
+from portal.events import publish, publish_many
 from portal.models import Membership, Role, User
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 # Like a Celery task or a view would: in a thread of its own, whose connection is closed after.
 publish_from_thread = database_sync_to_async(publish)
+publish_many_from_thread = database_sync_to_async(publish_many)
 
 
 def _session_cookie(user) -> bytes:
@@ -83,5 +84,28 @@ def test_anonymous_sockets_are_refused(db):
         sock = _socket(None)
         connected, code = await sock.connect()
         assert not connected and code == 4401
+
+    async_to_sync(scenario)()
+
+
+def test_events_published_together_arrive_in_order_and_only_to_their_tenant(make_tenant):
+    a = make_tenant("alpha")
+    b = make_tenant("beta")
+    user_a = Membership.objects.get(tenant=a, role=Role.OWNER).user
+    user_b = Membership.objects.get(tenant=b, role=Role.OWNER).user
+    cookie_a, cookie_b = _session_cookie(user_a), _session_cookie(user_b)
+
+    async def scenario():
+        sock_a, sock_b = _socket(cookie_a), _socket(cookie_b)
+        assert (await sock_a.connect())[0] and (await sock_b.connect())[0]
+        await publish_many_from_thread(
+            events=[(a.pk, {"id": 1}), (b.pk, {"id": 2}), (a.pk, {"id": 3}), (None, {"id": 4})]
+        )
+        assert [(await sock_a.receive_json_from(timeout=5))["id"] for _ in range(2)] == [1, 3]
+        assert (await sock_b.receive_json_from(timeout=5))["id"] == 2
+        assert await sock_a.receive_nothing(timeout=0.5)
+        assert await sock_b.receive_nothing(timeout=0.2)
+        await sock_a.disconnect()
+        await sock_b.disconnect()
 
     async_to_sync(scenario)()
