@@ -26,9 +26,10 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from nodes.models import SCHEDULABLE_NODE_STATES, CommandKind, Gpu, GpuHealth, GpuModel, Node
-from nodes.services.commands import node_command_enqueue
+from nodes.models import SCHEDULABLE_NODE_STATES, CommandKind, Gpu, GpuHealth, GpuModel, Node, Region
+from nodes.services.commands import CommandRequest, node_command_enqueue, node_commands_enqueue_many
 from portal.actors import Actor
+from portal.bulk import bulk_insert
 from scheduling.engine import types as E
 from scheduling.engine.cycle import CycleConfig, schedule
 from scheduling.engine.spec import allowed_models
@@ -269,7 +270,8 @@ def _load(now: datetime) -> tuple[E.Snapshot, list[E.Request], _Context]:
                 )
             )
 
-    queue = {w.pk: w for w in lock_workloads_where(state=WorkloadState.QUEUED).select_related("region")}
+    queue = {w.pk: w for w in lock_workloads_where(state=WorkloadState.QUEUED)}
+    region_codes = dict(Region.objects.values_list("id", "code"))
     chosen: dict[int, list[str]] = defaultdict(list)
     for wid, name in Workload.gpu_models.through.objects.filter(workload_id__in=list(queue)).values_list(
         "workload_id", "gpumodel__name"
@@ -328,7 +330,7 @@ def _load(now: datetime) -> tuple[E.Snapshot, list[E.Request], _Context]:
                 gang=w.gang,
                 cpu_milli=w.cpu_millicores,
                 memory_mib=w.ram_mib,
-                region=w.region.code if w.region_id else None,
+                region=region_codes.get(w.region_id),
                 other_regions_ok=w.other_regions_ok,
                 plan=E.Plan(w.plan),
                 priority=_priority(w.priority_class, w.plan),
@@ -389,7 +391,7 @@ def _start_payload(w: Workload, gpu_uuids: list[str], assignment: E.Assignment) 
 @dataclass
 class _Batch:
     """Placements of one cycle, written together at the end (a fixed number of statements per
-    kind of row; start commands one per node and placement)."""
+    kind of row, start commands included)."""
 
     placed: dict[str, list[Workload]] = field(default_factory=lambda: defaultdict(list))
     messages: dict[int, str] = field(default_factory=dict)
@@ -466,15 +468,16 @@ def _flush(ctx: _Context, batch: _Batch) -> None:
             extra_updates={"attempt": F("attempt") + 1} if len(workloads) > 1 else {"attempt": None},
             now=ctx.now,
         )
-    Allocation.objects.bulk_create(list(batch.allocations.values()), batch_size=1000)
-    for node_id, payload, key in batch.commands:
-        node_command_enqueue(
-            node=Node(pk=node_id),
-            kind=CommandKind.START_WORKLOAD,
-            payload=payload,
-            idempotency_key=key,
-            now=ctx.now,
-        )
+    bulk_insert(list(batch.allocations.values()))
+    node_commands_enqueue_many(
+        commands=[
+            CommandRequest(
+                node_id=node_id, kind=CommandKind.START_WORKLOAD, payload=payload, idempotency_key=key
+            )
+            for node_id, payload, key in batch.commands
+        ],
+        now=ctx.now,
+    )
 
 
 def preempt_notice_s(plan: str) -> int:
@@ -539,9 +542,11 @@ def scheduling_cycle_run(*, now: datetime | None = None, config: CycleConfig | N
         if not try_cycle_lock():
             return result
         result.ran = True
-        for w in lock_workloads_where(state=WorkloadState.PENDING):
-            workload_transition(workload=w, to=WorkloadState.QUEUED, reason="admitted", actor=SYSTEM, now=now)
-            result.admitted += 1
+        admitted = list(lock_workloads_where(state=WorkloadState.PENDING))
+        workloads_transition(
+            workloads=admitted, to=WorkloadState.QUEUED, reason="admitted", actor=SYSTEM, now=now
+        )
+        result.admitted = len(admitted)
         snapshot, requests, ctx = _load(now)
         # A request whose victims are still stopping sits this cycle out: the victims' GPUs stay
         # allocated until they stop, and it must not pick more victims meanwhile.

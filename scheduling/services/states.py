@@ -19,8 +19,9 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from portal.actors import Actor
+from portal.bulk import bulk_insert
 from portal.errors import Conflict
-from portal.events import publish
+from portal.events import publish_many
 from scheduling.models import (
     HOLDING_STATES,
     TERMINAL_STATES,
@@ -186,21 +187,26 @@ def workloads_transition(
         if len(events) == 1:
             events[0].save()
         else:
-            WorkloadEvent.objects.bulk_create(events, batch_size=1000)
-        for w in workloads:
-            publish(
-                tenant_id=w.tenant_id,
-                event={
-                    "type": "workload.state",
-                    "workload_id": w.pk,
-                    "kind": w.kind,
-                    "from": olds[w.pk],
-                    "to": to,
-                    "reason": reason,
-                    "message": messages.get(w.pk, ""),
-                    "at": now.isoformat(),
-                },
-            )
+            bulk_insert(events)
+        at = now.isoformat()
+        publish_many(
+            events=[
+                (
+                    w.tenant_id,
+                    {
+                        "type": "workload.state",
+                        "workload_id": w.pk,
+                        "kind": w.kind,
+                        "from": olds[w.pk],
+                        "to": to,
+                        "reason": reason,
+                        "message": messages.get(w.pk, ""),
+                        "at": at,
+                    },
+                )
+                for w in workloads
+            ]
+        )
         if released:
             from scheduling.services.triggers import cycle_request
 
