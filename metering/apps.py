@@ -5,3 +5,13 @@ class MeteringConfig(AppConfig):
     name = "metering"
     verbose_name = "Metering and billing"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from metering.admission import budget_hard_limit_check, suspended_tenant_check
+        from metering.pricing import provider
+        from scheduling.admission import register_admission_check
+        from scheduling.pricing import register_price_provider
+
+        register_admission_check(suspended_tenant_check)
+        register_admission_check(budget_hard_limit_check)
+        register_price_provider(provider)

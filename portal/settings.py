@@ -402,4 +402,8 @@ CELERY_BEAT_SCHEDULE.update(
         },
     }
 )
+# Invoice line kinds and workload kinds are both fields named "kind": one schema name for each.
+SPECTACULAR_SETTINGS.setdefault("ENUM_NAME_OVERRIDES", {}).update(
+    {"InvoiceLineKindEnum": "metering.models.LineKind", "KindEnum": "scheduling.models.WorkloadKind"}
+)
 # --- end of the metering block ---------------------------------------------------------------------

@@ -1,0 +1,199 @@
+"""``/api/v1/usage/``, ``/api/v1/invoices/`` (list, detail, CSV) and ``/api/v1/cost-estimate/``."""
+
+from __future__ import annotations
+
+import django_filters
+from django.http import HttpResponse
+from django.urls import path
+from drf_spectacular.utils import OpenApiResponse, extend_schema
+from rest_framework import serializers
+from rest_framework.decorators import action
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from metering.models import Invoice, InvoiceLine, UsageRecord
+from metering.money import quantize_money
+from metering.selectors import hourly_estimate, invoice_csv
+from metering.services.rates import rate_card_for_tenant
+from nodes.models import GpuModel
+from portal.api.context import request_context
+from portal.api.routers import extra_urlpatterns, router
+from portal.api.viewsets import TenantReadOnlyViewSet
+from portal.models import Scope
+from scheduling.models import MILLI
+
+
+class UsageRecordSerializer(serializers.ModelSerializer):
+    gpu_model = serializers.SlugRelatedField(read_only=True, slug_field="name")
+    region = serializers.SlugRelatedField(read_only=True, slug_field="code")
+
+    class Meta:
+        model = UsageRecord
+        fields = [
+            "id",
+            "workload",
+            "allocation",
+            "gpu_model",
+            "region",
+            "plan",
+            "period_start",
+            "start",
+            "end",
+            "fraction_milli",
+            "seconds",
+            "minimum_topup_s",
+            "gpu_seconds",
+            "vcpu_seconds",
+            "ram_gib_seconds",
+            "unit_price",
+            "amount",
+            "avg_util_pct",
+            "avg_mem_used_mib",
+            "invoice",
+        ]
+        read_only_fields = fields
+
+
+class UsageFilter(django_filters.FilterSet):
+    period = django_filters.DateFilter(
+        field_name="period_start", help_text="First day of the month, e.g. 2024-03-01."
+    )
+
+    class Meta:
+        model = UsageRecord
+        fields = ["period", "workload", "plan", "invoice"]
+
+
+class UsageViewSet(TenantReadOnlyViewSet):
+    """Usage records: one per allocation, month and price version."""
+
+    queryset = UsageRecord.objects.select_related("gpu_model", "region")
+    serializer_class = UsageRecordSerializer
+    filterset_class = UsageFilter
+    read_scope = Scope.BILLING
+
+
+class InvoiceLineSerializer(serializers.ModelSerializer):
+    gpu_model = serializers.SlugRelatedField(read_only=True, slug_field="name")
+
+    class Meta:
+        model = InvoiceLine
+        fields = [
+            "position",
+            "kind",
+            "description",
+            "gpu_model",
+            "plan",
+            "original_period",
+            "quantity",
+            "unit",
+            "unit_price",
+            "amount",
+        ]
+        read_only_fields = fields
+
+
+class InvoiceSerializer(serializers.ModelSerializer):
+    lines = InvoiceLineSerializer(many=True, read_only=True)
+
+    class Meta:
+        model = Invoice
+        fields = [
+            "id",
+            "period_start",
+            "period_end",
+            "currency",
+            "status",
+            "subtotal",
+            "credits",
+            "tax_rate_percent",
+            "tax",
+            "total",
+            "grace_until",
+            "finalized_at",
+            "paid_at",
+            "voided_at",
+            "lines",
+        ]
+        read_only_fields = fields
+
+
+class InvoiceViewSet(TenantReadOnlyViewSet):
+    queryset = Invoice.objects.prefetch_related("lines__gpu_model")
+    serializer_class = InvoiceSerializer
+    filterset_fields = ["status", "period_start"]
+    read_scope = Scope.BILLING
+
+    @extend_schema(responses={(200, "text/csv"): OpenApiResponse(description="The invoice's lines as CSV.")})
+    @action(detail=True, methods=["get"])
+    def csv(self, request, pk=None):
+        invoice = self.get_object()
+        response = HttpResponse(invoice_csv(invoice=invoice), content_type="text/csv; charset=utf-8")
+        response["Content-Disposition"] = (
+            f'attachment; filename="invoice-{invoice.pk}-{invoice.period_start:%Y-%m}.csv"'
+        )
+        return response
+
+
+class CostEstimateInput(serializers.Serializer):
+    gpu_model = serializers.CharField(max_length=80, help_text="A model's name or short name.")
+    gpu_count = serializers.IntegerField(min_value=1, max_value=1024, default=1)
+    gpu_fraction_milli = serializers.IntegerField(min_value=1, max_value=MILLI, default=MILLI)
+    cpu_millicores = serializers.IntegerField(min_value=0, default=0)
+    ram_mib = serializers.IntegerField(min_value=0, default=0)
+
+    def validate_gpu_model(self, value):
+        model = (
+            GpuModel.objects.filter(name=value).first() or GpuModel.objects.filter(short_name=value).first()
+        )
+        if model is None:
+            raise serializers.ValidationError(f"Unknown GPU model {value!r}.")
+        return model
+
+    def validate(self, attrs):
+        if attrs["gpu_fraction_milli"] != MILLI and attrs["gpu_count"] != 1:
+            raise serializers.ValidationError(
+                {"gpu_fraction_milli": ["A fraction of a GPU needs gpu_count 1."]}
+            )
+        return attrs
+
+
+class CostEstimateOutput(serializers.Serializer):
+    currency = serializers.CharField()
+    per_hour = serializers.DictField(child=serializers.CharField(allow_null=True))
+
+
+class CostEstimateView(APIView):
+    """Price one hour of a workload spec for each plan (after the tenant's discount)."""
+
+    @extend_schema(request=CostEstimateInput, responses=CostEstimateOutput)
+    def post(self, request):
+        tenant = request_context(request).tenant
+        data = CostEstimateInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        spec = data.validated_data
+        per_hour = hourly_estimate(
+            tenant=tenant,
+            gpu_models=[spec["gpu_model"]],
+            gpu_count=spec["gpu_count"],
+            fraction_milli=spec["gpu_fraction_milli"],
+            cpu_millicores=spec["cpu_millicores"],
+            ram_mib=spec["ram_mib"],
+        )
+        card = rate_card_for_tenant(tenant=tenant)
+        currency = card.currency if card is not None else tenant.currency
+        return Response(
+            {
+                "currency": currency,
+                "per_hour": {
+                    plan: None if v is None else str(quantize_money(v, currency))
+                    for plan, v in per_hour.items()
+                },
+            }
+        )
+
+
+router.register("usage", UsageViewSet, basename="usage")
+router.register("invoices", InvoiceViewSet, basename="invoice")
+
+extra_urlpatterns.append(path("cost-estimate/", CostEstimateView.as_view(), name="cost-estimate"))

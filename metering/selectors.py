@@ -1,0 +1,111 @@
+"""Reads shared by the API, the admission checks and the price provider."""
+
+from __future__ import annotations
+
+import csv
+import io
+from datetime import datetime
+from decimal import Decimal
+
+from django.db.models import Sum
+from django.utils import timezone
+
+from metering.models import Invoice, UsageRecord
+from metering.money import HOUR, ZERO
+from metering.periods import period_bounds, period_of
+from metering.services.rates import current_prices, rate_card_for_tenant
+from scheduling.models import MILLI, Allocation, Plan
+
+
+def month_cost_to_date(*, tenant, now: datetime | None = None) -> Decimal:
+    """Unrounded cost of the current month so far: recorded usage, plus allocations still running
+    (from the later of their start and the month's start, at today's price; reserved usage is
+    covered by its fee)."""
+    now = now or timezone.now()
+    period = period_of(now)
+    month_start, _ = period_bounds(period)
+    recorded = (
+        UsageRecord.objects.filter(tenant=tenant, period_start=period).aggregate(s=Sum("amount"))["s"] or ZERO
+    )
+    running = ZERO
+    prices: dict[int, dict] = {}
+    for a in Allocation.objects.filter(tenant=tenant, ended_at__isnull=True).exclude(plan=Plan.RESERVED):
+        if a.gpu_model_id not in prices:
+            prices[a.gpu_model_id] = current_prices(gpu_model=a.gpu_model_id, tenant=tenant, at=now)
+        price = prices[a.gpu_model_id].get(a.plan)
+        if price is None:
+            continue
+        last = UsageRecord.objects.filter(allocation=a).order_by("-end").values_list("end", flat=True).first()
+        since = max(a.started_at, month_start, last or a.started_at)
+        if since < now:
+            seconds = Decimal(str((now - since).total_seconds()))
+            running += seconds * Decimal(a.fraction_milli) / MILLI * price / HOUR
+    return recorded + running
+
+
+def hourly_estimate(
+    *, tenant, gpu_models, gpu_count: int, fraction_milli: int, cpu_millicores: int = 0, ram_mib: int = 0
+) -> dict[str, Decimal | None]:
+    """Price of one hour of a workload spec per plan: the dearest of the candidate models (the
+    scheduler may place it on any), after the tenant's discount. None: no price for that plan."""
+    from metering.services.rates import billing_account_for, discounted
+
+    gpus = Decimal(gpu_count) * Decimal(fraction_milli) / MILLI
+    out: dict[str, Decimal | None] = {}
+    per_model = [current_prices(gpu_model=m, tenant=tenant) for m in gpu_models]
+    extra = ZERO
+    card = rate_card_for_tenant(tenant=tenant)
+    if card is not None:
+        now = timezone.now()
+        version = card.versions.filter(effective_from__lte=now).order_by("-effective_from").first()
+        discount = billing_account_for(tenant=tenant).discount_percent
+        if version is not None and (version.effective_to is None or version.effective_to > now):
+            if version.vcpu_hour_price is not None:
+                extra += Decimal(cpu_millicores) / 1000 * discounted(version.vcpu_hour_price, discount)
+            if version.ram_gib_hour_price is not None:
+                extra += Decimal(ram_mib) / 1024 * discounted(version.ram_gib_hour_price, discount)
+    for plan in Plan.values:
+        prices = [p.get(plan) for p in per_model]
+        if not prices or any(p is None for p in prices):
+            out[plan] = None
+            continue
+        out[plan] = max(prices) * gpus + (extra if plan != Plan.RESERVED else ZERO)
+    return out
+
+
+def invoice_csv(*, invoice: Invoice) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["invoice", invoice.pk, "period", f"{invoice.period_start:%Y-%m}", "status", invoice.status])
+    w.writerow(
+        [
+            "position",
+            "kind",
+            "description",
+            "original_period",
+            "quantity",
+            "unit",
+            "unit_price",
+            "amount",
+            "currency",
+        ]
+    )
+    for ln in invoice.lines.all():
+        w.writerow(
+            [
+                ln.position,
+                ln.kind,
+                ln.description,
+                f"{ln.original_period:%Y-%m}" if ln.original_period else "",
+                ln.quantity.normalize() if ln.quantity else "0",
+                ln.unit,
+                "" if ln.unit_price is None else ln.unit_price.normalize(),
+                ln.amount,
+                invoice.currency,
+            ]
+        )
+    w.writerow(["", "subtotal", "", "", "", "", "", invoice.subtotal, invoice.currency])
+    w.writerow(["", "credits", "", "", "", "", "", -invoice.credits, invoice.currency])
+    w.writerow(["", "tax", "", "", "", "", "", invoice.tax, invoice.currency])
+    w.writerow(["", "total", "", "", "", "", "", invoice.total, invoice.currency])
+    return buf.getvalue()
