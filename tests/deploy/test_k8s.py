@@ -1,0 +1,260 @@
+"""deploy/k8s: every manifest kustomize loads, checked for the fields gpupool relies on.
+
+kubeconform is on neither PyPI nor npm here and needs schemas from the network, so the schema
+check is this: known apiVersion/kind pairs and the fields below."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+import yaml
+
+from tests.deploy.helpers import DEPLOY, agent_settings, portal_settings
+
+K8S = DEPLOY / "k8s"
+KINDS = {
+    ("v1", "Namespace"), ("v1", "ConfigMap"), ("v1", "Secret"), ("v1", "Service"),
+    ("apps/v1", "Deployment"), ("apps/v1", "DaemonSet"), ("batch/v1", "Job"),
+    ("policy/v1", "PodDisruptionBudget"), ("autoscaling/v2", "HorizontalPodAutoscaler"),
+    ("networking.k8s.io/v1", "Ingress"),
+}  # fmt: skip
+QUEUES = {"scheduling", "commands", "metering", "default"}
+# hostPath volumes of the agent and why (the same list heads agent-daemonset.yaml).
+AGENT_HOST_PATHS = {
+    "/var/lib/gpupool-agent": "DirectoryOrCreate",
+    "/var/run/docker.sock": "Socket",
+    "/usr/bin/docker": "File",
+}
+# Read by the NVIDIA container runtime (not by gpupool) to expose the GPUs and NVML.
+RUNTIME_ENV = {"NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"}
+
+
+@pytest.fixture(scope="module")
+def kustomization() -> dict:
+    return yaml.safe_load((K8S / "kustomization.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def manifests(kustomization) -> list[dict]:
+    docs = []
+    for resource in kustomization["resources"]:
+        path = K8S / resource
+        assert path.is_file(), f"kustomization.yaml lists {resource}, which does not exist"
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    listed = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == set(kustomization["resources"]), "every manifest is a kustomize resource"
+    return docs
+
+
+def by_kind(manifests, kind) -> dict[str, dict]:
+    return {m["metadata"]["name"]: m for m in manifests if m["kind"] == kind}
+
+
+def pod_specs(manifests):
+    for m in manifests:
+        if m["kind"] in ("Deployment", "DaemonSet", "Job"):
+            yield m, m["spec"]["template"]["spec"]
+
+
+def containers(spec):
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+def matches(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
+
+
+def test_api_versions_and_kinds_are_valid(manifests, kustomization):
+    assert kustomization["apiVersion"] == "kustomize.config.k8s.io/v1beta1"
+    assert kustomization["kind"] == "Kustomization" and kustomization["namespace"] == "gpupool"
+    for m in manifests:
+        assert (m["apiVersion"], m["kind"]) in KINDS, (m["apiVersion"], m["kind"])
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", m["metadata"]["name"])
+        assert "namespace" not in m["metadata"], "kustomize sets the namespace"
+    names = Counter((m["kind"], m["metadata"]["name"]) for m in manifests)
+    assert max(names.values()) == 1
+
+
+def test_workload_selectors_match_their_pods(manifests):
+    for m, _ in pod_specs(manifests):
+        if m["kind"] != "Job":
+            assert matches(m["spec"]["selector"], m["spec"]["template"]["metadata"]["labels"]), m["metadata"]
+
+
+def test_every_container_has_requests_and_limits_and_our_image(manifests, kustomization):
+    images = {i["name"] for i in kustomization["images"]}
+    for m, spec in pod_specs(manifests):
+        for c in containers(spec):
+            for part in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(c["resources"][part]), (m["metadata"]["name"], c["name"])
+            assert c["image"] in images
+
+
+def test_web_probes_healthz_and_readyz(manifests):
+    web = by_kind(manifests, "Deployment")["gpupool-web"]
+    container = web["spec"]["template"]["spec"]["containers"][0]
+    port_names = {p["name"] for p in container["ports"]}
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["startupProbe"]["httpGet"]["path"] == "/healthz"
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        assert container[probe]["httpGet"]["port"] in port_names | {8000}
+    assert container["command"][:2] == ["uvicorn", "portal.asgi:application"]
+    # Probes come by pod IP: it is appended to ALLOWED_HOSTS.
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["ALLOWED_HOSTS"]["value"] == "$(ALLOWED_HOSTS),$(POD_IP)"
+
+
+def test_workers_one_deployment_per_queue_with_liveness(manifests):
+    served = {}
+    for name, d in by_kind(manifests, "Deployment").items():
+        container = d["spec"]["template"]["spec"]["containers"][0]
+        if container["command"][:4] == ["celery", "-A", "portal", "worker"]:
+            queues = [a.split("=", 1)[1] for a in container["command"] if a.startswith("--queues=")]
+            assert len(queues) == 1, name
+            served[name] = queues[0]
+            assert "--hostname=celery@%h" in container["command"]
+            assert (
+                'inspect ping --timeout 10 -d "celery@$HOSTNAME"'
+                in container["livenessProbe"]["exec"]["command"][-1]
+            )
+    assert set(served.values()) == QUEUES
+    assert all(name == f"gpupool-worker-{q}" for name, q in served.items())
+
+
+def test_exactly_one_beat_recreated(manifests):
+    beats = [
+        d
+        for d in by_kind(manifests, "Deployment").values()
+        if d["spec"]["template"]["spec"]["containers"][0]["command"][:4] == ["celery", "-A", "portal", "beat"]
+    ]
+    assert len(beats) == 1
+    beat = beats[0]
+    assert beat["spec"]["replicas"] == 1 and beat["spec"]["strategy"] == {"type": "Recreate"}
+    hpa_targets = {
+        h["spec"]["scaleTargetRef"]["name"] for h in by_kind(manifests, "HorizontalPodAutoscaler").values()
+    }
+    assert beat["metadata"]["name"] not in hpa_targets
+
+
+def test_autoscaled_deployments_leave_replicas_to_the_hpa(manifests):
+    deployments = by_kind(manifests, "Deployment")
+    hpas = by_kind(manifests, "HorizontalPodAutoscaler").values()
+    targets = set()
+    for hpa in hpas:
+        ref = hpa["spec"]["scaleTargetRef"]
+        assert ref["kind"] == "Deployment" and ref["apiVersion"] == "apps/v1"
+        assert ref["name"] in deployments, f"HPA target {ref['name']} does not exist"
+        assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+        assert "replicas" not in deployments[ref["name"]]["spec"], ref["name"]
+        targets.add(ref["name"])
+    assert targets == {"gpupool-web"} | {f"gpupool-worker-{q}" for q in QUEUES}
+
+
+def test_pdb_selects_the_web_pods_only(manifests):
+    (pdb,) = by_kind(manifests, "PodDisruptionBudget").values()
+    web = by_kind(manifests, "Deployment")["gpupool-web"]
+    assert matches(pdb["spec"]["selector"], web["spec"]["template"]["metadata"]["labels"])
+    for m, _ in pod_specs(manifests):
+        if m is not web:
+            assert not matches(pdb["spec"]["selector"], m["spec"]["template"]["metadata"]["labels"]), m[
+                "metadata"
+            ]
+    assert pdb["spec"]["minAvailable"] >= 1
+
+
+def test_service_and_ingress_reach_the_web_pods_websockets_included(manifests):
+    services = by_kind(manifests, "Service")
+    web = by_kind(manifests, "Deployment")["gpupool-web"]
+    port_names = {p["name"] for p in web["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    for service in services.values():
+        assert service["spec"]["selector"] == web["spec"]["selector"]["matchLabels"]
+        assert {p["targetPort"] for p in service["spec"]["ports"]} <= port_names
+    paths = {}
+    for ingress in by_kind(manifests, "Ingress").values():
+        for rule in ingress["spec"]["rules"]:
+            for path in rule["http"]["paths"]:
+                backend = path["backend"]["service"]
+                assert backend["name"] in services
+                assert backend["port"]["name"] in {
+                    p["name"] for p in services[backend["name"]]["spec"]["ports"]
+                }
+                paths[path["path"]] = ingress
+    assert {"/", "/ws/"} <= set(paths)
+    assert (
+        int(paths["/ws/"]["metadata"]["annotations"]["nginx.ingress.kubernetes.io/proxy-read-timeout"])
+        >= 3600
+    )
+
+
+def test_migration_job_and_init_containers(manifests):
+    job = by_kind(manifests, "Job")["gpupool-migrate"]
+    spec = job["spec"]["template"]["spec"]
+    assert spec["restartPolicy"] == "Never"
+    assert spec["containers"][0]["command"] == ["python", "manage.py", "migrate", "--noinput"]
+    for name, d in by_kind(manifests, "Deployment").items():
+        inits = d["spec"]["template"]["spec"]["initContainers"]
+        assert "migrate --check" in inits[0]["command"][-1], name
+
+
+def test_agent_daemonset_on_gpu_nodes_with_only_the_documented_host_access(manifests):
+    ds = by_kind(manifests, "DaemonSet")["gpupool-agent"]
+    spec = ds["spec"]["template"]["spec"]
+    assert spec["runtimeClassName"] == "nvidia"
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        assert not spec.get(key), key
+    host_paths = {v["hostPath"]["path"]: v["hostPath"]["type"] for v in spec["volumes"] if "hostPath" in v}
+    assert host_paths == AGENT_HOST_PATHS
+    header = (K8S / "agent-daemonset.yaml").read_text().split("apiVersion:", 1)[0]
+    for path in host_paths:
+        assert path in header, f"{path} is not explained at the top of agent-daemonset.yaml"
+    agent = spec["containers"][0]
+    assert agent["command"] == ["gpupool-agent", "run"]
+    assert "nvidia.com/gpu" not in agent["resources"]["limits"], (
+        "the agent must not take GPUs from the scheduler"
+    )
+    mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
+    assert mounts["/usr/bin/docker"]["readOnly"] is True
+    env = {e["name"]: e for e in agent["env"]}
+    assert env["GPUPOOL_HOSTNAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+
+
+def test_nothing_privileged(manifests):
+    for m, spec in pod_specs(manifests):
+        for c in containers(spec):
+            sc = c.get("securityContext", {})
+            assert sc.get("privileged") is not True, (m["metadata"]["name"], c["name"])
+            assert sc.get("allowPrivilegeEscalation") is False, (m["metadata"]["name"], c["name"])
+            assert sc.get("capabilities") == {"drop": ["ALL"]}, (m["metadata"]["name"], c["name"])
+        if m["kind"] != "DaemonSet":
+            assert spec["securityContext"]["runAsNonRoot"] is True, m["metadata"]["name"]
+    assert "privileged: true" not in "".join(p.read_text() for p in K8S.glob("*.yaml"))
+
+
+def test_every_variable_set_is_a_setting_the_code_reads(manifests):
+    portal, agent = portal_settings(), agent_settings()
+    configmaps, secrets = by_kind(manifests, "ConfigMap"), by_kind(manifests, "Secret")
+    assert set(configmaps["gpupool-config"]["data"]) <= portal
+    assert set(secrets["gpupool-secrets"]["stringData"]) <= portal
+    assert set(configmaps["gpupool-agent-config"]["data"]) <= agent
+    for m, spec in pod_specs(manifests):
+        known = agent | RUNTIME_ENV if m["kind"] == "DaemonSet" else portal
+        for c in containers(spec):
+            env = c.get("env", [])
+            names = [e["name"] for e in env]
+            # A helper from the downward API is allowed when a setting's value uses it: $(POD_IP).
+            helpers = {
+                e["name"]
+                for e in env
+                if "fieldRef" in e.get("valueFrom", {})
+                and any(f"$({e['name']})" in str(o.get("value", "")) for o in env if o["name"] in known)
+            }
+            unknown = set(names) - known - helpers
+            assert not unknown, f"{m['metadata']['name']}/{c['name']} sets {sorted(unknown)}"
+            for ref in c.get("envFrom", []):
+                name = (ref.get("configMapRef") or ref.get("secretRef"))["name"]
+                assert name in configmaps or name in secrets, name

@@ -1,0 +1,90 @@
+"""deploy/prometheus: promtool accepts the configuration and the rules, and the rules query metrics
+the app exports (gpupool.yml) or exactly the documented needed list (pending.yml)."""
+
+from __future__ import annotations
+
+import yaml
+
+from tests.deploy.helpers import (
+    DEPLOY,
+    SYNTHETIC,
+    exposed_name,
+    needed_metrics,
+    promql_metric_names,
+    promtool,
+)
+
+PROM = DEPLOY / "prometheus"
+ISSUE_ALERTS = {
+    "gpupool.yml": {"GpupoolNodeDown", "GpupoolGpuUnhealthy"},
+    "pending.yml": {
+        "GpupoolQueueWaitP95High",
+        "GpupoolSchedulingCycleFailing",
+        "GpupoolInvoiceRunFailed",
+        "GpupoolStripeWebhookFailures",
+    },
+}
+
+
+def rules(name: str) -> list[dict]:
+    groups = yaml.safe_load((PROM / "rules" / name).read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"]]
+
+
+def names_in(name: str) -> set[str]:
+    return set().union(*(promql_metric_names(rule["expr"]) for rule in rules(name)))
+
+
+def test_promtool_accepts_the_configuration():
+    result = promtool("check", "config", PROM / "prometheus.yml")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "prometheus.yml is valid prometheus config file syntax" in result.stdout
+    assert "SUCCESS: 2 rule files found" in result.stdout
+
+
+def test_promtool_accepts_the_rules():
+    result = promtool("check", "rules", PROM / "rules" / "gpupool.yml", PROM / "rules" / "pending.yml")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("SUCCESS") == 2
+
+
+def test_promtool_rejects_a_broken_rule(tmp_path):
+    broken = tmp_path / "broken.yml"
+    broken.write_text("groups:\n  - name: x\n    rules:\n      - alert: X\n        expr: sum(rate(x[5m])\n")
+    assert promtool("check", "rules", broken).returncode != 0
+
+
+def test_the_issue_alerts_are_there():
+    for name, alerts in ISSUE_ALERTS.items():
+        assert alerts <= {rule["alert"] for rule in rules(name)}, name
+    for name in ISSUE_ALERTS:
+        for rule in rules(name):
+            assert rule["labels"]["severity"] in ("page", "warning") and rule["annotations"]["summary"]
+
+
+def test_metric_name_extraction():
+    expr = (
+        'sum by (le, plan) (rate(gpupool_x_bucket{job=~"a.*", le!="1"}[5m])) / on () '
+        "max without (instance) (gpupool_nodes) > 0 and time() - y_total offset 5m"
+    )
+    assert promql_metric_names(expr) == {"gpupool_x_bucket", "gpupool_nodes", "y_total"}
+
+
+def test_active_rules_query_exported_metrics(exported):
+    missing = names_in("gpupool.yml") - exported - SYNTHETIC
+    assert not missing, f"rules/gpupool.yml queries metrics /metrics does not have: {sorted(missing)}"
+
+
+def test_pending_rules_wait_for_exactly_the_needed_metrics(exported):
+    needed = needed_metrics()
+    assert len(needed) >= 10
+    series = {s for name, kind in needed.items() for s in exposed_name(name, kind)}
+    used = names_in("pending.yml")
+    assert used <= series | exported, sorted(used - series - exported)
+    now_exported = sorted(name for name, kind in needed.items() if exposed_name(name, kind) & exported)
+    assert not now_exported, (
+        f"the app exports {now_exported} now: move their rules to gpupool.yml and their rows out of "
+        "the needed table in deploy/README.md"
+    )
+    waiting = used - exported
+    assert waiting, "pending.yml has nothing left to wait for"
