@@ -157,7 +157,7 @@ def stall(**kwargs):
     print("MID-CYCLE", flush=True)
     time.sleep(600)
 
-cycle.node_command_enqueue = stall
+cycle.node_commands_enqueue_many = stall
 cycle.scheduling_cycle_run()
 """
 
