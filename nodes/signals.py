@@ -10,6 +10,11 @@ nodes knows nothing about scheduling: receivers connect in their own ``AppConfig
   for the first time. ``exit_code`` is an int or None.
 - ``node_down(sender=Node, node, last_heartbeat_at)``: the health reconciler marked a node DOWN.
 - ``gpu_unhealthy(sender=Gpu, gpu, node, reason)``: a GPU became UNHEALTHY and was isolated.
+- ``workload_running(sender=Node, node, workload_id, started_at)``: a node reported a workload
+  ``running`` where it had not before (a workload that was starting, e.g. pulling its image, now
+  runs). ``started_at`` is the agent's time, or the report's when the agent gave none.
+- ``node_ready(sender=Node, node)``: a node became READY (schedulable) again: staff uncordoned it
+  or took it out of maintenance, or its heartbeats resumed after SUSPECT or DOWN.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ command_finished = Signal()
 workload_exited = Signal()
 node_down = Signal()
 gpu_unhealthy = Signal()
+workload_running = Signal()
+node_ready = Signal()
 
 
 def send_on_commit(signal: Signal, sender: Any, **kwargs: Any) -> None:

@@ -35,6 +35,14 @@ def on_workload_exited(
     )
 
 
+def on_workload_running(sender, node, workload_id, started_at=None, **kwargs) -> None:
+    lifecycle.workload_on_running(node_id=node.pk, workload_id=workload_id)
+
+
+def on_node_ready(sender, node, **kwargs) -> None:
+    cycle_request(reason="node_ready")
+
+
 def on_node_down(sender, node, last_heartbeat_at=None, **kwargs) -> None:
     lifecycle.workloads_on_node_down(node_id=node.pk, reason=node.state_reason)
     cycle_request(reason="node_down")
@@ -50,3 +58,5 @@ def connect() -> None:
     signals.workload_exited.connect(on_workload_exited, dispatch_uid="scheduling.workload_exited")
     signals.node_down.connect(on_node_down, dispatch_uid="scheduling.node_down")
     signals.gpu_unhealthy.connect(on_gpu_unhealthy, dispatch_uid="scheduling.gpu_unhealthy")
+    signals.workload_running.connect(on_workload_running, dispatch_uid="scheduling.workload_running")
+    signals.node_ready.connect(on_node_ready, dispatch_uid="scheduling.node_ready")

@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from nodes import metrics as node_metrics
 from nodes.models import FleetAlert, Gpu, GpuHealth, Node, NodeState
-from nodes.signals import gpu_unhealthy, node_down, send_on_commit
+from nodes.signals import gpu_unhealthy, node_down, node_ready, send_on_commit
 from portal.actors import Actor
 from portal.errors import Conflict, ValidationFailed
 from portal.services import audit_record
@@ -150,6 +150,8 @@ def _node_staff_set_state(*, node: Node, state: str, actor: Actor, reason: str, 
         target=node,
         data={"from": old, "to": state, "reason": reason},
     )
+    if state == NodeState.READY:
+        send_on_commit(node_ready, sender=Node, node=node)
     return node
 
 

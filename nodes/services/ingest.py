@@ -35,7 +35,7 @@ from nodes.models import (
 )
 from nodes.services.health import gpu_mark_unhealthy
 from nodes.services.registration import NotAuthenticated
-from nodes.signals import send_on_commit, workload_exited
+from nodes.signals import node_ready, send_on_commit, workload_exited, workload_running
 from nodes.validation import fail, get_bool, get_int, get_str, parse_time, require_object
 
 logger = logging.getLogger(__name__)
@@ -508,6 +508,8 @@ def heartbeat_ingest(
         # Workload statuses from the newest batch only: a late batch's are out of date.
         if newest and batch.workloads and batch.workloads_digest != n.workloads_digest:
             _record_workloads(n.id, batch.workloads, now)
+        if n.state in (NodeState.SUSPECT, NodeState.DOWN) and not n.resume_state:  # back to READY
+            send_on_commit(node_ready, sender=Node, node=Node.objects.get(pk=n.id))
         for gpu_id, reason in newly_unhealthy:
             gpu_mark_unhealthy(gpu_id=gpu_id, reason=reason, now=now)
 
@@ -774,6 +776,15 @@ def _record_workloads(node_id: int, reports: list[WorkloadReport], now: datetime
                 exit_code=w.exit_code,
                 finished_at=w.finished_at or now,
                 message=w.message,
+            )
+        elif w.state == "running":  # newly running (unchanged rows were skipped above)
+            node = node or Node.objects.get(pk=node_id)
+            send_on_commit(
+                workload_running,
+                sender=Node,
+                node=node,
+                workload_id=w.workload_id,
+                started_at=w.started_at or now,
             )
     if create:
         NodeWorkloadStatus.objects.bulk_create(create)

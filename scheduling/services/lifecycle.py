@@ -175,6 +175,22 @@ def _finish_preempted(w: Workload, *, now: datetime) -> None:
         workload_transition(workload=w, to=S.STOPPED, reason="preempted", actor=SYSTEM, now=now)
 
 
+def workload_on_running(*, node_id: int, workload_id: Any) -> Workload | None:
+    """The agent reports the workload running: a STARTING one (or a SCHEDULED one whose start
+    report is still on its way) is RUNNING now, without waiting for the reconciler. A report from a
+    node the workload no longer holds changes nothing."""
+    wid = _workload_id(workload_id)
+    if wid is None:
+        return None
+    now = timezone.now()
+    with transaction.atomic():
+        w = lock_workload_if_exists(workload_id=wid)
+        if w is None or w.state not in (S.SCHEDULED, S.STARTING) or node_id not in _nodes_of(w.pk):
+            return w
+        workload_transition(workload=w, to=S.RUNNING, reason="running", actor=SYSTEM, now=now)
+    return w
+
+
 def workload_on_exited(
     *, node_id: int, workload_id: Any, state: str, exit_code: int | None, message: str = ""
 ) -> Workload | None:
