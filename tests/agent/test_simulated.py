@@ -197,3 +197,73 @@ def test_runtime_records_survive_a_restart(tmp_path: Path, clock: Clock) -> None
     assert second.gpu_load(clock.now) == {"GPU-x": [("job", 1000)]}
     clock.now += 30
     assert second.get_status("job").state == "exited"
+
+
+class SleepingClock(Clock):
+    """A clock whose ``sleep`` moves it forward (and records how long each sleep was)."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        super().__init__(now)
+        self.slept: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_cold_start_pulls_each_image_once(tmp_path: Path) -> None:
+    clock = SleepingClock()
+    runtime = SimulatedRuntime(
+        tmp_path / "state", clock=clock, sleep=clock.sleep, cold_start_s={"big:1": 30, "": 5}
+    )
+    runtime.start(WorkloadSpec("a", image="big:1", sim_duration_s=100))
+    assert clock.slept == [30] and clock.now == 1030  # start returns once it runs
+    assert runtime.get_status("a").state == "running" and runtime.get_status("a").started_at == 1030
+    runtime.start(WorkloadSpec("b", image="big:1"))  # the image is here now
+    runtime.start(WorkloadSpec("c", image="small:1"))  # other images: the default
+    assert clock.slept == [30, 5]
+    assert clock.now == 1035
+    clock.now += 90  # "a" runs its 100 s from when it started running (1030), not from the request
+    assert runtime.get_status("a").state == "running"
+    clock.now += 5
+    assert runtime.get_status("a").state == "exited"
+
+
+def test_a_workload_is_starting_while_its_image_is_pulled(tmp_path: Path, clock: Clock) -> None:
+    waits: list[float] = []
+    runtime = SimulatedRuntime(tmp_path / "state", clock=clock, sleep=waits.append, cold_start_s=20)
+    runtime.start(WorkloadSpec("a", image="img", gpu_uuids=["GPU-x"]))
+    assert waits == [20]
+    assert runtime.get_status("a").state == "starting" and runtime.gpu_load(clock.now) == {}
+    clock.now += 20
+    assert runtime.get_status("a").state == "running"
+    assert runtime.gpu_load(clock.now) == {"GPU-x": [("a", 1000)]}
+    # A restarted agent starting it again waits only for what is left of the pull.
+    clock.now -= 5
+    again = SimulatedRuntime(tmp_path / "state", clock=clock, sleep=waits.append, cold_start_s=20)
+    again.start(WorkloadSpec("a", image="img"))
+    assert waits == [20, 5]
+
+
+def test_prewarm_removes_the_cold_start(tmp_path: Path) -> None:
+    clock = SleepingClock()
+    runtime = SimulatedRuntime(tmp_path / "state", clock=clock, sleep=clock.sleep, cold_start_s=12)
+    assert runtime.prewarm("img:2") == {"image": "img:2", "pulled": True, "pull_s": 12.0}
+    assert runtime.prewarm("img:2")["pull_s"] == 0.0
+    runtime.start(WorkloadSpec("w", image="img:2"))
+    assert clock.slept == [12] and runtime.get_status("w").state == "running"
+    # The node remembers its images across an agent restart.
+    restarted = SimulatedRuntime(tmp_path / "state", clock=clock, sleep=clock.sleep, cold_start_s=12)
+    restarted.start(WorkloadSpec("w2", image="img:2"))
+    assert clock.slept == [12]
+
+
+def test_cold_start_setting_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUPOOL_SIM_COLD_START_S", "ghcr.io/acme/train:1=40, 7")
+    runtime = SimulatedRuntime(tmp_path / "state")
+    assert runtime.cold_start_s == {"ghcr.io/acme/train:1": 40.0, "": 7.0}
+    monkeypatch.setenv("GPUPOOL_SIM_COLD_START_S", "img=soon")
+    with pytest.raises(ValueError, match="GPUPOOL_SIM_COLD_START_S"):
+        SimulatedRuntime(tmp_path / "other")
+    monkeypatch.delenv("GPUPOOL_SIM_COLD_START_S")
+    assert SimulatedRuntime(tmp_path / "third").cold_start_s == {}

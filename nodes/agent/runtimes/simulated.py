@@ -1,34 +1,99 @@
 """Simulated workloads: timers. A workload runs for ``sim_duration_s`` (or ``$GPUPOOL_SIM_DURATION_S``
 in its env, or its ``max_runtime_s``) and then exits with 0 (or ``$GPUPOOL_SIM_EXIT_CODE``); without
-any of them it runs until it is stopped. Its GPUs and share feed the simulated collector."""
+any of them it runs until it is stopped. Its GPUs and share feed the simulated collector.
+
+Cold start: the first start of an image on a node first "pulls" it for the image's cold-start time
+(``cold_start_s``, or ``$GPUPOOL_SIM_COLD_START_S`` of the agent: seconds for every image, or
+``image=seconds`` pairs separated by commas with an optional bare number for the others); the
+workload is ``starting`` meanwhile and ``start`` returns once it runs, as a docker start that pulls
+does. ``prewarm`` pulls the image ahead, so a later start of it is immediate."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nodes.agent.runtimes import Runtime, RuntimeFailure
-from nodes.agent.types import EXITED, FAILED, RUNNING, STOPPED, WorkloadHandle, WorkloadSpec, WorkloadStatus
+from nodes.agent.runtimes import RecordStore, Runtime, RuntimeFailure
+from nodes.agent.types import (
+    EXITED,
+    FAILED,
+    RUNNING,
+    STARTING,
+    STOPPED,
+    WorkloadHandle,
+    WorkloadSpec,
+    WorkloadStatus,
+)
 
 STOP_EXIT_CODE = 143  # what a process killed by SIGTERM reports
+COLD_START_ENV = "GPUPOOL_SIM_COLD_START_S"
+
+
+def parse_cold_start(text: str) -> dict[str, float]:
+    """``"20"`` -> every image 20 s; ``"ghcr.io/a/b:1=30,5"`` -> that image 30 s, others 5 s. The
+    key ``""`` holds the time for images not named."""
+    out: dict[str, float] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        image, sep, seconds = part.rpartition("=")
+        try:
+            value = float(seconds)
+        except ValueError:
+            raise ValueError(f"{COLD_START_ENV}: {part!r} is not image=seconds or seconds") from None
+        if value < 0:
+            raise ValueError(f"{COLD_START_ENV}: {part!r} is negative")
+        out[image if sep else ""] = value
+    return out
 
 
 class SimulatedRuntime(Runtime):
     name = "simulated"
 
-    def __init__(self, state_dir: str | Path, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        state_dir: str | Path,
+        clock: Callable[[], float] = time.time,
+        cold_start_s: dict[str, float] | float | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         super().__init__(state_dir)
         self.clock = clock
+        self.sleep = sleep
+        if cold_start_s is None:
+            cold_start_s = parse_cold_start(os.environ.get(COLD_START_ENV, ""))
+        self.cold_start_s = cold_start_s if isinstance(cold_start_s, dict) else {"": float(cold_start_s)}
+        # Images on this node: image -> when its pull finishes (or finished).
+        self.images = RecordStore(self.state_dir / "runtime-simulated-images.json")
+
+    def _pull(self, image: str) -> float:
+        """Start pulling ``image`` unless it is here or coming; returns when it will be here."""
+        with self.images.lock:
+            ready = self.images.records.get(image)
+            if ready is None:
+                ready = self.clock() + self.cold_start_s.get(image, self.cold_start_s.get("", 0.0))
+                self.images.records[image] = ready
+                self.images.save()
+            return float(ready)
+
+    def _wait_until(self, t: float) -> None:
+        wait = t - self.clock()
+        if wait > 0:
+            self.sleep(wait)
 
     def start(self, spec: WorkloadSpec) -> WorkloadHandle:
         with self.store.lock:
-            if spec.workload_id not in self.store.records:
-                self._add(spec)
+            record = self.store.records.get(spec.workload_id)
+            if record is None:
+                self._add(spec, self._pull(spec.image))
+                record = self.store.records[spec.workload_id]
+        self._wait_until(record["started_at"])  # the pull: starting until then
         return WorkloadHandle(spec.workload_id, f"timer:{spec.workload_id}")
 
-    def _add(self, spec: WorkloadSpec) -> None:
+    def _add(self, spec: WorkloadSpec, runs_at: float) -> None:
         duration = spec.sim_duration_s
         try:
             if duration is None and "GPUPOOL_SIM_DURATION_S" in spec.env:
@@ -41,7 +106,7 @@ class SimulatedRuntime(Runtime):
         self.store.records[spec.workload_id] = {
             "gpu_uuids": spec.gpu_uuids,
             "fraction_milli": spec.gpu_fraction_milli,
-            "started_at": self.clock(),
+            "started_at": max(runs_at, self.clock()),  # when it runs (after the image pull)
             "duration_s": duration,
             "exit_code": exit_code,
             "stopped_at": None,
@@ -60,6 +125,8 @@ class SimulatedRuntime(Runtime):
                 finished_at=record["stopped_at"],
                 **common,
             )
+        if now < started and record["stopped_at"] is None:
+            return WorkloadStatus(state=STARTING, workload_id=workload_id, gpu_uuids=record["gpu_uuids"])
         if end is not None and now >= end:
             code = record["exit_code"]
             return WorkloadStatus(
@@ -95,7 +162,9 @@ class SimulatedRuntime(Runtime):
         return "\n".join(lines[-tail:])
 
     def prewarm(self, image: str) -> dict[str, Any]:
-        return {"image": image, "pulled": True}
+        started = self.clock()
+        self._wait_until(self._pull(image))
+        return {"image": image, "pulled": True, "pull_s": round(max(self.clock() - started, 0.0), 3)}
 
     def gpu_load(self, now: float) -> dict[str, list[tuple[str, int]]]:
         """Which workloads run on which GPU at ``now``: the simulated collector's load source."""
