@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import json
 import logging
+from inspect import iscoroutinefunction
 
+from asgiref.sync import markcoroutinefunction, sync_to_async
 from django.conf import settings
 
 from portal.api.errors import error_response
@@ -115,3 +117,41 @@ class UserTimezoneMiddleware:
             return self.get_response(request)
         finally:
             timezone.deactivate()
+
+
+class ProbeMiddleware:
+    """``/healthz``, ``/readyz`` and ``/metrics`` answer before host validation, HTTPS redirects,
+    sessions and the rest: load balancers, kubelets and Prometheus reach pods by IP address,
+    which ``ALLOWED_HOSTS`` rightly refuses for everything else. ``/metrics`` asks for
+    ``Authorization: Bearer <METRICS_TOKEN>`` when that setting is set."""
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+        self.is_async = iscoroutinefunction(get_response)
+        if self.is_async:
+            markcoroutinefunction(self)
+
+    def __call__(self, request):
+        view = self._view_for(request)
+        if self.is_async:
+            return self._acall(request, view)
+        return view(request) if view is not None else self.get_response(request)
+
+    async def _acall(self, request, view):
+        if view is None:
+            return await self.get_response(request)
+        return await sync_to_async(view, thread_sensitive=True)(request)
+
+    @staticmethod
+    def _view_for(request):
+        from portal import health, metrics
+
+        view = {"/healthz": health.healthz, "/readyz": health.readyz, "/metrics": metrics.metrics}.get(
+            request.path
+        )
+        if view is metrics.metrics and not metrics.authorized(request):
+            return metrics.unauthorized
+        return view

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import environ
 from django.core.exceptions import ImproperlyConfigured
+from kombu import Queue
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 env = environ.Env()
@@ -58,6 +59,8 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     # The agent protocol's hot paths skip the rest of the chain (see nodes.agent_views).
     "nodes.agent_views.AgentFastPathMiddleware",
+    # Health probes and /metrics answer before host validation (probes come by IP address).
+    "portal.middleware.ProbeMiddleware",
     "portal.middleware.ApiErrorMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
@@ -165,6 +168,15 @@ CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TIMEZONE = "UTC"
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_DEFAULT_QUEUE = "default"
+# One queue per kind of work, so each can get its own workers (deploy/compose.yaml, deploy/k8s).
+# A worker started without -Q consumes them all (make run).
+CELERY_TASK_QUEUES = tuple(Queue(name) for name in ("default", "scheduling", "commands", "metering"))
+CELERY_TASK_ROUTES = {
+    "scheduling.tasks.*": {"queue": "scheduling"},
+    "nodes.tasks.expire_commands": {"queue": "commands"},
+    "nodes.tasks.reconcile_node_health": {"queue": "commands"},
+    "metering.tasks.*": {"queue": "metering"},
+}
 # Periodic work is declared here and nowhere else. Apps add their entries below as they grow.
 CELERY_BEAT_SCHEDULE: dict[str, dict] = {
     "portal-purge-expired-invitations": {
@@ -237,6 +249,9 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = env.int("DATA_UPLOAD_MAX_MEMORY_SIZE", default=2 *
 
 # --- REST framework ---------------------------------------------------------------------------------
 API_RATE_LIMIT = env.str("API_RATE_LIMIT", default="600/min")
+# Bearer token Prometheus must send for /metrics; unset, /metrics is open (keep it off the public
+# ingress then).
+METRICS_TOKEN = env.str("METRICS_TOKEN", default="")
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "portal.api.authentication.BearerTokenAuthentication",

@@ -54,3 +54,34 @@ def test_metrics_are_prometheus_text(client):
     assert response.status_code == 200
     assert response["Content-Type"].startswith("text/plain")
     assert b"python_info" in response.content
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/metrics"])
+def test_probes_answer_requests_by_ip_address(client, path):
+    """Kubelets and Prometheus reach pods by IP; ALLOWED_HOSTS refuses that for everything else."""
+    assert client.get(path, HTTP_HOST="10.1.2.3:8000").status_code == 200
+    assert client.get("/login/", HTTP_HOST="10.1.2.3:8000").status_code == 400
+
+
+def test_metrics_token_guards_metrics(client, settings):
+    settings.METRICS_TOKEN = "scrape-secret"
+    refused = client.get("/metrics")
+    assert refused.status_code == 401 and refused["WWW-Authenticate"].startswith("Bearer")
+    assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer wrong").status_code == 401
+    allowed = client.get("/metrics", HTTP_AUTHORIZATION="Bearer scrape-secret")
+    assert allowed.status_code == 200 and b"python_info" in allowed.content
+
+
+def test_tasks_are_routed_to_their_queues():
+    from portal.celery import app
+
+    def queue(task):
+        return app.amqp.router.route({}, task)["queue"].name
+
+    assert queue("scheduling.tasks.run_cycle") == "scheduling"
+    assert queue("nodes.tasks.expire_commands") == "commands"
+    assert queue("nodes.tasks.reconcile_node_health") == "commands"
+    assert queue("metering.tasks.build_invoices") == "metering"
+    assert queue("nodes.tasks.publish_fleet_snapshot") == "default"
+    assert {q.name for q in app.conf.task_queues} == {"default", "scheduling", "commands", "metering"}
