@@ -47,14 +47,15 @@ def _server_url(base: str, name: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, "/" + name, parts.query, parts.fragment))
 
 
-def _admin(base_url: str, *statements: str) -> None:
+def _admin(base_url: str, *statements: str, db_name: str = DB_NAME) -> None:
+    """Run ``statements`` on the server's maintenance connection, after closing ``db_name``'s."""
     import psycopg
 
     with psycopg.connect(base_url.replace("postgres://", "postgresql://", 1), autocommit=True) as conn:
         conn.execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s "
             "AND pid <> pg_backend_pid()",
-            [DB_NAME],
+            [db_name],
         )
         for sql in statements:
             conn.execute(sql)
