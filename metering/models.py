@@ -358,3 +358,28 @@ class Budget(TenantOwnedModel):
 
     def __str__(self) -> str:
         return f"budget {self.monthly_limit} of tenant {self.tenant_id}"
+
+
+class SpotPrice(models.Model):
+    """The spot price of one GPU-hour of a model in a region from ``at`` until the next row: its
+    history. How it is set: ``metering.services.spot``."""
+
+    gpu_model = models.ForeignKey("nodes.GpuModel", on_delete=models.PROTECT, related_name="+")
+    region = models.ForeignKey("nodes.Region", on_delete=models.PROTECT, related_name="+")
+    at = models.DateTimeField()
+    price = _unit_price()
+    floor = _unit_price()
+    on_demand = _unit_price()
+    utilisation = models.DecimalField(max_digits=6, decimal_places=5)
+
+    class Meta:
+        ordering = ["gpu_model_id", "region_id", "at"]
+        constraints = [
+            models.UniqueConstraint(fields=["gpu_model", "region", "at"], name="spotprice_unique_at"),
+            models.CheckConstraint(
+                condition=Q(price__gte=F("floor"), price__lte=F("on_demand")), name="spotprice_within_bounds"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"spot {self.gpu_model_id}/{self.region_id} {self.price} at {self.at:%Y-%m-%d %H:%M}"

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 from metering.services.rates import current_prices
+from metering.services.spot import current_spot_price
 
 
 class RateCardPriceProvider:
-    """Prices of the default rate card's version in force now (region-independent). The spot
-    floor is the rate card's spot price: a spot request may not name a maximum below it."""
+    """Prices of the default rate card's version in force now; the spot price is the region's
+    market price (``services.spot``) when there is one. The spot floor is the rate card's spot
+    price: a spot request may not name a maximum below it."""
 
     def prices(self, *, gpu_model, region):
-        return current_prices(gpu_model=gpu_model)
+        prices = current_prices(gpu_model=gpu_model)
+        market = current_spot_price(gpu_model=gpu_model, region=region)
+        if market is not None:
+            prices["spot"] = market
+        return prices
 
     def spot_floor(self, *, gpu_model, region):
         return current_prices(gpu_model=gpu_model).get("spot")

@@ -19,3 +19,10 @@ def invoice_run(period_start: str | None = None) -> int:
     from metering.services.invoices import invoice_run as run
 
     return len(run(period_start=date.fromisoformat(period_start) if period_start else None))
+
+
+@shared_task(name="metering.tasks.spot_prices_update")
+def spot_prices_update() -> int:
+    from metering.services.spot import spot_prices_update as update
+
+    return len(update())

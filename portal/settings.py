@@ -415,6 +415,10 @@ CELERY_BEAT_SCHEDULE.update(
             "task": "metering.tasks.usage_build",
             "schedule": timedelta(minutes=1),
         },
+        "metering-spot-prices": {
+            "task": "metering.tasks.spot_prices_update",
+            "schedule": timedelta(minutes=1),
+        },
     }
 )
 # Invoice line kinds and workload kinds are both fields named "kind": one schema name for each.

@@ -31,6 +31,7 @@ from metering.models import UsageRecord
 from metering.money import HOUR, ZERO, quantize_unit
 from metering.periods import period_of, period_starts_between, split_interval
 from metering.services.rates import PriceBook, billing_account_for, discounted, rate_card_for_tenant
+from metering.services.spot import SpotHistory
 from nodes.models import GpuMinuteRollup
 from scheduling.models import MILLI, Allocation, Plan, WorkloadEvent, WorkloadState
 
@@ -134,6 +135,7 @@ def usage_build(
         siblings[(a["workload_id"], a["node_id"], a["started_at"])] += 1
     minimum = Decimal(settings.METERING_MINIMUM_BILLABLE_S)
     books: dict[int, tuple[PriceBook, Decimal]] = {}
+    spot = SpotHistory((a.gpu_model_id, a.node.region_id) for a in allocations if a.plan == Plan.SPOT)
     rows: list[UsageRecord] = []
     for a in allocations:
         if a.tenant_id not in books:
@@ -150,6 +152,8 @@ def usage_build(
         if horizon <= start:
             continue
         cuts = period_starts_between(start, horizon) + book.boundaries(start, horizon)
+        if a.plan == Plan.SPOT:
+            cuts += spot.changes(a.gpu_model_id, a.node.region_id, start, horizon)
         pieces = split_interval(start, horizon, cuts)
         if end is None:
             # Only pieces that end at a boundary already passed are final.
@@ -164,6 +168,10 @@ def usage_build(
                 result.unrated.append(f"allocation {a.pk}: no price version in force at {s.isoformat()}")
                 continue
             plan_price = priced.gpu.get((a.gpu_model_id, a.plan))
+            if a.plan == Plan.SPOT:
+                # The market price in force, when there is one (see services.spot).
+                market = spot.at(a.gpu_model_id, a.node.region_id, s)
+                plan_price = market if market is not None else plan_price
             if plan_price is None:
                 result.unrated.append(
                     f"allocation {a.pk}: version {priced.version.number} has no {a.plan} price for "

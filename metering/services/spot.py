@@ -1,0 +1,116 @@
+"""Spot prices per GPU model and region.
+
+Formula: with ``u`` the share of the region's schedulable capacity of that model that is allocated
+(allocated thousandths over the capacity of healthy, not isolated GPUs on READY nodes; 0 when there
+is none), the floor ``F`` the rate card's spot price and ``D`` its on-demand price,
+
+    spot = F + (D - F) * u ** 2
+
+so the price stays near the floor while the fleet is idle and reaches the on-demand price when it is
+full. Rounded half-up to 10 places. A new row is stored only when the price changes: the rows are the
+history, each in force from its ``at`` until the next one. Spot usage is rated at the price in force
+at each instant (see ``services.usage``); with no row yet, at the rate card's spot price.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from datetime import datetime
+from decimal import Decimal
+
+from django.db.models import Count, Q, Sum
+from django.utils import timezone
+
+from metering.models import SpotPrice
+from metering.money import quantize_unit
+from metering.services.rates import current_prices
+from nodes.models import Gpu, GpuHealth, GpuModel, NodeState
+from scheduling.models import MILLI, Allocation
+
+
+def spot_formula(*, floor: Decimal, on_demand: Decimal, utilisation: Decimal) -> Decimal:
+    u = min(max(Decimal(utilisation), Decimal(0)), Decimal(1))
+    return quantize_unit(floor + (on_demand - floor) * u * u)
+
+
+def spot_prices_update(*, now: datetime | None = None) -> list[SpotPrice]:
+    now = now or timezone.now()
+    capacity = {
+        (r["model_id"], r["node__region_id"]): r["n"] * MILLI
+        for r in Gpu.objects.filter(
+            model__isnull=False,
+            removed_at__isnull=True,
+            isolated=False,
+            health=GpuHealth.HEALTHY,
+            node__state=NodeState.READY,
+        )
+        .values("model_id", "node__region_id")
+        .annotate(n=Count("pk"))
+    }
+    used = {
+        (r["gpu_model_id"], r["node__region_id"]): r["m"]
+        for r in Allocation.objects.filter(ended_at__isnull=True)
+        .values("gpu_model_id", "node__region_id")
+        .annotate(m=Sum("fraction_milli"))
+    }
+    made = []
+    models = {m.pk: m for m in GpuModel.objects.filter(pk__in={k[0] for k in capacity})}
+    for (model_id, region_id), cap in sorted(capacity.items()):
+        prices = current_prices(gpu_model=models[model_id], at=now)
+        floor, on_demand = prices.get("spot"), prices.get("on_demand")
+        if floor is None or on_demand is None or on_demand < floor:
+            continue
+        u = Decimal(min(used.get((model_id, region_id), 0), cap)) / Decimal(cap)
+        price = spot_formula(floor=floor, on_demand=on_demand, utilisation=u)
+        last = SpotPrice.objects.filter(gpu_model_id=model_id, region_id=region_id).order_by("-at").first()
+        if last is not None and last.price == price:
+            continue
+        made.append(
+            SpotPrice.objects.create(
+                gpu_model_id=model_id,
+                region_id=region_id,
+                at=now,
+                price=price,
+                floor=floor,
+                on_demand=on_demand,
+                utilisation=u.quantize(Decimal("0.00001")),
+            )
+        )
+    return made
+
+
+def current_spot_price(*, gpu_model, region) -> Decimal | None:
+    if region is None:
+        return None
+    row = (
+        SpotPrice.objects.filter(gpu_model=gpu_model, region=region, at__lte=timezone.now())
+        .order_by("-at")
+        .values_list("price", flat=True)
+        .first()
+    )
+    return row
+
+
+class SpotHistory:
+    """Spot price rows of some (model, region) pairs, loaded once, for rating many intervals."""
+
+    def __init__(self, pairs):
+        pairs = set(pairs)
+        self.rows: dict[tuple[int, int], list[tuple[datetime, Decimal]]] = {}
+        if not pairs:
+            return
+        q = Q()
+        for model_id, region_id in pairs:
+            q |= Q(gpu_model_id=model_id, region_id=region_id)
+        for model_id, region_id, at, price in (
+            SpotPrice.objects.filter(q).order_by("at").values_list("gpu_model_id", "region_id", "at", "price")
+        ):
+            self.rows.setdefault((model_id, region_id), []).append((at, price))
+
+    def changes(self, model_id: int, region_id: int, start: datetime, end: datetime) -> list[datetime]:
+        return [at for at, _ in self.rows.get((model_id, region_id), ()) if start < at < end]
+
+    def at(self, model_id: int, region_id: int, when: datetime) -> Decimal | None:
+        rows = self.rows.get((model_id, region_id), [])
+        i = bisect_right([r[0] for r in rows], when)
+        return rows[i - 1][1] if i else None

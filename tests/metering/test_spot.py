@@ -1,0 +1,49 @@
+from decimal import Decimal
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from metering.models import SpotPrice, UsageRecord
+from metering.services.spot import spot_formula, spot_prices_update
+from metering.services.usage import usage_build
+from scheduling.models import Allocation, Plan
+from scheduling.pricing import gpu_prices
+from tests.metering.conftest import utc
+
+prices = st.decimals(min_value=0, max_value=100, places=4)
+shares = st.decimals(min_value=0, max_value=1, places=5)
+
+
+@given(prices, prices, shares, shares)
+def test_the_spot_price_stays_between_floor_and_on_demand_and_rises_with_use(a, b, u1, u2):
+    floor, on_demand = min(a, b), max(a, b)
+    lo, hi = sorted([u1, u2])
+    p_lo = spot_formula(floor=floor, on_demand=on_demand, utilisation=lo)
+    p_hi = spot_formula(floor=floor, on_demand=on_demand, utilisation=hi)
+    assert floor <= p_lo <= p_hi <= on_demand
+    assert spot_formula(floor=floor, on_demand=on_demand, utilisation=Decimal(0)) == floor
+    assert spot_formula(floor=floor, on_demand=on_demand, utilisation=Decimal(1)) == on_demand
+
+
+@pytest.mark.django_db
+def test_spot_prices_follow_utilisation_with_history_and_bill_spot_usage(tenant, card, run, node, h100):
+    # 8 H100 at on-demand 2.00, floor 0.80: idle = 0.80; 4 of 8 in use: 0.80 + 1.20 * 0.25 = 1.10
+    spot_prices_update(now=utc(2024, 3, 1))
+    spot_prices_update(now=utc(2024, 3, 1, 0, 1))  # unchanged: no new row
+    assert list(SpotPrice.objects.values_list("price", flat=True)) == [Decimal("0.8")]
+    spot = run(tenant, utc(2024, 3, 1, 1), None, plan=Plan.SPOT, gpu_index=0)
+    for i in range(1, 4):
+        run(tenant, utc(2024, 3, 1, 1), None, gpu_index=i)
+    spot_prices_update(now=utc(2024, 3, 1, 2))
+    assert [r.price for r in SpotPrice.objects.order_by("at")] == [Decimal("0.8"), Decimal("1.1")]
+    assert SpotPrice.objects.order_by("at").last().utilisation == Decimal("0.5")
+    assert gpu_prices(gpu_model=h100, region=node.region)["spot"] == Decimal("1.1")
+    Allocation.objects.filter(pk=spot.pk).update(ended_at=utc(2024, 3, 1, 4))
+    usage_build(since=utc(2024, 1, 1), now=utc(2024, 4, 1))
+    recs = UsageRecord.objects.filter(allocation_id=spot.pk).order_by("start")
+    # 1 h at 0.80 and 2 h at 1.10
+    assert [(r.start, r.end, r.amount) for r in recs] == [
+        (utc(2024, 3, 1, 1), utc(2024, 3, 1, 2), Decimal("0.8")),
+        (utc(2024, 3, 1, 2), utc(2024, 3, 1, 4), Decimal("2.2")),
+    ]
