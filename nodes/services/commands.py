@@ -169,7 +169,9 @@ def node_commands_enqueue_many(
     keys = {c.idempotency_key for c in commands if c.idempotency_key}
     existing: dict[tuple[int, str], NodeCommand] = {}
     if keys:
-        for command in NodeCommand.objects.filter(idempotency_key__in=keys):
+        # Both columns, so that the (node, idempotency key) unique index serves the look-up.
+        nodes = {c.node_id for c in commands if c.idempotency_key}
+        for command in NodeCommand.objects.filter(node_id__in=nodes, idempotency_key__in=keys):
             existing[(command.node_id, command.idempotency_key)] = command
     out: list[NodeCommand] = []
     new: list[NodeCommand] = []
