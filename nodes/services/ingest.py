@@ -224,6 +224,7 @@ def heartbeat_parse(raw: bytes, *, now: datetime | None = None) -> HeartbeatData
 
     latest_ok = now + MAX_FUTURE
     times: dict[str, datetime] = {}
+    procs_seen: dict[str, list] = {}  # a GPU's process list, checked once while it does not change
     samples: list[Sample] = []
     append = samples.append
     # The fast path accepts a well-formed sample with a handful of type checks; anything else goes
@@ -281,12 +282,14 @@ def heartbeat_parse(raw: bytes, *, now: datetime | None = None) -> HeartbeatData
             and throttle >= 0
             and type(xids) is list
             and (not xids or all(type(x) is int for x in xids))
-            and (procs is None or _procs_ok(procs))
+            and (procs is None or procs == procs_seen.get(uuid) or _procs_ok(procs))
             and (rpp is False or rpp is True)
             and (rrf is False or rrf is True)
             and (fob is False or fob is True)
         ):
             ts = _sample_error(i, s, times, latest_ok)
+        if procs is not None:
+            procs_seen[uuid] = procs
         append(
             Sample(
                 uuid,
@@ -478,6 +481,7 @@ def heartbeat_ingest(
     now = now or timezone.now()
     pg = _is_pg()
     key_hash = hash_secret(credential)
+    outermost = not connection.in_atomic_block
     with transaction.atomic():
         connection.ensure_connection()
         raw = connection.connection
@@ -494,9 +498,20 @@ def heartbeat_ingest(
             newest = seq > last_seq
             tail.append(_node_update(n, batch, newest, now, pg))
             if pg:
+                # A batch with nothing more to write after these statements (the common one: no
+                # workload change, no failing GPU, the node not coming back) sends its COMMIT in
+                # the same round trip; Django's commit at the end of the block then finds no
+                # transaction open and does nothing. Work added below must be counted in ``more``.
+                more = (
+                    (newest and batch.workloads and batch.workloads_digest != n.workloads_digest)
+                    or newly_unhealthy
+                    or n.state in (NodeState.SUSPECT, NodeState.DOWN)
+                )
                 with raw.pipeline():
                     for sql, params in tail:
                         cur.execute(sql, params)
+                    if outermost and not more:
+                        cur.execute("COMMIT")
             else:
                 for sql, params in tail:
                     if params and isinstance(params[0], tuple):
