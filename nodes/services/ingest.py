@@ -1,12 +1,13 @@
-"""Heartbeat ingest: the hot path. One transaction of three round trips per batch on PostgreSQL.
+"""Heartbeat ingest: the hot path. One transaction of two round trips per batch on PostgreSQL.
 
 Per batch: one statement checks the node credential, locks the node row, inserts the (node, epoch,
 seq) marker with ON CONFLICT DO NOTHING (a duplicate stops there and writes nothing) and reads the
-node's GPUs; a gap is recorded or filled (rare); then the samples (``INSERT ... SELECT FROM unnest``
-of column arrays), the additive per-minute rollup upsert, the GPUs' latest values (one ``UPDATE ...
-FROM unnest``) and the node update go in one pipeline; commit. The statement texts do not depend on
-the batch size, so psycopg prepares them. No ORM object is built per sample. SQLite runs the same
-steps as plain statements.
+node's GPUs; a gap is recorded or filled (rare); then the samples, the additive per-minute rollup
+upsert, the GPUs' latest values and the node update go in one pipeline with the COMMIT (a batch
+that changes a workload's state, fails a GPU or brings a node back runs that ORM work too, then
+commits on its own). Rows go to PostgreSQL as one JSON document per statement
+(``json_to_recordset``); the statement texts do not depend on the batch size, so psycopg prepares
+them. No ORM object is built per sample. SQLite runs the same steps as plain statements.
 """
 
 from __future__ import annotations
@@ -474,9 +475,9 @@ def heartbeat_ingest(
 ) -> IngestResult:
     """Store one heartbeat batch of the node that ``credential`` (``gpn_<node_id>_...``) opens.
 
-    One transaction of three round trips on PostgreSQL whatever the batch size: the head statement
-    (credential, node lock, marker, GPUs), the writes pipelined (samples, rollups, GPUs' latest
-    values, node), commit. A wrong credential raises NotAuthenticated and writes nothing.
+    One transaction of two round trips on PostgreSQL whatever the batch size: the head statement
+    (credential, node lock, marker, GPUs), then the writes (samples, rollups, GPUs' latest values,
+    node) pipelined with the commit. A wrong credential raises NotAuthenticated and writes nothing.
     """
     now = now or timezone.now()
     pg = _is_pg()
