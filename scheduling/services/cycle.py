@@ -27,7 +27,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from nodes.models import SCHEDULABLE_NODE_STATES, CommandKind, Gpu, GpuHealth, GpuModel, Node, Region
-from nodes.services.commands import CommandRequest, node_command_enqueue, node_commands_enqueue_many
+from nodes.services.commands import CommandRequest, node_commands_enqueue_many
 from portal.actors import Actor
 from portal.bulk import bulk_insert
 from scheduling.engine import types as E
@@ -396,7 +396,7 @@ class _Batch:
     placed: dict[str, list[Workload]] = field(default_factory=lambda: defaultdict(list))
     messages: dict[int, str] = field(default_factory=dict)
     allocations: dict[int, Allocation] = field(default_factory=dict)  # negative key: not yet inserted
-    commands: list[tuple[int, dict[str, Any], str]] = field(default_factory=list)
+    commands: list[CommandRequest] = field(default_factory=list)  # start and preempt commands
 
 
 def _plan_place(ctx: _Context, batch: _Batch, w: Workload, decision: E.Place) -> tuple[str, str] | None:
@@ -453,7 +453,14 @@ def _plan_place(ctx: _Context, batch: _Batch, w: Workload, decision: E.Place) ->
     batch.messages[w.pk] = f"Placed on {', '.join(sorted({a.node_id for a in decision.assignments}))}."
     for a in decision.assignments:
         uuids = [ctx.gpus[(int(a.node_id), i)]["uuid"] for i in a.gpu_indices]
-        batch.commands.append((int(a.node_id), _start_payload(w, uuids, a), f"start:{w.pk}:{w.attempt}"))
+        batch.commands.append(
+            CommandRequest(
+                node_id=int(a.node_id),
+                kind=CommandKind.START_WORKLOAD,
+                payload=_start_payload(w, uuids, a),
+                idempotency_key=f"start:{w.pk}:{w.attempt}",
+            )
+        )
     return None
 
 
@@ -469,15 +476,7 @@ def _flush(ctx: _Context, batch: _Batch) -> None:
             now=ctx.now,
         )
     bulk_insert(list(batch.allocations.values()))
-    node_commands_enqueue_many(
-        commands=[
-            CommandRequest(
-                node_id=node_id, kind=CommandKind.START_WORKLOAD, payload=payload, idempotency_key=key
-            )
-            for node_id, payload, key in batch.commands
-        ],
-        now=ctx.now,
-    )
+    node_commands_enqueue_many(commands=batch.commands, now=ctx.now)
 
 
 def preempt_notice_s(plan: str) -> int:
@@ -485,7 +484,7 @@ def preempt_notice_s(plan: str) -> int:
     return int(notices.get(plan, notices.get("default", 30)))
 
 
-def _commit_preempt(ctx: _Context, preemptor: Workload, victim_ids: list[int]) -> list[int]:
+def _commit_preempt(ctx: _Context, batch: _Batch, preemptor: Workload, victim_ids: list[int]) -> list[int]:
     done = []
     for v in lock_workloads(ids=victim_ids, states=PREEMPTIBLE_STATES).values():
         # Until the victim stops, its node keeps the GPUs, CPU and RAM the engine now counts free:
@@ -504,12 +503,13 @@ def _commit_preempt(ctx: _Context, preemptor: Workload, victim_ids: list[int]) -
             now=ctx.now,
         )
         for node_id in sorted({a["node_id"] for a in ctx.holders.get(v.pk, [])}):
-            node_command_enqueue(
-                node=Node(pk=node_id),
-                kind=CommandKind.PREEMPT_WORKLOAD,
-                payload={"workload_id": str(v.pk), "notice_s": notice},
-                idempotency_key=f"preempt:{v.pk}:{v.attempt}",
-                now=ctx.now,
+            batch.commands.append(
+                CommandRequest(
+                    node_id=node_id,
+                    kind=CommandKind.PREEMPT_WORKLOAD,
+                    payload={"workload_id": str(v.pk), "notice_s": notice},
+                    idempotency_key=f"preempt:{v.pk}:{v.attempt}",
+                )
             )
         done.append(v.pk)
     return done
@@ -568,7 +568,7 @@ def scheduling_cycle_run(*, now: datetime | None = None, config: CycleConfig | N
             w = ctx.workloads[int(d.request_id)]
             if isinstance(d, E.Place) and d.preempt:
                 victims = [int(v) for v in d.preempt]
-                result.preempted += _commit_preempt(ctx, w, victims)
+                result.preempted += _commit_preempt(ctx, batch, w, victims)
                 msg = f"Waiting for {len(victims)} preempted workload(s) to stop."
                 if _set_pending(w, "preempting", msg, None):
                     changed.append(w)
