@@ -228,6 +228,11 @@ class Invoice(TenantOwnedModel):
     paid_at = models.DateTimeField(null=True, blank=True)
     voided_at = models.DateTimeField(null=True, blank=True)
     external_id = models.CharField(max_length=64, blank=True, help_text="The payment provider's id.")
+    due_at = models.DateTimeField(null=True, blank=True, help_text="Set at finalization: payment terms.")
+    payment_provider = models.CharField(max_length=16, blank=True)
+    payment_attempt = models.PositiveIntegerField(
+        default=0, help_text="Submissions to the provider; part of every idempotency key."
+    )
 
     class Meta:
         ordering = ["-period_start", "-id"]
@@ -383,3 +388,28 @@ class SpotPrice(models.Model):
 
     def __str__(self) -> str:
         return f"spot {self.gpu_model_id}/{self.region_id} {self.price} at {self.at:%Y-%m-%d %H:%M}"
+
+
+class StripeEventResult(models.TextChoices):
+    OK = "ok", "Processed"
+    IGNORED = "ignored", "Not about one of our objects"
+
+
+class StripeEvent(models.Model):
+    """A Stripe webhook event processed once: the unique ``event_id`` makes a redelivery a no-op.
+    The row is written in the same transaction as the event's effects, so an event whose
+    processing failed leaves no row and is processed when Stripe delivers it again."""
+
+    event_id = models.CharField(max_length=255, unique=True)
+    type = models.CharField(max_length=100)
+    created = models.DateTimeField(help_text="When Stripe created the event.")
+    received_at = models.DateTimeField(default=timezone.now)
+    livemode = models.BooleanField(default=False)
+    result = models.CharField(max_length=16, choices=StripeEventResult.choices)
+    invoice = models.ForeignKey(Invoice, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+
+    class Meta:
+        ordering = ["-received_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.type} {self.event_id}"

@@ -59,3 +59,17 @@ def quantize_unit(amount: Decimal) -> Decimal:
 
 def percent_of(amount: Decimal, percent: Decimal) -> Decimal:
     return Decimal(amount) * Decimal(percent) / Decimal(100)
+
+
+def to_minor_units(amount: Decimal | int | str, currency: str) -> int:
+    """``amount`` (in currency units) as an integer of the currency's minor units, as payment
+    providers take it: 12.34 USD -> 1234, 1234 JPY -> 1234, 1.234 BHD -> 1234. The amount must
+    already be at the currency's places (invoice lines and totals are); anything finer is an error,
+    never silently rounded."""
+    if isinstance(amount, float):
+        raise TypeError("Money is never a float; pass a Decimal or a string.")
+    value = Decimal(amount)
+    exact = quantize_money(value, currency)
+    if exact != value:
+        raise ValueError(f"{amount} has more places than {currency.upper()} has minor units.")
+    return int(exact.scaleb(minor_units(currency)))

@@ -26,3 +26,23 @@ def spot_prices_update() -> int:
     from metering.services.spot import spot_prices_update as update
 
     return len(update())
+
+
+@shared_task(name="metering.tasks.invoice_payment_submit", max_retries=8)
+def invoice_payment_submit(invoice_id: int) -> str:
+    """Hand a finalized invoice to the payment provider; transient provider errors are retried
+    (with the same idempotency keys)."""
+    from metering.payments.stripe import TRANSIENT_ERRORS
+    from metering.services.payments import invoice_payment_submit as submit
+
+    try:
+        return submit(invoice_id=invoice_id).external_id
+    except TRANSIENT_ERRORS as e:
+        raise invoice_payment_submit.retry(exc=e, countdown=30) from e
+
+
+@shared_task(name="metering.tasks.dunning_run")
+def dunning_run() -> int:
+    from metering.services.payments import dunning_run as run
+
+    return len(run())

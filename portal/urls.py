@@ -12,6 +12,7 @@ urlpatterns = [
     path("api/v1/", include("portal.api.urls")),
     path("agent/v1/", include("nodes.agent_urls")),
     path("fleet/", include("nodes.web_urls")),
+    path("webhooks/stripe/", include("metering.webhooks")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("", include("portal.web_urls")),

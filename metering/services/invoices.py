@@ -405,7 +405,14 @@ def invoice_finalize(*, invoice: Invoice, actor: Actor, now: datetime | None = N
         invoice.tax_rate_percent = tax_rate
         invoice.status = InvoiceStatus.FINALIZED
         invoice.finalized_at = now
+        invoice.due_at = now + timedelta(days=settings.METERING_PAYMENT_TERMS_DAYS)
+        invoice.payment_provider = settings.METERING_PAYMENT_PROVIDER
         invoice.save()
+        if invoice.payment_provider != "manual":
+            from metering.tasks import invoice_payment_submit
+
+            pk = invoice.pk
+            transaction.on_commit(lambda: invoice_payment_submit.delay(pk))
         audit_record(
             tenant=tenant,
             actor=actor,
@@ -416,15 +423,30 @@ def invoice_finalize(*, invoice: Invoice, actor: Actor, now: datetime | None = N
     return invoice
 
 
-def invoice_mark_paid(*, invoice: Invoice, actor: Actor, now: datetime | None = None) -> Invoice:
+def invoice_mark_paid(
+    *, invoice: Invoice, actor: Actor, now: datetime | None = None, data: dict | None = None
+) -> Invoice:
+    """Finance (manual provider) or the provider's webhook: the invoice is paid. If it is why the
+    tenant was suspended (dunning), the tenant is reactivated. ``data`` (e.g. the provider's event)
+    goes into the audit record."""
+    from metering.services.payments import dunning_release
+
+    now = now or timezone.now()
     with transaction.atomic():
         invoice = Invoice.objects.select_for_update().get(pk=invoice.pk)
         if invoice.status != InvoiceStatus.FINALIZED:
             raise Conflict(f"Invoice {invoice.pk} is {invoice.status}; only a finalized invoice can be paid.")
         invoice.status = InvoiceStatus.PAID
-        invoice.paid_at = now or timezone.now()
+        invoice.paid_at = now
         invoice.save(update_fields=["status", "paid_at"])
-        audit_record(tenant=invoice.tenant, actor=actor, action="invoice.paid", target=invoice)
+        audit_record(
+            tenant=invoice.tenant,
+            actor=actor,
+            action="invoice.paid",
+            target=invoice,
+            data={"total": str(quantize_money(invoice.total, invoice.currency)), **(data or {})},
+        )
+        dunning_release(invoice=invoice, now=now)
     return invoice
 
 
