@@ -1,0 +1,248 @@
+"""Monthly invoice run and the usage API on PostgreSQL.
+
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/test .venv/bin/python bench/invoices.py
+
+Makes its own database (``gpupool_bench_invoices``: created, migrated, dropped at the end) with
+``--tenants`` tenants (default 1,000) and ``--records`` usage records for March 2024 (default
+500,000; bulk-created directly, not through scheduling): the first tenant has ``--heavy`` (10,000)
+of them, the rest share the remainder; on-demand and spot, two GPU models. Then:
+
+1. ``invoice_run`` for March as beat runs it on 1 April (usage pass + every tenant's draft built);
+2. the same run on 5 April, when the drafts' grace is over (rebuilt once more and finalized);
+3. the heavy tenant's month through ``GET /api/v1/usage/?period=2024-03-01`` with the Django test
+   client and a billing token: the endpoint is cursor-paginated (at most 200 per page), so the
+   first page and the full walk (every page) are both timed (best of 3).
+
+Prints its figures; the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import sys
+import time
+from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.scheduling import _admin, _server_url  # noqa: E402
+
+DB_NAME = "gpupool_bench_invoices"
+H100 = "NVIDIA H100 SXM 80GB"
+A100 = "NVIDIA A100 SXM 80GB"
+MARCH = date(2024, 3, 1)
+HOUR = Decimal(3600)
+
+
+def seed(tenants: int, records: int, heavy: int):
+    from metering.models import RateCard, UsageRecord
+    from metering.services.rates import rate_card_version_create
+    from nodes.models import Gpu, GpuModel, Node, Region
+    from portal.actors import Actor
+    from portal.bulk import bulk_insert
+    from portal.models import Membership, Role, Tenant, User
+    from portal.services import api_token_create
+    from scheduling.models import Allocation, Plan, Workload
+
+    h100, a100 = GpuModel.objects.get(name=H100), GpuModel.objects.get(name=A100)
+    region = Region.objects.get_or_create(code="us-east-1", defaults={"name": "US East"})[0]
+    card = RateCard.objects.create(name="Standard", currency="USD", is_default=True)
+    prices = {(h100.pk, Plan.ON_DEMAND): "2.00", (h100.pk, Plan.SPOT): "0.80"}
+    prices |= {(a100.pk, Plan.ON_DEMAND): "1.00", (a100.pk, Plan.SPOT): "0.40"}
+    version = rate_card_version_create(
+        rate_card=card, effective_from=datetime(2020, 1, 1, tzinfo=UTC), gpu_prices=prices, allow_past=True
+    )
+    node = Node.objects.create(hostname="bench-0001", region=region, cpu_cores=64, ram_mib=512 * 1024)
+    gpus = [Gpu.objects.create(node=node, index=i, uuid=f"GPU-bench-{i}", model=h100) for i in range(8)]
+    Tenant.objects.bulk_create(
+        Tenant(name=f"Tenant {i}", slug=f"t{i:05d}", billing_email=f"billing@t{i}.test")
+        for i in range(tenants)
+    )
+    ts = list(Tenant.objects.order_by("pk"))
+    start = datetime(2024, 3, 1, tzinfo=UTC)
+    workloads, allocations = [], []
+    for t in ts:
+        for plan in (Plan.ON_DEMAND, Plan.SPOT):
+            workloads.append(Workload(tenant=t, kind="job", state="completed", plan=plan, image="img"))
+    Workload.objects.bulk_create(workloads, batch_size=2000)
+    for i, w in enumerate(workloads):
+        allocations.append(
+            Allocation(
+                tenant_id=w.tenant_id,
+                workload=w,
+                node=node,
+                gpu=gpus[i % 8],
+                gpu_model=h100,
+                plan=w.plan,
+                fraction_milli=1000,
+                started_at=start,
+                ended_at=start + timedelta(days=28),
+                end_reason="stopped",
+            )
+        )
+    Allocation.objects.bulk_create(allocations, batch_size=2000)
+    per_tenant = [heavy] + [(records - heavy) // (tenants - 1)] * (tenants - 1)
+    per_tenant[-1] += records - sum(per_tenant)
+    rows = []
+    seg = timedelta(seconds=240)  # 10,000 x 4 min fit in 28 days
+    made = 0
+    for t_index, (t, n) in enumerate(zip(ts, per_tenant, strict=True)):
+        for k in range(n):
+            a = allocations[2 * t_index + (k % 2)]
+            model = h100 if k % 3 else a100
+            price = Decimal(prices[(model.pk, a.plan)])
+            s = start + seg * (k // 2)
+            gpu_s = Decimal(240)
+            rows.append(
+                UsageRecord(
+                    tenant_id=t.pk,
+                    allocation_id=a.pk,
+                    workload_id=a.workload_id,
+                    gpu_model_id=model.pk,
+                    region_id=region.pk,
+                    plan=a.plan,
+                    period_start=MARCH,
+                    version_id=version.pk,
+                    start=s,
+                    end=s + seg,
+                    fraction_milli=1000,
+                    seconds=gpu_s,
+                    gpu_seconds=gpu_s,
+                    unit_price=price,
+                    amount=(gpu_s * price / HOUR).quantize(Decimal("1e-10")),
+                    avg_util_pct=80.0,
+                    avg_mem_used_mib=40000.0,
+                    created_at=start + timedelta(days=29),
+                )
+            )
+            if len(rows) >= 50_000:
+                bulk_insert(rows)
+                made += len(rows)
+                rows = []
+    bulk_insert(rows)
+    made += len(rows)
+    heavy_tenant = ts[0]
+    owner = User.objects.create_user(email="owner@bench.test", password="bench-pw-1")
+    Membership.objects.create(tenant=heavy_tenant, user=owner, role=Role.OWNER)
+    _, token = api_token_create(
+        tenant=heavy_tenant, name="bench", scopes=["read", "billing"], actor=Actor(user=owner)
+    )
+    return heavy_tenant, token, made
+
+
+def bench(tenants: int, records: int, heavy: int, profile: str | None = None) -> dict:
+    from django.db import connection
+    from django.test import Client
+
+    from metering.models import Invoice, InvoiceStatus, UsageRecord
+    from metering.services.invoices import invoice_run
+
+    t0 = time.perf_counter()
+    _, token, made = seed(tenants, records, heavy)
+    with connection.cursor() as c:
+        c.execute("ANALYZE")
+    print(f"seeded {tenants} tenants, {made} usage records in {time.perf_counter() - t0:.1f} s")
+
+    prof = cProfile.Profile() if profile else None
+    t0 = time.perf_counter()
+    if prof:
+        prof.enable()
+    built = invoice_run(period_start=MARCH, now=datetime(2024, 4, 1, 1, tzinfo=UTC))
+    run_s = time.perf_counter() - t0
+    if prof:
+        prof.disable()
+        prof.dump_stats(profile)
+    assert len(built) == tenants and all(i.status == InvoiceStatus.DRAFT for i in built)
+    print(f"invoice run (drafts): {len(built)} invoices in {run_s:.2f} s")
+
+    t0 = time.perf_counter()
+    invoice_run(period_start=MARCH, now=datetime(2024, 4, 5, 1, tzinfo=UTC))
+    finalize_s = time.perf_counter() - t0
+    finalized = Invoice.objects.filter(status=InvoiceStatus.FINALIZED).count()
+    assert finalized == tenants, finalized
+    from django.db.models import Sum
+
+    billed = Invoice.objects.aggregate(s=Sum("total"))["s"]
+    rated = UsageRecord.objects.aggregate(s=Sum("amount"))["s"]
+    print(
+        f"invoice run (finalize): {finalized} invoices in {finalize_s:.2f} s; billed {billed}, rated {rated}"
+    )
+
+    client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+    url = "/api/v1/usage/?period=2024-03-01&page_size=200"
+    first, walk, pages, seen = [], [], 0, 0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        r = client.get(url)
+        first.append(time.perf_counter() - t0)
+        assert r.status_code == 200, r.content[:300]
+        t0 = time.perf_counter()
+        nxt, pages, seen = url, 0, 0
+        while nxt:
+            body = client.get(nxt).json()
+            pages += 1
+            seen += len(body["results"])
+            nxt = body["next"]
+        walk.append(time.perf_counter() - t0)
+    assert seen == heavy, seen
+    print(
+        f"usage API, {seen} records: first page (200) {min(first) * 1000:.1f} ms, "
+        f"full walk ({pages} pages) {min(walk) * 1000:.1f} ms"
+    )
+    return {
+        "invoice_run_s": round(run_s, 2),
+        "invoice_finalize_run_s": round(finalize_s, 2),
+        "tenants": tenants,
+        "usage_records": made,
+        "usage_api_ms": round(min(walk) * 1000, 1),
+        "usage_api_first_page_ms": round(min(first) * 1000, 1),
+        "usage_api_pages": pages,
+        "usage_api_records": seen,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tenants", type=int, default=1000)
+    ap.add_argument("--records", type=int, default=500_000)
+    ap.add_argument("--heavy", type=int, default=10_000)
+    ap.add_argument("--profile", help="write a cProfile of the first (drafts) run to this file")
+    a = ap.parse_args()
+    base = os.environ.get("DATABASE_URL", "")
+    if not base.startswith(("postgres://", "postgresql://")):
+        sys.exit("Set DATABASE_URL to a PostgreSQL server (the bench makes its own database there).")
+    _admin(base, f'DROP DATABASE IF EXISTS "{DB_NAME}"', f'CREATE DATABASE "{DB_NAME}"', db_name=DB_NAME)
+    os.environ["DATABASE_URL"] = _server_url(base, DB_NAME)
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+    os.environ.setdefault("GPUPOOL_VAR_DIR", str(ROOT / "var" / "bench"))
+    os.environ.setdefault("SECRET_KEY", "bench-only-secret-key-" + "x" * 40)
+    os.environ.setdefault("DEBUG", "0")
+    os.environ.setdefault("SECURE_SSL_REDIRECT", "0")
+    os.environ.setdefault("LOG_LEVEL", "WARNING")
+    os.environ.setdefault("ALLOWED_HOSTS", "testserver")
+    os.environ.setdefault("API_RATE_LIMIT", "100000/min")
+    try:
+        import django
+
+        django.setup()
+        from django.core.management import call_command
+        from django.db import connections
+
+        call_command("migrate", verbosity=0)
+        out = bench(a.tenants, a.records, a.heavy, a.profile)
+        connections.close_all()
+    finally:
+        _admin(base, f'DROP DATABASE IF EXISTS "{DB_NAME}"', db_name=DB_NAME)
+    load = os.getloadavg()
+    print(f"load average: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
