@@ -16,12 +16,11 @@ from tests.deploy.helpers import (
 
 PROM = DEPLOY / "prometheus"
 ISSUE_ALERTS = {
-    "gpupool.yml": {"GpupoolNodeDown", "GpupoolGpuUnhealthy"},
+    "gpupool.yml": {"GpupoolNodeDown", "GpupoolGpuUnhealthy", "GpupoolStripeWebhookFailures"},
     "pending.yml": {
         "GpupoolQueueWaitP95High",
         "GpupoolSchedulingCycleFailing",
         "GpupoolInvoiceRunFailed",
-        "GpupoolStripeWebhookFailures",
     },
 }
 
