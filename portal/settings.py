@@ -427,7 +427,10 @@ METERING_PAYMENT_PROVIDER = env.str("METERING_PAYMENT_PROVIDER", default="manual
 METERING_PAYMENT_TERMS_DAYS = env.int("METERING_PAYMENT_TERMS_DAYS", default=14)
 # Dunning: days past the due date before the tenant is suspended (paying reactivates it).
 METERING_DUNNING_GRACE_DAYS = env.int("METERING_DUNNING_GRACE_DAYS", default=7)
-CELERY_BEAT_SCHEDULE["metering-dunning"] = {"task": "metering.tasks.dunning_run", "schedule": timedelta(hours=1)}
+CELERY_BEAT_SCHEDULE["metering-dunning"] = {
+    "task": "metering.tasks.dunning_run",
+    "schedule": timedelta(hours=1),
+}
 # Invoice line kinds and workload kinds are both fields named "kind": one schema name for each.
 SPECTACULAR_SETTINGS.setdefault("ENUM_NAME_OVERRIDES", {}).update(
     {"InvoiceLineKindEnum": "metering.models.LineKind", "KindEnum": "scheduling.models.WorkloadKind"}
