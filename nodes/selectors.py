@@ -473,15 +473,33 @@ def node_telemetry(*, gpus: list[Gpu], start: datetime, now: datetime | None = N
         row = points.get(ts)
         if row is None:
             row = points[ts] = [[None] * len(ids) for _ in TELEMETRY_METRICS]
-        row[0][i] = round(util, 1)
-        row[1][i] = round(mem_mib / 1024, 2)
-        row[2][i] = round(power, 1)
+        # A gauge the GPU could not report (MIG mode, fell off the bus) is a gap in its line.
+        row[0][i] = None if util is None else round(util, 1)
+        row[1][i] = None if mem_mib is None else round(mem_mib / 1024, 2)
+        row[2][i] = None if power is None else round(power, 1)
         row[3][i] = temp
 
-    for gpu_id, minute, n, util_sum, mem_sum, power_sum, temp_max in GpuMinuteRollup.objects.filter(
+    for rollup in GpuMinuteRollup.objects.filter(
         gpu_id__in=ids, minute__gte=start, minute__lt=current_minute, sample_count__gt=0
-    ).values_list("gpu_id", "minute", "sample_count", "util_sum", "mem_used_sum", "power_sum", "temp_max"):
-        put(int(minute.timestamp()), column[gpu_id], util_sum / n, mem_sum / n, power_sum / n, temp_max)
+    ).only(
+        "gpu_id",
+        "minute",
+        "util_sum",
+        "util_count",
+        "mem_used_sum",
+        "mem_used_count",
+        "power_sum",
+        "power_count",
+        "temp_max",
+    ):
+        put(
+            int(rollup.minute.timestamp()),
+            column[rollup.gpu_id],
+            rollup.util_avg,
+            rollup.mem_used_avg_mib,
+            rollup.power_avg_w,
+            rollup.temp_max,
+        )
     for gpu_id, ts, util, mem, power, temp in (
         GpuSample.objects.filter(gpu_id__in=ids, ts__gte=max(current_minute, start), ts__lte=now)
         .order_by("-ts")

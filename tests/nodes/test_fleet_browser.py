@@ -94,8 +94,8 @@ def seed():
         for g in gpus:
             u = max(0.0, min(100.0, 55 + 35 * math.sin((back + g.index * 3) / 7)))
             rollups.append(GpuMinuteRollup(gpu=g, minute=minute - timedelta(minutes=back), sample_count=12,
-                util_sum=12 * u, util_max=u, mem_used_sum=12 * int(800 * u), mem_used_max=int(800 * u),
-                power_sum=12 * (90 + 6 * u), temp_max=int(40 + u * 0.4)))
+                util_sum=12 * u, util_count=12, util_max=u, mem_used_sum=12 * int(800 * u), mem_used_count=12,
+                mem_used_max=int(800 * u), power_sum=12 * (90 + 6 * u), power_count=12, temp_max=int(40 + u * 0.4)))
     GpuMinuteRollup.objects.bulk_create(rollups)
     for g in gpus:
         GpuSample.objects.create(gpu=g, ts=minute, util_pct=g.last_util_pct, mem_used_mib=g.last_mem_used_mib,

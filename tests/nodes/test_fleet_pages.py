@@ -364,9 +364,12 @@ def test_node_detail_shows_facts_gpus_telemetry_and_command_history(staff_client
         time.sleep(4)
     minute = timezone.now().replace(second=0, microsecond=0)
     for back in (3, 2, 1):
+        # A minute after which utilisation went unreported (MIG mode): its average is a gap, not 0.
+        util_n = 0 if back == 1 else 4
         GpuMinuteRollup.objects.create(
-            gpu=g0, minute=minute - timedelta(minutes=back), sample_count=4, util_sum=4 * 60.0, util_max=70,
-            mem_used_sum=4 * 2048, mem_used_max=2048, power_sum=4 * 300.0, temp_max=70 + back,
+            gpu=g0, minute=minute - timedelta(minutes=back), sample_count=4, util_sum=util_n * 60.0,
+            util_count=util_n, util_max=70 if util_n else None, mem_used_sum=4 * 2048, mem_used_count=4,
+            mem_used_max=2048, power_sum=4 * 300.0, power_count=4, temp_max=70 + back,
         )  # fmt: skip
     GpuMinuteRollup.objects.create(
         gpu=g0, minute=minute - timedelta(hours=3), sample_count=1, util_sum=1, mem_used_sum=1, power_sum=1
@@ -403,7 +406,7 @@ def test_node_detail_shows_facts_gpus_telemetry_and_command_history(staff_client
     )
     assert [g["label"] for g in telemetry["gpus"]] == ["GPU 0", "GPU 1"]
     assert len(telemetry["x"]) == 4  # three finished minutes + the raw sample of this minute
-    assert telemetry["util"][0] == [60.0, 60.0, 60.0, 99.0] and telemetry["util"][1] == [None] * 4
+    assert telemetry["util"][0] == [60.0, 60.0, None, 99.0] and telemetry["util"][1] == [None] * 4
     assert telemetry["mem"][0] == [2.0, 2.0, 2.0, 4.0]
     assert telemetry["temp"][0] == [73, 72, 71, 80]
     assert telemetry["window_s"] == 3600
