@@ -4,7 +4,7 @@ void actions. Everything with consequences goes through the services."""
 
 from __future__ import annotations
 
-from django.contrib import admin, messages
+from django.contrib import admin
 
 from metering.models import (
     BillingAccount,
@@ -24,21 +24,7 @@ from metering.services.invoices import (
     invoice_run,
     invoice_void,
 )
-from portal.actors import Actor
-from portal.errors import DomainError
-
-
-def _run_each(modeladmin, request, queryset, fn, verb: str) -> None:
-    actor = Actor(user=request.user)
-    done = 0
-    for obj in queryset:
-        try:
-            fn(obj, actor)
-            done += 1
-        except DomainError as e:
-            modeladmin.message_user(request, f"{obj}: {e.message}", level=messages.WARNING)
-    if done:
-        modeladmin.message_user(request, f"{verb}: {done}.")
+from portal.admin_actions import run_each
 
 
 class GpuPriceInline(admin.TabularInline):
@@ -128,7 +114,7 @@ class InvoiceAdmin(admin.ModelAdmin):
 
     @admin.action(description="Rebuild the selected drafts from usage")
     def rebuild(self, request, queryset):
-        _run_each(
+        run_each(
             self,
             request,
             queryset,
@@ -138,15 +124,15 @@ class InvoiceAdmin(admin.ModelAdmin):
 
     @admin.action(description="Finalize the selected drafts")
     def finalize(self, request, queryset):
-        _run_each(self, request, queryset, lambda i, a: invoice_finalize(invoice=i, actor=a), "Finalized")
+        run_each(self, request, queryset, lambda i, a: invoice_finalize(invoice=i, actor=a), "Finalized")
 
     @admin.action(description="Mark the selected invoices paid")
     def mark_paid(self, request, queryset):
-        _run_each(self, request, queryset, lambda i, a: invoice_mark_paid(invoice=i, actor=a), "Marked paid")
+        run_each(self, request, queryset, lambda i, a: invoice_mark_paid(invoice=i, actor=a), "Marked paid")
 
     @admin.action(description="Void the selected invoices")
     def void(self, request, queryset):
-        _run_each(
+        run_each(
             self, request, queryset, lambda i, a: invoice_void(invoice=i, actor=a, reason="staff"), "Voided"
         )
 

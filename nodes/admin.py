@@ -29,20 +29,7 @@ from nodes.models import (
 from nodes.services import health
 from nodes.services.registration import bootstrap_token_create, gpu_models_rematch
 from portal.actors import Actor
-from portal.errors import DomainError
-
-
-def _run_each(modeladmin, request, queryset, fn, verb: str) -> None:
-    actor = Actor(user=request.user)
-    done = 0
-    for obj in queryset:
-        try:
-            fn(obj, actor)
-            done += 1
-        except DomainError as exc:
-            modeladmin.message_user(request, f"{obj}: {exc.message}", messages.ERROR)
-    if done:
-        modeladmin.message_user(request, f"{verb} {done} item(s).", messages.SUCCESS)
+from portal.admin_actions import run_each
 
 
 @admin.register(GpuModel)
@@ -146,15 +133,15 @@ class NodeAdmin(admin.ModelAdmin):
 
     @admin.action(description="Cordon: no new work")
     def cordon(self, request, queryset):
-        _run_each(self, request, queryset, lambda n, a: health.node_cordon(node=n, actor=a), "Cordoned")
+        run_each(self, request, queryset, lambda n, a: health.node_cordon(node=n, actor=a), "Cordoned")
 
     @admin.action(description="Drain: no new work, let running work finish")
     def drain(self, request, queryset):
-        _run_each(self, request, queryset, lambda n, a: health.node_drain(node=n, actor=a), "Draining")
+        run_each(self, request, queryset, lambda n, a: health.node_drain(node=n, actor=a), "Draining")
 
     @admin.action(description="Uncordon: back to READY")
     def uncordon(self, request, queryset):
-        _run_each(self, request, queryset, lambda n, a: health.node_uncordon(node=n, actor=a), "Uncordoned")
+        run_each(self, request, queryset, lambda n, a: health.node_uncordon(node=n, actor=a), "Uncordoned")
 
     @admin.action(description="Maintenance (asks for a reason)")
     def maintenance(self, request, queryset):
@@ -162,7 +149,7 @@ class NodeAdmin(admin.ModelAdmin):
             form = ReasonForm(request.POST)
             if form.is_valid():
                 reason = form.cleaned_data["reason"]
-                _run_each(
+                run_each(
                     self,
                     request,
                     queryset,
@@ -222,13 +209,13 @@ class GpuAdmin(admin.ModelAdmin):
 
     @admin.action(description="Return to service (healthy, schedulable)")
     def return_to_service(self, request, queryset):
-        _run_each(
+        run_each(
             self, request, queryset, lambda g, a: health.gpu_return_to_service(gpu=g, actor=a), "Returned"
         )
 
     @admin.action(description="Isolate from scheduling")
     def isolate(self, request, queryset):
-        _run_each(
+        run_each(
             self,
             request,
             queryset,

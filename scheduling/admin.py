@@ -3,10 +3,10 @@ views of workloads and allocations. Changes with consequences go through the ser
 
 from __future__ import annotations
 
-from django.contrib import admin, messages
+from django.contrib import admin
 
 from portal.actors import Actor
-from portal.errors import DomainError
+from portal.admin_actions import run_each
 from portal.services import audit_record
 from scheduling.models import (
     Allocation,
@@ -19,19 +19,6 @@ from scheduling.models import (
 )
 from scheduling.services.lifecycle import workload_stop
 from scheduling.services.reservations import reservation_activate, reservation_cancel
-
-
-def _run_each(modeladmin, request, queryset, fn, verb: str) -> None:
-    actor = Actor(user=request.user)
-    done = 0
-    for obj in queryset:
-        try:
-            fn(obj, actor)
-            done += 1
-        except DomainError as e:
-            modeladmin.message_user(request, f"{obj}: {e.message}", level=messages.WARNING)
-    if done:
-        modeladmin.message_user(request, f"{verb}: {done}.")
 
 
 class QuotaModelLimitInline(admin.TabularInline):
@@ -80,13 +67,13 @@ class ReservationAdmin(admin.ModelAdmin):
 
     @admin.action(description="Confirm (guarantee and bill) the selected reservations")
     def activate(self, request, queryset):
-        _run_each(
+        run_each(
             self, request, queryset, lambda r, a: reservation_activate(reservation=r, actor=a), "Confirmed"
         )
 
     @admin.action(description="Cancel or end the selected reservations")
     def cancel(self, request, queryset):
-        _run_each(
+        run_each(
             self,
             request,
             queryset,
@@ -153,7 +140,7 @@ class WorkloadAdmin(admin.ModelAdmin):
 
     @admin.action(description="Stop the selected workloads")
     def stop(self, request, queryset):
-        _run_each(self, request, queryset, lambda w, a: workload_stop(workload=w, actor=a), "Stopping")
+        run_each(self, request, queryset, lambda w, a: workload_stop(workload=w, actor=a), "Stopping")
 
 
 @admin.register(Allocation)
