@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -23,20 +22,10 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
+from tests.browser import SCREENSHOTS, chromium_page
+
 pytestmark = [pytest.mark.slow]
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-SCREENSHOTS = Path(settings.BASE_DIR) / "var" / "screenshots"
 EMAIL, PASSWORD = "ops@gpupool.test", "fleet-browser-pw-1"
 
 # Runs in the server's environment (its database, its channel layer): `python -c SETUP <command> ...`.
@@ -242,22 +231,9 @@ def server(tmp_path):
 
 
 @pytest.fixture
-def page(monkeypatch):
-    assert Path(CHROMIUM).exists() or shutil.which("chromium"), (
-        "The browser tests need Debian's chromium: run scripts/install-system-deps"
-    )
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        context = browser.new_context(viewport={"width": 1440, "height": 1000})
-        page = context.new_page()
-        page.set_default_timeout(15_000)
-        errors: list[str] = []
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
+def page():
+    with chromium_page(width=1440, height=1000) as page:
         yield page
-        browser.close()
-        assert errors == [], f"JavaScript errors: {errors}"
 
 
 def test_fleet_pages_update_live_and_node_actions_work(server, page):

@@ -7,30 +7,15 @@ Screenshots of the dashboard and the tokens page land in ``var/screenshots/``.
 from __future__ import annotations
 
 import re
-import shutil
-from pathlib import Path
 
 import pytest
-from django.conf import settings
 from django.core import mail
 
 from portal.models import ApiToken, Invitation, Membership, Role, hash_secret
+from tests.browser import SCREENSHOTS, chromium_page
 from tests.portal.conftest import PASSWORD
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
-
-CHROMIUM = "/usr/bin/chromium"
-ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-SCREENSHOTS = Path(settings.BASE_DIR) / "var" / "screenshots"
 
 
 @pytest.fixture
@@ -38,21 +23,8 @@ def page(monkeypatch):
     # Playwright's sync API runs an event loop in this thread; the ORM calls the test makes
     # between browser steps are still plain synchronous code.
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-    assert Path(CHROMIUM).exists() or shutil.which("chromium"), (
-        "The browser tests need Debian's chromium: run scripts/install-system-deps"
-    )
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        context = browser.new_context(viewport={"width": 1360, "height": 900})
-        page = context.new_page()
-        page.set_default_timeout(15_000)
-        errors: list[str] = []
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
+    with chromium_page(width=1360, height=900) as page:
         yield page
-        browser.close()
-        assert errors == [], f"JavaScript errors: {errors}"
 
 
 def test_owner_creates_and_revokes_a_token_and_invites_someone(page, live_server, make_tenant):
