@@ -29,7 +29,6 @@ import threading
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import orjson
@@ -42,23 +41,6 @@ TABLES = ("nodes_gpusample", "nodes_gpuminuterollup", "nodes_heartbeatbatch", "n
 
 def iso(dt: datetime) -> str:
     return dt.isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def bench_database_url(base: str, name: str) -> str:
-    parts = urlsplit(base)
-    return urlunsplit((parts.scheme, parts.netloc, "/" + name, parts.query, parts.fragment))
-
-
-def recreate_database(base_url: str, name: str) -> None:
-    import psycopg
-
-    with psycopg.connect(base_url.replace("postgres://", "postgresql://", 1), autocommit=True) as conn:
-        conn.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
-            [name],
-        )
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
-        conn.execute(f'CREATE DATABASE "{name}"')
 
 
 def free_port() -> int:
@@ -265,8 +247,10 @@ def main() -> int:
     if not base_db.startswith(("postgres://", "postgresql://")):
         print("DATABASE_URL must point at PostgreSQL", file=sys.stderr)
         return 2
-    db_url = bench_database_url(base_db, args.db_name)
-    recreate_database(base_db, args.db_name)
+    sys.path.insert(0, str(ROOT))
+    from bench.pgdb import recreate_database
+
+    db_url = recreate_database(base_db, args.db_name)
     env = server_env(db_url)
     subprocess.run(
         [sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True
@@ -274,7 +258,6 @@ def main() -> int:
     print(f"database {args.db_name}: migrated")
 
     os.environ.update(env)
-    sys.path.insert(0, str(ROOT))
     import django
 
     django.setup()

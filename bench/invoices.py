@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.scheduling import _admin, _server_url  # noqa: E402
+from bench.pgdb import drop_database, recreate_database  # noqa: E402
 
 DB_NAME = "gpupool_bench_invoices"
 H100 = "NVIDIA H100 SXM 80GB"
@@ -217,8 +217,7 @@ def main() -> None:
     base = os.environ.get("DATABASE_URL", "")
     if not base.startswith(("postgres://", "postgresql://")):
         sys.exit("Set DATABASE_URL to a PostgreSQL server (the bench makes its own database there).")
-    _admin(base, f'DROP DATABASE IF EXISTS "{DB_NAME}"', f'CREATE DATABASE "{DB_NAME}"', db_name=DB_NAME)
-    os.environ["DATABASE_URL"] = _server_url(base, DB_NAME)
+    os.environ["DATABASE_URL"] = recreate_database(base, DB_NAME)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
     os.environ.setdefault("GPUPOOL_VAR_DIR", str(ROOT / "var" / "bench"))
     os.environ.setdefault("SECRET_KEY", "bench-only-secret-key-" + "x" * 40)
@@ -238,7 +237,7 @@ def main() -> None:
         out = bench(a.tenants, a.records, a.heavy, a.profile)
         connections.close_all()
     finally:
-        _admin(base, f'DROP DATABASE IF EXISTS "{DB_NAME}"', db_name=DB_NAME)
+        drop_database(base, DB_NAME)
     load = os.getloadavg()
     print(f"load average: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(json.dumps(out))

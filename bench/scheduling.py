@@ -27,12 +27,12 @@ import random
 import sys
 import time
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.engine import run as engine_run  # noqa: E402
+from bench.pgdb import drop_database, recreate_database  # noqa: E402
 
 DB_NAME = "gpupool_bench_sched"
 H100 = "NVIDIA H100 SXM 80GB"
@@ -40,25 +40,6 @@ A100 = "NVIDIA A100 SXM 80GB"
 REGIONS = ("us-east-1", "eu-west-1")
 # (gpu_count, fraction milli, weight)
 SHAPES = ((1, 1000, 50), (2, 1000, 12), (4, 1000, 6), (8, 1000, 2), (1, 500, 15), (1, 250, 10))
-
-
-def _server_url(base: str, name: str) -> str:
-    parts = urlsplit(base)
-    return urlunsplit((parts.scheme, parts.netloc, "/" + name, parts.query, parts.fragment))
-
-
-def _admin(base_url: str, *statements: str, db_name: str = DB_NAME) -> None:
-    """Run ``statements`` on the server's maintenance connection, after closing ``db_name``'s."""
-    import psycopg
-
-    with psycopg.connect(base_url.replace("postgres://", "postgresql://", 1), autocommit=True) as conn:
-        conn.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s "
-            "AND pid <> pg_backend_pid()",
-            [db_name],
-        )
-        for sql in statements:
-            conn.execute(sql)
 
 
 # --- 1. engine alone ----------------------------------------------------------------------------------
@@ -275,8 +256,7 @@ def main() -> None:
     base = os.environ.get("DATABASE_URL", "")
     if not base.startswith(("postgres://", "postgresql://")):
         sys.exit("Set DATABASE_URL to a PostgreSQL server (the bench makes its own database there).")
-    _admin(base, f'DROP DATABASE IF EXISTS "{DB_NAME}"', f'CREATE DATABASE "{DB_NAME}"')
-    os.environ["DATABASE_URL"] = _server_url(base, DB_NAME)
+    os.environ["DATABASE_URL"] = recreate_database(base, DB_NAME)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
     os.environ.setdefault("GPUPOOL_VAR_DIR", str(ROOT / "var" / "bench"))
     os.environ.setdefault("SECRET_KEY", "bench-only-secret-key-" + "x" * 40)
@@ -296,7 +276,7 @@ def main() -> None:
         e2e = bench_e2e(a.nodes, a.pending, a.tenants, a.seed, a.profile)
         connections.close_all()
     finally:
-        _admin(base, f'DROP DATABASE IF EXISTS "{DB_NAME}"')
+        drop_database(base, DB_NAME)
     load = os.getloadavg()
     print(f"load average: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     out = {

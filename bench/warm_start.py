@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.scheduling import _admin, _server_url  # noqa: E402
+from bench.pgdb import drop_database, recreate_database  # noqa: E402
 
 DB_NAME = "gpupool_bench_warm"
 REGION = "us-east-1"
@@ -199,8 +199,7 @@ def main() -> None:
     base = os.environ.get("DATABASE_URL", "")
     if not base.startswith(("postgres://", "postgresql://")):
         sys.exit("Set DATABASE_URL to a PostgreSQL server (the bench makes its own database there).")
-    _admin(base, f'DROP DATABASE IF EXISTS "{DB_NAME}"', f'CREATE DATABASE "{DB_NAME}"', db_name=DB_NAME)
-    os.environ["DATABASE_URL"] = _server_url(base, DB_NAME)
+    os.environ["DATABASE_URL"] = recreate_database(base, DB_NAME)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
     os.environ.setdefault("SECRET_KEY", "bench-only-secret-key-" + "x" * 40)
     os.environ.setdefault("DEBUG", "0")
@@ -221,7 +220,7 @@ def main() -> None:
             out = run(a, Path(tmp))
         connections.close_all()
     finally:
-        _admin(base, f'DROP DATABASE IF EXISTS "{DB_NAME}"', db_name=DB_NAME)
+        drop_database(base, DB_NAME)
     warm, cold = statistics.median(out["warm"]), statistics.median(out["cold"])
     load = os.getloadavg()
     print(
