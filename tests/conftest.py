@@ -1,10 +1,19 @@
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 from portal.actors import Actor
 from portal.models import Membership, Role, Tenant, User
 from portal.services import api_token_create, tenant_create
+
+# In CI property tests replay the same examples every run (a failure there is then reproducible
+# and never a matter of luck); developers' runs keep exploring new ones.
+hypothesis_settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    hypothesis_settings.load_profile("ci")
 
 
 @pytest.fixture(autouse=True)
