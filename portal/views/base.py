@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import quote
 
 from django.contrib.auth.mixins import AccessMixin
+from django.core.exceptions import ImproperlyConfigured
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
@@ -132,7 +133,9 @@ class TenantScopedMixin(AccessMixin):
 
     def get_queryset(self) -> QuerySet:
         if self.model is None:
-            raise NotImplementedError(f"{type(self).__name__} sets no model; override get_queryset().")
+            raise ImproperlyConfigured(
+                f"{type(self).__name__} sets no model; set one or override get_queryset()."
+            )
         return self.scoped(self.model)
 
     def get_scoped_object(self, queryset: QuerySet | None = None, **lookups) -> Model:

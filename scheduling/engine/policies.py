@@ -8,6 +8,7 @@ an option that spans more NVLink islands never beats one that spans fewer.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 
 from .fragmentation import Distribution, node_fragmentation
 from .spec import Demand
@@ -15,7 +16,7 @@ from .state import ClusterState, Key, NodeClass, Option
 from .types import MILLI
 
 
-class Policy:
+class Policy(ABC):
     name = "base"
     random_fit = False
     scan = False
@@ -34,11 +35,13 @@ class Policy:
         assert best is not None
         return best[1], best_opt
 
+    @abstractmethod
     def score(self, state: ClusterState, cls: NodeClass, key: Key, demand: Demand, opt: Option) -> float:
-        raise NotImplementedError
+        """Lower is better."""
 
     def set_distribution(self, dist: Distribution) -> None:
         """Fragmentation-aware policies score against this workload; others ignore it."""
+        return None
 
 
 class RandomFit(Policy):

@@ -18,7 +18,7 @@ amounts = st.decimals(min_value=Decimal("-1e9"), max_value=Decimal("1e9"), allow
         ("2.5", "JPY", "3"),
         ("1.4999", "JPY", "1"),
         ("0.0005", "KWD", "0.001"),
-        ("7", "XXX", "7.00"),
+        ("7", "XXX", "7.00"),  # ISO 4217 "no currency": unknown minor units fall back to 2
     ],
 )
 def test_half_up_at_the_currency_places(amount, currency, expected):

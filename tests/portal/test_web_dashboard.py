@@ -14,6 +14,18 @@ from tests.portal.conftest import HTMX
 pytestmark = pytest.mark.django_db
 
 
+@pytest.fixture(autouse=True)
+def _registries_restored():
+    """Tests here register and unregister entries, some named like other apps' (the fleet's nav
+    entry); whatever they do, the registries are as the apps left them afterwards."""
+    nav, panels = dict(dashboard._nav), dict(dashboard._panels)
+    yield
+    dashboard._nav.clear()
+    dashboard._nav.update(nav)
+    dashboard._panels.clear()
+    dashboard._panels.update(panels)
+
+
 def _panel_urls(html: str) -> list[str]:
     return re.findall(r'hx-get="([^"]+)" hx-trigger="load"', html)
 
