@@ -13,6 +13,7 @@ urlpatterns = [
     path("agent/v1/", include("nodes.agent_urls")),
     path("fleet/", include("nodes.web_urls")),
     path("webhooks/stripe/", include("metering.webhooks")),
+    path("", include("scheduling.web_urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("", include("portal.web_urls")),

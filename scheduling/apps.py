@@ -7,6 +7,6 @@ class SchedulingConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from scheduling import receivers
+        from scheduling import receivers, views  # noqa: F401  (views: the nav entries and panel)
 
         receivers.connect()

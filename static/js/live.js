@@ -12,6 +12,7 @@
  *   [data-count="<key>"]                 a number                 (fleet.snapshot)
  *   [data-alert-list]                    open fleet alerts        (fleet.snapshot)
  *   [data-live-status]                   "Live" / "Reconnecting…"
+ *   [data-workload-state="<id>"]         workload state badge     (workload.state)
  */
 (function () {
   "use strict";
@@ -140,7 +141,21 @@
     }
   }
 
-  var handlers = { "fleet.snapshot": onSnapshot, "node.state": onNodeState, "gpu.health": onGpuHealth };
+  var WORKLOAD_LABELS = {
+    pending: "Pending", queued: "Queued", scheduled: "Scheduled", starting: "Starting", running: "Running",
+    stopping: "Stopping", preempted: "Preempted", stopped: "Stopped", succeeded: "Succeeded", failed: "Failed"
+  };
+
+  function onWorkloadState(ev) {
+    each('[data-workload-state="' + ev.workload_id + '"]', function (el) {
+      var cls = "badge badge-wl badge-wl-" + ev.to;
+      if (el.className !== cls) el.className = cls;
+      setText(el, WORKLOAD_LABELS[ev.to] || ev.to);
+    });
+  }
+
+  var handlers = { "fleet.snapshot": onSnapshot, "node.state": onNodeState, "gpu.health": onGpuHealth,
+    "workload.state": onWorkloadState };
 
   function receive(ev) {
     if (!ev || typeof ev.type !== "string") return;

@@ -1,0 +1,11 @@
+"""The tenant's workload pages: launch, the workloads list and a workload's detail (live).
+
+Importing this package registers the sidebar entries and the dashboard panel;
+``SchedulingConfig.ready()`` imports it.
+"""
+
+from portal.dashboard import register_nav, register_panel
+
+register_nav("launch", "Launch", "scheduling:launch", order=10, icon="cpu")
+register_nav("workloads", "Workloads", "scheduling:workloads", order=12, icon="layers")
+register_panel("workloads", "Running and pending workloads", "scheduling:panel-workloads", order=5, wide=True)

@@ -1,0 +1,323 @@
+"""Launch: a form over ``workload_submit`` (the same service and rules as ``POST /api/v1/instances/``
+and ``/jobs/``), with the GPU models' live availability per region, their prices per plan, and a cost
+estimate and warm-pool hint that follow the form (``LaunchSummaryView``, an htmx fragment).
+
+The form checks the shape of the input only; every rule (catalog, fleet, quotas, admission checks)
+is the service's, and its errors are shown next to the field they name.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+from django import forms
+from django.shortcuts import redirect
+from django.utils import timezone
+from django.views.generic import View
+
+from nodes.models import GpuModel, Region
+from portal.errors import DomainError
+from portal.models import Scope
+from portal.views.base import TenantScopedMixin, render_page
+from scheduling import selectors
+from scheduling.models import (
+    MILLI,
+    Plan,
+    Reservation,
+    ReservationStatus,
+    WarmSlot,
+    Workload,
+    WorkloadKind,
+)
+from scheduling.pricing import gpu_prices
+from scheduling.services.submission import SCHEDULABLE_VENDORS, QuotaExceeded, workload_submit
+
+FRACTIONS = [(1000, "Whole GPUs"), (500, "½ GPU"), (250, "¼ GPU"), (125, "⅛ GPU")]
+# The service names spec keys; the form's fields are named for people.
+FIELD_OF_SPEC_KEY = {
+    "gpu_models": "gpu_model",
+    "gpu_model": "gpu_model",
+    "gpu_vendor": "gpu_model",
+    "min_gpu_memory_gib": "gpu_model",
+    "gpu_fraction_milli": "fraction",
+    "mig_profile": "fraction",
+    "gang": "gpu_count",
+    "cpu_millicores": "gpu_count",
+    "ram_mib": "gpu_count",
+}
+# Quotas counted in GPUs: their error goes next to the count as well as on top of the form.
+GPU_QUOTAS = ("max_gpus_total", "max_spot_gpus", "max_gpus_per_request", "max_gpus[")
+HOURS_PER_DAY = 24
+
+
+class LaunchForm(forms.Form):
+    kind = forms.ChoiceField(
+        label="What to launch",
+        choices=WorkloadKind.choices,
+        initial=WorkloadKind.INSTANCE,
+        widget=forms.RadioSelect,
+    )
+    name = forms.CharField(label="Name", required=False, max_length=100)
+    # Free text under a list of choices: an unknown model is the service's error, as in the API.
+    gpu_model = forms.CharField(label="GPU model", max_length=80, widget=forms.RadioSelect)
+    gpu_count = forms.IntegerField(label="GPUs", min_value=1, max_value=4096, initial=1)
+    fraction = forms.TypedChoiceField(
+        label="Share of a GPU", choices=FRACTIONS, coerce=int, initial=MILLI,
+        help_text="A share (½, ¼, ⅛) is of one GPU: the count must then be 1.",
+    )  # fmt: skip
+    region = forms.CharField(label="Region", required=False, max_length=32, widget=forms.Select)
+    plan = forms.ChoiceField(label="Plan", choices=Plan.choices, initial=Plan.ON_DEMAND)
+    reservation = forms.TypedChoiceField(
+        label="Reservation", required=False, coerce=int, empty_value=None,
+        help_text="The reserved plan draws from one of your active reservations.",
+    )  # fmt: skip
+    spot_max_price = forms.DecimalField(
+        label="Highest spot price per GPU-hour", required=False, min_value=0, max_digits=22, decimal_places=10,
+        help_text="Spot only: preempted when the market price rises above it.",
+    )  # fmt: skip
+    image = forms.CharField(
+        label="Image", required=False, max_length=255, help_text="e.g. nvcr.io/nvidia/pytorch:24.08-py3"
+    )
+    template = forms.CharField(
+        label="Template", required=False, max_length=100, help_text="Instances: an image or a template."
+    )
+    ssh_public_key = forms.CharField(
+        label="SSH public key", required=False, max_length=16_000,
+        widget=forms.Textarea(attrs={"rows": 2, "placeholder": "ssh-ed25519 AAAA… you@laptop"}),
+        help_text="Instances only: the key that may log in.",
+    )  # fmt: skip
+    command = forms.CharField(
+        label="Command", required=False, max_length=4000,
+        help_text="Jobs only: run as given, split like a shell would (no shell features).",
+    )  # fmt: skip
+
+    def __init__(
+        self, *args, models: list[GpuModel], regions: list[str], reservations: list[Reservation], **kw
+    ):
+        super().__init__(*args, **kw)
+        self.fields["gpu_model"].widget.choices = [(m.name, m.name) for m in models]
+        if models and not self.is_bound:
+            self.fields["gpu_model"].initial = models[0].name
+        self.fields["region"].widget.choices = [("", "Any region"), *((c, c) for c in regions)]
+        self.fields["reservation"].choices = [("", "None")] + [
+            (r.pk, f"#{r.pk}: {r.count} x {r.gpu_model.name} in {r.region.code}, until {r.ends_at:%Y-%m-%d}")
+            for r in reservations
+        ]
+
+    def clean_command(self) -> list[str]:
+        text = self.cleaned_data.get("command") or ""
+        try:
+            return shlex.split(text)
+        except ValueError as exc:
+            raise forms.ValidationError(f"Cannot split this command: {exc}.") from None
+
+    def spec(self) -> dict[str, Any]:
+        """The service's spec: what was filled in, under the API's names."""
+        d = self.cleaned_data
+        spec: dict[str, Any] = {
+            "name": d["name"],
+            "gpu_models": [d["gpu_model"]],
+            "gpu_count": d["gpu_count"],
+            "plan": d["plan"],
+            "image": d["image"],
+        }
+        if d["fraction"] != MILLI:
+            spec["gpu_fraction_milli"] = d["fraction"]
+        for key in ("region", "template", "ssh_public_key"):
+            if d[key]:
+                spec[key] = d[key]
+        if d["command"]:
+            spec["command"] = d["command"]
+        if d["reservation"] is not None:
+            spec["reservation"] = d["reservation"]
+        if d["spot_max_price"] is not None:
+            spec["spot_max_price"] = str(d["spot_max_price"])
+        return spec
+
+    def show_error(self, exc: DomainError) -> None:
+        """The service's error next to the field it names (a quota's next to the count too)."""
+        self.add_error(None, exc.message)
+        if isinstance(exc, QuotaExceeded):
+            quota = str(exc.fields.get("quota", ""))
+            if quota.startswith(GPU_QUOTAS):
+                self.add_error("gpu_count", exc.message)
+            return
+        for key, messages in (exc.fields or {}).items():
+            name = FIELD_OF_SPEC_KEY.get(key, key)
+            if name in self.fields and name not in self.errors:
+                for message in messages if isinstance(messages, list | tuple) else [messages]:
+                    self.add_error(name, str(message))
+
+
+# --- the GPU list and the summary ------------------------------------------------------------------
+
+
+@dataclass
+class ModelOffer:
+    """One GPU model as the launch page shows it: where it is free and what it costs per plan."""
+
+    model: GpuModel
+    regions: list[dict[str, Any]] = field(default_factory=list)  # code, free, schedulable, total, prices
+    free_gpus: int = 0
+    schedulable_gpus: int = 0
+    total_gpus: int = 0
+    lowest: dict[str, Decimal | None] = field(default_factory=dict)  # per plan, across regions
+
+
+def model_offers(*, region_objects: dict[str, Region]) -> list[ModelOffer]:
+    """The catalog models present in the fleet, with availability per region (``gpu_availability``,
+    two queries) and the hourly price of one GPU per plan and region (the price providers)."""
+    availability = selectors.gpu_availability()
+    offers = []
+    for m in (
+        selectors.gpu_catalog().filter(pk__in=list(availability)).order_by("vendor", "-memory_gib", "name")
+    ):
+        if m.vendor not in SCHEDULABLE_VENDORS:
+            continue
+        offer = ModelOffer(model=m)
+        for code in sorted(availability[m.pk]):
+            ra = availability[m.pk][code]
+            prices = gpu_prices(gpu_model=m, region=region_objects.get(code))
+            offer.regions.append(
+                {"code": code, "free": ra.free_gpus, "schedulable": ra.schedulable_gpus, "total": ra.total_gpus,
+                 "free_milli": ra.free_milli, "prices": prices}
+            )  # fmt: skip
+            offer.free_gpus += ra.free_gpus
+            offer.schedulable_gpus += ra.schedulable_gpus
+            offer.total_gpus += ra.total_gpus
+            for plan, price in prices.items():
+                if price is not None and (offer.lowest.get(plan) is None or price < offer.lowest[plan]):
+                    offer.lowest[plan] = price
+                offer.lowest.setdefault(plan, None)
+        offers.append(offer)
+    return offers
+
+
+@dataclass
+class Estimate:
+    gpus: Decimal
+    plan: str
+    per_gpu_hour: Decimal | None
+    per_hour: Decimal | None
+    per_day: Decimal | None
+    dearest_region: bool  # no region chosen: the dearest region that has the model
+    warm: bool  # a warm-pool GPU is ready for it: starts in seconds
+    offer: ModelOffer | None
+
+
+def _warm_hit(*, model: GpuModel, region: str, image: str, template: str, count: int) -> bool:
+    """Whether free warm slots of a matching pool can take the request whole (as the cycle binds
+    them: the pool's model, its region or none chosen, its image or template)."""
+    if not (image or template):
+        return False
+    slots = WarmSlot.objects.filter(ended_at__isnull=True, pool__enabled=True, pool__gpu_model=model)
+    if region:
+        slots = slots.filter(pool__region__code=region)
+    match = slots.none()
+    if image:
+        match = match | slots.filter(pool__image=image)
+    if template:
+        match = match | slots.filter(pool__template=template)
+    return match.count() >= count
+
+
+def estimate_for(data: dict[str, Any], offers: list[ModelOffer]) -> Estimate | None:
+    """Price of an hour and a day of what the form describes, at the chosen region's price (or the
+    dearest region's when none is chosen: the scheduler may place it in any)."""
+    by_name = {o.model.name: o for o in offers}
+    offer = by_name.get(str(data.get("gpu_model") or "")) or (offers[0] if offers else None)
+    if offer is None:
+        return None
+    try:
+        count = max(1, min(int(data.get("gpu_count") or 1), 4096))
+        fraction = int(data.get("fraction") or MILLI)
+    except (TypeError, ValueError):
+        count, fraction = 1, MILLI
+    if fraction not in dict(FRACTIONS):
+        fraction = MILLI
+    plan = data.get("plan") if data.get("plan") in Plan.values else Plan.ON_DEMAND
+    region = str(data.get("region") or "")
+    gpus = Decimal(count * fraction) / MILLI
+    rows = [r for r in offer.regions if not region or r["code"] == region]
+    prices = [r["prices"].get(plan) for r in rows]
+    price = None if not prices or any(p is None for p in prices) else max(prices)
+    return Estimate(
+        gpus=gpus,
+        plan=plan,
+        per_gpu_hour=price,
+        per_hour=None if price is None else price * gpus,
+        per_day=None if price is None else price * gpus * HOURS_PER_DAY,
+        dearest_region=not region and len(rows) > 1,
+        warm=_warm_hit(
+            model=offer.model,
+            region=region,
+            image=str(data.get("image") or "").strip(),
+            template=str(data.get("template") or "").strip(),
+            count=count if fraction == MILLI else 1,
+        ),
+        offer=offer,
+    )
+
+
+class LaunchMixin(TenantScopedMixin):
+    """Reading the page needs the read scope; launching (POST) the write scope."""
+
+    template_name = "scheduling/launch.html"
+    model = Workload
+    read_scope = Scope.READ
+    write_scope = Scope.WRITE
+
+    def page_context(self, *, form: LaunchForm | None = None, data=None) -> dict[str, Any]:
+        region_objects = {r.code: r for r in Region.objects.order_by("code")}
+        offers = model_offers(region_objects=region_objects)
+        reservations = list(
+            selectors.reservations_for_tenant(tenant=self.tenant).filter(
+                status=ReservationStatus.ACTIVE, ends_at__gt=timezone.now()
+            )
+        )
+        if form is None:
+            form = LaunchForm(
+                data,
+                models=[o.model for o in offers],
+                regions=list(region_objects),
+                reservations=reservations,
+            )
+        values = form.data if form.is_bound else {name: f.initial for name, f in form.fields.items()}
+        return {
+            "form": form,
+            "offers": offers,
+            "estimate": estimate_for(values, offers),
+            "currency": self.tenant.currency,
+            "can_launch": self.has_scope(Scope.WRITE),
+            "plans": Plan.choices,
+            "reservations": reservations,
+        }
+
+
+class LaunchView(LaunchMixin, View):
+    def get(self, request):
+        return self.render(self.page_context())
+
+    def post(self, request):
+        context = self.page_context(data=request.POST)
+        form: LaunchForm = context["form"]
+        if not form.is_valid():
+            return self.render(context, status=400)
+        kind = form.cleaned_data["kind"]
+        try:
+            workload = workload_submit(tenant=self.tenant, kind=kind, spec=form.spec(), actor=self.actor)
+        except DomainError as exc:
+            form.show_error(exc)
+            return self.render(context, status=exc.status_code)
+        return redirect("scheduling:workload", pk=workload.pk)
+
+
+class LaunchSummaryView(LaunchMixin, View):
+    """The estimate card: what the form describes costs this much, and may start in seconds."""
+
+    def get(self, request):
+        context = self.page_context(data=request.GET)
+        return render_page(request, "scheduling/_launch_summary.html", context)

@@ -1,0 +1,362 @@
+"""The workloads list (filters, search, pagination, live state badges), a workload's page (state and
+its stages, why it waits and when it should start, the events timeline, placement and connection
+details, the job's log tail, GPU charts from the fleet's telemetry), stop and restart, and the
+dashboard panel.
+
+Every page reads a fixed number of queries whatever the number of workloads. Live: the browser's
+websocket carries ``workload.state`` events (``scheduling.services.states``); ``static/js/live.js``
+updates the badges and ``static/js/workloads.js`` reloads the detail page's live fragment and charts.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from django import forms
+from django.contrib import messages
+from django.core.paginator import Paginator
+from django.db.models import Count, Q
+from django.http import HttpResponse, JsonResponse
+from django.shortcuts import redirect
+from django.urls import reverse
+from django.utils import timezone
+from django.views.generic import View
+
+from nodes.models import Gpu, Region
+from nodes.selectors import node_telemetry
+from portal.errors import DomainError
+from portal.models import Scope
+from portal.views.base import PanelView, TenantScopedMixin, htmx_partial, render_page
+from scheduling import selectors
+from scheduling.models import (
+    HOLDING_STATES,
+    TERMINAL_STATES,
+    WAITING_STATES,
+    Allocation,
+    Plan,
+    Workload,
+    WorkloadKind,
+    WorkloadState,
+)
+from scheduling.services.lifecycle import workload_stop
+from scheduling.services.submission import workload_submit
+
+PAGE_SIZES = (25, 50, 100)
+DEFAULT_PAGE_SIZE = 50
+CHART_WINDOW = timedelta(hours=1)
+STATE_GROUPS = {
+    "active": ("Active (not finished)", set(WAITING_STATES | HOLDING_STATES)),
+    "waiting": ("Waiting", set(WAITING_STATES)),
+    "holding": ("Placed or running", set(HOLDING_STATES)),
+    "finished": ("Finished", set(TERMINAL_STATES)),
+}
+# A starting workload's stages, in order (the progress shown while it starts).
+STAGES = [
+    (WorkloadState.PENDING, "Submitted"),
+    (WorkloadState.QUEUED, "Queued"),
+    (WorkloadState.SCHEDULED, "Placed"),
+    (WorkloadState.STARTING, "Starting"),
+    (WorkloadState.RUNNING, "Running"),
+]
+
+
+class WorkloadFilterForm(forms.Form):
+    q = forms.CharField(label="Search", required=False, max_length=100)
+    kind = forms.ChoiceField(
+        label="Kind", required=False, choices=[("", "Instances and jobs"), *WorkloadKind.choices]
+    )
+    state = forms.ChoiceField(
+        label="State",
+        required=False,
+        choices=[
+            ("", "Any state"),
+            *((key, label) for key, (label, _) in STATE_GROUPS.items()),
+            *WorkloadState.choices,
+        ],
+    )
+    plan = forms.ChoiceField(label="Plan", required=False, choices=[("", "Any plan"), *Plan.choices])
+    region = forms.ChoiceField(label="Region", required=False)
+    per_page = forms.TypedChoiceField(
+        label="Per page", required=False, coerce=int, empty_value=DEFAULT_PAGE_SIZE,
+        choices=[(n, f"{n} per page") for n in PAGE_SIZES],
+    )  # fmt: skip
+
+    def __init__(self, *args, regions: list[str], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["region"].choices = [("", "Any region"), *((c, c) for c in regions)]
+        for name, f in self.fields.items():
+            f.widget.attrs["class"] = "input-sm" if name == "q" else "select-sm"
+
+    def apply(self, qs):
+        d = self.cleaned_data
+        q = (d.get("q") or "").strip()
+        if q:
+            ident = q.lstrip("#")
+            match = Q(name__icontains=q) | Q(image__icontains=q) | Q(template__icontains=q)
+            qs = qs.filter(match | Q(pk=int(ident)) if ident.isdigit() else match)
+        if d.get("kind"):
+            qs = qs.filter(kind=d["kind"])
+        state = d.get("state")
+        if state in STATE_GROUPS:
+            qs = qs.filter(state__in=STATE_GROUPS[state][1])
+        elif state:
+            qs = qs.filter(state=state)
+        if d.get("plan"):
+            qs = qs.filter(plan=d["plan"])
+        if d.get("region"):
+            qs = qs.filter(region__code=d["region"])
+        return qs
+
+    @property
+    def active(self) -> bool:
+        return (
+            self.is_bound
+            and self.is_valid()
+            and any(self.cleaned_data.get(k) for k in ("q", "kind", "state", "plan", "region"))
+        )
+
+
+class WorkloadsMixin(TenantScopedMixin):
+    model = Workload
+    read_scope = Scope.READ
+    write_scope = Scope.WRITE
+
+    def workload(self, pk: int) -> Workload:
+        return self.get_scoped_object(
+            Workload.objects.select_related("region", "reservation").prefetch_related("gpu_models"), pk=pk
+        )
+
+
+class WorkloadListView(WorkloadsMixin, View):
+    template_name = "scheduling/workloads.html"
+    partial_template_name = "scheduling/_workload_rows.html"
+
+    def get(self, request):
+        form = WorkloadFilterForm(
+            request.GET or None, regions=list(Region.objects.order_by("code").values_list("code", flat=True))
+        )
+        qs = selectors.workloads_for_tenant(tenant=self.tenant).order_by("-id")
+        status, per_page = 200, DEFAULT_PAGE_SIZE
+        if form.is_bound:
+            if form.is_valid():
+                qs = form.apply(qs)
+                per_page = form.cleaned_data.get("per_page") or DEFAULT_PAGE_SIZE
+            else:
+                status, qs = 400, qs.none()
+        paginator = Paginator(qs, per_page)
+        page = paginator.get_page(request.GET.get("page"))
+        context = {
+            "form": form,
+            "page": page,
+            "paginator": paginator,
+            "workloads": list(page.object_list),
+            "filtered": form.active,
+            "can_launch": self.has_scope(Scope.WRITE),
+        }
+        return self.render(context, status=status)
+
+
+# --- a workload's page ------------------------------------------------------------------------------
+
+
+def stages_of(w: Workload) -> list[dict]:
+    """The starting stages with the ones passed marked done and the current one marked."""
+    order = [s for s, _ in STAGES]
+    if w.state in order:
+        current = order.index(w.state)
+    elif w.started_at is not None:
+        current = len(order)  # it ran: every stage passed
+    elif w.scheduled_at is not None:
+        current = order.index(WorkloadState.SCHEDULED) + 1
+    else:
+        current = -1
+    return [
+        {"state": s, "label": label, "done": i < current or (i == current and s == WorkloadState.RUNNING),
+         "current": i == current}
+        for i, (s, label) in enumerate(STAGES)
+    ]  # fmt: skip
+
+
+def _ceil_minute(t: datetime) -> datetime:
+    floor = t.replace(second=0, microsecond=0)
+    return floor if floor == t else floor + timedelta(minutes=1)
+
+
+def workload_telemetry(*, workload: Workload, now: datetime | None = None) -> dict | None:
+    """Chart data for the GPUs a workload holds now (or held last), from the fleet's per-minute
+    rollups and the latest raw samples (``nodes.selectors.node_telemetry``), inside its allocation:
+    from its start (the first whole minute) to now or its end, at most the last hour. Nothing from
+    before or after it held the GPUs. Four queries. None: it never held a GPU."""
+    now = now or timezone.now()
+    allocations = list(
+        Allocation.objects.filter(workload=workload).values_list("gpu_id", "started_at", "ended_at")
+    )
+    if not allocations:
+        return None
+    held = [a for a in allocations if a[2] is None]
+    if held:
+        end = now
+    else:
+        end = max(a[2] for a in allocations)
+        held = [a for a in allocations if a[2] == end]
+    start = max(_ceil_minute(min(a[1] for a in held)), end - CHART_WINDOW)
+    gpus = list(
+        Gpu.objects.filter(pk__in=[a[0] for a in held])
+        .select_related("node")
+        .order_by("node__hostname", "index")
+    )
+    data = node_telemetry(gpus=gpus, start=start, now=end)
+    data["gpus"] = [{"id": g.pk, "label": f"{g.node.hostname} · GPU {g.index}"} for g in gpus]
+    data["window_s"] = int(CHART_WINDOW.total_seconds())
+    data["holding"] = end == now
+    return data
+
+
+def detail_context(view: WorkloadsMixin, w: Workload) -> dict:
+    can_write = view.has_scope(Scope.WRITE)
+    return {
+        "w": w,
+        "events": list(selectors.workload_events(workload=w)),
+        "placement": selectors.workload_placement(workload=w),
+        "stages": stages_of(w),
+        "waiting": w.state in WAITING_STATES,
+        "holding": w.state in HOLDING_STATES,
+        "can_stop": can_write
+        and w.state not in TERMINAL_STATES
+        and w.stop_requested_at is None
+        and w.state != WorkloadState.STOPPING,
+        "can_restart": can_write and w.state in TERMINAL_STATES,
+        "can_write": can_write,
+    }
+
+
+class WorkloadDetailView(WorkloadsMixin, View):
+    template_name = "scheduling/workload_detail.html"
+
+    def get(self, request, pk: int):
+        w = self.workload(pk)
+        return self.render({**detail_context(self, w), "telemetry": workload_telemetry(workload=w)})
+
+
+class WorkloadLiveView(WorkloadsMixin, View):
+    """The page's live part (state, stages, actions, placement, log tail, timeline), which
+    ``workloads.js`` reloads when a ``workload.state`` event for this workload arrives."""
+
+    def get(self, request, pk: int):
+        return render_page(request, "scheduling/_workload_live.html", detail_context(self, self.workload(pk)))
+
+
+class WorkloadTelemetryView(WorkloadsMixin, View):
+    def get(self, request, pk: int):
+        return JsonResponse(workload_telemetry(workload=self.workload(pk)) or {"x": [], "gpus": []})
+
+
+class _ActionView(WorkloadsMixin, View):
+    http_method_names = ["post"]
+
+    def respond(self, w: Workload, *, error: str = "", done: str = "", status: int = 200) -> HttpResponse:
+        if htmx_partial(self.request):
+            context = {**detail_context(self, w), "error": error, "done": done}
+            return render_page(self.request, "scheduling/_workload_live.html", context, status=status)
+        if error:
+            messages.error(self.request, error)
+        elif done:
+            messages.success(self.request, done)
+        return redirect("scheduling:workload", pk=w.pk)
+
+
+class WorkloadStopView(_ActionView):
+    """Stop through ``workload_stop``: a waiting workload stops at once, a placed one is told to."""
+
+    def post(self, request, pk: int):
+        w = self.workload(pk)
+        try:
+            workload_stop(workload=w, actor=self.actor)
+        except DomainError as exc:
+            return self.respond(self.workload(pk), error=exc.message, status=exc.status_code)
+        w = self.workload(pk)
+        done = "Stopped." if w.state == WorkloadState.STOPPED else "Stopping: the node was told to stop it."
+        return self.respond(w, done=done)
+
+
+def spec_of(w: Workload) -> dict:
+    """A finished workload's spec, as ``workload_submit`` takes it (the API's names)."""
+    spec = {
+        "name": w.name,
+        "gpu_models": [m.name for m in w.gpu_models.all()],
+        "min_gpu_memory_gib": w.min_gpu_memory_gib,
+        "min_compute_weight": str(w.min_compute_weight),
+        "gpu_vendor": w.gpu_vendor,
+        "cuda_capability": w.cuda_capability,
+        "rocm_target": w.rocm_target,
+        "gpu_count": w.gpu_count,
+        "gang": w.gang,
+        "gpu_fraction_milli": w.gpu_fraction_milli,
+        "mig_profile": w.mig_profile,
+        "cpu_millicores": w.cpu_millicores,
+        "ram_mib": w.ram_mib,
+        "region": w.region.code if w.region_id else "",
+        "other_regions_ok": w.other_regions_ok,
+        "plan": w.plan,
+        "spot_max_price": None if w.spot_max_price is None else str(w.spot_max_price),
+        "reservation": w.reservation_id,
+        "priority_class": w.priority_class,
+        "image": w.image,
+        "template": w.template,
+        "command": list(w.command),
+        "env": dict(w.env),
+        "ports": list(w.ports),
+        "ssh_public_key": w.ssh_public_key,
+        "max_runtime_s": w.max_runtime_s,
+        "estimated_runtime_s": w.estimated_runtime_s,
+        "requeue_on_preemption": w.requeue_on_preemption,
+        "checkpoint_resume": w.checkpoint_resume,
+        "max_retries": w.max_retries,
+    }
+    return spec
+
+
+class WorkloadRestartView(_ActionView):
+    """Restart a finished workload: there is no restart service, so this submits a copy of its spec
+    through ``workload_submit`` (the same rules and quotas as a new launch) and opens the new one."""
+
+    def post(self, request, pk: int):
+        w = self.workload(pk)
+        if w.state not in TERMINAL_STATES:
+            return self.respond(w, error=f"Only a finished {w.kind} can be restarted; this one is {w.state}.",
+                                status=409)  # fmt: skip
+        try:
+            new = workload_submit(tenant=self.tenant, kind=w.kind, spec=spec_of(w), actor=self.actor)
+        except DomainError as exc:
+            return self.respond(w, error=exc.message, status=exc.status_code)
+        url = reverse("scheduling:workload", kwargs={"pk": new.pk})
+        if htmx_partial(request):
+            response = HttpResponse(status=204)
+            response["HX-Redirect"] = url
+            return response
+        messages.success(request, f"Restarted as {new.kind} {new.pk}.")
+        return redirect(url)
+
+
+# --- the dashboard panel ----------------------------------------------------------------------------
+
+
+class WorkloadsPanel(PanelView):
+    panel_template_name = "scheduling/panels/workloads.html"
+    title = "Running and pending workloads"
+
+    def get_context_data(self, **kwargs):
+        qs = Workload.objects.for_tenant(self.tenant)
+        counts = qs.aggregate(
+            running=Count("id", filter=Q(state=WorkloadState.RUNNING)),
+            starting=Count("id", filter=Q(state__in=HOLDING_STATES - {WorkloadState.RUNNING})),
+            waiting=Count("id", filter=Q(state__in=WAITING_STATES)),
+        )
+        active = list(
+            selectors.workloads_for_tenant(tenant=self.tenant)
+            .filter(state__in=WAITING_STATES | HOLDING_STATES)
+            .order_by("-id")[:8]
+        )
+        return super().get_context_data(
+            counts=counts, active=active, can_launch=self.has_scope(Scope.WRITE), **kwargs
+        )

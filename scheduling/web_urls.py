@@ -1,0 +1,20 @@
+"""The tenant's workload pages, mounted at the site root by the project URLconf."""
+
+from django.urls import path
+
+from scheduling.views import launch, workloads
+
+app_name = "scheduling"
+urlpatterns = [
+    path("launch/", launch.LaunchView.as_view(), name="launch"),
+    path("launch/summary/", launch.LaunchSummaryView.as_view(), name="launch-summary"),
+    path("workloads/", workloads.WorkloadListView.as_view(), name="workloads"),
+    path("workloads/<int:pk>/", workloads.WorkloadDetailView.as_view(), name="workload"),
+    path("workloads/<int:pk>/live/", workloads.WorkloadLiveView.as_view(), name="workload-live"),
+    path(
+        "workloads/<int:pk>/telemetry/", workloads.WorkloadTelemetryView.as_view(), name="workload-telemetry"
+    ),
+    path("workloads/<int:pk>/stop/", workloads.WorkloadStopView.as_view(), name="workload-stop"),
+    path("workloads/<int:pk>/restart/", workloads.WorkloadRestartView.as_view(), name="workload-restart"),
+    path("panels/workloads/", workloads.WorkloadsPanel.as_view(), name="panel-workloads"),
+]

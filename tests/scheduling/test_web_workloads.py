@@ -1,0 +1,247 @@
+"""The workloads list and a workload's page: tenant scoping, filters and pagination, the detail's
+pending reason, timeline, placement and telemetry (inside the allocation only), stop and restart,
+the dashboard panel, and query counts and server time with 100 workloads per page."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from nodes.models import GpuMinuteRollup, GpuSample
+from portal.actors import Actor
+from portal.models import Role
+from scheduling.models import Allocation, Workload, WorkloadState
+from scheduling.services.lifecycle import workload_on_running
+from scheduling.services.states import workload_transition
+from tests.portal.conftest import HTMX, add_member, signed_in  # noqa: F401  (fixtures)
+from tests.scheduling.conftest import H100, reload
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def client(signed_in, owner, tenant):  # noqa: F811
+    return signed_in(owner, tenant)
+
+
+@pytest.fixture
+def other(make_tenant, submit, make_node):
+    """Another tenant with a workload of its own."""
+    make_node()
+    b = make_tenant("bravo")
+    return submit(b, kind="instance", name="bravo-secret-notebook")
+
+
+def rows(html: str) -> int:
+    return html.count('<tr id="workload-')
+
+
+def test_another_tenants_workload_does_not_exist(client, other):
+    pk = other.pk
+    for url in (f"/workloads/{pk}/", f"/workloads/{pk}/live/", f"/workloads/{pk}/telemetry/"):
+        assert client.get(url).status_code == 404, url
+        assert client.get(url, **HTMX).status_code == 404, url
+    for url in (f"/workloads/{pk}/stop/", f"/workloads/{pk}/restart/"):
+        assert client.post(url).status_code == 404, url
+        assert client.post(url, **HTMX).status_code == 404, url
+    assert reload(other).state == WorkloadState.PENDING and Workload.objects.count() == 1
+    assert "bravo-secret-notebook" not in client.get("/workloads/").content.decode()
+    assert "bravo-secret-notebook" not in client.get("/workloads/", {"q": str(pk)}).content.decode()
+    assert "bravo-secret-notebook" not in client.get("/panels/workloads/", **HTMX).content.decode()
+
+
+def test_the_list_filters_searches_and_paginates(client, tenant, make_node, submit, cycle):
+    make_node(gpus=8)
+    for i in range(3):
+        submit(tenant, kind="instance", name=f"nb-{i}", gpu_count=1)
+    jobs = [submit(tenant, name=f"train-{i}", gpu_count=8) for i in range(2)]
+    cycle()  # the three instances fit on the node, then only one 8-GPU job could wait for it
+    html = client.get("/workloads/").content.decode()
+    assert rows(html) == 5 and "Page 1 of 1" not in html
+    assert 'class="btn btn-primary" href="/launch/"' in html
+    assert rows(client.get("/workloads/", {"kind": "job"}).content.decode()) == 2
+    assert rows(client.get("/workloads/", {"state": "waiting"}).content.decode()) == 2
+    assert rows(client.get("/workloads/", {"state": "holding"}).content.decode()) == 3
+    assert rows(client.get("/workloads/", {"q": "train-1"}).content.decode()) == 1
+    assert rows(client.get("/workloads/", {"q": f"#{jobs[0].pk}"}).content.decode()) == 1
+    assert rows(client.get("/workloads/", {"region": "eu-west-1"}).content.decode()) == 0
+    r = client.get("/workloads/", {"state": "bogus"})
+    assert r.status_code == 400 and "State:" in r.content.decode()
+    # the htmx filter form gets the rows alone
+    part = client.get("/workloads/", {"kind": "instance"}, **HTMX).content.decode()
+    assert part.startswith('<div id="workload-rows"') and rows(part) == 3
+    # empty states say what to do next
+    assert "Clear the filters" in client.get("/workloads/", {"q": "nothing-like-this"}).content.decode()
+
+
+def test_pagination_with_many_workloads(client, tenant):
+    now = timezone.now()
+    Workload.objects.bulk_create(
+        Workload(tenant=tenant, kind="job", name=f"w{i}", image="x:1", command=["true"], submitted_at=now)
+        for i in range(230)
+    )
+    html = client.get("/workloads/").content.decode()
+    assert rows(html) == 50 and "1\u201350 of 230" in html and "Page 1 of 5" in html
+    html = client.get("/workloads/", {"per_page": "100", "page": "3"}).content.decode()
+    assert rows(html) == 30 and "201\u2013230 of 230" in html and 'rel="prev"' in html
+
+
+def test_the_list_with_100_workloads_per_page_is_fast(
+    client, tenant, make_node, django_assert_max_num_queries
+):
+    make_node()
+    now = timezone.now()
+    Workload.objects.bulk_create(
+        Workload(
+            tenant=tenant,
+            kind="instance",
+            name=f"w{i}",
+            image="x:1",
+            submitted_at=now - timedelta(days=i % 30),
+        )
+        for i in range(3000)
+    )
+    client.get("/workloads/")  # warm up templates
+    with django_assert_max_num_queries(12):
+        start = time.perf_counter()
+        r = client.get("/workloads/", {"per_page": "100", "state": "active"})
+        elapsed = time.perf_counter() - start
+    assert r.status_code == 200 and rows(r.content.decode()) == 100
+    assert elapsed < 0.3, f"{elapsed * 1000:.0f} ms"
+
+
+def test_a_waiting_workload_says_why_and_when(client, tenant, make_node, submit, cycle):
+    make_node(gpus=2)
+    blocker = submit(tenant, kind="instance", gpu_count=2, name="blocker")
+    w = submit(tenant, gpu_count=2, name="waits", estimated_runtime_s=600)
+    cycle()
+    w = reload(w)
+    assert w.state in (WorkloadState.QUEUED, WorkloadState.PENDING) and w.pending_message
+    html = client.get(f"/workloads/{w.pk}/").content.decode()
+    assert "Why it waits:" in html and w.pending_message in html
+    assert f'data-workload-state="{w.pk}"' in html and "Charts appear once it is placed" in html
+    assert 'data-event="pending"' in html  # the timeline
+    assert 'data-event="queued"' in html
+    assert reload(blocker).state == WorkloadState.SCHEDULED
+    html = client.get(f"/workloads/{blocker.pk}/").content.decode()
+    assert "Connection" in html and 'data-stage="scheduled"' in html and 'aria-current="step"' in html
+
+
+def test_charts_show_the_workloads_gpus_only_while_it_held_them(client, tenant, make_node, submit, cycle):
+    node = make_node(gpus=2)
+    w = submit(tenant, kind="instance", gpu_count=1)
+    cycle()
+    alloc = Allocation.objects.get(workload=w)
+    start = timezone.now().replace(second=0, microsecond=0) - timedelta(minutes=10)
+    Allocation.objects.filter(pk=alloc.pk).update(started_at=start)
+    gpus = list(node.gpus.order_by("index"))
+    mine, neighbour = alloc.gpu, next(g for g in gpus if g.pk != alloc.gpu_id)
+    rollups = []
+    for back in range(20, 0, -1):  # 20 minutes: 10 before the allocation and 10 while it held the GPU
+        for g in (mine, neighbour):
+            u = 10.0 * (g.index + 1) + back
+            rollups.append(GpuMinuteRollup(gpu=g, minute=start + timedelta(minutes=10 - back), sample_count=1,
+                util_sum=u, util_count=1, util_max=u, mem_used_sum=1024, mem_used_count=1,
+                mem_used_max=1024, power_sum=300, power_count=1, temp_max=60))  # fmt: skip
+    GpuMinuteRollup.objects.bulk_create(rollups)
+    GpuSample.objects.create(
+        gpu=mine, ts=timezone.now(), util_pct=77.0, mem_used_mib=2048, power_w=400, temp_c=70
+    )
+    data = client.get(f"/workloads/{w.pk}/telemetry/").json()
+    assert [g["id"] for g in data["gpus"]] == [mine.pk] and data["holding"] is True
+    assert data["gpus"][0]["label"] == f"{node.hostname} · GPU {mine.index}"
+    minutes = [x for x in data["x"] if x % 60 == 0]
+    assert min(data["x"]) >= int(start.timestamp()) and len(minutes) >= 9
+    assert 77.0 in data["util"][0]
+    html = client.get(f"/workloads/{w.pk}/").content.decode()
+    assert 'id="workload-telemetry"' in html and 'data-chart="util"' in html
+    # stopped: the window ends with the allocation, nothing after it
+    client.post(f"/workloads/{w.pk}/stop/")
+    assert reload(w).state == WorkloadState.STOPPING
+    workload_transition(workload=reload(w), to=WorkloadState.STOPPED, reason="exited", actor=Actor.system())
+    end = Allocation.objects.get(workload=w).ended_at
+    later = end.replace(second=0, microsecond=0) + timedelta(minutes=2)
+    GpuMinuteRollup.objects.create(
+        gpu=mine, minute=later, sample_count=1, util_sum=99, util_count=1, util_max=99
+    )
+    GpuSample.objects.create(gpu=mine, ts=end + timedelta(seconds=1), util_pct=98.0)
+    data = client.get(f"/workloads/{w.pk}/telemetry/").json()
+    assert data["holding"] is False and data["x"] and max(data["x"]) <= int(end.timestamp())
+    assert 99.0 not in data["util"][0] and 98.0 not in data["util"][0] and 77.0 in data["util"][0]
+
+
+def test_stop_and_restart(client, tenant, make_node, submit, cycle):
+    make_node(gpus=2)
+    w = submit(tenant, kind="instance", name="nb", ssh_public_key="ssh-ed25519 AAAAC3Nza me@x", ports=[8888])
+    r = client.post(f"/workloads/{w.pk}/stop/", **HTMX)
+    html = r.content.decode()
+    assert r.status_code == 200 and html.startswith('<div id="workload-live"') and "Stopped." in html
+    assert reload(w).state == WorkloadState.STOPPED
+    # again: a conflict, said in the card
+    r = client.post(f"/workloads/{w.pk}/stop/", **HTMX)
+    assert r.status_code == 409 and "already stopped" in r.content.decode()
+    # restart: a copy through the submission service
+    r = client.post(f"/workloads/{w.pk}/restart/", **HTMX)
+    new = Workload.objects.exclude(pk=w.pk).get()
+    assert r.status_code == 204 and r["HX-Redirect"] == f"/workloads/{new.pk}/"
+    assert (new.kind, new.name, new.ports, new.ssh_public_key) == ("instance", "nb", [8888], w.ssh_public_key)
+    assert [m.name for m in new.gpu_models.all()] == [H100] and new.state == WorkloadState.PENDING
+    # a running one: told to stop, placed ones stop when the agent reports
+    cycle()
+    workload_on_running(node_id=Allocation.objects.get(workload=new).node_id, workload_id=str(new.pk))
+    assert reload(new).state == WorkloadState.RUNNING
+    html = client.get(f"/workloads/{new.pk}/").content.decode()
+    assert "ssh " in html and "8888" in html
+    r = client.post(f"/workloads/{new.pk}/restart/")
+    assert r.status_code == 302 and Workload.objects.count() == 2  # not finished: no copy
+    r = client.post(f"/workloads/{new.pk}/stop/")
+    assert r.status_code == 302 and reload(new).state == WorkloadState.STOPPING
+
+
+def test_a_viewer_sees_workloads_but_cannot_stop_them(signed_in, add_member, tenant, make_node, submit):  # noqa: F811
+    make_node()
+    w = submit(tenant, kind="instance")
+    viewer = signed_in(add_member(tenant, Role.VIEWER).user, tenant)
+    html = viewer.get(f"/workloads/{w.pk}/").content.decode()
+    assert "Status" in html and ">Stop</button>" not in html
+    assert viewer.post(f"/workloads/{w.pk}/stop/").status_code == 403
+    assert reload(w).state == WorkloadState.PENDING
+    assert 'class="btn btn-primary" href="/launch/"' not in viewer.get("/workloads/").content.decode()
+
+
+def test_a_job_shows_its_log_tail(client, tenant, make_node, submit):
+    make_node()
+    w = submit(tenant, name="train")
+    Workload.objects.filter(pk=w.pk).update(log_tail="epoch 3/3 loss=0.12\n<done>", exit_code=0)
+    html = client.get(f"/workloads/{w.pk}/").content.decode()
+    assert "epoch 3/3 loss=0.12\n&lt;done&gt;" in html and f"/api/v1/jobs/{w.pk}/logs/" in html
+
+
+def test_the_dashboard_panel(client, tenant, make_node, submit, cycle):
+    assert "Nothing running or waiting." in client.get("/panels/workloads/", **HTMX).content.decode()
+    make_node(gpus=1)
+    submit(tenant, kind="instance", name="one")
+    submit(tenant, kind="instance", name="two")
+    cycle()
+    html = client.get("/panels/workloads/", **HTMX).content.decode()
+    assert html.count("data-workload-state=") == 2 and "one" in html and "two" in html
+
+
+def test_detail_and_live_pages_take_a_fixed_number_of_queries(
+    client, tenant, make_node, submit, cycle, django_assert_max_num_queries
+):
+    make_node(gpus=8)
+    w = submit(tenant, kind="instance", gpu_count=4)
+    cycle()
+    for _ in range(30):
+        Workload.objects.filter(pk=w.pk).update(state_reason="x")
+    workload_transition(workload=reload(w), to=WorkloadState.RUNNING, reason="started", actor=Actor.system())
+    with django_assert_max_num_queries(20):
+        start = time.perf_counter()
+        assert client.get(f"/workloads/{w.pk}/").status_code == 200
+        assert time.perf_counter() - start < 0.3
+    with django_assert_max_num_queries(14):
+        assert client.get(f"/workloads/{w.pk}/live/", **HTMX).status_code == 200
