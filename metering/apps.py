@@ -15,3 +15,6 @@ class MeteringConfig(AppConfig):
         register_admission_check(suspended_tenant_check)
         register_admission_check(budget_hard_limit_check)
         register_price_provider(provider)
+        from metering.metrics import register_collector
+
+        register_collector()

@@ -16,9 +16,11 @@ def usage_build() -> int:
 def invoice_run(period_start: str | None = None) -> int:
     from datetime import date
 
+    from metering.metrics import invoice_run_recorded
     from metering.services.invoices import invoice_run as run
 
-    return len(run(period_start=date.fromisoformat(period_start) if period_start else None))
+    with invoice_run_recorded():
+        return len(run(period_start=date.fromisoformat(period_start) if period_start else None))
 
 
 @shared_task(name="metering.tasks.spot_prices_update")

@@ -7,4 +7,6 @@ class PortalConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from portal import checks  # noqa: F401  (registers system checks)
+        from portal import checks, metrics  # noqa: F401  (checks: registers system checks)
+
+        metrics.register_collector()

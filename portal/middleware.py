@@ -2,12 +2,16 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import time
+import uuid
 from inspect import iscoroutinefunction
 
 from asgiref.sync import markcoroutinefunction, sync_to_async
 from django.conf import settings
 
 from portal.api.errors import error_response
+from portal.logging import log_context_bind, log_context_reset
 
 logger = logging.getLogger(__name__)
 
@@ -155,3 +159,79 @@ class ProbeMiddleware:
         if view is metrics.metrics and not metrics.authorized(request):
             return metrics.unauthorized
         return view
+
+
+REQUEST_ID_HEADER = "X-Request-ID"
+_REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+request_logger = logging.getLogger("portal.requests")
+QUIET_PATHS = ("/healthz", "/readyz", "/metrics")
+
+
+class RequestIdMiddleware:
+    """Gives every request an id for its log lines: the incoming ``X-Request-ID`` when it is a
+    plausible id (up to 128 of ``A-Za-z0-9._:-``), else a new one; echoed in the response's
+    ``X-Request-ID``. Binds ``request_id`` (and, once known, ``tenant_id`` and ``user_id``) in the
+    log context (portal.logging) and writes one ``portal.requests`` line per request (probes are
+    left out; agent traffic logs at DEBUG)."""
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+        self.is_async = iscoroutinefunction(get_response)
+        if self.is_async:
+            markcoroutinefunction(self)
+
+    def __call__(self, request):
+        if self.is_async:
+            return self._acall(request)
+        token, started = self._start(request)
+        try:
+            return self._finish(request, self.get_response(request), started)
+        finally:
+            log_context_reset(token)
+
+    async def _acall(self, request):
+        token, started = self._start(request)
+        try:
+            return self._finish(request, await self.get_response(request), started)
+        finally:
+            log_context_reset(token)
+
+    @staticmethod
+    def _start(request):
+        sent = request.META.get("HTTP_X_REQUEST_ID", "")
+        request_id = sent if _REQUEST_ID_OK.match(sent) else uuid.uuid4().hex
+        request.request_id = request_id  # type: ignore[attr-defined]
+        return log_context_bind(request_id=request_id), time.perf_counter()
+
+    def process_view(self, request, view_func, view_args, view_kwargs):
+        tenant = getattr(request, "tenant", None)
+        user = getattr(request, "user", None)
+        log_context_bind(
+            tenant_id=tenant.pk if tenant is not None else None,
+            user_id=user.pk if user is not None and user.is_authenticated else None,
+        )
+
+    @staticmethod
+    def _finish(request, response, started):
+        response[REQUEST_ID_HEADER] = request.request_id
+        path = request.path
+        if not path.startswith(QUIET_PATHS):
+            level = logging.DEBUG if path.startswith("/agent/") else logging.INFO
+            if request_logger.isEnabledFor(level):
+                request_logger.log(
+                    level,
+                    "%s %s %s",
+                    request.method,
+                    path,
+                    response.status_code,
+                    extra={
+                        "method": request.method,
+                        "path": path,
+                        "status": response.status_code,
+                        "duration_ms": round((time.perf_counter() - started) * 1000, 2),
+                    },
+                )
+        return response

@@ -266,3 +266,25 @@ class AuditEvent(TenantOwnedModel):
 
     def __str__(self) -> str:
         return f"{self.actor_repr} {self.action} {self.target_repr}"
+
+
+class MetricValue(models.Model):
+    """A cumulative value that Celery workers produce for the web tier's ``/metrics`` (a worker's
+    memory is not scraped): a counter, one histogram bucket (not cumulative: ``bucket`` is its
+    upper bound, ``"sum"`` the sum of observations) or a last-value gauge. Written by
+    ``portal.metrics.metrics_store`` (one upsert per call), read by ``StoredCollector``."""
+
+    name = models.CharField(max_length=100)
+    labels = models.CharField(max_length=255, blank=True, help_text="JSON list of the label values.")
+    bucket = models.CharField(max_length=24, blank=True)
+    value = models.FloatField(default=0)
+    gauge = models.BooleanField(default=False, help_text="Set, not added to.")
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["name", "labels", "bucket"], name="metricvalue_unique_series")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name}{self.labels}{self.bucket} = {self.value}"

@@ -15,6 +15,9 @@ import environ
 from django.core.exceptions import ImproperlyConfigured
 from kombu import Queue
 
+from portal.logging import logging_config
+from portal.sentry import sentry_init
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 env = environ.Env()
 environ.Env.read_env(BASE_DIR / ".env", overwrite=False)
@@ -57,6 +60,8 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # Request ids for logs (X-Request-ID in and out); first, so that every request has one.
+    "portal.middleware.RequestIdMiddleware",
     # The agent protocol's hot paths skip the rest of the chain (see nodes.agent_views).
     "nodes.agent_views.AgentFastPathMiddleware",
     # Health probes and /metrics answer before host validation (probes come by IP address).
@@ -335,17 +340,28 @@ CELERY_BEAT_SCHEDULE.update(
 # --- end of the nodes block ------------------------------------------------------------------------
 
 # --- Logging --------------------------------------------------------------------------------------
-LOGGING = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
-    "loggers": {
-        "django": {"handlers": ["console"], "level": "INFO", "propagate": False},
-        "django.db.backends": {"level": "WARNING"},
-    },
-}
+# json (one object per line, with request/task/workload/tenant/user ids: portal/logging.py) is the
+# production default; plain reads better in a terminal (make run sets DEBUG, so plain).
+LOG_FORMAT = env.str("LOG_FORMAT", default="plain" if DEBUG else "json")
+LOGGING_CONFIG = "logging.config.dictConfig"
+LOGGING = logging_config(fmt=LOG_FORMAT, level=env.str("LOG_LEVEL", default="INFO"))
+# Workers log through the configuration above (with task ids) instead of Celery's own handler.
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+
+# --- Sentry (optional) -----------------------------------------------------------------------------
+# Errors (and, with a sample rate above 0, traces) of web, workers and beat go to Sentry when
+# SENTRY_DSN is set; nothing is initialised otherwise. No personal data is sent.
+SENTRY_DSN = env.str("SENTRY_DSN", default="")
+SENTRY_ENVIRONMENT = env.str("SENTRY_ENVIRONMENT", default="development" if DEBUG else "production")
+SENTRY_RELEASE = env.str("SENTRY_RELEASE", default="")
+SENTRY_TRACES_SAMPLE_RATE = env.float("SENTRY_TRACES_SAMPLE_RATE", default=0.0)
+if SENTRY_DSN:
+    sentry_init(
+        dsn=SENTRY_DSN,
+        environment=SENTRY_ENVIRONMENT,
+        release=SENTRY_RELEASE or None,
+        traces_sample_rate=SENTRY_TRACES_SAMPLE_RATE,
+    )
 
 # --- gpupool: scheduling ----------------------------------------------------------------------------
 # The engine's placement policy for the live scheduler (scheduling.engine.policies.POLICIES).

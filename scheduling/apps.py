@@ -10,3 +10,6 @@ class SchedulingConfig(AppConfig):
         from scheduling import receivers, views  # noqa: F401  (views: the nav entries and panel)
 
         receivers.connect()
+        from scheduling.metrics import register_collector
+
+        register_collector()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
+from scheduling.metrics import cycle_recorded
 from scheduling.services.cycle import scheduling_cycle_run
 from scheduling.services.lifecycle import scheduling_reconcile
 from scheduling.services.triggers import cycle_request_clear
@@ -13,7 +14,8 @@ from scheduling.services.warm_pools import warm_pools_reconcile
 @shared_task(name="scheduling.tasks.run_cycle", ignore_result=True)
 def run_cycle() -> dict:
     cycle_request_clear()
-    r = scheduling_cycle_run()
+    with cycle_recorded() as outcome:
+        r = outcome["result"] = scheduling_cycle_run()
     return {"ran": r.ran, "placed": len(r.placed), "preempted": len(r.preempted), "pending": r.pending}
 
 

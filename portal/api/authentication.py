@@ -3,6 +3,7 @@ from __future__ import annotations
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import authentication, exceptions
 
+from portal.logging import log_context_bind
 from portal.services import api_token_authenticate, api_token_touch
 
 
@@ -29,6 +30,7 @@ class BearerTokenAuthentication(authentication.BaseAuthentication):
         if token.is_expired:
             raise exceptions.AuthenticationFailed("This token has expired.")
         api_token_touch(token=token)
+        log_context_bind(tenant_id=token.tenant_id, user_id=token.created_by_id)
         from django.contrib.auth.models import AnonymousUser
 
         return (token.created_by or AnonymousUser(), token)

@@ -88,14 +88,6 @@ def promql_metric_names(expr: str) -> set[str]:
     return names
 
 
-def needed_metrics() -> dict[str, str]:
-    """The "Metrics needed from the app" table of deploy/README.md: name -> type."""
-    text = (DEPLOY / "README.md").read_text()
-    section = text.split("## Metrics needed from the app", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| `([a-z_:][a-z0-9_:]*)` \| (counter|gauge|histogram) \|", section, re.MULTILINE)
-    return dict(rows)
-
-
 def exposed_name(name: str, kind: str) -> set[str]:
     """The series names a metric of this type and registered name shows in /metrics."""
     base = name.removesuffix("_total") if kind == "counter" else name

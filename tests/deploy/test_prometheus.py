@@ -1,25 +1,22 @@
-"""deploy/prometheus: promtool accepts the configuration and the rules, and the rules query metrics
-the app exports (gpupool.yml) or exactly the documented needed list (pending.yml)."""
+"""deploy/prometheus: promtool accepts the configuration and the rules, and the rules query only
+metrics the app exports."""
 
 from __future__ import annotations
 
 import yaml
 
-from tests.deploy.helpers import (
-    DEPLOY,
-    SYNTHETIC,
-    exposed_name,
-    needed_metrics,
-    promql_metric_names,
-    promtool,
-)
+from tests.deploy.helpers import DEPLOY, SYNTHETIC, promql_metric_names, promtool
 
 PROM = DEPLOY / "prometheus"
 ISSUE_ALERTS = {
-    "gpupool.yml": {"GpupoolNodeDown", "GpupoolGpuUnhealthy", "GpupoolStripeWebhookFailures"},
-    "pending.yml": {
+    "gpupool.yml": {
+        "GpupoolNodeDown",
+        "GpupoolGpuUnhealthy",
+        "GpupoolStripeWebhookFailures",
         "GpupoolQueueWaitP95High",
         "GpupoolSchedulingCycleFailing",
+        "GpupoolSchedulingCycleStale",
+        "GpupoolCeleryQueueBacklog",
         "GpupoolInvoiceRunFailed",
     },
 }
@@ -38,13 +35,14 @@ def test_promtool_accepts_the_configuration():
     result = promtool("check", "config", PROM / "prometheus.yml")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "prometheus.yml is valid prometheus config file syntax" in result.stdout
-    assert "SUCCESS: 2 rule files found" in result.stdout
+    assert "SUCCESS: 1 rule files found" in result.stdout
+    assert sorted(p.name for p in (PROM / "rules").glob("*.yml")) == ["gpupool.yml"]
 
 
 def test_promtool_accepts_the_rules():
-    result = promtool("check", "rules", PROM / "rules" / "gpupool.yml", PROM / "rules" / "pending.yml")
+    result = promtool("check", "rules", PROM / "rules" / "gpupool.yml")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("SUCCESS") == 2
+    assert result.stdout.count("SUCCESS") == 1
 
 
 def test_promtool_rejects_a_broken_rule(tmp_path):
@@ -72,18 +70,3 @@ def test_metric_name_extraction():
 def test_active_rules_query_exported_metrics(exported):
     missing = names_in("gpupool.yml") - exported - SYNTHETIC
     assert not missing, f"rules/gpupool.yml queries metrics /metrics does not have: {sorted(missing)}"
-
-
-def test_pending_rules_wait_for_exactly_the_needed_metrics(exported):
-    needed = needed_metrics()
-    assert len(needed) >= 10
-    series = {s for name, kind in needed.items() for s in exposed_name(name, kind)}
-    used = names_in("pending.yml")
-    assert used <= series | exported, sorted(used - series - exported)
-    now_exported = sorted(name for name, kind in needed.items() if exposed_name(name, kind) & exported)
-    assert not now_exported, (
-        f"the app exports {now_exported} now: move their rules to gpupool.yml and their rows out of "
-        "the needed table in deploy/README.md"
-    )
-    waiting = used - exported
-    assert waiting, "pending.yml has nothing left to wait for"
