@@ -179,6 +179,52 @@ class PriceBook:
         return [v for v in self.versions if v.start < end and (v.end is None or v.end > start)]
 
 
+class TenantPricing:
+    """Many tenants' billing accounts, rate cards and price books, loaded in bulk: one query per
+    batch of tenants for the accounts, one for the default card, two per rate card (its versions
+    and prices), however many tenants share it. What ``rate_card_for_tenant`` and
+    ``billing_account_for`` answer for one tenant, for a whole run."""
+
+    def __init__(self):
+        self.accounts: dict[int, BillingAccount] = {}
+        self._books: dict[int | None, PriceBook] = {}
+        self._default: RateCard | None = None
+        self._default_loaded = False
+
+    def load(self, tenant_ids) -> None:
+        missing = {getattr(t, "pk", t) for t in tenant_ids} - set(self.accounts)
+        if not missing:
+            return
+        found = {
+            a.tenant_id: a
+            for a in BillingAccount.objects.filter(tenant_id__in=missing).select_related("rate_card")
+        }
+        for tenant_id in missing:
+            self.accounts[tenant_id] = found.get(tenant_id) or BillingAccount(tenant_id=tenant_id)
+
+    @property
+    def default_card(self) -> RateCard | None:
+        if not self._default_loaded:
+            self._default = RateCard.objects.filter(is_default=True).first()
+            self._default_loaded = True
+        return self._default
+
+    def account(self, tenant_id: int) -> BillingAccount:
+        self.load([tenant_id])
+        return self.accounts[tenant_id]
+
+    def card(self, tenant_id: int) -> RateCard | None:
+        account = self.account(tenant_id)
+        return account.rate_card if account.rate_card_id is not None else self.default_card
+
+    def book(self, tenant_id: int) -> PriceBook:
+        card = self.card(tenant_id)
+        key = card.pk if card is not None else None
+        if key not in self._books:
+            self._books[key] = PriceBook(card)
+        return self._books[key]
+
+
 def discounted(price: Decimal | None, discount_percent: Decimal) -> Decimal | None:
     if price is None:
         return None

@@ -30,7 +30,7 @@ from django.utils import timezone
 from metering.models import UsageRecord
 from metering.money import HOUR, ZERO, quantize_unit
 from metering.periods import period_of, period_starts_between, split_interval
-from metering.services.rates import PriceBook, billing_account_for, discounted, rate_card_for_tenant
+from metering.services.rates import TenantPricing, discounted
 from metering.services.spot import SpotHistory
 from nodes.models import GpuMinuteRollup
 from scheduling.models import MILLI, Allocation, Plan, WorkloadEvent, WorkloadState
@@ -134,16 +134,12 @@ def usage_build(
     ):
         siblings[(a["workload_id"], a["node_id"], a["started_at"])] += 1
     minimum = Decimal(settings.METERING_MINIMUM_BILLABLE_S)
-    books: dict[int, tuple[PriceBook, Decimal]] = {}
+    pricing = TenantPricing()
+    pricing.load({a.tenant_id for a in allocations})
     spot = SpotHistory((a.gpu_model_id, a.node.region_id) for a in allocations if a.plan == Plan.SPOT)
     rows: list[UsageRecord] = []
     for a in allocations:
-        if a.tenant_id not in books:
-            books[a.tenant_id] = (
-                PriceBook(rate_card_for_tenant(tenant=a.tenant_id)),
-                billing_account_for(tenant=a.tenant_id).discount_percent,
-            )
-        book, discount = books[a.tenant_id]
+        book, discount = pricing.book(a.tenant_id), pricing.account(a.tenant_id).discount_percent
         span = billable_interval(a, started=_start_of(a, events))
         if span is None:
             continue
@@ -194,7 +190,6 @@ def usage_build(
                     amount += vcpu_seconds * discounted(v.vcpu_hour_price, discount) / HOUR
                 if v.ram_gib_hour_price is not None:
                     amount += ram_seconds * discounted(v.ram_gib_hour_price, discount) / HOUR
-            util, mem = _telemetry(a.gpu_id, s, e)
             rows.append(
                 UsageRecord(
                     tenant_id=a.tenant_id,
@@ -215,13 +210,32 @@ def usage_build(
                     ram_gib_seconds=ram_seconds,
                     unit_price=unit,
                     amount=quantize_unit(amount),
-                    avg_util_pct=util,
-                    avg_mem_used_mib=mem,
                     created_at=now,
                 )
             )
-    before = UsageRecord.objects.count()
-    UsageRecord.objects.bulk_create(rows, batch_size=1000, ignore_conflicts=True)
-    result.created = UsageRecord.objects.count() - before
-    result.unchanged = len(rows) - result.created
+    new = _not_recorded(rows)
+    for row in new:  # telemetry only for the pieces not recorded yet
+        row.avg_util_pct, row.avg_mem_used_mib = _telemetry(row.allocation.gpu_id, row.start, row.end)
+    UsageRecord.objects.bulk_create(new, batch_size=1000, ignore_conflicts=True)
+    result.created = len(new)
+    result.unchanged = len(rows) - len(new)
     return result
+
+
+def _not_recorded(rows: list[UsageRecord]) -> list[UsageRecord]:
+    """The rows whose key (allocation, period, version, start) has no record yet: one query per
+    thousand allocations, served by the unique index."""
+    by_alloc: dict[int, list[UsageRecord]] = defaultdict(list)
+    for row in rows:
+        by_alloc[row.allocation_id].append(row)
+    ids = list(by_alloc)
+    existing = set()
+    for i in range(0, len(ids), 1000):
+        chunk = ids[i : i + 1000]
+        starts = {row.start for a in chunk for row in by_alloc[a]}
+        existing |= set(
+            UsageRecord.objects.filter(allocation_id__in=chunk, start__in=starts).values_list(
+                "allocation_id", "period_start", "version_id", "start"
+            )
+        )
+    return [r for r in rows if (r.allocation_id, r.period_start, r.version_id, r.start) not in existing]
