@@ -1,4 +1,4 @@
-"""``/api/v1/usage/``, ``/api/v1/invoices/`` (list, detail, CSV) and ``/api/v1/cost-estimate/``."""
+"""``/api/v1/usage/``, ``/api/v1/invoices/`` (list, detail, CSV, PDF) and ``/api/v1/cost-estimate/``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from rest_framework.decorators import action
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from metering.documents import invoice_filename, invoice_pdf
 from metering.models import Invoice, InvoiceLine, UsageRecord
 from metering.money import quantize_money
 from metering.selectors import hourly_estimate, invoice_csv
@@ -201,9 +202,17 @@ class InvoiceViewSet(TenantReadOnlyViewSet):
     def csv(self, request, pk=None):
         invoice = self.get_object()
         response = HttpResponse(invoice_csv(invoice=invoice), content_type="text/csv; charset=utf-8")
-        response["Content-Disposition"] = (
-            f'attachment; filename="invoice-{invoice.pk}-{invoice.period_start:%Y-%m}.csv"'
-        )
+        response["Content-Disposition"] = f'attachment; filename="{invoice_filename(invoice, "csv")}"'
+        return response
+
+    @extend_schema(
+        responses={(200, "application/pdf"): OpenApiResponse(description="The invoice as a PDF document.")}
+    )
+    @action(detail=True, methods=["get"])
+    def pdf(self, request, pk=None):
+        invoice = self.get_object()
+        response = HttpResponse(invoice_pdf(invoice), content_type="application/pdf")
+        response["Content-Disposition"] = f'attachment; filename="{invoice_filename(invoice, "pdf")}"'
         return response
 
 

@@ -16,5 +16,6 @@ urlpatterns = [
     path("", include("scheduling.web_urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("", include("metering.urls")),
     path("", include("portal.web_urls")),
 ]

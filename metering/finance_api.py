@@ -1,0 +1,172 @@
+"""The staff finance API: ``/api/staff/v1/finance/revenue/``, ``.../gpu-hours/``, ``.../receivables/``.
+
+The same reports as the staff pages, as JSON; money as strings at the currency's places. Only staff
+may read them: a signed-in staff person, or a token created by one. Everyone else gets 403 (401
+without credentials). It lives outside the tenant API (``/api/v1/``), whose every route answers a
+tenant's token.
+"""
+
+from __future__ import annotations
+
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import exceptions, permissions
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from metering import reports
+from metering.models import InvoiceStatus
+from metering.money import quantize_money
+from metering.views import ReportFilterForm
+from portal.errors import ValidationFailed
+
+
+class IsStaff(permissions.BasePermission):
+    message = "The finance API is for gpupool staff."
+
+    def has_permission(self, request, view) -> bool:
+        if not request.user or not request.user.is_authenticated:
+            raise exceptions.NotAuthenticated()
+        return bool(request.user.is_staff)
+
+
+def _filters(request, groups: dict[str, str]) -> dict:
+    form = ReportFilterForm(request.query_params, groups=groups)
+    if not form.is_valid():
+        fields = {k: list(v) for k, v in form.errors.items()}
+        detail = "; ".join(f"{k}: {' '.join(v)}" for k, v in fields.items())
+        raise ValidationFailed(detail, fields=fields)
+    return form.cleaned_data
+
+
+def _money(value, currency: str) -> str:
+    return str(quantize_money(value, currency))
+
+
+def _pct(value) -> str | None:
+    return None if value is None else f"{value:.2f}"
+
+
+FILTERS = [
+    OpenApiParameter("start", str, description="First month, YYYY-MM (default: 11 months before end)."),
+    OpenApiParameter("end", str, description="Last month, YYYY-MM, inclusive (default: this month)."),
+]
+
+
+class FinanceBase(APIView):
+    permission_classes = [IsStaff]
+
+
+class RevenueApi(FinanceBase):
+    """Invoiced revenue by month and by tenant, GPU model, plan or region."""
+
+    @extend_schema(
+        parameters=[
+            *FILTERS,
+            OpenApiParameter("group", str, enum=list(reports.GROUPS)),
+            OpenApiParameter("drafts", bool, description="Count draft invoices too."),
+        ],
+        responses={200: dict},
+    )
+    def get(self, request):
+        f = _filters(request, reports.GROUPS)
+        statuses = (
+            (*reports.REVENUE_STATUSES, InvoiceStatus.DRAFT) if f["drafts"] else reports.REVENUE_STATUSES
+        )
+        report = reports.revenue_report(
+            first=f["start"], last=f["end"], group_by=f["group"], statuses=statuses
+        )
+        return Response(
+            {
+                "start": f"{f['start']:%Y-%m}",
+                "end": f"{f['end']:%Y-%m}",
+                "group": report.group_by,
+                "statuses": list(report.statuses),
+                "rows": [
+                    {
+                        "month": f"{r.month:%Y-%m}",
+                        "currency": r.currency,
+                        "key": r.key,
+                        "label": r.label,
+                        "amount": _money(r.amount, r.currency),
+                        "gpu_hours": f"{r.gpu_hours:.3f}",
+                    }
+                    for r in report.rows
+                ],
+                "totals": [
+                    {
+                        "month": f"{t.month:%Y-%m}",
+                        "currency": t.currency,
+                        "invoices": t.invoices,
+                        **{
+                            k: _money(getattr(t, k), t.currency)
+                            for k in ("charges", "credits", "credit_notes", "net", "tax", "total")
+                        },
+                    }
+                    for t in report.totals
+                ],
+            }
+        )
+
+
+class GpuHoursApi(FinanceBase):
+    """Fleet capacity, used, billed and busy GPU-hours by month, for the fleet, a model or a region."""
+
+    @extend_schema(
+        parameters=[*FILTERS, OpenApiParameter("group", str, enum=list(reports.GPU_HOUR_GROUPS))],
+        responses={200: dict},
+    )
+    def get(self, request):
+        f = _filters(request, reports.GPU_HOUR_GROUPS)
+        rows = reports.gpu_hours_report(first=f["start"], last=f["end"], group_by=f["group"])
+        return Response(
+            {
+                "start": f"{f['start']:%Y-%m}",
+                "end": f"{f['end']:%Y-%m}",
+                "group": f["group"],
+                "rows": [
+                    {
+                        "month": f"{r.month:%Y-%m}",
+                        "key": r.key,
+                        "label": r.label,
+                        "capacity_gpu_hours": f"{r.capacity_h:.3f}",
+                        "used_gpu_hours": f"{r.used_h:.3f}",
+                        "billed_gpu_hours": f"{r.billed_h:.3f}",
+                        "busy_gpu_hours": None if r.busy_h is None else f"{r.busy_h:.3f}",
+                        "idle_gpu_hours": f"{r.idle_h:.3f}",
+                        "utilisation_pct": _pct(r.utilisation_pct),
+                        "busy_pct": _pct(r.busy_pct),
+                    }
+                    for r in rows
+                ],
+            }
+        )
+
+
+class ReceivablesApi(FinanceBase):
+    """What finalized, unpaid invoices still owe, by tenant and by age past the due date."""
+
+    @extend_schema(responses={200: dict})
+    def get(self, request):
+        report = reports.receivables_report()
+        return Response(
+            {
+                "at": report.at.isoformat(),
+                "buckets": [k for k, _ in reports.AGE_BUCKETS],
+                "totals": {
+                    cur: {k: _money(v, cur) for k, v in t.items()}
+                    for cur, t in sorted(report.totals().items())
+                },
+                "rows": [
+                    {
+                        "tenant_id": r.tenant_id,
+                        "tenant": r.tenant,
+                        "currency": r.currency,
+                        "invoices": r.invoices,
+                        "buckets": {k: _money(v, r.currency) for k, v in r.buckets.items()},
+                        "outstanding": _money(r.outstanding, r.currency),
+                        "overdue": _money(r.overdue, r.currency),
+                    }
+                    for r in report.rows
+                ],
+            }
+        )

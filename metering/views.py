@@ -1,0 +1,318 @@
+"""Web pages of metering: the tenant's invoices with their PDF and CSV downloads, and the staff
+finance reports (revenue, billed versus used GPU-hours, receivables), each with a CSV export
+(``?export=csv``) and a server-drawn SVG chart.
+
+Importing this module registers the sidebar entries; ``MeteringConfig.ready()`` imports it.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from datetime import date
+
+from django import forms
+from django.contrib.auth.mixins import AccessMixin
+from django.http import HttpResponse
+from django.utils import timezone
+from django.views.generic import View
+
+from metering import reports
+from metering.charts import bar_chart
+from metering.documents import format_money, invoice_csv_document, invoice_filename, invoice_pdf
+from metering.models import Invoice, InvoiceStatus
+from metering.periods import period_of
+from portal.dashboard import register_nav
+from portal.models import Scope
+from portal.views.base import TenantScopedMixin, forbidden, render_page
+
+register_nav("invoices", "Invoices", "metering:invoices", order=60, scope=Scope.BILLING, icon="receipt")
+register_nav("finance", "Finance", "metering:finance-revenue", order=25, icon="chart", staff_only=True)
+
+MONTH_RE = re.compile(r"^(\d{4})-(\d{2})$")
+CHART_SERIES = 6  # the largest groups get a bar colour each; the rest is "Other"
+
+
+# --- the tenant's invoices -----------------------------------------------------------------------------
+
+
+class InvoiceListView(TenantScopedMixin, View):
+    read_scope = Scope.BILLING
+    model = Invoice
+    template_name = "metering/invoices.html"
+
+    def get(self, request):
+        invoices = list(self.get_queryset().order_by("-period_start", "-pk")[:120])
+        for inv in invoices:
+            inv.total_display = format_money(inv.total, inv.currency)
+        return self.render({"invoices": invoices})
+
+
+class InvoiceDownloadView(TenantScopedMixin, View):
+    """``/billing/invoices/<pk>/pdf/`` and ``.../csv/``: the same documents as the API's actions."""
+
+    read_scope = Scope.BILLING
+    model = Invoice
+
+    def get(self, request, pk: int, fmt: str):
+        invoice = self.get_scoped_object(pk=pk)
+        if fmt == "pdf":
+            response = HttpResponse(invoice_pdf(invoice), content_type="application/pdf")
+        else:
+            response = HttpResponse(invoice_csv_document(invoice), content_type="text/csv; charset=utf-8")
+        response["Content-Disposition"] = f'attachment; filename="{invoice_filename(invoice, fmt)}"'
+        return response
+
+
+# --- staff finance reports -------------------------------------------------------------------------------
+
+
+class FinanceStaffMixin(AccessMixin):
+    """Finance data spans every tenant: staff only; anonymous people sign in first."""
+
+    def dispatch(self, request, *args, **kwargs):
+        if not request.user.is_authenticated:
+            return self.handle_no_permission()
+        if not request.user.is_staff:
+            return forbidden(request, "The finance reports are for gpupool staff.")
+        return super().dispatch(request, *args, **kwargs)
+
+
+def _parse_month(value: str) -> date:
+    m = MONTH_RE.match(value.strip())
+    if not m or not 1 <= int(m.group(2)) <= 12 or int(m.group(1)) < 1970:
+        raise forms.ValidationError("Use a month as YYYY-MM, e.g. 2024-03.")
+    return date(int(m.group(1)), int(m.group(2)), 1)
+
+
+def _months_back(month: date, n: int) -> date:
+    index = month.year * 12 + month.month - 1 - n
+    return date(index // 12, index % 12 + 1, 1)
+
+
+class ReportFilterForm(forms.Form):
+    """The filters of every finance report (web and API): a month range and a grouping."""
+
+    start = forms.CharField(required=False, max_length=7, help_text="First month, YYYY-MM.")
+    end = forms.CharField(required=False, max_length=7, help_text="Last month, YYYY-MM (inclusive).")
+    group = forms.ChoiceField(required=False, choices=list(reports.GROUPS.items()))
+    drafts = forms.BooleanField(required=False, help_text="Count draft invoices too.")
+
+    def __init__(self, *args, groups: dict[str, str] = reports.GROUPS, default_months: int = 12, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["group"].choices = list(groups.items())
+        self.default_group = next(iter(groups))
+        self.default_months = default_months
+
+    def clean_start(self) -> date | None:
+        value = self.cleaned_data.get("start") or ""
+        return _parse_month(value) if value else None
+
+    def clean_end(self) -> date | None:
+        value = self.cleaned_data.get("end") or ""
+        return _parse_month(value) if value else None
+
+    def clean(self):
+        data = super().clean()
+        if self.errors:
+            return data
+        end = data.get("end") or period_of(timezone.now())
+        start = data.get("start") or _months_back(end, self.default_months - 1)
+        if start > end:
+            self.add_error("start", "The first month comes after the last.")
+        elif len(reports.months_between(start, end)) > reports.MAX_MONTHS:
+            self.add_error("end", f"At most {reports.MAX_MONTHS} months at a time.")
+        data.update(start=start, end=end, group=data.get("group") or self.default_group)
+        return data
+
+
+def _csv_response(rows: list[list], filename: str) -> HttpResponse:
+    buf = io.StringIO()
+    csv.writer(buf).writerows(rows)
+    response = HttpResponse(buf.getvalue(), content_type="text/csv; charset=utf-8")
+    response["Content-Disposition"] = f'attachment; filename="{filename}"'
+    return response
+
+
+def _wants_csv(request) -> bool:
+    return request.GET.get("export") == "csv"
+
+
+class _ReportView(FinanceStaffMixin, View):
+    groups: dict[str, str] = reports.GROUPS
+    tab = ""
+
+    def form(self, request) -> ReportFilterForm:
+        form = ReportFilterForm(request.GET, groups=self.groups)
+        form.is_valid()
+        return form
+
+    def page(self, request, template: str, context: dict, status: int = 200):
+        query = request.GET.copy()
+        query.pop("export", None)
+        query["export"] = "csv"
+        context.update(tab=self.tab, csv_query=query.urlencode())
+        return render_page(request, template, context, status=status)
+
+
+class RevenueView(_ReportView):
+    tab = "revenue"
+
+    def get(self, request):
+        form = self.form(request)
+        if form.errors:
+            return self.page(request, "metering/finance_revenue.html", {"form": form}, status=400)
+        f = form.cleaned_data
+        statuses = (
+            (*reports.REVENUE_STATUSES, InvoiceStatus.DRAFT) if f["drafts"] else reports.REVENUE_STATUSES
+        )
+        report = reports.revenue_report(
+            first=f["start"], last=f["end"], group_by=f["group"], statuses=statuses
+        )
+        if _wants_csv(request):
+            return _csv_response(
+                reports.revenue_csv_rows(report),
+                f"revenue-{f['start']:%Y-%m}-{f['end']:%Y-%m}-{f['group']}.csv",
+            )
+        return self.page(
+            request,
+            "metering/finance_revenue.html",
+            {
+                "form": form,
+                "report": report,
+                "group_label": reports.GROUPS[report.group_by],
+                **_revenue_tables(report),
+            },
+        )
+
+
+def _revenue_tables(report: reports.RevenueReport) -> dict:
+    """Per currency: a pivot (group rows by month columns) and a stacked chart of the biggest groups."""
+    labels = [f"{m:%Y-%m}" for m in report.months]
+    out = []
+    for cur in report.currencies or ["USD"]:
+        rows = [r for r in report.rows if r.currency == cur]
+        by_key: dict[str, dict] = {}
+        for r in rows:
+            entry = by_key.setdefault(r.key, {"label": r.label, "cells": {}, "total": reports.ZERO})
+            entry["cells"][r.month] = entry["cells"].get(r.month, reports.ZERO) + r.amount
+            entry["total"] += r.amount
+        ranked = sorted(by_key.values(), key=lambda e: (-e["total"], e["label"]))
+        for e in ranked:
+            e["values"] = [format_money(e["cells"][m], cur) if m in e["cells"] else "" for m in report.months]
+            e["total_display"] = format_money(e["total"], cur)
+        series = [(e["label"], [e["cells"].get(m, 0) for m in report.months]) for e in ranked[:CHART_SERIES]]
+        if len(ranked) > CHART_SERIES:
+            rest = ranked[CHART_SERIES:]
+            series.append(("Other", [sum((e["cells"].get(m, 0) for e in rest), 0) for m in report.months]))
+        totals = [t for t in report.totals if t.currency == cur]
+        out.append(
+            {
+                "currency": cur,
+                "groups": ranked,
+                "totals": [
+                    {
+                        "month": t.month,
+                        "invoices": t.invoices,
+                        **{
+                            k: format_money(getattr(t, k), cur)
+                            for k in ("charges", "credits", "credit_notes", "net", "tax", "total")
+                        },
+                    }
+                    for t in totals
+                ],
+                "chart": bar_chart(labels, series, unit=cur, stacked=True, title=f"Revenue by month ({cur})"),
+            }
+        )
+    return {"currencies": out}
+
+
+class GpuHoursView(_ReportView):
+    tab = "gpu-hours"
+    groups = reports.GPU_HOUR_GROUPS
+
+    def get(self, request):
+        form = self.form(request)
+        if form.errors:
+            return self.page(request, "metering/finance_gpu_hours.html", {"form": form}, status=400)
+        f = form.cleaned_data
+        rows = reports.gpu_hours_report(first=f["start"], last=f["end"], group_by=f["group"])
+        if _wants_csv(request):
+            return _csv_response(
+                reports.gpu_hours_csv_rows(rows),
+                f"gpu-hours-{f['start']:%Y-%m}-{f['end']:%Y-%m}-{f['group']}.csv",
+            )
+        months = reports.months_between(f["start"], f["end"])
+        fleet = {m: [reports.ZERO, reports.ZERO, reports.ZERO] for m in months}
+        for r in rows:
+            fleet[r.month][0] += r.capacity_h
+            fleet[r.month][1] += r.used_h
+            fleet[r.month][2] += r.billed_h
+        chart = bar_chart(
+            [f"{m:%Y-%m}" for m in months],
+            [(name, [fleet[m][i] for m in months]) for i, name in enumerate(("Capacity", "Used", "Billed"))],
+            unit="GPU-hours",
+            title="Fleet capacity, used and billed GPU-hours by month",
+        )
+        return self.page(
+            request, "metering/finance_gpu_hours.html", {"form": form, "rows": rows, "chart": chart}
+        )
+
+
+class ReceivablesView(_ReportView):
+    tab = "receivables"
+
+    def get(self, request):
+        report = reports.receivables_report()
+        if _wants_csv(request):
+            return _csv_response(
+                reports.receivables_csv_rows(report), f"receivables-{report.at:%Y-%m-%d}.csv"
+            )
+        totals = report.totals()
+        blocks = []
+        for cur, t in sorted(totals.items()):
+            blocks.append(
+                {
+                    "currency": cur,
+                    "totals": [(label, format_money(t[k], cur)) for k, label in reports.AGE_BUCKETS],
+                    "outstanding": format_money(t["outstanding"], cur),
+                    "overdue": format_money(t["overdue"], cur),
+                    "chart": bar_chart(
+                        [label for _, label in reports.AGE_BUCKETS],
+                        [(f"Owed ({cur})", [t[k] for k, _ in reports.AGE_BUCKETS])],
+                        unit=cur,
+                        title=f"Receivables by age ({cur})",
+                    ),
+                }
+            )
+        rows = [
+            {
+                "tenant": r.tenant,
+                "currency": r.currency,
+                "invoices": r.invoices,
+                "buckets": [format_money(r.buckets[k], r.currency) for k, _ in reports.AGE_BUCKETS],
+                "outstanding": format_money(r.outstanding, r.currency),
+                "overdue": r.overdue > 0,
+            }
+            for r in report.rows
+        ]
+        oldest = [
+            {
+                "invoice": inv,
+                "owed": format_money(inv.owed, inv.currency),
+                "days": (report.at - inv.due_at).days,
+            }
+            for inv in report.oldest
+        ]
+        return self.page(
+            request,
+            "metering/finance_receivables.html",
+            {
+                "report": report,
+                "blocks": blocks,
+                "rows": rows,
+                "oldest": oldest,
+                "buckets": reports.AGE_BUCKETS,
+            },
+        )

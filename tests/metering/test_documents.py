@@ -1,0 +1,129 @@
+"""Invoice documents: the PDF (WeasyPrint, read back with pypdf) and the CSV, through the API and
+the tenant's web pages, tenant-scoped and for the billing scope."""
+
+from __future__ import annotations
+
+import csv
+import io
+from datetime import date
+from decimal import Decimal
+
+import pytest
+from pypdf import PdfReader
+
+from metering.documents import format_money, invoice_number
+from metering.models import BillingAccount, CreditKind
+from metering.services.invoices import credit_grant, invoice_build, invoice_finalize
+from metering.services.usage import usage_build
+from portal.actors import Actor
+from portal.models import Role
+from tests.metering.conftest import utc
+from tests.portal.conftest import add_member, signed_in  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def _no_cycle_tasks(settings):
+    settings.SCHEDULING_TRIGGER_CYCLES = False
+
+
+@pytest.fixture
+def invoice(tenant, card, run):
+    """A finalized March 2024 invoice: 10 h on-demand (20.00), 5 h spot (4.00), 5.00 promotional
+    credit, 10 % tax on the rest: total 20.90 USD."""
+    BillingAccount.objects.create(tenant=tenant, tax_rate_percent=Decimal("10"))
+    run(tenant, utc(2024, 3, 2), utc(2024, 3, 2, 10))
+    run(tenant, utc(2024, 3, 5), utc(2024, 3, 5, 5), plan="spot")
+    usage_build(since=utc(2024, 3, 1), now=utc(2024, 4, 1))
+    credit_grant(tenant=tenant, kind=CreditKind.PROMOTIONAL, amount="5", actor=Actor.system())
+    draft = invoice_build(tenant=tenant, period_start=date(2024, 3, 1))
+    return invoice_finalize(invoice=draft, actor=Actor.system(), now=utc(2024, 4, 4))
+
+
+def _pdf_text(content: bytes) -> str:
+    return "\n".join(page.extract_text() for page in PdfReader(io.BytesIO(content)).pages)
+
+
+def test_format_money_rounds_half_up_at_the_currency_places():
+    assert format_money(Decimal("1234.565"), "USD") == "1,234.57 USD"
+    assert format_money(Decimal("1234.5"), "JPY") == "1,235 JPY"
+    assert format_money(Decimal("-0.5"), "BHD") == "-0.500 BHD"
+
+
+def test_the_pdf_is_a_real_pdf_with_the_number_lines_and_total(invoice, make_token, api):
+    assert invoice.total == Decimal("20.900")
+    client = api(make_token(invoice.tenant, scopes=["read", "billing"]))
+    response = client.get(f"/api/v1/invoices/{invoice.pk}/pdf/")
+    assert response.status_code == 200
+    assert response["Content-Type"] == "application/pdf"
+    assert f'filename="{invoice_number(invoice)}.pdf"' in response["Content-Disposition"]
+    assert response.content.startswith(b"%PDF-")
+    text = _pdf_text(response.content)
+    assert invoice_number(invoice) in text
+    assert "20.90 USD" in text  # the total
+    assert "24.00 USD" in text  # the subtotal
+    assert "-5.00 USD" in text  # credits applied
+    assert "2.090 USD" not in text and "1.90 USD" in text  # tax, at the currency's places
+    assert "On-demand usage" in text and "Spot usage" in text
+    assert invoice.tenant.name in text and "2024-03-01" in text and "2024-03-31" in text
+    assert "Open: awaiting payment" in text or "Overdue since" in text
+
+
+def test_the_csv_lines_sum_to_the_total(invoice, make_token, api):
+    client = api(make_token(invoice.tenant, scopes=["read", "billing"]))
+    response = client.get(f"/api/v1/invoices/{invoice.pk}/csv/")
+    assert response.status_code == 200
+    rows = list(csv.reader(io.StringIO(response.content.decode())))
+    lines = [r for r in rows[2:] if r[0]]  # numbered lines; the summary rows have no position
+    assert [r[1] for r in lines] == ["on_demand", "spot", "credit", "tax"]
+    total = next(r for r in rows if r[1] == "total")
+    assert sum(Decimal(r[7]) for r in lines) == Decimal(total[7]) == invoice.total
+
+
+def test_another_tenant_gets_404_for_both_documents(invoice, make_tenant, make_token, api):
+    other = api(make_token(make_tenant("other")))
+    for fmt in ("pdf", "csv"):
+        response = other.get(f"/api/v1/invoices/{invoice.pk}/{fmt}/")
+        assert response.status_code == 404
+        assert response.json()["error"]["code"] == "not_found"
+
+
+def test_documents_need_the_billing_scope_not_write(invoice, make_token, api):
+    reader = api(make_token(invoice.tenant, scopes=["read"]))
+    response = reader.get(f"/api/v1/invoices/{invoice.pk}/pdf/")
+    assert response.status_code == 403 and "billing" in response.json()["error"]["message"]
+
+
+def test_web_downloads_for_billing_not_viewers(invoice, add_member, signed_in, make_tenant):  # noqa: F811
+    tenant = invoice.tenant
+    billing = signed_in(add_member(tenant, Role.BILLING).user, tenant)
+    page = billing.get("/billing/invoices/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert f"/billing/invoices/{invoice.pk}/pdf/" in html and "20.90 USD" in html
+
+    pdf = billing.get(f"/billing/invoices/{invoice.pk}/pdf/")
+    assert pdf.status_code == 200 and pdf.content.startswith(b"%PDF-")
+    assert invoice_number(invoice) in _pdf_text(pdf.content)
+    csv_response = billing.get(f"/billing/invoices/{invoice.pk}/csv/")
+    assert csv_response.status_code == 200 and csv_response["Content-Type"].startswith("text/csv")
+
+    viewer = signed_in(add_member(tenant, Role.VIEWER).user, tenant)
+    denied = viewer.get(f"/billing/invoices/{invoice.pk}/pdf/")
+    assert denied.status_code == 403 and b"billing" in denied.content.lower()
+
+    stranger_tenant = make_tenant("stranger")
+    stranger = signed_in(add_member(stranger_tenant, Role.OWNER).user, stranger_tenant)
+    assert stranger.get(f"/billing/invoices/{invoice.pk}/pdf/").status_code == 404
+    assert stranger.get(f"/billing/invoices/{invoice.pk}/csv/").status_code == 404
+    assert f"/billing/invoices/{invoice.pk}/" not in stranger.get("/billing/invoices/").content.decode()
+
+
+def test_a_draft_pdf_says_it_is_a_draft(tenant, card, run, make_token, api):
+    run(tenant, utc(2024, 3, 2), utc(2024, 3, 2, 1))
+    usage_build(since=utc(2024, 3, 1), now=utc(2024, 4, 1))
+    draft = invoice_build(tenant=tenant, period_start=date(2024, 3, 1))
+    response = api(make_token(tenant)).get(f"/api/v1/invoices/{draft.pk}/pdf/")
+    text = _pdf_text(response.content)
+    assert "Draft" in text and "2.00 USD" in text
