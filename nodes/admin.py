@@ -42,6 +42,7 @@ class GpuModelAdmin(admin.ModelAdmin):
         "fp32_tflops",
         "memory_bandwidth_gbps",
         "compute_weight",
+        "oversubscription",
         "mig_capable",
         "software_stack",
         "cuda_compute_capability",
@@ -49,7 +50,7 @@ class GpuModelAdmin(admin.ModelAdmin):
     ]
     list_filter = ["vendor", "software_stack", "mig_capable", "architecture"]
     search_fields = ["name", "short_name", "aliases"]
-    list_editable = ["compute_weight"]
+    list_editable = ["compute_weight", "oversubscription"]
 
 
 @admin.register(Region)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import hashlib
 import secrets
 import uuid
+from decimal import Decimal
 
 from django.conf import settings
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
@@ -40,6 +42,10 @@ class SoftwareStack(models.TextChoices):
     ONEAPI = "oneapi", "oneAPI (Level Zero)"
 
 
+MIN_OVERSUBSCRIPTION = Decimal("1.00")
+MAX_OVERSUBSCRIPTION = Decimal("4.00")
+
+
 class GpuModel(models.Model):
     """One GPU product, from its public specification. ``compute_weight`` is relative to H100 SXM = 1.0
     (see ``nodes.catalog`` for the formula); staff may edit it and re-seeding keeps their value."""
@@ -59,6 +65,17 @@ class GpuModel(models.Model):
     compute_weight = models.DecimalField(max_digits=5, decimal_places=2)
     mig_capable = models.BooleanField(default=False)
     mig_profiles = models.JSONField(default=list, blank=True)
+    oversubscription = models.DecimalField(
+        max_digits=3,
+        decimal_places=2,
+        default=Decimal("1.00"),
+        validators=[MinValueValidator(MIN_OVERSUBSCRIPTION), MaxValueValidator(MAX_OVERSUBSCRIPTION)],
+        help_text=(
+            "Fractional (non-MIG) shares on one GPU of this model may add up to this many GPUs "
+            "(1.00: no over-subscription; at most 4.00). Each share's GPU memory limit is its share of "
+            "the memory divided by this factor. Whole GPUs and MIG slices are never over-subscribed."
+        ),
+    )
     software_stack = models.CharField(max_length=16, choices=SoftwareStack.choices)
     cuda_compute_capability = models.CharField(max_length=8, blank=True, help_text="e.g. 9.0")
     gfx_target = models.CharField(
@@ -68,6 +85,13 @@ class GpuModel(models.Model):
 
     class Meta:
         ordering = ["vendor", "name"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(oversubscription__gte=MIN_OVERSUBSCRIPTION)
+                & Q(oversubscription__lte=MAX_OVERSUBSCRIPTION),
+                name="gpumodel_oversubscription_range",
+            )
+        ]
 
     def __str__(self) -> str:
         return self.name

@@ -12,6 +12,12 @@ the same rule is a pair of triggers that abort the insert or update (SQLite also
 so the check cannot race). Both are created by migration ``0002_allocation_no_overlap``. The offsets
 are bookkeeping only: the scheduler packs them (``scheduling.services.allocations``) and nothing
 outside this app reads them.
+
+Over-subscription (``GpuModel.oversubscription``, factor f >= 1): a fractional, non-MIG share of
+``fraction_milli`` on such a GPU holds only ``span_milli = ceil(fraction_milli / f)`` of the 0..1000
+range, so shares may add up to f GPUs while the ranges still may not overlap. ``fraction_milli``
+stays what the tenant asked for (metering bills it); ``span_milli`` is null where it equals it, and
+a whole GPU (``fraction_milli`` 1000) always spans all of it (migration ``0005_allocation_span``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from decimal import Decimal
 from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models import F, Q
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from portal.tenancy import TenantOwnedModel, TenantQuerySet
@@ -226,6 +233,11 @@ class Allocation(TenantOwnedModel):
     gpu_model = models.ForeignKey("nodes.GpuModel", on_delete=models.PROTECT, related_name="+")
     plan = models.CharField(max_length=16, choices=Plan.choices)
     fraction_milli = models.PositiveSmallIntegerField(default=MILLI)
+    span_milli = models.PositiveSmallIntegerField(
+        null=True,
+        blank=True,
+        help_text="Capacity of the GPU held, when less than the fraction (an over-subscribed GPU).",
+    )
     milli_offset = models.PositiveSmallIntegerField(default=0)
     started_at = models.DateTimeField(default=timezone.now)
     ended_at = models.DateTimeField(null=True, blank=True)
@@ -241,8 +253,15 @@ class Allocation(TenantOwnedModel):
                 name="allocation_fraction_range",
             ),
             models.CheckConstraint(
-                condition=Q(milli_offset__gte=0) & Q(milli_offset__lte=MILLI - F("fraction_milli")),
+                condition=Q(milli_offset__gte=0)
+                & Q(milli_offset__lte=MILLI - Coalesce(F("span_milli"), F("fraction_milli"))),
                 name="allocation_range_inside_gpu",
+            ),
+            # An over-subscribed share holds less than its fraction, at least 1; a whole GPU all of it.
+            models.CheckConstraint(
+                condition=Q(span_milli__isnull=True)
+                | Q(span_milli__gte=1, span_milli__lte=F("fraction_milli"), fraction_milli__lt=MILLI),
+                name="allocation_span_range",
             ),
             models.CheckConstraint(
                 condition=Q(ended_at__isnull=True) | Q(ended_at__gte=F("started_at")),
@@ -263,6 +282,11 @@ class Allocation(TenantOwnedModel):
 
     def __str__(self) -> str:
         return f"workload {self.workload_id} on gpu {self.gpu_id} ({self.fraction_milli}/1000)"
+
+    @property
+    def span(self) -> int:
+        """The capacity of its GPU this row holds (thousandths)."""
+        return self.span_milli if self.span_milli is not None else self.fraction_milli
 
 
 class Quota(TenantOwnedModel):

@@ -108,6 +108,7 @@ class Engine:
                 r.region,
                 r.other_regions_ok,
                 access,
+                r.mig,
             )
         return d
 
@@ -173,7 +174,7 @@ class Engine:
             if whole:
                 return all(x == MILLI for x in g)
             gk = tuple(tuple(sorted((g[p] for p in isl), reverse=True)) for isl in cls.islands)
-            return bool(gpu_options(cls, gk, d))
+            return bool(gpu_options(cls, gk, d, st.mig_key(i, g)))
 
         if fits():
             return self.now

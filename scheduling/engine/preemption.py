@@ -112,7 +112,7 @@ class Preemptor:
                 if cpu < demand.cpu or mem < demand.mem:
                     continue
                 gk = tuple(tuple(sorted((g[p] for p in isl), reverse=True)) for isl in cls.islands)
-                if gpu_options(cls, gk, demand):
+                if gpu_options(cls, gk, demand, state.mig_key(i, g)):
                     cost = (
                         pen,
                         max(int(v.priority_class) for v in taken),

@@ -27,6 +27,8 @@ def model_matches(info: GpuModelInfo, spec: GpuSpec) -> bool:
         or info.cuda_capability < spec.cuda_capability
     ):
         return False
+    if spec.mig_profile is not None and spec.mig_profile not in info.mig_profiles:
+        return False
     return spec.rocm_target is None or _rocm_matches(info, spec.rocm_target)
 
 
@@ -55,6 +57,8 @@ class Demand:
     other_regions_ok: bool = True
     access: str = ACCESS_NONE
     """ACCESS_NONE, ACCESS_LEND, or the tenant id for work on that tenant's own reservation."""
+    mig: bool = False
+    """A MIG slice: only on an empty GPU or one holding MIG slices, never over-subscribed."""
 
     @property
     def shared(self) -> bool:
@@ -75,6 +79,8 @@ def validate(request: Request) -> str | None:
         return "milli must be in 1..1000"
     if request.milli < MILLI and request.gpus != 1:
         return "a fraction applies to exactly one GPU"
+    if request.mig and request.gpus != 1:
+        return "a MIG slice applies to exactly one GPU"
     if request.gpus < 0:
         return "gpus must not be negative"
     if not request.gang and request.gpus > 8:
@@ -97,4 +103,5 @@ def demand_for(request: Request, catalog: dict[str, GpuModelInfo]) -> Demand:
         region=request.region,
         other_regions_ok=request.other_regions_ok,
         access=access_for(request),
+        mig=request.mig,
     )

@@ -24,7 +24,9 @@ if TYPE_CHECKING:
     from .policies import Policy
 
 GKey = tuple[tuple[int, ...], ...]
-Key = tuple[int, int, int, GKey]
+Key = tuple[int, int, int, GKey, GKey]
+"""(class id, free CPU, free RAM, free capacity units per GPU by island, the same for the GPUs that
+hold MIG slices: empty when the node has none)."""
 Picks = tuple[tuple[int, int], ...]
 """The GPUs a placement takes on a node, as (island, free milli before) pairs."""
 Option = tuple[int, Picks, GKey]
@@ -42,6 +44,8 @@ class NodeClass:
     islands: tuple[tuple[int, ...], ...]
     """Positions (into the node's GPU list) of the GPUs of each island."""
     reserved_for: str | None
+    oversub: int = MILLI
+    """The model's over-subscription factor in thousandths (1000: none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,13 +71,53 @@ class _Heap:
         """Policy score per state id, shared by demands that differ only in region or plan."""
 
 
-def gpu_options(cls: NodeClass, gkey: GKey, demand: Demand) -> list[Option]:
-    """Every distinct way to take ``demand``'s GPUs from a node whose GPUs are ``gkey``."""
+def share_units(cls: NodeClass, demand: Demand) -> int:
+    """Capacity units (of a GPU's 1000) that one GPU of a node of ``cls`` gives ``demand``: a
+    fractional, non-MIG share on an over-subscribed model takes ``ceil(milli / factor)``; whole GPUs
+    and MIG slices take their milli."""
+    milli = demand.milli
+    if milli >= MILLI or demand.mig or cls.oversub == MILLI:
+        return milli
+    return -(-milli * MILLI // cls.oversub)
+
+
+def _share_frees(island: tuple[int, ...], mig: tuple[int, ...], for_mig: bool) -> list[int]:
+    """The free units (largest first) of the GPUs of one island that a share may use: for MIG work
+    the empty GPUs and those holding MIG slices, for other shares every GPU without MIG slices."""
+    if for_mig:
+        return sorted((*(f for f in island if f == MILLI), *mig), reverse=True)
+    rest = list(island)
+    for f in mig:
+        rest.remove(f)
+    return rest
+
+
+def gpu_options(cls: NodeClass, gkey: GKey, demand: Demand, mig: GKey = ()) -> list[Option]:
+    """Every distinct way to take ``demand``'s GPUs from a node whose GPUs are ``gkey`` (free capacity
+    units per island), of which those in ``mig`` (per island; empty when none) hold MIG slices: MIG
+    work only goes to an empty GPU or one holding MIG slices, other shares never to the latter.
+    Without ``mig`` every GPU counts as not MIG (MIG work then only takes empty GPUs)."""
     if demand.gpus == 0:
         return [(0, (), gkey)]
     milli = demand.milli
-    if milli < MILLI:
+    if milli < MILLI and (mig or demand.mig):
+        need = share_units(cls, demand)
         out: list[Option] = []
+        for ii, island in enumerate(gkey):
+            last = -1
+            for free in _share_frees(island, mig[ii] if mig else (), demand.mig):
+                if free < need:
+                    break
+                if free == last:
+                    continue
+                last = free
+                pos = island.index(free)
+                new_island = tuple(sorted((*island[:pos], free - need, *island[pos + 1 :]), reverse=True))
+                out.append((0, ((ii, free),), (*gkey[:ii], new_island, *gkey[ii + 1 :])))
+        return out
+    if milli < MILLI:
+        milli = share_units(cls, demand)
+        out = []
         for ii, island in enumerate(gkey):
             last = -1
             for pos, free in enumerate(island):
@@ -157,6 +201,8 @@ class ClusterState:
         self._fits: dict[Demand, list[int | None]] = {}
         self.capacity_milli = 0
         self._max_spec: tuple[int, int] | None = None
+        self.gmig: list[list[bool] | None] = []
+        """Per node: which GPUs hold MIG slices now (None when none does)."""
         for node in nodes:
             self._add_node(node, class_ids)
 
@@ -175,6 +221,7 @@ class ClusterState:
             node.memory_mib,
             isl,
             node.reserved_for,
+            self._oversub(node.model),
         )
         cid = class_ids.get(sig)
         if cid is None:
@@ -188,12 +235,18 @@ class ClusterState:
         self.cpu_free.append(node.cpu_milli - node.cpu_used)
         self.mem_free.append(node.memory_mib - node.memory_used)
         self.gfree.append([g.free_milli if g.healthy else 0 for g in node.gpus])
+        mig = [g.mig and g.healthy and g.free_milli < MILLI for g in node.gpus]
+        self.gmig.append(mig if any(mig) else None)
         self.gpu_index.append(tuple(g.index for g in node.gpus))
         self.keys.append(None)
         self.pos.append(-1)
         if node.state == NodeState.READY:
             self.capacity_milli += MILLI * sum(1 for g in node.gpus if g.healthy)
             self._enter(i)
+
+    def _oversub(self, model: str) -> int:
+        info = self.catalog.get(model)
+        return MILLI if info is None else max(MILLI, round(info.oversubscription * MILLI))
 
     def _key(self, i: int) -> Key:
         cls = self.classes[self.ncls[i]]
@@ -202,7 +255,18 @@ class ClusterState:
             gk: GKey = (tuple(sorted(g, reverse=True)),)
         else:
             gk = tuple(tuple(sorted((g[p] for p in isl), reverse=True)) for isl in cls.islands)
-        return (cls.id, self.cpu_free[i], self.mem_free[i], gk)
+        return (cls.id, self.cpu_free[i], self.mem_free[i], gk, self.mig_key(i, g))
+
+    def mig_key(self, i: int, g: list[int]) -> GKey:
+        """Free units per island of node ``i``'s GPUs that hold MIG slices, if its GPUs had the free
+        units ``g`` (a GPU whose slices all ended is a plain GPU again); empty when none does."""
+        m = self.gmig[i]
+        if m is None:
+            return ()
+        cls = self.classes[self.ncls[i]]
+        return tuple(
+            tuple(sorted((g[p] for p in isl if m[p] and g[p] < MILLI), reverse=True)) for isl in cls.islands
+        )
 
     def _enter(self, i: int) -> None:
         key = self._key(i)
@@ -270,7 +334,7 @@ class ClusterState:
     def options(self, key: Key, demand: Demand) -> list[Option]:
         if key[1] < demand.cpu or key[2] < demand.mem:
             return []
-        return gpu_options(self.classes[key[0]], key[3], demand)
+        return gpu_options(self.classes[key[0]], key[3], demand, key[4])
 
     def max_spec(self) -> tuple[int, int]:
         """The largest server's CPU and GPU capacity (milli), for normalizing scores."""
@@ -289,7 +353,7 @@ class ClusterState:
     def _heap(self, demand: Demand) -> _Heap:
         h = self._heaps.get(demand)
         if h is None:
-            shape = (demand.models, demand.milli, demand.gpus, demand.cpu, demand.mem)
+            shape = (demand.models, demand.milli, demand.gpus, demand.cpu, demand.mem, demand.mig)
             scores = self._scores.get(shape)
             if scores is None:
                 scores = self._scores[shape] = {}
@@ -328,7 +392,7 @@ class ClusterState:
             sc = None
             if key[1] >= demand.cpu and key[2] >= demand.mem:
                 cls = self.classes[key[0]]
-                opts = gpu_options(cls, key[3], demand)
+                opts = gpu_options(cls, key[3], demand, key[4])
                 if opts:
                     score, opt = self.policy.choose(self, cls, key, demand, opts)
                     sc = (opt[0], score, opt[1])
@@ -441,11 +505,12 @@ class ClusterState:
     def _apply(self, i: int, picks: Picks, demand: Demand) -> Slot:
         cls = self.classes[self.ncls[i]]
         g = self.gfree[i]
-        milli = demand.milli
+        milli = share_units(cls, demand)
+        m = self.gmig[i]
         taken: list[int] = []
         for ii, free in picks:
             for p in cls.islands[ii]:
-                if g[p] == free and p not in taken:
+                if g[p] == free and p not in taken and (free == MILLI or m is None or m[p] == demand.mig):
                     taken.append(p)
                     break
             else:
@@ -455,6 +520,8 @@ class ClusterState:
             self._leave(i)
         for p in taken:
             g[p] -= milli
+        if demand.mig and milli < MILLI and taken:
+            self._mark_mig(i, taken)
         self.cpu_free[i] -= demand.cpu
         self.mem_free[i] -= demand.mem
         if not held:
@@ -469,13 +536,30 @@ class ClusterState:
         g = self.gfree[i]
         for p in slot.positions:
             g[p] += slot.milli
+        m = self.gmig[i]
+        if m is not None:
+            for p in slot.positions:
+                if g[p] >= MILLI:
+                    m[p] = False
+            if not any(m):
+                self.gmig[i] = None
         self.cpu_free[i] += slot.cpu
         self.mem_free[i] += slot.mem
         if not held and self.keys[i] is None and self.pos[i] == -1:
             self._enter(i)
 
-    def allocate(self, i: int, positions: Iterable[int], milli: int, cpu: int, mem: int) -> Slot:
-        """Take capacity on a given node directly (existing allocations, preemption targets)."""
+    def _mark_mig(self, i: int, positions: Iterable[int]) -> None:
+        m = self.gmig[i]
+        if m is None:
+            m = self.gmig[i] = [False] * len(self.gfree[i])
+        for p in positions:
+            m[p] = True
+
+    def allocate(
+        self, i: int, positions: Iterable[int], milli: int, cpu: int, mem: int, mig: bool = False
+    ) -> Slot:
+        """Take capacity (units) on a given node directly (existing allocations, preemption
+        targets); ``mig``: the share is a MIG slice."""
         held = i in self.held
         if not held:
             self._leave(i)
@@ -483,6 +567,8 @@ class ClusterState:
         pos = tuple(positions)
         for p in pos:
             g[p] -= milli
+        if mig and milli < MILLI and pos:
+            self._mark_mig(i, pos)
         self.cpu_free[i] -= cpu
         self.mem_free[i] -= mem
         if not held:

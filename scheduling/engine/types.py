@@ -59,6 +59,11 @@ class GpuModelInfo:
     compute_weight: float = 1.0
     cuda_capability: tuple[int, int] | None = None
     rocm_target: str | None = None
+    mig_profiles: tuple[str, ...] = ()
+    oversubscription: float = 1.0
+    """Fractional (non-MIG) shares on one GPU of this model may add up to this many GPUs (>= 1.0).
+    The engine charges a share of ``milli`` as ``ceil(milli / oversubscription)`` of the GPU's 1000
+    capacity units; whole GPUs and MIG slices are never over-subscribed."""
 
 
 @dataclass(slots=True)
@@ -68,6 +73,9 @@ class Gpu:
     island: int = 0
     """NVLink island / NUMA node inside the server; multi-GPU work prefers one island."""
     free_milli: int = MILLI
+    """Capacity units left (of 1000); an over-subscribed share takes fewer units than its milli."""
+    mig: bool = False
+    """Holds MIG slices now: only MIG work may join it (and no MIG work joins a GPU shared otherwise)."""
 
 
 @dataclass(slots=True)
@@ -98,6 +106,9 @@ class GpuSpec:
     """Minimum CUDA compute capability (NVIDIA only)."""
     rocm_target: str | None = None
     """Exact ROCm gfx target, e.g. ``gfx90a`` (AMD only)."""
+    mig_profile: str | None = None
+    """A MIG slice such as ``1g.10gb``: only models offering it, and only on a GPU that is empty or
+    already holds MIG slices."""
 
 
 @dataclass(slots=True)
@@ -133,6 +144,10 @@ class Request:
     def gpu_milli_total(self) -> int:
         return self.gpus * self.milli
 
+    @property
+    def mig(self) -> bool:
+        return self.gpu.mig_profile is not None
+
 
 @dataclass(slots=True)
 class Running:
@@ -143,6 +158,7 @@ class Running:
     node_id: str
     gpu_indices: tuple[int, ...]
     milli: int = MILLI
+    """Capacity units held per GPU (the share itself unless the GPU is over-subscribed)."""
     cpu_milli: int = 0
     memory_mib: int = 0
     plan: Plan = Plan.ON_DEMAND
@@ -172,6 +188,7 @@ class Assignment:
     node_id: str
     gpu_indices: tuple[int, ...]
     milli: int
+    """Capacity units taken per GPU (less than the request's share on an over-subscribed GPU)."""
     cpu_milli: int
     memory_mib: int
 

@@ -83,6 +83,8 @@ def _model_info(m: GpuModel) -> E.GpuModelInfo:
         compute_weight=float(m.compute_weight),
         cuda_capability=m.cuda_cc_tuple,
         rocm_target=m.gfx_target or None if m.vendor == "amd" else None,
+        mig_profiles=tuple(m.mig_profiles or ()),
+        oversubscription=float(m.oversubscription),
     )
 
 
@@ -103,6 +105,8 @@ class _Context:
     chosen_models: dict[int, list[str]] = field(default_factory=dict)  # workload -> model names
     warm_hits: dict[int, list[int]] = field(default_factory=dict)  # workload -> warm slots it binds
     draining_nodes: set[int] = field(default_factory=set)  # nodes whose victims are stopping
+    mig_gpus: set[int] = field(default_factory=set)  # GPUs holding MIG slices
+    model_info: dict[int, E.GpuModelInfo] = field(default_factory=dict)  # model id -> catalog entry
 
 
 def _priority(workload_pc: str, plan: str) -> E.PriorityClass | None:
@@ -141,6 +145,7 @@ def _load(now: datetime) -> tuple[E.Snapshot, list[E.Request], _Context]:
             "gpu__index",
             "gpu_model_id",
             "fraction_milli",
+            "span_milli",
             "milli_offset",
             "tenant_id",
             "workload__state",
@@ -156,6 +161,7 @@ def _load(now: datetime) -> tuple[E.Snapshot, list[E.Request], _Context]:
             "workload__max_runtime_s",
             "workload__checkpoint_resume",
             "workload__requeue_on_preemption",
+            "workload__mig_profile",
         )
     )
     used: dict[int, int] = defaultdict(int)
@@ -163,9 +169,15 @@ def _load(now: datetime) -> tuple[E.Snapshot, list[E.Request], _Context]:
     holders: dict[int, list[dict[str, Any]]] = defaultdict(list)
     model_use: dict[tuple[int, int], int] = defaultdict(int)
     node_load: dict[int, dict[int, tuple[int, int]]] = defaultdict(dict)  # node -> workload -> (cpu, ram)
+    mig_gpus: set[int] = set()
     for a in allocs:
-        used[a["gpu_id"]] += a["fraction_milli"]
-        ranges[a["gpu_id"]].append((a["milli_offset"], a["fraction_milli"], a["id"]))
+        # Capacity is counted in what each row spans (less than its fraction on an over-subscribed
+        # GPU); quotas count the fractions asked for.
+        a["span"] = a["span_milli"] or a["fraction_milli"]
+        used[a["gpu_id"]] += a["span"]
+        ranges[a["gpu_id"]].append((a["milli_offset"], a["span"], a["id"]))
+        if a["workload__mig_profile"] and a["span"] < MILLI:
+            mig_gpus.add(a["gpu_id"])
         holders[a["workload_id"]].append(a)
         model_use[(a["tenant_id"], a["gpu_model_id"])] += a["fraction_milli"]
         node_load[a["node_id"]][a["workload_id"]] = (a["workload__cpu_millicores"], a["workload__ram_mib"])
@@ -236,7 +248,13 @@ def _load(now: datetime) -> tuple[E.Snapshot, list[E.Request], _Context]:
         )
         island = g["nvlink_island"] if g["nvlink_island"] is not None else (g["numa_node"] or 0)
         en.gpus.append(
-            E.Gpu(index=g["index"], healthy=ok, island=island, free_milli=max(MILLI - used[g["id"]], 0))
+            E.Gpu(
+                index=g["index"],
+                healthy=ok,
+                island=island,
+                free_milli=max(MILLI - used[g["id"]], 0),
+                mig=g["id"] in mig_gpus,
+            )
         )
 
     running: list[E.Running] = []
@@ -256,7 +274,7 @@ def _load(now: datetime) -> tuple[E.Snapshot, list[E.Request], _Context]:
                     tenant=str(a0["tenant_id"]),
                     node_id=str(nid),
                     gpu_indices=tuple(sorted(indices)),
-                    milli=a0["fraction_milli"],
+                    milli=a0["span"],
                     cpu_milli=a0["workload__cpu_millicores"],
                     memory_mib=a0["workload__ram_mib"],
                     plan=E.Plan(a0["workload__plan"]),
@@ -302,6 +320,7 @@ def _load(now: datetime) -> tuple[E.Snapshot, list[E.Request], _Context]:
             if w.cuda_capability
             else None,
             rocm_target=w.rocm_target or None,
+            mig_profile=w.mig_profile or None,
         )
         limited = [m for (t, m) in model_limits if t == w.tenant_id]
         if limited:
@@ -319,7 +338,7 @@ def _load(now: datetime) -> tuple[E.Snapshot, list[E.Request], _Context]:
             if not room:
                 ctx_quota_blocked.add(w.pk)
                 continue
-            spec = E.GpuSpec(models=room)
+            spec = E.GpuSpec(models=room, mig_profile=spec.mig_profile)
         requests.append(
             E.Request(
                 id=str(w.pk),
@@ -357,8 +376,22 @@ def _load(now: datetime) -> tuple[E.Snapshot, list[E.Request], _Context]:
         waiting_for_victims=waiting_for_victims,
         quota_blocked=ctx_quota_blocked,
         chosen_models=dict(chosen),
+        mig_gpus=mig_gpus,
+        model_info={model_ids[name]: info for name, info in catalog.items()},
     )
     return snapshot, requests, ctx
+
+
+def _share_payload(w: Workload, assignment: E.Assignment, info: E.GpuModelInfo | None) -> dict[str, Any]:
+    """What the agent needs to isolate a share that is not a MIG slice (MPS or time-slicing): the GPU
+    memory it may use, ``span / 1000`` of the model's memory (its fraction divided by the model's
+    over-subscription factor, so that every share of an over-subscribed GPU fits at once)."""
+    if w.mig_profile or w.gpu_fraction_milli >= MILLI or info is None:
+        return {}
+    return {
+        "gpu_memory_limit_mib": assignment.milli * info.memory_mib // MILLI,
+        "gpu_vendor": str(info.vendor),
+    }
 
 
 def _start_payload(w: Workload, gpu_uuids: list[str], assignment: E.Assignment) -> dict[str, Any]:
@@ -411,7 +444,7 @@ def _plan_place(ctx: _Context, batch: _Batch, w: Workload, decision: E.Place) ->
         for index in a.gpu_indices:
             g = ctx.gpus[(int(a.node_id), index)]
             rows.append((g, a.milli))
-            need[g["model_id"]] += a.milli
+            need[g["model_id"]] += w.gpu_fraction_milli
     for mid, milli in need.items():
         limit = ctx.model_limits.get((w.tenant_id, mid))
         if limit is not None and ctx.model_use[(w.tenant_id, mid)] + milli > limit * MILLI:
@@ -419,6 +452,9 @@ def _plan_place(ctx: _Context, batch: _Batch, w: Workload, decision: E.Place) ->
     for g, milli in rows:
         if sum(f for _, f, _ in ctx.ranges[g["id"]]) + milli > MILLI:
             logger.error("Engine placed %s milli on GPU %s, which has no room; skipped", milli, g["id"])
+            return "capacity", "Waiting for capacity."
+        if ctx.ranges[g["id"]] and (g["id"] in ctx.mig_gpus) != bool(w.mig_profile):
+            logger.error("Engine mixed MIG and other shares on GPU %s; skipped", g["id"])
             return "capacity", "Waiting for capacity."
     for g, milli in rows:
         choice = gpu_range_choose(ctx.ranges[g["id"]], milli)
@@ -441,23 +477,27 @@ def _plan_place(ctx: _Context, batch: _Batch, w: Workload, decision: E.Place) ->
             gpu_id=g["id"],
             gpu_model_id=g["model_id"],
             plan=w.plan,
-            fraction_milli=milli,
+            fraction_milli=w.gpu_fraction_milli,
+            span_milli=milli if milli != w.gpu_fraction_milli else None,
             milli_offset=offset,
             started_at=ctx.now,
         )
         ctx.ranges[g["id"]].append((offset, milli, key))
-        ctx.model_use[(w.tenant_id, g["model_id"])] += milli
+        ctx.model_use[(w.tenant_id, g["model_id"])] += w.gpu_fraction_milli
+        if w.mig_profile and milli < MILLI:
+            ctx.mig_gpus.add(g["id"])
     w.attempt += 1
     reason = "warm_hit" if w.pk in ctx.warm_hits else "backfilled" if decision.backfill else "placed"
     batch.placed[reason].append(w)
     batch.messages[w.pk] = f"Placed on {', '.join(sorted({a.node_id for a in decision.assignments}))}."
     for a in decision.assignments:
         uuids = [ctx.gpus[(int(a.node_id), i)]["uuid"] for i in a.gpu_indices]
+        model_id = ctx.gpus[(int(a.node_id), a.gpu_indices[0])]["model_id"] if a.gpu_indices else None
         batch.commands.append(
             CommandRequest(
                 node_id=int(a.node_id),
                 kind=CommandKind.START_WORKLOAD,
-                payload=_start_payload(w, uuids, a),
+                payload=_start_payload(w, uuids, a) | _share_payload(w, a, ctx.model_info.get(model_id)),
                 idempotency_key=f"start:{w.pk}:{w.attempt}",
             )
         )
