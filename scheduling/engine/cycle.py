@@ -6,6 +6,9 @@ it stays pending with a reason. The first request that cannot start becomes the 
 running work's estimated ends tell when it could start, the nodes it will need are held for it, and
 later (smaller) work may start on them only if its own estimate ends before that time (backfill), so
 it never delays the head's reserved start.
+
+A request's ``avoid_nodes`` (nodes that failed to start it) are not chosen, by placement, backfill or
+preemption, unless no other node could ever take it: then they may be chosen again.
 """
 
 from __future__ import annotations
@@ -129,6 +132,18 @@ class Engine:
                 Slot(i, tuple(idx.index(g) for g in a.gpu_indices), a.milli, a.cpu_milli, a.memory_mib)
             )
 
+    def _avoid(self, req: Request, d: Demand) -> frozenset[int]:
+        """The node indices ``req`` should not be placed on: none when only they could ever take it."""
+        st = self.state
+        avoid = frozenset(st.index[n] for n in req.avoid_nodes if n in st.index)
+        if not avoid:
+            return avoid
+        fit = st.class_fit(d)
+        for i in range(len(st.ids)):
+            if i not in avoid and fit[st.ncls[i]] is not None and (st.keys[i] is not None or i in st.held):
+                return avoid
+        return frozenset()
+
     def _assignment(self, s: Slot) -> Assignment:
         st = self.state
         idx = st.gpu_index[s.node]
@@ -172,9 +187,9 @@ class Engine:
             if cpu < d.cpu or mem < d.mem:
                 return False
             if whole:
-                return all(x == MILLI for x in g)
+                return all(x == MILLI for x in g) and not st.kept(cls.id, d)
             gk = tuple(tuple(sorted((g[p] for p in isl), reverse=True)) for isl in cls.islands)
-            return bool(gpu_options(cls, gk, d, st.mig_key(i, g)))
+            return bool(st.keeping(cls.id, d, gpu_options(cls, gk, d, st.mig_key(i, g))))
 
         if fits():
             return self.now
@@ -272,13 +287,15 @@ class Engine:
                     decisions.append(Pending(req.id, Reason.INVALID, bad))
                     continue
                 d = self.demand(req)
-                slots = None if d in failed else st.place(d)
+                avoid = self._avoid(req, d) if req.avoid_nodes else frozenset()
+                slots = None if d in failed else st.place(d, avoid)
                 if slots is not None:
                     decisions.append(Place(req.id, tuple(self._assignment(s) for s in slots)))
                     for s in slots:
                         fair.add(req.tenant, st.ids[s.node], len(s.positions) * s.milli, s.cpu, s.mem)
                     continue
-                failed.add(d)
+                if not avoid:
+                    failed.add(d)
                 if (
                     held
                     and not d.gang
@@ -286,7 +303,7 @@ class Engine:
                     and head_start is not None
                     and now + req.est_runtime <= head_start
                 ):
-                    slot = self._place_on_held(held, d)
+                    slot = self._place_on_held([i for i in held if i not in avoid], d)
                     if slot is not None:
                         decisions.append(Place(req.id, (self._assignment(slot),), backfill=True))
                         fair.add(
@@ -298,21 +315,18 @@ class Engine:
                         )
                         continue
                 if preemptor is not None:
-                    choice = preemptor.find(d, int(req.priority_class))
+                    choice = preemptor.find(d, int(req.priority_class), avoid)
                     if choice is not None:
-                        slot = preemptor.apply(choice, d)
+                        slots = preemptor.apply(choice, d)
                         decisions.append(
                             Place(
-                                req.id, (self._assignment(slot),), preempt=tuple(v.id for v in choice.victims)
+                                req.id,
+                                tuple(self._assignment(s) for s in slots),
+                                preempt=tuple(dict.fromkeys(v.id for v in choice.victims)),
                             )
                         )
-                        fair.add(
-                            req.tenant,
-                            st.ids[slot.node],
-                            len(slot.positions) * slot.milli,
-                            slot.cpu,
-                            slot.mem,
-                        )
+                        for s in slots:
+                            fair.add(req.tenant, st.ids[s.node], len(s.positions) * s.milli, s.cpu, s.mem)
                         continue
                 reason = reasons.get(d)
                 if reason is None:

@@ -6,6 +6,10 @@ than the owner's reserved work). Victims are taken in the order: lowest class fi
 spot, then on-demand), checkpointable jobs before the rest, least work lost (most recently started)
 first. On each node that could host the request, victims are added in that order until it fits; the
 node whose victim set is cheapest (highest victim class, then how many, then work lost) wins.
+
+A gang (whole nodes, all or nothing) needs ``gpus / per-node`` whole nodes of one model in one region:
+free ones cost nothing, and a busy node can be freed only if everything on it may be preempted. The
+cheapest such set of nodes within one (model, region) group wins, or nothing is preempted at all.
 """
 
 from __future__ import annotations
@@ -29,9 +33,30 @@ def work_lost(r: Running, now: float) -> float:
     return 0.0 if r.checkpointable else max(0.0, now - r.start_time) * len(r.gpu_indices) * r.milli / MILLI
 
 
+def _bundles(victim_sets: list[list[Running]]) -> list[list[int]]:
+    """Group the positions of ``victim_sets`` that share a victim (by id), transitively."""
+    parent = list(range(len(victim_sets)))
+
+    def root(j: int) -> int:
+        while parent[j] != j:
+            parent[j] = parent[parent[j]]
+            j = parent[j]
+        return j
+
+    first: dict[str, int] = {}
+    for j, taken in enumerate(victim_sets):
+        for v in taken:
+            parent[root(j)] = root(first.setdefault(v.id, j))
+    groups: dict[int, list[int]] = {}
+    for j in range(len(victim_sets)):
+        groups.setdefault(root(j), []).append(j)
+    return list(groups.values())
+
+
 @dataclass(frozen=True, slots=True)
 class PreemptionChoice:
-    node: int
+    nodes: tuple[int, ...]
+    """Where the request goes (one node; a gang's whole nodes)."""
     victims: tuple[Running, ...]
     cost: tuple
 
@@ -69,24 +94,37 @@ class Preemptor:
             return [m for m in self.gangs[r.gang_id] if m.id not in self.gone]
         return [r]
 
-    def find(self, demand: Demand, priority: int) -> PreemptionChoice | None:
+    def _candidates(self, lst: list[Running], priority: int) -> list[Running]:
+        return [
+            r
+            for r in lst
+            if r.id not in self.gone
+            and int(r.priority_class) < priority
+            and not is_protected(r, self.reserved_for.get(r.node_id))
+        ]
+
+    def _cost(self, pen: int, taken: list[Running]) -> tuple:
+        return (
+            pen,
+            max(int(v.priority_class) for v in taken),
+            len({v.id for v in taken}),
+            sum(work_lost(v, self.now) for v in taken),
+        )
+
+    def find(
+        self, demand: Demand, priority: int, avoid: frozenset[int] = frozenset()
+    ) -> PreemptionChoice | None:
         if demand.gang:
-            return None
+            return self._find_gang(demand, priority, avoid)
         state = self.state
         fit = state.class_fit(demand)
         best: PreemptionChoice | None = None
         for i, lst in self.by_node.items():
             cls = state.classes[state.ncls[i]]
             pen = fit[cls.id]
-            if pen is None or i in state.held:
+            if pen is None or i in state.held or i in avoid:
                 continue
-            cands = [
-                r
-                for r in lst
-                if r.id not in self.gone
-                and int(r.priority_class) < priority
-                and not is_protected(r, self.reserved_for.get(r.node_id))
-            ]
+            cands = self._candidates(lst, priority)
             if not cands:
                 continue
             g = list(state.gfree[i])
@@ -112,25 +150,118 @@ class Preemptor:
                 if cpu < demand.cpu or mem < demand.mem:
                     continue
                 gk = tuple(tuple(sorted((g[p] for p in isl), reverse=True)) for isl in cls.islands)
-                if gpu_options(cls, gk, demand, state.mig_key(i, g)):
-                    cost = (
-                        pen,
-                        max(int(v.priority_class) for v in taken),
-                        len(taken),
-                        sum(work_lost(v, self.now) for v in taken),
-                    )
+                if state.keeping(cls.id, demand, gpu_options(cls, gk, demand, state.mig_key(i, g))):
+                    cost = self._cost(pen, taken)
                     if best is None or cost < best.cost:
-                        best = PreemptionChoice(i, tuple(taken), cost)
+                        best = PreemptionChoice((i,), tuple(taken), cost)
                     break
         return best
 
-    def apply(self, choice: PreemptionChoice, demand: Demand) -> Slot:
-        for v in choice.victims:
+    def _find_gang(self, demand: Demand, priority: int, avoid: frozenset[int]) -> PreemptionChoice | None:
+        """Whole nodes for a gang: per (model, region) group, the free nodes and the nodes that can
+        be emptied, cheapest first; the group whose ``need`` cheapest nodes cost least wins."""
+        state = self.state
+        fit = state.class_fit(demand)
+        groups: dict[tuple[int, str, str], list[tuple[tuple, int, list[Running]]]] = {}
+
+        def usable(i: int) -> tuple[int, str, str] | None:
+            cls = state.classes[state.ncls[i]]
+            pen = fit[cls.id]
+            if pen is None or i in state.held or i in avoid or state.kept(cls.id, demand):
+                return None
+            if cls.cpu_cap < demand.cpu or cls.mem_cap < demand.mem or not cls.gpu_count:
+                return None
+            return (pen, cls.model, cls.region)
+
+        for key, lst in state.buckets.items():
+            if (
+                any(f != MILLI for island in key[3] for f in island)
+                or key[1] < demand.cpu
+                or key[2] < demand.mem
+            ):
+                continue
+            for i in lst:
+                if i in self.by_node:
+                    continue
+                g = usable(i)
+                if g is not None:
+                    groups.setdefault(g, []).append(((), i, []))
+        for i, lst in self.by_node.items():
+            grp = usable(i)
+            if grp is None or i in state.held:
+                continue
+            live = [r for r in lst if r.id not in self.gone]
+            cands = self._candidates(live, priority)
+            if len(cands) != len(live):
+                continue  # something here may not be preempted: the node cannot be emptied
+            g = list(state.gfree[i])
+            cpu, mem = state.cpu_free[i], state.mem_free[i]
+            taken: list[Running] = []
+            seen: set[str] = set()
+            for r in cands:
+                if r.id in seen:
+                    continue
+                for m in self._with_gang(r):
+                    seen.add(m.id)
+                    taken.append(m)
+                    if m.node_id != r.node_id:
+                        continue
+                    s = self.slot_of(m)
+                    if s is not None:
+                        for p in s.positions:
+                            g[p] += s.milli
+                        cpu += s.cpu
+                        mem += s.mem
+            if cpu < demand.cpu or mem < demand.mem or any(x != MILLI for x in g):
+                continue  # an unhealthy GPU, or capacity the victims do not free
+            cost = self._cost(grp[0], taken) if taken else ()
+            groups.setdefault(grp, []).append((cost[1:], i, taken))
+        best: PreemptionChoice | None = None
+        for (pen, _model, _region), members in groups.items():
+            per = state.classes[state.ncls[members[0][1]]].gpu_count
+            need = demand.gpus // per
+            if len(members) < need:
+                continue
+            # Nodes that share a victim (a gang's members) are freed together: one bundle, whose
+            # cost is shared among its nodes. Cheapest per node first (free nodes cost nothing).
+            ranked = []
+            for js in _bundles([taken for _, _, taken in members]):
+                vs = {(v.id, v.node_id): v for j in js for v in members[j][2]}
+                n = len(js)
+                if vs:
+                    c = self._cost(0, list(vs.values()))
+                    rank: tuple = (c[1], c[2] / n, c[3] / n)
+                else:
+                    rank = ()
+                ranked.append((rank, min(members[j][1] for j in js), js, list(vs.values())))
+            ranked.sort(key=lambda b: (b[0], b[1]))
+            chosen: list[int] = []
+            victims: list[Running] = []
+            for _, _, js, vs in ranked:
+                if len(chosen) >= need:
+                    break
+                chosen.extend(sorted(members[j][1] for j in js)[: need - len(chosen)])
+                victims.extend(vs)
+            if not victims:
+                continue  # room without preemption: placement would have found it
+            choice = PreemptionChoice(tuple(chosen), tuple(victims), self._cost(pen, victims))
+            if best is None or choice.cost < best.cost:
+                best = choice
+        return best
+
+    def apply(self, choice: PreemptionChoice, demand: Demand) -> list[Slot]:
+        released: set[tuple[str, str]] = set()
+        for v in choice.victims:  # gang members included
             self.gone.add(v.id)
+            if (v.id, v.node_id) in released:
+                continue
+            released.add((v.id, v.node_id))
             s = self.slot_of(v)
             if s is not None:
                 self.state.release(s)
-        slot = self.state.place_on(choice.node, demand)
+        if demand.gang:
+            return [self.state.take_whole(i, demand) for i in choice.nodes]
+        slot = self.state.place_on(choice.nodes[0], demand)
         if slot is None:
             raise AssertionError("preemption freed too little")
-        return slot
+        return [slot]

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .spec import ACCESS_LEND, Demand
+from .spec import ACCESS_LEND, ACCESS_NONE, Demand
 from .types import MILLI, GpuModelInfo, Node, NodeState
 
 if TYPE_CHECKING:
@@ -203,6 +203,10 @@ class ClusterState:
         self._max_spec: tuple[int, int] | None = None
         self.gmig: list[list[bool] | None] = []
         """Per node: which GPUs hold MIG slices now (None when none does)."""
+        # A partly reserved node is a class of its own: class id -> node, and per node the whole
+        # GPUs that must stay free (or lent) for the owner's unused reserved share.
+        self.keep_node: dict[int, int] = {}
+        self.keep: dict[int, int] = {}
         for node in nodes:
             self._add_node(node, class_ids)
 
@@ -223,12 +227,17 @@ class ClusterState:
             node.reserved_for,
             self._oversub(node.model),
         )
-        cid = class_ids.get(sig)
+        partial = node.reserved_for is not None and node.reserved_gpus is not None
+        cid = None if partial else class_ids.get(sig)
         if cid is None:
             cid = len(self.classes)
-            class_ids[sig] = cid
+            if not partial:
+                class_ids[sig] = cid
             self.classes.append(NodeClass(cid, *sig))
         i = len(self.ids)
+        if partial:
+            self.keep_node[cid] = i
+            self.keep[i] = max(0, node.reserved_gpus or 0)
         self.ids.append(node.id)
         self.index[node.id] = i
         self.ncls.append(cid)
@@ -318,7 +327,9 @@ class ClusterState:
         if cls.reserved_for is None:
             if demand.access not in ("", ACCESS_LEND):
                 return None
-        elif demand.access != ACCESS_LEND and demand.access != cls.reserved_for:
+        elif demand.access not in (ACCESS_LEND, cls.reserved_for) and not (
+            demand.access == ACCESS_NONE and cls.id in self.keep_node
+        ):
             return None
         if demand.gang:
             if cls.gpu_count == 0 or demand.gpus % cls.gpu_count:
@@ -334,7 +345,21 @@ class ClusterState:
     def options(self, key: Key, demand: Demand) -> list[Option]:
         if key[1] < demand.cpu or key[2] < demand.mem:
             return []
-        return gpu_options(self.classes[key[0]], key[3], demand, key[4])
+        return self.keeping(key[0], demand, gpu_options(self.classes[key[0]], key[3], demand, key[4]))
+
+    def kept(self, cid: int, demand: Demand) -> int:
+        """Whole GPUs ``demand`` must leave free on a node of class ``cid`` (a partly reserved
+        node keeps its owner's unused share from on-demand work)."""
+        if demand.access != ACCESS_NONE or not self.keep_node:
+            return 0
+        i = self.keep_node.get(cid)
+        return 0 if i is None else self.keep[i]
+
+    def keeping(self, cid: int, demand: Demand, opts: list[Option]) -> list[Option]:
+        k = self.kept(cid, demand)
+        if k <= 0:
+            return opts
+        return [o for o in opts if sum(isl.count(MILLI) for isl in o[2]) >= k]
 
     def max_spec(self) -> tuple[int, int]:
         """The largest server's CPU and GPU capacity (milli), for normalizing scores."""
@@ -386,17 +411,22 @@ class ClusterState:
         if pen is None:
             return None
         scores = h.scores
-        if kid in scores:
+        # A partly reserved node's options depend on the demand's access: never shared.
+        own = bool(self.keep_node) and key[0] in self.keep_node
+        if kid in scores and not own:
             sc = scores[kid]
         else:
             sc = None
             if key[1] >= demand.cpu and key[2] >= demand.mem:
                 cls = self.classes[key[0]]
                 opts = gpu_options(cls, key[3], demand, key[4])
+                if own:
+                    opts = self.keeping(key[0], demand, opts)
                 if opts:
                     score, opt = self.policy.choose(self, cls, key, demand, opts)
                     sc = (opt[0], score, opt[1])
-            scores[kid] = sc
+            if not own:
+                scores[kid] = sc
         if sc is None:
             return None
         return (pen, sc[0], sc[1], self.rng.random(), kid, sc[2])
@@ -406,24 +436,36 @@ class ClusterState:
         self._heaps.clear()
         self._scores.clear()
 
-    def place(self, demand: Demand) -> list[Slot] | None:
-        """Place ``demand`` by the policy, update the index, and return where it went (or None)."""
+    def place(self, demand: Demand, avoid: frozenset[int] = frozenset()) -> list[Slot] | None:
+        """Place ``demand`` by the policy, update the index, and return where it went (or None).
+        Nodes in ``avoid`` (indices) are not chosen."""
         if demand.gang:
-            return self._place_gang(demand)
+            return self._place_gang(demand, avoid)
         if self.policy.scan:
-            return self._place_scan(demand)
+            return self._place_scan(demand, avoid)
         h = self._heap(demand)
         entries = h.entries
         kbucket = self._kbucket
-        while entries:
-            top = entries[0]
-            lst = kbucket[top[4]]
-            if lst is None:
-                heapq.heappop(entries)
-                h.members.discard(top[4])
-                continue
-            return [self._apply(lst[-1], top[5], demand)]
-        return None
+        skipped: list[tuple] = []
+        try:
+            while entries:
+                top = entries[0]
+                lst = kbucket[top[4]]
+                if lst is None:
+                    heapq.heappop(entries)
+                    h.members.discard(top[4])
+                    continue
+                i = lst[-1]
+                if avoid and i in avoid:
+                    i = next((n for n in lst if n not in avoid), -1)
+                    if i < 0:
+                        skipped.append(heapq.heappop(entries))
+                        continue
+                return [self._apply(i, top[5], demand)]
+            return None
+        finally:
+            for e in skipped:
+                heapq.heappush(entries, e)
 
     def place_on(self, i: int, demand: Demand) -> Slot | None:
         """Place ``demand`` on node ``i`` (best option by the policy), or None if it does not fit."""
@@ -436,7 +478,7 @@ class ClusterState:
         _, opt = self.policy.choose(self, self.classes[key[0]], key, demand, opts)
         return self._apply(i, opt[1], demand)
 
-    def _place_scan(self, demand: Demand) -> list[Slot] | None:
+    def _place_scan(self, demand: Demand, avoid: frozenset[int] = frozenset()) -> list[Slot] | None:
         """Uniform choice among all nodes with the best score (a random node for random-fit).
 
         Used by policies whose scores tie often and whose published form breaks ties uniformly at
@@ -453,6 +495,10 @@ class ClusterState:
             pen = fit[key[0]]
             if pen is None or (best is not None and pen > best[0]):
                 continue
+            if avoid:
+                lst = [n for n in lst if n not in avoid]
+                if not lst:
+                    continue
             opts = self.options(key, demand)
             if not opts:
                 continue
@@ -474,33 +520,35 @@ class ClusterState:
         r = rng.randrange(total)
         for n, key, opt in cands:
             if r < n:
-                return [self._apply(self.buckets[key][r], opt[1], demand)]
+                lst = [m for m in self.buckets[key] if m not in avoid] if avoid else self.buckets[key]
+                return [self._apply(lst[r], opt[1], demand)]
             r -= n
         raise AssertionError("unreachable")
 
-    def _place_gang(self, demand: Demand) -> list[Slot] | None:
+    def _place_gang(self, demand: Demand, avoid: frozenset[int] = frozenset()) -> list[Slot] | None:
         fit = self.class_fit(demand)
         groups: dict[tuple[int, str, str], list[int]] = {}
         for key, lst in self.buckets.items():
             pen = fit[key[0]]
-            if pen is None or key[1] < demand.cpu or key[2] < demand.mem:
+            if pen is None or key[1] < demand.cpu or key[2] < demand.mem or self.kept(key[0], demand):
                 continue
             cls = self.classes[key[0]]
             if any(f != MILLI for island in key[3] for f in island):
                 continue
-            groups.setdefault((pen, cls.model, cls.region), []).extend(lst)
+            groups.setdefault((pen, cls.model, cls.region), []).extend(n for n in lst if n not in avoid)
         for (_pen, _model, _region), members in sorted(groups.items()):
+            if not members:
+                continue
             per = self.classes[self.ncls[members[0]]].gpu_count
             need = demand.gpus // per
             if len(members) >= need:
-                chosen = sorted(members)[:need]
-                slots = []
-                for i in chosen:
-                    cls = self.classes[self.ncls[i]]
-                    picks = tuple((ii, MILLI) for ii, isl in enumerate(cls.islands) for _ in isl)
-                    slots.append(self._apply(i, picks, demand))
-                return slots
+                return [self.take_whole(i, demand) for i in sorted(members)[:need]]
         return None
+
+    def take_whole(self, i: int, demand: Demand) -> Slot:
+        """Give every GPU of node ``i`` (free) to ``demand`` (a gang's share of one node)."""
+        cls = self.classes[self.ncls[i]]
+        return self._apply(i, tuple((ii, MILLI) for ii, isl in enumerate(cls.islands) for _ in isl), demand)
 
     def _apply(self, i: int, picks: Picks, demand: Demand) -> Slot:
         cls = self.classes[self.ncls[i]]
@@ -518,6 +566,9 @@ class ClusterState:
         held = i in self.held
         if not held:
             self._leave(i)
+        if self.keep and i in self.keep and demand.access == cls.reserved_for:
+            # The owner's reserved work uses its share: that much less to keep for it.
+            self.keep[i] = max(0, self.keep[i] - sum(1 for p in taken if g[p] == MILLI))
         for p in taken:
             g[p] -= milli
         if demand.mig and milli < MILLI and taken:

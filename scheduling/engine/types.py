@@ -92,6 +92,10 @@ class Node:
     state: NodeState = NodeState.READY
     reserved_for: str | None = None
     """Tenant whose reservation holds this node; others may only borrow it for preemptible work."""
+    reserved_gpus: int | None = None
+    """With ``reserved_for``: None when the reservation holds the whole node; else the node is
+    partly reserved, and this many whole GPUs (the owner's reserved share not yet in use by its
+    reserved work) must stay free or lent: on-demand work may use the rest."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +139,8 @@ class Request:
     """Defaults to the plan's class."""
     submit_time: float = 0.0
     est_runtime: float | None = None
+    avoid_nodes: tuple[str, ...] = ()
+    """Nodes that failed to start it: placed elsewhere unless no other node could ever take it."""
 
     @property
     def priority_class(self) -> PriorityClass:
