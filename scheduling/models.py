@@ -144,6 +144,12 @@ class Workload(TenantOwnedModel):
     preempted_for = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
+    avoid_nodes = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="Ids of nodes that failed to start it (start failed or timed out); placed elsewhere "
+        "unless no other node could ever take it.",
+    )
 
     # Why it waits, as the scheduler last saw it.
     pending_reason = models.CharField(max_length=32, blank=True)
@@ -408,13 +414,18 @@ class WarmPool(models.Model):
 class WarmSlot(models.Model):
     """One GPU prewarmed for a pool (its image pulled, through a ``prewarm`` command). A slot holds
     no allocation: real demand takes the GPU whenever it needs it (the slot then ends), and a
-    request that matches the pool binds to a free slot before the engine places the rest."""
+    request that matches the pool binds to a free slot before the engine places the rest, to a ready
+    one (its prewarm finished: ``ready_at``) before one still prewarming. A failed prewarm ends the
+    slot (``prewarm_failed``) and the pool's reconciler prewarms another GPU."""
 
     pool = models.ForeignKey(WarmPool, on_delete=models.CASCADE, related_name="slots")
     node = models.ForeignKey("nodes.Node", on_delete=models.CASCADE, related_name="+")
     gpu = models.ForeignKey("nodes.Gpu", on_delete=models.CASCADE, related_name="+")
     command_id = models.UUIDField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
+    ready_at = models.DateTimeField(
+        null=True, blank=True, help_text="When the prewarm command finished; empty while it runs."
+    )
     ended_at = models.DateTimeField(null=True, blank=True)
     end_reason = models.CharField(max_length=32, blank=True)
     bound_to = models.ForeignKey(Workload, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")

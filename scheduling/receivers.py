@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from nodes import signals
 from nodes.models import CommandKind
-from scheduling.services import lifecycle
+from scheduling.services import lifecycle, warm_pools
 from scheduling.services.triggers import cycle_request
 
 WORKLOAD_COMMANDS = (CommandKind.START_WORKLOAD, CommandKind.STOP_WORKLOAD, CommandKind.PREEMPT_WORKLOAD)
@@ -25,6 +25,8 @@ def on_command_finished(sender, command, state, result, **kwargs) -> None:
             state=state,
             result=result or {},
         )
+    elif command.kind == CommandKind.PREWARM:
+        warm_pools.warm_slots_on_prewarm_finished(command_id=command.pk, state=state)
 
 
 def on_workload_exited(

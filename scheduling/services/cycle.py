@@ -42,19 +42,19 @@ from scheduling.models import (
     Reservation,
     ReservationStatus,
     Workload,
+    WorkloadEvent,
     WorkloadKind,
     WorkloadState,
 )
 from scheduling.services.allocations import allocation_ranges_move, gpu_range_choose
-from scheduling.services.states import workload_transition, workloads_transition
-from scheduling.services.warm_pools import bind_warm_slots, warm_slots_bind
+from scheduling.services.lifecycle import PREEMPTIBLE_STATES, preempt_begin
+from scheduling.services.states import workloads_transition
+from scheduling.services.warm_pools import WarmBinding, bind_warm_slots, warm_slots_bind
 
 logger = logging.getLogger(__name__)
 
 SYSTEM = Actor.system()
 ENGINE_VENDORS = {v.value for v in E.Vendor}
-# States whose work may be preempted (a workload already being stopped or preempted is leaving).
-PREEMPTIBLE_STATES = (WorkloadState.SCHEDULED, WorkloadState.STARTING, WorkloadState.RUNNING)
 
 
 @dataclass
@@ -103,7 +103,7 @@ class _Context:
     waiting_for_victims: dict[int, int]  # preemptor id -> victims still holding
     quota_blocked: set[int]  # queued workloads whose every acceptable model is at its quota
     chosen_models: dict[int, list[str]] = field(default_factory=dict)  # workload -> model names
-    warm_hits: dict[int, list[int]] = field(default_factory=dict)  # workload -> warm slots it binds
+    warm_hits: dict[int, WarmBinding] = field(default_factory=dict)  # workload -> warm slots it binds
     draining_nodes: set[int] = field(default_factory=set)  # nodes whose victims are stopping
     mig_gpus: set[int] = field(default_factory=set)  # GPUs holding MIG slices
     model_info: dict[int, E.GpuModelInfo] = field(default_factory=dict)  # model id -> catalog entry
@@ -182,9 +182,12 @@ def _load(now: datetime) -> tuple[E.Snapshot, list[E.Request], _Context]:
         model_use[(a["tenant_id"], a["gpu_model_id"])] += a["fraction_milli"]
         node_load[a["node_id"]][a["workload_id"]] = (a["workload__cpu_millicores"], a["workload__ram_mib"])
 
-    # Reservations in force: whole nodes of the model in the region, enough to cover the count,
-    # preferring nodes that already run the owner's reserved work, then by id (stable).
+    # Reservations in force: nodes of the model in the region, enough to cover the count, preferring
+    # nodes that already run the owner's work, then by id (stable). A count that ends inside a node
+    # reserves that node in part: the engine keeps the owner's unused share of it free (or lent).
     reserved_for: dict[int, str] = {}
+    reserved_gpus: dict[int, int] = {}  # partly reserved node -> the owner's unused share there
+    reservation_nodes: dict[int, list[int]] = defaultdict(list)  # reservation -> its nodes
     by_model_region: dict[tuple[int, str], list[int]] = defaultdict(list)
     node_model: dict[int, int | None] = {}
     node_gpu_count: dict[int, int] = defaultdict(int)
@@ -197,7 +200,7 @@ def _load(now: datetime) -> tuple[E.Snapshot, list[E.Request], _Context]:
     reservations = list(
         Reservation.objects.filter(status=ReservationStatus.ACTIVE, starts_at__lte=now, ends_at__gt=now)
         .order_by("starts_at", "id")
-        .values("tenant_id", "gpu_model_id", "region__code", "count")
+        .values("id", "tenant_id", "gpu_model_id", "region__code", "count")
     )
     for res in reservations:
         owner_nodes = {
@@ -211,12 +214,21 @@ def _load(now: datetime) -> tuple[E.Snapshot, list[E.Request], _Context]:
             ),
             key=lambda n: (n not in owner_nodes, n),
         )
+        owner_gpus: dict[int, set[int]] = defaultdict(set)
+        for ws in holders.values():
+            for a in ws:
+                if a["tenant_id"] == res["tenant_id"] and a["workload__plan"] == E.Plan.RESERVED:
+                    owner_gpus[a["node_id"]].add(a["gpu_id"])
         covered = 0
         for n in cands:
             if covered >= res["count"]:
                 break
+            take = min(node_gpu_count[n], res["count"] - covered)
             reserved_for[n] = str(res["tenant_id"])
-            covered += node_gpu_count[n]
+            reservation_nodes[res["id"]].append(n)
+            if take < node_gpu_count[n]:
+                reserved_gpus[n] = max(0, take - len(owner_gpus[n]))
+            covered += take
 
     nodes: list[E.Node] = []
     for nid, n in node_rows.items():
@@ -234,6 +246,7 @@ def _load(now: datetime) -> tuple[E.Snapshot, list[E.Request], _Context]:
                 memory_used=sum(m for _, m in node_load[nid].values()),
                 region=n["region__code"],
                 reserved_for=reserved_for.get(nid),
+                reserved_gpus=reserved_gpus.get(nid),
             )
         )
     node_by_id = {int(n.id): n for n in nodes}
@@ -289,6 +302,16 @@ def _load(now: datetime) -> tuple[E.Snapshot, list[E.Request], _Context]:
             )
 
     queue = {w.pk: w for w in lock_workloads_where(state=WorkloadState.QUEUED)}
+    # Work a reservation took its capacity back from does not borrow that reservation's nodes again
+    # (no preemption loop between a borrower and one reservation), unless nothing else can take it.
+    reclaimed: dict[int, set[int]] = defaultdict(set)
+    if reservation_nodes:
+        lending = [w.pk for w in queue.values() if w.plan == E.Plan.SPOT or w.priority_class == "warm_pool"]
+        for wid, data in WorkloadEvent.objects.filter(
+            workload_id__in=lending, to_state=WorkloadState.PREEMPTED
+        ).values_list("workload_id", "data"):
+            if isinstance(data, dict) and data.get("reservation") in reservation_nodes:
+                reclaimed[wid].add(data["reservation"])
     region_codes = dict(Region.objects.values_list("id", "code"))
     chosen: dict[int, list[str]] = defaultdict(list)
     for wid, name in Workload.gpu_models.through.objects.filter(workload_id__in=list(queue)).values_list(
@@ -355,6 +378,13 @@ def _load(now: datetime) -> tuple[E.Snapshot, list[E.Request], _Context]:
                 priority=_priority(w.priority_class, w.plan),
                 submit_time=w.submitted_at.timestamp(),
                 est_runtime=float(w.estimated_runtime_s) if w.estimated_runtime_s else None,
+                avoid_nodes=tuple(
+                    str(n)
+                    for n in [
+                        *w.avoid_nodes,
+                        *(n for r in reclaimed.get(w.pk, ()) for n in reservation_nodes[r]),
+                    ]
+                ),
             )
         )
     weights = {
@@ -487,9 +517,11 @@ def _plan_place(ctx: _Context, batch: _Batch, w: Workload, decision: E.Place) ->
         if w.mig_profile and milli < MILLI:
             ctx.mig_gpus.add(g["id"])
     w.attempt += 1
-    reason = "warm_hit" if w.pk in ctx.warm_hits else "backfilled" if decision.backfill else "placed"
+    warm = ctx.warm_hits.get(w.pk)
+    reason = warm.reason if warm else "backfilled" if decision.backfill else "placed"
     batch.placed[reason].append(w)
-    batch.messages[w.pk] = f"Placed on {', '.join(sorted({a.node_id for a in decision.assignments}))}."
+    where = ", ".join(sorted({a.node_id for a in decision.assignments}))
+    batch.messages[w.pk] = f"Placed on {where}{warm.note if warm else ''}."
     for a in decision.assignments:
         uuids = [ctx.gpus[(int(a.node_id), i)]["uuid"] for i in a.gpu_indices]
         model_id = ctx.gpus[(int(a.node_id), a.gpu_indices[0])]["model_id"] if a.gpu_indices else None
@@ -519,38 +551,27 @@ def _flush(ctx: _Context, batch: _Batch) -> None:
     node_commands_enqueue_many(commands=batch.commands, now=ctx.now)
 
 
-def preempt_notice_s(plan: str) -> int:
-    notices = settings.SCHEDULING_PREEMPTION_NOTICE_S
-    return int(notices.get(plan, notices.get("default", 30)))
-
-
 def _commit_preempt(ctx: _Context, batch: _Batch, preemptor: Workload, victim_ids: list[int]) -> list[int]:
     done = []
     for v in lock_workloads(ids=victim_ids, states=PREEMPTIBLE_STATES).values():
         # Until the victim stops, its node keeps the GPUs, CPU and RAM the engine now counts free:
         # nothing else is placed there in this cycle.
-        ctx.draining_nodes.update(a["node_id"] for a in ctx.holders.get(v.pk, []))
-        v.preempted_for = preemptor
-        v.save(update_fields=["preempted_for"])
-        notice = preempt_notice_s(v.plan)
-        workload_transition(
+        nodes = sorted({a["node_id"] for a in ctx.holders.get(v.pk, [])})
+        ctx.draining_nodes.update(nodes)
+        data: dict[str, Any] = {"preempted_for": preemptor.pk}
+        if preemptor.reservation_id is not None:
+            data["reservation"] = preemptor.reservation_id
+        batch.commands += preempt_begin(
             workload=v,
-            to=WorkloadState.PREEMPTED,
+            node_ids=nodes,
             reason="preempted",
+            message=f"Making room for higher-priority {preemptor.kind} {preemptor.pk}; stopping in "
+            + "{notice} s.",
             actor=SYSTEM,
-            message=f"Making room for higher-priority {preemptor.kind} {preemptor.pk}; stopping in {notice} s.",
-            data={"preempted_for": preemptor.pk, "notice_s": notice},
             now=ctx.now,
+            preemptor=preemptor,
+            data=data,
         )
-        for node_id in sorted({a["node_id"] for a in ctx.holders.get(v.pk, [])}):
-            batch.commands.append(
-                CommandRequest(
-                    node_id=node_id,
-                    kind=CommandKind.PREEMPT_WORKLOAD,
-                    payload={"workload_id": str(v.pk), "notice_s": notice},
-                    idempotency_key=f"preempt:{v.pk}:{v.attempt}",
-                )
-            )
         done.append(v.pk)
     return done
 
@@ -598,9 +619,9 @@ def scheduling_cycle_run(*, now: datetime | None = None, config: CycleConfig | N
             chosen_models=ctx.chosen_models,
             nodes=snapshot.nodes,
         )
-        ctx.warm_hits = {wid: slots for wid, (_, slots) in warm.items()}
+        ctx.warm_hits = warm
         requests = [r for r in requests if int(r.id) not in warm]
-        decisions: list[E.Decision] = [place for place, _ in warm.values()]
+        decisions: list[E.Decision] = [b.place for b in warm.values()]
         decisions += schedule(snapshot, requests, config or CycleConfig(policy=settings.SCHEDULING_POLICY))
         changed: list[Workload] = []
         batch = _Batch()
@@ -624,7 +645,7 @@ def scheduling_cycle_run(*, now: datetime | None = None, config: CycleConfig | N
                     changed.append(w)
         _flush(ctx, batch)
         placed = set(result.placed)
-        warm_slots_bind(bindings={w: s for w, s in ctx.warm_hits.items() if w in placed}, now=now)
+        warm_slots_bind(bindings={w: b.slots for w, b in ctx.warm_hits.items() if w in placed}, now=now)
         for wid in ctx.waiting_for_victims:
             w = ctx.workloads.get(wid)
             if w is not None and _set_pending(w, "preempting", "Waiting for preempted work to stop.", None):

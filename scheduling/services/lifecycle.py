@@ -1,6 +1,7 @@
-"""What happens to placed workloads: a tenant stops one; the fleet reports a command finished, a
-workload exited, a node down or a GPU unhealthy; and the reconciler finishes what a crash or a lost
-message left (not started in time, stuck preempting or stopping, over its maximum runtime).
+"""What happens to placed workloads: a tenant stops one; a workload is preempted (by the cycle for
+higher-priority work, or by another app through ``workload_preempt``); the fleet reports a command
+finished, a workload exited, a node down or a GPU unhealthy; and the reconciler finishes what a crash
+or a lost message left (not started in time, stuck preempting or stopping, over its maximum runtime).
 
 Every function here locks the workload rows it changes (``scheduling.locks``) and goes through
 ``workload_transition``; handlers ignore reports that belong to an earlier placement (another node
@@ -18,10 +19,10 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from nodes.models import CommandKind, CommandState, Node, NodeWorkloadStatus
-from nodes.services.commands import node_command_enqueue
+from nodes.models import CommandKind, CommandState, Node, NodeCommand, NodeWorkloadStatus
+from nodes.services.commands import CommandRequest, node_command_enqueue, node_commands_enqueue_many
 from portal.actors import Actor
-from portal.errors import Conflict
+from portal.errors import Conflict, ValidationFailed
 from portal.services import audit_record
 from scheduling.locks import lock_workload, lock_workload_if_exists, lock_workloads, lock_workloads_where
 from scheduling.models import (
@@ -30,6 +31,7 @@ from scheduling.models import (
     WAITING_STATES,
     Allocation,
     Workload,
+    WorkloadEvent,
     WorkloadKind,
 )
 from scheduling.models import WorkloadState as S
@@ -38,6 +40,9 @@ from scheduling.services.triggers import cycle_request
 
 logger = logging.getLogger(__name__)
 SYSTEM = Actor.system()
+# States whose work may be preempted (a workload already being stopped or preempted is leaving).
+PREEMPTIBLE_STATES = (S.SCHEDULED, S.STARTING, S.RUNNING)
+AVOID_NODES_KEPT = 16
 
 
 def _nodes_of(workload_id: int) -> list[int]:
@@ -76,6 +81,134 @@ def _requeue_or_fail(w: Workload, *, reason: str, message: str, now: datetime, c
         message = f"{message} No retries left ({w.max_retries})."
     to = S.STOPPED if w.stop_requested_at is not None or w.state == S.STOPPING else S.FAILED
     workload_transition(workload=w, to=to, reason=reason, actor=SYSTEM, message=message, now=now)
+
+
+def _avoid(w: Workload, node_ids: list[int]) -> None:
+    """Remember nodes that failed to start ``w``: the engine places it elsewhere if it can."""
+    ids = list(dict.fromkeys([*(int(n) for n in w.avoid_nodes), *node_ids]))[-AVOID_NODES_KEPT:]
+    if ids != w.avoid_nodes:
+        w.avoid_nodes = ids
+        w.save(update_fields=["avoid_nodes"])
+
+
+def _not_started_on(w: Workload, node_ids: list[int]) -> list[int]:
+    """Of ``node_ids``, those whose start command of the current attempt has not succeeded."""
+    done = set(
+        NodeCommand.objects.filter(
+            kind=CommandKind.START_WORKLOAD,
+            node_id__in=node_ids,
+            payload__workload_id=str(w.pk),
+            payload__attempt=w.attempt,
+            state=CommandState.SUCCEEDED,
+        ).values_list("node_id", flat=True)
+    )
+    return [n for n in node_ids if n not in done] or node_ids
+
+
+# --- preemption ------------------------------------------------------------------------------------
+
+
+def preempt_notice_s(plan: str) -> int:
+    notices = settings.SCHEDULING_PREEMPTION_NOTICE_S
+    return int(notices.get(plan, notices.get("default", 30)))
+
+
+def preempt_begin(
+    *,
+    workload: Workload,
+    node_ids: list[int],
+    reason: str,
+    message: str,
+    actor: Actor,
+    now: datetime,
+    notice_s: int | None = None,
+    preemptor: Workload | None = None,
+    data: dict[str, Any] | None = None,
+) -> list[CommandRequest]:
+    """Preempt a locked, placed workload: PREEMPTED (with its event), and the preempt commands (with
+    notice) for its nodes, which the caller enqueues. When the agent reports it stopped, or the
+    notice and a grace have passed (the reconciler), a job that requeues on preemption goes back to
+    the queue and resumes from its checkpoint; anything else stops (``_finish_preempted``). The one
+    way the cycle's victims and ``workload_preempt`` go."""
+    w = workload
+    notice = preempt_notice_s(w.plan) if notice_s is None else notice_s
+    w.preempted_for = preemptor
+    w.save(update_fields=["preempted_for"])
+    workload_transition(
+        workload=w,
+        to=S.PREEMPTED,
+        reason=reason,
+        actor=actor,
+        message=message.replace("{notice}", str(notice)),
+        data={**(data or {}), "notice_s": notice},
+        now=now,
+    )
+    return [
+        CommandRequest(
+            node_id=node_id,
+            kind=CommandKind.PREEMPT_WORKLOAD,
+            payload={"workload_id": str(w.pk), "notice_s": notice},
+            idempotency_key=f"preempt:{w.pk}:{w.attempt}",
+        )
+        for node_id in sorted(set(node_ids))
+    ]
+
+
+def workload_preempt(
+    *, workload: Workload, reason: str, notice_s: int | None = None, actor: Actor | None = None
+) -> Workload:
+    """Preempt a placed workload for a cause outside the cycle (e.g. metering, when the spot price
+    passes the workload's maximum): the preempt command with notice (the plan's default unless
+    ``notice_s``), the event with ``reason``, and then a job requeues (from its checkpoint) or an
+    instance stops, exactly as for the cycle's victims."""
+    if not isinstance(reason, str) or not reason.strip() or len(reason.strip()) > 64:
+        raise ValidationFailed(
+            "reason: 1 to 64 characters.", fields={"reason": ["Give the cause in 1 to 64 characters."]}
+        )
+    if notice_s is not None and (
+        isinstance(notice_s, bool) or not isinstance(notice_s, int) or not 0 <= notice_s <= 86400
+    ):
+        raise ValidationFailed(
+            "notice_s: whole seconds, 0 to 86400.", fields={"notice_s": ["Whole seconds, 0 to 86400."]}
+        )
+    reason = reason.strip()
+    actor = actor or SYSTEM
+    now = timezone.now()
+    with transaction.atomic():
+        w = lock_workload(workload_id=workload.pk)
+        if w.state not in PREEMPTIBLE_STATES:
+            raise Conflict(
+                f"A {w.state} {w.kind} cannot be preempted.", fields={"state": [f"{w.state} is not placed."]}
+            )
+        commands = preempt_begin(
+            workload=w,
+            node_ids=_nodes_of(w.pk),
+            reason=reason,
+            message=f"Preempted ({reason}); stopping in " + "{notice} s.",
+            actor=actor,
+            now=now,
+            notice_s=notice_s,
+            data={"cause": reason},
+        )
+        node_commands_enqueue_many(commands=commands, now=now)
+        if actor.kind != "system":
+            audit_record(
+                tenant=w.tenant, actor=actor, action=f"{w.kind}.preempt", target=w, data={"reason": reason}
+            )
+    return w
+
+
+def _notices(ids: list[int]) -> dict[int, int]:
+    """The notice each PREEMPTED workload was given (its latest PREEMPTED event)."""
+    out: dict[int, int] = {}
+    for wid, data in (
+        WorkloadEvent.objects.filter(workload_id__in=ids, to_state=S.PREEMPTED)
+        .order_by("at", "id")
+        .values_list("workload_id", "data")
+    ):
+        if isinstance(data, dict) and isinstance(data.get("notice_s"), int):
+            out[wid] = data["notice_s"]
+    return out
 
 
 # --- tenants ---------------------------------------------------------------------------------------
@@ -131,6 +264,7 @@ def workload_on_command_finished(*, kind: str, payload: dict, node_id: int, stat
                     workload_transition(workload=w, to=target, reason="started", actor=SYSTEM, now=now)
             elif w.state == S.SCHEDULED:
                 why = result.get("reason") or result.get("error") or state
+                _avoid(w, [node_id])
                 if w.attempt >= settings.SCHEDULING_MAX_START_ATTEMPTS:
                     workload_transition(
                         workload=w,
@@ -300,6 +434,7 @@ def scheduling_reconcile(*, now: datetime | None = None) -> ReconcileResult:
         # again (elsewhere if that node is the problem), or fail after the last attempt.
         for w in lock_workloads_where(state=S.SCHEDULED, state_changed_at__lt=start_timeout):
             nodes = _nodes_of(w.pk)
+            _avoid(w, _not_started_on(w, nodes))
             if w.attempt >= settings.SCHEDULING_MAX_START_ATTEMPTS:
                 msg = f"Not started after {w.attempt} attempts."
                 workload_transition(
@@ -334,10 +469,11 @@ def scheduling_reconcile(*, now: datetime | None = None) -> ReconcileResult:
         # Preempted past its notice (plus a grace), or stopping past its grace: the agent did not
         # report; release the capacity.
         grace = settings.SCHEDULING_STOP_GRACE_S + settings.SCHEDULING_REPORT_GRACE_S
-        from scheduling.services.cycle import preempt_notice_s
-
-        for w in lock_workloads_where(state=S.PREEMPTED):
-            if w.state_changed_at + timedelta(seconds=preempt_notice_s(w.plan) + grace) < now:
+        preempted = list(lock_workloads_where(state=S.PREEMPTED))
+        notices = _notices([w.pk for w in preempted])
+        for w in preempted:
+            notice = notices.get(w.pk, preempt_notice_s(w.plan))
+            if w.state_changed_at + timedelta(seconds=notice + grace) < now:
                 _finish_preempted(w, now=now)
                 out.preempt_forced.append(w.pk)
         for w in lock_workloads_where(state=S.STOPPING, state_changed_at__lt=now - timedelta(seconds=grace)):

@@ -7,9 +7,15 @@
   pool's model in its region (packing slots onto nodes that already have some). A slot holds no
   allocation, so it never keeps a GPU from real work: when other work is placed on its GPU, or the
   GPU or node is lost, the slot ends and another free GPU is prewarmed.
+- **Readiness**: a slot is *prewarming* until the agent reports its ``prewarm`` command finished
+  (``command_finished``, see ``scheduling.receivers``): succeeded makes it *ready* (``ready_at``);
+  failed or expired ends it (``prewarm_failed``) and the reconciler prewarms another free GPU, on
+  another node if it can. The reconciler also picks up results a lost signal left behind.
 - **Binding**: before the engine runs, each queued request that matches a pool (its model, region,
   image or template) takes free warm slots on one node if they fit it whole, and is placed there at
-  once (``warm_hit``). ``bind_warm_slots`` is called by the cycle.
+  once: on ready slots (``warm_hit``) if any node has enough, else on slots still prewarming
+  (``warm_hit_prewarming``, said so in its event: the image may still be pulling). Nodes that
+  failed to start the request are skipped. ``bind_warm_slots`` is called by the cycle.
 
 ``warm_pools_reconcile`` (beat) runs under the cycle's lock, so it never races a placement.
 """
@@ -26,7 +32,7 @@ from django.db import transaction
 from django.db.models import Q, Sum
 from django.utils import timezone
 
-from nodes.models import SCHEDULABLE_NODE_STATES, CommandKind, Gpu, GpuHealth, Node
+from nodes.models import SCHEDULABLE_NODE_STATES, CommandKind, CommandState, Gpu, GpuHealth, Node, NodeCommand
 from nodes.services.commands import node_command_enqueue
 from scheduling.engine import types as E
 from scheduling.locks import try_cycle_lock
@@ -77,6 +83,34 @@ def _end(slot_ids: list[int], reason: str, now: datetime) -> int:
     )
 
 
+PREWARM_FAILED = "prewarm_failed"
+FAILED_NODE_COOLDOWN_S = 600
+"""A node whose prewarm failed is the last choice for new slots for this long."""
+
+
+def warm_slots_on_prewarm_finished(*, command_id, state: str, now: datetime | None = None) -> int:
+    """The agent finished a prewarm command: its slots are ready, or (failed, expired) ended so that
+    the reconciler prewarms other GPUs. Returns how many slots changed; replays change nothing."""
+    now = now or timezone.now()
+    open_slots = WarmSlot.objects.filter(command_id=command_id, ended_at__isnull=True)
+    if state == CommandState.SUCCEEDED:
+        return open_slots.filter(ready_at__isnull=True).update(ready_at=now)
+    return open_slots.update(ended_at=now, end_reason=PREWARM_FAILED)
+
+
+def _finish_prewarms(now: datetime) -> int:
+    """Slots still prewarming whose command has finished (a lost or failed signal): settle them."""
+    changed = 0
+    waiting = WarmSlot.objects.filter(ended_at__isnull=True, ready_at__isnull=True, command_id__isnull=False)
+    finished = NodeCommand.objects.filter(
+        pk__in=waiting.values("command_id"),
+        state__in=[CommandState.SUCCEEDED, CommandState.FAILED, CommandState.EXPIRED],
+    ).values_list("pk", "state")
+    for command_id, state in finished:
+        changed += warm_slots_on_prewarm_finished(command_id=command_id, state=state, now=now)
+    return changed
+
+
 def warm_pools_reconcile(*, now: datetime | None = None) -> WarmResult:
     now = now or timezone.now()
     result = WarmResult()
@@ -84,6 +118,7 @@ def warm_pools_reconcile(*, now: datetime | None = None) -> WarmResult:
         if not try_cycle_lock():
             return result
         result.ran = True
+        _finish_prewarms(now)
         busy = set(Allocation.objects.active().values_list("gpu_id", flat=True))
         # Slots whose GPU was taken by work, or whose GPU or node is gone.
         lost, taken = [], []
@@ -102,6 +137,11 @@ def warm_pools_reconcile(*, now: datetime | None = None) -> WarmResult:
         result.ended += _end(lost, "unavailable", now) + _end(taken, "taken", now)
 
         warm_gpus = set(WarmSlot.objects.filter(ended_at__isnull=True).values_list("gpu_id", flat=True))
+        failed_nodes = set(
+            WarmSlot.objects.filter(
+                end_reason=PREWARM_FAILED, ended_at__gte=now - timedelta(seconds=FAILED_NODE_COOLDOWN_S)
+            ).values_list("node_id", flat=True)
+        )
         for pool in WarmPool.objects.filter(enabled=True).select_related("gpu_model", "region"):
             warm_pool_target_update(pool=pool, now=now)
             result.targets[pool.pk] = pool.target_size
@@ -127,7 +167,14 @@ def warm_pools_reconcile(*, now: datetime | None = None) -> WarmResult:
                 ).values("pk", "node_id", "uuid", "index")
                 if g["pk"] not in busy and g["pk"] not in warm_gpus
             ]
-            free.sort(key=lambda g: (g["node_id"] not in warm_nodes, g["node_id"], g["index"]))
+            free.sort(
+                key=lambda g: (
+                    g["node_id"] in failed_nodes,
+                    g["node_id"] not in warm_nodes,
+                    g["node_id"],
+                    g["index"],
+                )
+            )
             chosen = free[:missing]
             by_node: dict[int, list[dict]] = defaultdict(list)
             for g in chosen:
@@ -165,42 +212,68 @@ def _pool_matches(pool: WarmPool, w: Workload, models: list[str]) -> bool:
     return bool((pool.image and w.image == pool.image) or (pool.template and w.template == pool.template))
 
 
+@dataclass
+class WarmBinding:
+    """A queued workload placed on warm slots (one node)."""
+
+    place: E.Place
+    slots: list[int]
+    ready: bool
+    """Every slot's prewarm had finished; False: bound to slots still prewarming (none was ready)."""
+
+    @property
+    def reason(self) -> str:
+        return "warm_hit" if self.ready else "warm_hit_prewarming"
+
+    @property
+    def note(self) -> str:
+        if self.ready:
+            return f" on {len(self.slots)} prewarmed warm slot(s)"
+        return f" on {len(self.slots)} warm slot(s) still prewarming (its image may still be pulling)"
+
+
 def bind_warm_slots(
     *,
     now: datetime,
     queue: list[Workload],
     chosen_models: dict[int, list[str]],
     nodes: list[E.Node],
-) -> dict[int, tuple[E.Place, list[int]]]:
-    """Place queued requests that match a pool on its free warm slots (whole on one node). Updates
-    the engine's ``nodes`` so the engine does not hand the same capacity out again. Returns, per
-    workload id, its placement and the slots it binds. Called inside the cycle's transaction."""
+) -> dict[int, WarmBinding]:
+    """Place queued requests that match a pool on its free warm slots (whole on one node): on ready
+    slots if some node has enough of them, else on slots still prewarming. Updates the engine's
+    ``nodes`` so the engine does not hand the same capacity out again. Returns, per workload id, its
+    binding. Called inside the cycle's transaction."""
     slots = list(
         WarmSlot.objects.filter(ended_at__isnull=True, pool__enabled=True)
-        .select_related("pool__gpu_model")
-        .values_list("pk", "pool_id", "node_id", "gpu__index")
+        .values_list("pk", "pool_id", "node_id", "gpu__index", "ready_at")
         .order_by("node_id", "gpu__index")
     )
     if not slots:
         return {}
     pools = {p.pk: p for p in WarmPool.objects.filter(enabled=True).select_related("gpu_model")}
     by_node = {int(n.id): n for n in nodes}
-    free: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)  # (pool, node) -> (slot, index)
-    for sid, pool_id, node_id, index in slots:
+    # (pool, node) -> free slots as (ready first, slot, GPU index)
+    free: dict[tuple[int, int], list[tuple[bool, int, int]]] = defaultdict(list)
+    for sid, pool_id, node_id, index, ready_at in slots:
         n = by_node.get(node_id)
         if n is None:
             continue
         g = next((g for g in n.gpus if g.index == index), None)
         if g is not None and g.healthy and g.free_milli == MILLI:
-            free[(pool_id, node_id)].append((sid, index))
-    out: dict[int, tuple[E.Place, list[int]]] = {}
+            free[(pool_id, node_id)].append((ready_at is None, sid, index))
+    for avail in free.values():
+        avail.sort()
+    out: dict[int, WarmBinding] = {}
     for w in sorted(queue, key=lambda w: (w.submitted_at, w.pk)):
         if w.gang or w.gpu_count > len(max(free.values(), key=len, default=[])):
             continue
+        avoid = {int(n) for n in w.avoid_nodes}
+        fits = []
         for (pool_id, node_id), avail in free.items():
             pool = pools.get(pool_id)
             if (
                 pool is None
+                or node_id in avoid
                 or len(avail) < w.gpu_count
                 or not _pool_matches(pool, w, chosen_models.get(w.pk, []))
             ):
@@ -208,22 +281,30 @@ def bind_warm_slots(
             n = by_node[node_id]
             if n.cpu_milli - n.cpu_used < w.cpu_millicores or n.memory_mib - n.memory_used < w.ram_mib:
                 continue
-            take = avail[: w.gpu_count]
-            del avail[: w.gpu_count]
-            for _, index in take:
-                g = next(g for g in n.gpus if g.index == index)
-                g.free_milli -= w.gpu_fraction_milli
-            n.cpu_used += w.cpu_millicores
-            n.memory_used += w.ram_mib
-            assignment = E.Assignment(
-                node_id=str(node_id),
-                gpu_indices=tuple(i for _, i in take),
-                milli=w.gpu_fraction_milli,
-                cpu_milli=w.cpu_millicores,
-                memory_mib=w.ram_mib,
-            )
-            out[w.pk] = (E.Place(str(w.pk), (assignment,)), [sid for sid, _ in take])
-            break
+            ready = not any(prewarming for prewarming, _, _ in avail[: w.gpu_count])
+            fits.append((not ready, node_id, pool_id))
+        if not fits:
+            continue
+        prewarming, node_id, pool_id = min(fits)
+        avail = free[(pool_id, node_id)]
+        take = avail[: w.gpu_count]
+        del avail[: w.gpu_count]
+        n = by_node[node_id]
+        for _, _, index in take:
+            g = next(g for g in n.gpus if g.index == index)
+            g.free_milli -= w.gpu_fraction_milli
+        n.cpu_used += w.cpu_millicores
+        n.memory_used += w.ram_mib
+        assignment = E.Assignment(
+            node_id=str(node_id),
+            gpu_indices=tuple(i for _, _, i in take),
+            milli=w.gpu_fraction_milli,
+            cpu_milli=w.cpu_millicores,
+            memory_mib=w.ram_mib,
+        )
+        out[w.pk] = WarmBinding(
+            E.Place(str(w.pk), (assignment,)), [sid for _, sid, _ in take], ready=not prewarming
+        )
     return out
 
 

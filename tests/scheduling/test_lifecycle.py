@@ -177,3 +177,41 @@ def test_the_reconciler_finishes_what_was_left(tenant, make_node, submit, cycle,
         "stop_forced": [],
         "over_runtime": [],
     }
+
+
+def _nodes(w):
+    return set(Allocation.objects.active().filter(workload=w).values_list("node_id", flat=True))
+
+
+def test_a_workload_not_started_in_time_is_placed_on_another_node(tenant, make_node, submit, cycle, settings):
+    small = make_node(gpus=2)  # the tighter fit: the engine's first choice, every time
+    big = make_node(gpus=8)
+    w = submit(tenant, gpu_count=2)
+    cycle()
+    assert _nodes(w) == {small.pk}
+    # The agent on the small node never starts it.
+    later = timezone.now() + timedelta(seconds=settings.SCHEDULING_START_TIMEOUT_S + 1)
+    assert scheduling_reconcile(now=later).start_timeouts == [w.pk]
+    w = reload(w)
+    assert w.state == S.QUEUED and w.avoid_nodes == [small.pk]
+    assert NodeCommand.objects.filter(node=small, kind=CommandKind.STOP_WORKLOAD).exists()
+    cycle()
+    w = reload(w)
+    assert w.state == S.SCHEDULED and w.attempt == 2 and _nodes(w) == {big.pk}
+    start = NodeCommand.objects.get(kind=CommandKind.START_WORKLOAD, payload__attempt=2)
+    assert start.node_id == big.pk
+    # Other work still gets the small node.
+    other = submit(tenant, gpu_count=2)
+    cycle()
+    assert _nodes(other) == {small.pk}
+
+
+def test_a_failed_start_avoids_its_node_unless_no_other_could_ever_take_it(tenant, make_node, submit, cycle):
+    only = make_node(gpus=2)
+    make_node(gpus=1)  # too small for the request, ever
+    w = submit(tenant, gpu_count=2)
+    cycle()
+    _report_start(w, only, state="failed", result={"reason": "image pull failed"})
+    assert reload(w).avoid_nodes == [only.pk]
+    cycle()
+    assert reload(w).state == S.SCHEDULED and _nodes(w) == {only.pk}

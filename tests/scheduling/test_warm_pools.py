@@ -6,6 +6,7 @@ import pytest
 from django.utils import timezone
 
 from nodes.models import CommandKind, GpuModel, NodeCommand
+from nodes.services.commands import node_command_report
 from scheduling.models import Allocation, WarmPool, WarmSlot, Workload, WorkloadEvent
 from scheduling.models import WorkloadState as S
 from scheduling.services.warm_pools import warm_pool_target_update, warm_pools_reconcile
@@ -14,6 +15,11 @@ from tests.scheduling.conftest import H100, reload
 pytestmark = pytest.mark.django_db
 
 IMAGE = "ghcr.io/acme/notebook:1"
+
+
+def _prewarm_done(node, status="succeeded"):
+    for cmd in NodeCommand.objects.filter(node=node, kind=CommandKind.PREWARM, finished_at__isnull=True):
+        node_command_report(node_id=node.pk, command_id=cmd.pk, status=status, message="pull failed")
 
 
 @pytest.fixture
@@ -66,7 +72,9 @@ def test_free_gpus_are_prewarmed_up_to_the_target_and_never_busy_ones(pool, tena
     assert busy_node.pk not in {s.node_id for s in slots}
 
 
-def test_a_matching_request_binds_to_a_warm_slot_at_once(pool, tenant, make_node, submit, cycle):
+def test_a_matching_request_binds_to_a_warm_slot_at_once(
+    pool, tenant, make_node, submit, cycle, django_capture_on_commit_callbacks
+):
     make_node(gpus=8)
     warm_node = make_node(gpus=2)
     # Put the slots on the small node: prewarm there only (the big node is busy for now).
@@ -74,6 +82,8 @@ def test_a_matching_request_binds_to_a_warm_slot_at_once(pool, tenant, make_node
     cycle()
     warm_pools_reconcile()
     assert set(WarmSlot.objects.values_list("node_id", flat=True)) == {warm_node.pk}
+    with django_capture_on_commit_callbacks(execute=True):
+        _prewarm_done(warm_node)
     hit = submit(tenant, kind="instance", image=IMAGE, gpu_count=2)
     r = cycle()
     assert r.placed == [hit.pk]
@@ -99,3 +109,69 @@ def test_real_demand_takes_a_warm_gpu_and_the_slot_moves(pool, tenant, make_node
     assert set(WarmSlot.objects.filter(ended_at__isnull=False).values_list("end_reason", flat=True)) == {
         "taken"
     }
+
+
+def _ready(slot_ids=None):
+    qs = WarmSlot.objects.filter(ended_at__isnull=True)
+    return {s.pk: s.ready_at is not None for s in (qs if slot_ids is None else qs.filter(pk__in=slot_ids))}
+
+
+def test_slots_are_ready_when_the_agent_reports_the_prewarm(
+    pool, make_node, django_capture_on_commit_callbacks
+):
+    node = make_node(gpus=2)
+    warm_pools_reconcile()
+    assert set(_ready().values()) == {False}
+    with django_capture_on_commit_callbacks(execute=True):
+        _prewarm_done(node)
+    assert set(_ready().values()) == {True} and len(_ready()) == 2
+    first = set(WarmSlot.objects.values_list("ready_at", flat=True))
+    # A replayed report changes nothing.
+    cmd = NodeCommand.objects.get(kind=CommandKind.PREWARM)
+    with django_capture_on_commit_callbacks(execute=True):
+        node_command_report(node_id=node.pk, command_id=cmd.pk, status="succeeded")
+    assert set(WarmSlot.objects.values_list("ready_at", flat=True)) == first
+
+
+def test_a_failed_prewarm_ends_its_slots_and_other_gpus_are_prewarmed(
+    pool, make_node, django_capture_on_commit_callbacks
+):
+    bad = make_node(gpus=2)
+    good = make_node(gpus=2)
+    warm_pools_reconcile()
+    assert set(WarmSlot.objects.values_list("node_id", flat=True)) == {bad.pk}
+    with django_capture_on_commit_callbacks(execute=True):
+        _prewarm_done(bad, status="failed")
+    assert set(WarmSlot.objects.values_list("end_reason", flat=True)) == {"prewarm_failed"}
+    r = warm_pools_reconcile()
+    assert r.prewarmed == 2
+    assert set(WarmSlot.objects.filter(ended_at__isnull=True).values_list("node_id", flat=True)) == {good.pk}
+
+
+def test_a_lost_report_is_settled_by_the_reconciler(pool, make_node):
+    node = make_node(gpus=2)
+    warm_pools_reconcile()
+    _prewarm_done(node)  # the signal is never sent: no commit here
+    assert set(_ready().values()) == {False}
+    warm_pools_reconcile()
+    assert set(_ready().values()) == {True}
+
+
+def test_ready_slots_bind_first_and_a_prewarming_bind_says_so(
+    pool, tenant, make_node, submit, cycle, django_capture_on_commit_callbacks
+):
+    first, second = make_node(gpus=1), make_node(gpus=1)
+    warm_pools_reconcile()
+    assert set(WarmSlot.objects.values_list("node_id", flat=True)) == {first.pk, second.pk}
+    with django_capture_on_commit_callbacks(execute=True):
+        _prewarm_done(second)  # only the second node's slot is ready
+    a = submit(tenant, kind="instance", image=IMAGE)
+    cycle()
+    assert set(Allocation.objects.filter(workload=a).values_list("node_id", flat=True)) == {second.pk}
+    ev = WorkloadEvent.objects.get(workload=a, to_state=S.SCHEDULED)
+    assert ev.reason == "warm_hit" and "prewarmed" in ev.message
+    b = submit(tenant, kind="instance", image=IMAGE)
+    cycle()
+    assert set(Allocation.objects.filter(workload=b).values_list("node_id", flat=True)) == {first.pk}
+    ev = WorkloadEvent.objects.get(workload=b, to_state=S.SCHEDULED)
+    assert ev.reason == "warm_hit_prewarming" and "still prewarming" in ev.message
