@@ -4,6 +4,10 @@ The fragmentation of a node for one task type is the free GPU capacity that the 
 all of it when the task cannot run on the node at all (wrong model, too little CPU or RAM, not enough
 free GPUs), otherwise the free capacity of the GPUs whose free share is below what the task needs per
 GPU. The fragmentation of a node for a workload is the expectation over the workload's task types.
+
+gpupool's policy measures it differently in one respect (see ``policies.GpupoolPolicy``): only over the
+task types that could ever run on the node's hardware, each weighted by how scarce that hardware is
+for it (``host_weights``).
 """
 
 from __future__ import annotations
@@ -52,25 +56,18 @@ class Distribution:
         return len(self.types)
 
 
-def node_fragmentation(
-    dist: Distribution,
-    model: str,
-    cpu_free: int,
-    mem_free: int,
-    gkey: tuple[tuple[int, ...], ...],
-    use_mem: bool,
-    balance: float = 0.0,
+def unusable(
+    types: Iterable[TaskType], cpu_free: int, mem_free: int, frees: list[int], use_mem: bool
 ) -> float:
-    frees = [f for island in gkey for f in island]
+    """Sum over ``types`` of weight x the free GPU milli (of ``frees``, non-empty) the type cannot
+    use on a node with this much free CPU and RAM. The model is not checked here."""
     total = sum(frees)
-    if not total:
-        return 0.0
     nfull = frees.count(MILLI)
     top = max(frees)
     below: dict[int, int] = {}
     out = 0.0
-    for models, d, k, c, m, w in dist.types:
-        if c > cpu_free or (use_mem and m > mem_free) or model not in models:
+    for _models, d, k, c, m, w in types:
+        if c > cpu_free or (use_mem and m > mem_free):
             out += w * total
         elif d < MILLI:
             if top < d:
@@ -84,12 +81,59 @@ def node_fragmentation(
             out += w * total
         else:
             out += w * (total - MILLI * nfull)
-    if balance and dist.cpu_per_milli > 0:
-        # Look-ahead: GPU capacity the node's CPU (and RAM) cannot feed at the workload's own
-        # CPU-per-GPU ratio will be stranded once the node fills, whatever arrives next.
-        stranded = total - cpu_free / dist.cpu_per_milli
-        if use_mem and dist.mem_per_milli > 0:
-            stranded = max(stranded, total - mem_free / dist.mem_per_milli)
-        if stranded > 0:
-            out += balance * stranded
     return out
+
+
+def stranded(dist: Distribution, cpu_free: int, mem_free: int, total: int, use_mem: bool) -> float:
+    """Look-ahead: of ``total`` free GPU milli, what the node's free CPU (and RAM) cannot feed at the
+    workload's own CPU-per-GPU ratio, which will be stranded once the node fills whatever arrives."""
+    if dist.cpu_per_milli <= 0 or total <= 0:
+        return 0.0
+    s = total - cpu_free / dist.cpu_per_milli
+    if use_mem and dist.mem_per_milli > 0:
+        s = max(s, total - mem_free / dist.mem_per_milli)
+    return s if s > 0 else 0.0
+
+
+def node_fragmentation(
+    dist: Distribution,
+    model: str,
+    cpu_free: int,
+    mem_free: int,
+    gkey: tuple[tuple[int, ...], ...],
+    use_mem: bool,
+    balance: float = 0.0,
+) -> float:
+    """FGD's measure: a task type that does not accept the node's model finds all of its free GPU
+    unusable; for the others, what ``unusable`` says. ``balance`` adds that much of ``stranded``."""
+    frees = [f for island in gkey for f in island]
+    total = sum(frees)
+    if not total:
+        return 0.0
+    out = unusable((t for t in dist.types if model in t[0]), cpu_free, mem_free, frees, use_mem)
+    out += total * sum(t[5] for t in dist.types if model not in t[0])
+    if balance:
+        out += balance * stranded(dist, cpu_free, mem_free, total, use_mem)
+    return out
+
+
+def can_host(t: TaskType, model: str, gpus: int, cpu: int, mem: int, use_mem: bool = True) -> bool:
+    """Whether a task of type ``t`` fits an empty server of this model and size at all."""
+    return model in t[0] and t[2] <= gpus and t[3] <= cpu and (not use_mem or t[4] <= mem)
+
+
+def host_weights(
+    dist: Distribution, servers: Iterable[tuple[str, int, int, int, int]], use_mem: bool = True
+) -> tuple[TaskType, ...]:
+    """The task types re-weighted by scarcity: each weight times (all GPUs / GPUs on the servers
+    that could ever host the type), so that work only few servers can run counts for more where it
+    can run. ``servers``: (model, GPUs, CPU milli, RAM MiB, how many such servers). Types no server
+    can host are dropped."""
+    servers = list(servers)
+    everything = sum(g * n for _m, g, _c, _r, n in servers)
+    out = []
+    for t in dist.types:
+        hosts = sum(g * n for model, g, c, r, n in servers if can_host(t, model, g, c, r, use_mem))
+        if hosts:
+            out.append((*t[:5], t[5] * everything / hosts))
+    return tuple(out)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections import Counter
 
-from .fragmentation import Distribution, node_fragmentation
+from .fragmentation import Distribution, can_host, host_weights, node_fragmentation, stranded, unusable
 from .spec import Demand
 from .state import ClusterState, Key, NodeClass, Option
 from .types import MILLI
@@ -116,8 +117,8 @@ class FGD(Policy):
     balance = 0.0
 
     def __init__(self, dist: Distribution | None = None) -> None:
-        self.dist = dist or Distribution(())
         self._memo: dict[tuple, float] = {}
+        self.set_distribution(dist or Distribution(()))
 
     def set_distribution(self, dist: Distribution) -> None:
         self.dist = dist
@@ -144,17 +145,26 @@ class FGD(Policy):
 
 
 class GpupoolPolicy(FGD):
-    """gpupool's default: fragmentation gradient descent with a resource-balance look-ahead.
+    """gpupool's default: fragmentation gradient descent, measured against the work that can use the
+    node, with a resource-balance look-ahead.
 
     * Fragmentation counts RAM as well as CPU: a GPU on a server whose RAM cannot host a task is as
       unusable to it as one whose CPU cannot.
+    * Only the task types that could ever run on the node's hardware (model, GPU count, CPU, RAM)
+      count, each weighted by how scarce that hardware is for it (``host_weights``) and the sum
+      normalized by their total weight. FGD counts a node's whole free capacity as fragmented for
+      every task that cannot use its model, so any placement on a model few tasks accept looks like
+      it *removes* fragmentation, and flexible work is poured onto exactly the scarce models (or the
+      only servers big enough) that constrained work needs. Here a placement on such a node costs
+      what it costs the tasks that can go nowhere else.
     * Look-ahead (``balance``): FGD only asks whether the *next* task fits. Whatever arrives later,
       GPU capacity that the node's free CPU (or RAM) cannot feed at the workload's own CPU-per-GPU
       ratio (CPU-only tasks included) will be stranded once the node fills, so that amount counts
       as fragmentation too. This steers CPU-hungry work to CPU-rich servers before it strands GPUs.
-    * The change is compared on FGD's integer scale and the many ties are settled by best fit (least
-      CPU and GPU left on the node), which keeps whole GPUs and whole servers free for multi-GPU work
-      instead of scattering small tasks; within a node, the fullest GPU that fits.
+    * The change is compared on FGD's integer scale; ties go, in order, to the weakest GPU model the
+      request accepts (catalog compute weight: strong GPUs stay free for work that needs them), to
+      the better balance, and to best fit (least CPU and GPU left on the node, which keeps whole
+      GPUs and servers free for multi-GPU work); within a node, the fullest GPU that fits.
     * It runs on the per-demand heaps (no pass over the fleet per decision); remaining exact ties
       go to a bucket drawn at random once per bucket.
     """
@@ -165,12 +175,66 @@ class GpupoolPolicy(FGD):
     scale = 1000.0
     balance = 1.0
 
+    def set_distribution(self, dist: Distribution) -> None:
+        super().set_distribution(dist)
+        self._weighted: tuple | None = None
+        self._class_types: dict[int, tuple[tuple, float]] = {}
+        self._strength: dict[tuple[frozenset[str], str], float] = {}
+
+    def _types_for(self, state: ClusterState, cls: NodeClass) -> tuple[tuple, float]:
+        ct = self._class_types.get(cls.id)
+        if ct is None:
+            if self._weighted is None or self._weighted[0] is not state:
+                count = Counter(state.ncls)
+                servers = Counter()
+                for c in state.classes:
+                    servers[(c.model, c.gpu_count, c.cpu_cap, c.mem_cap)] += count[c.id]
+                self._weighted = (state, host_weights(self.dist, ((*k, n) for k, n in servers.items())))
+                self._class_types.clear()
+            types = tuple(
+                t
+                for t in self._weighted[1]
+                if can_host(t, cls.model, cls.gpu_count, cls.cpu_cap, cls.mem_cap, self.use_mem)
+            )
+            ct = self._class_types[cls.id] = (types, sum(t[5] for t in types))
+        return ct
+
+    def _frag(self, state: ClusterState, cls: NodeClass, cpu: int, mem: int, gkey) -> float:
+        k = (cls.id, cpu, mem, gkey)
+        v = self._memo.get(k)
+        if v is None:
+            types, wsum = self._types_for(state, cls)
+            frees = [f for island in gkey for f in island]
+            v = unusable(types, cpu, mem, frees, self.use_mem) / wsum if wsum and any(frees) else 0.0
+            self._memo[k] = v
+        return v
+
+    def _stranded(self, cpu: int, mem: int, gkey) -> float:
+        return stranded(self.dist, cpu, mem, sum(map(sum, gkey)), self.use_mem)
+
+    def strength(self, state: ClusterState, cls: NodeClass, demand: Demand) -> float:
+        """0 for the weakest model the demand accepts, 1 for the strongest (catalog compute weight)."""
+        k = (demand.models, cls.model)
+        v = self._strength.get(k)
+        if v is None:
+            cat = state.catalog
+            ws = [cat[m].compute_weight for m in demand.models if m in cat]
+            lo, hi = (min(ws), max(ws)) if ws else (0.0, 0.0)
+            w = cat[cls.model].compute_weight if cls.model in cat else lo
+            v = self._strength[k] = (w - lo) / (hi - lo) if hi > lo else 0.0
+        return v
+
     def score(self, state, cls, key, demand, opt) -> float:
+        cpu, mem = key[1] - demand.cpu, key[2] - demand.mem
+        frag = self._frag(state, cls, cpu, mem, opt[2]) - self._frag(state, cls, key[1], key[2], key[3])
+        bal = self._stranded(cpu, mem, opt[2]) - self._stranded(key[1], key[2], key[3])
         cpu_max, gpu_max = state.max_spec()
-        left = 0.5 * (key[1] - demand.cpu) / cpu_max + 0.5 * sum(map(sum, opt[2])) / gpu_max
-        s = -sigmoid_score(self.delta(cls, key, demand, opt), self.scale) + left * 1e-3
+        left = 0.5 * cpu / cpu_max + 0.5 * sum(map(sum, opt[2])) / gpu_max
+        # |bal| <= gpu_max and left <= 1: each tie-break stays under the step of the one before it.
+        s = -sigmoid_score(frag + self.balance * bal, self.scale)
+        s += 0.5 * self.strength(state, cls, demand) + 0.25 * bal / gpu_max + 1e-5 * left
         if opt[1] and demand.milli < MILLI:
-            s += (opt[1][0][1] - demand.milli) * 1e-9
+            s += (opt[1][0][1] - demand.milli) * 1e-10
         return s
 
 
