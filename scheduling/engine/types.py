@@ -16,6 +16,7 @@ MILLI = 1000
 class Vendor(StrEnum):
     NVIDIA = "nvidia"
     AMD = "amd"
+    INTEL = "intel"
 
 
 class NodeState(StrEnum):
