@@ -1,13 +1,17 @@
 """Trace-quality benchmark: the ATC'23 inflation protocol on the openb trace, per policy, seeds 42-51.
 
 Prints the mean GPU allocation ratio at 50 / 100 / 130 % requested per policy, and a JSON last line.
-``--variant`` derives a stress trace from the pod list (deterministically, by ``--variant-seed``):
+``--variant`` derives a stress trace from the pod list (deterministically, by ``--variant-seed``), in
+the spirit of the paper's openb_pod_list_gpuspec10..33, multigpu20..50, gpushare20..100 and cpu050..250;
+``--level`` sets how hard (default in brackets):
 
-* ``gpuspec``: a third of the GPU pods accept only one or two models (drawn by GPU capacity share);
-* ``multigpu``: pods resampled so that multi-GPU pods ask for half of all GPU;
-* ``gpushare``: pods resampled so that sharing pods ask for half of all GPU.
+* ``gpuspec``: that fraction of the GPU pods [1/3] accept only one or two models (drawn by GPU
+  capacity share);
+* ``multigpu``: pods resampled so that multi-GPU pods ask for that share of all GPU [0.5];
+* ``gpushare``: pods resampled so that sharing pods ask for that share of all GPU [0.5];
+* ``cpu``: the CPU-only pods resampled to that multiple of their number, so of their CPU [2.0].
 
-    python bench/simulate_openb.py [--policies gpupool,fgd,bestfit,random] [--variant NAME]
+    python bench/simulate_openb.py [--policies gpupool,fgd,bestfit,random] [--variant NAME [--level X]]
 """
 
 from __future__ import annotations
@@ -48,16 +52,31 @@ def _resample(pods: list[TracePod], pick, share: float, rng: random.Random) -> l
     return out
 
 
-def variant(name: str, pods: list[TracePod], capacity: dict[str, int], seed: int) -> list[TracePod]:
+LEVELS = {"default": None, "gpuspec": 1 / 3, "multigpu": 0.5, "gpushare": 0.5, "cpu": 2.0}
+
+
+def variant(
+    name: str, pods: list[TracePod], capacity: dict[str, int], seed: int, level: float | None = None
+) -> list[TracePod]:
+    if name not in LEVELS:
+        raise SystemExit(f"unknown variant {name!r}")
     rng = random.Random(seed)
+    if level is None:
+        level = LEVELS[name]
     if name == "default":
         return pods
+    if name == "cpu":
+        gpu = [p for p in pods if p.num_gpu]
+        cpu_only = [p for p in pods if not p.num_gpu]
+        n = round(level * len(cpu_only))
+        extra = [replace(src, name=f"{src.name}-v{i}") for i, src in enumerate(rng.choices(cpu_only, k=n))]
+        return gpu + extra
     if name == "gpuspec":
         models = list(capacity)
         weights = [capacity[m] for m in models]
         out = []
         for p in pods:
-            if p.num_gpu and rng.random() < 1 / 3:
+            if p.num_gpu and rng.random() < level:
                 k = rng.choice((1, 2))
                 spec: set[str] = set()
                 while len(spec) < k:
@@ -66,10 +85,8 @@ def variant(name: str, pods: list[TracePod], capacity: dict[str, int], seed: int
             out.append(p)
         return out
     if name == "multigpu":
-        return _resample(pods, lambda p: p.num_gpu > 1, 0.5, rng)
-    if name == "gpushare":
-        return _resample(pods, lambda p: p.num_gpu == 1 and p.gpu_milli < 1000, 0.5, rng)
-    raise SystemExit(f"unknown variant {name!r}")
+        return _resample(pods, lambda p: p.num_gpu > 1, level, rng)
+    return _resample(pods, lambda p: p.num_gpu == 1 and p.gpu_milli < 1000, level, rng)
 
 
 def main() -> None:
@@ -78,8 +95,9 @@ def main() -> None:
     ap.add_argument("--pods", default=str(DEFAULT_DIR / "openb_pod_list_default.csv"))
     ap.add_argument("--policies", default="gpupool,fgd,bestfit,random")
     ap.add_argument("--seeds", default="42-51")
-    ap.add_argument("--variant", default="default", choices=("default", "gpuspec", "multigpu", "gpushare"))
+    ap.add_argument("--variant", default="default", choices=tuple(LEVELS))
     ap.add_argument("--variant-seed", type=int, default=7)
+    ap.add_argument("--level", type=float, default=None, help="how hard the variant stresses (see above)")
     ap.add_argument("--tune", type=float, default=1.3)
     a = ap.parse_args()
     lo, _, hi = a.seeds.partition("-")
@@ -88,9 +106,13 @@ def main() -> None:
     capacity: dict[str, int] = {}
     for n in nodes0:
         capacity[n.model] = capacity.get(n.model, 0) + len(n.gpus)
-    pods = variant(a.variant, load_pods(a.pods), capacity, a.variant_seed)
+    pods = variant(a.variant, load_pods(a.pods), capacity, a.variant_seed, a.level)
     table: dict[str, dict] = {}
-    print(f"trace {Path(a.pods).name} variant {a.variant}, seeds {seeds[0]}-{seeds[-1]}, tune {a.tune}")
+    level = a.level if a.level is not None else LEVELS[a.variant]
+    print(
+        f"trace {Path(a.pods).name} variant {a.variant} (level {level}, variant seed {a.variant_seed}), "
+        f"seeds {seeds[0]}-{seeds[-1]}, tune {a.tune}"
+    )
     print(
         f"{'policy':<10} {'50 %':>8} {'100 %':>8} {'130 %':>8} {'failed':>8} {'decisions/s':>12} {'time s':>7}"
     )
@@ -114,7 +136,17 @@ def main() -> None:
             f"{dps:>12,.0f} {time.perf_counter() - t0:>7.1f}",
             flush=True,
         )
-    print(json.dumps({"variant": a.variant, "seeds": [seeds[0], seeds[-1]], "policies": table}))
+    print(
+        json.dumps(
+            {
+                "variant": a.variant,
+                "level": level,
+                "variant_seed": a.variant_seed,
+                "seeds": [seeds[0], seeds[-1]],
+                "policies": table,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":
