@@ -1,6 +1,8 @@
 """Reservations: a tenant asks (REQUESTED); staff confirm (ACTIVE, guaranteed and billed) or either
-cancels. While in force, the scheduler sets whole nodes of the model in the region aside for the
-tenant (``scheduling.services.cycle``); idle reserved capacity is lent to preemptible work only."""
+cancels. While in force, the scheduler sets exactly ``count`` GPUs of the model in the region aside
+for the tenant (``scheduling.services.cycle``): whole nodes, and the rest of the count on one node in
+part, whose other GPUs anyone may use. Idle reserved capacity is lent to preemptible work only, which
+the owner's work preempts when it needs it."""
 
 from __future__ import annotations
 
