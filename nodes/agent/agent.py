@@ -33,6 +33,7 @@ from nodes.agent.client import (
 )
 from nodes.agent.collectors import Collector, CollectorError, make_collector
 from nodes.agent.config import AgentConfig
+from nodes.agent.mig import MigSlices
 from nodes.agent.runtimes import Runtime, RuntimeFailure, make_runtime
 from nodes.agent.types import (
     FAILED,
@@ -99,7 +100,9 @@ class Agent:
         with contextlib.suppress(OSError):
             os.chmod(self.state_dir, 0o700)
         self.credential_path = self.state_dir / "credential.json"
-        self.runtime = runtime or make_runtime(config.runtime, self.state_dir)
+        self.runtime = runtime or make_runtime(
+            config.runtime, self.state_dir, gpu_sharing=config.gpu_sharing, mps_pipe_dir=config.mps_pipe_dir
+        )
         self.collector = collector or make_collector(
             config.collector,
             gpus=config.sim_gpus,
@@ -126,6 +129,7 @@ class Agent:
         self._command_tasks: dict[str, asyncio.Task[None]] = {}
         self._terminal_seen: dict[str, int] = {}
         self._fail_messages: dict[str, str] = {}
+        self.mig = MigSlices(self.buffer, self.collector, self.log)
         self.fatal: BaseException | None = None
         self.heartbeats_built = 0
         self._readings: list[GpuSample] = []  # sampled, not yet in a batch
@@ -378,6 +382,10 @@ class Agent:
         samples, self._readings = self._readings, []
         statuses = await self._runtime_status()
         await self._enforce_max_runtime(statuses, now)
+        # Before the portal hears that a workload ended (and may give its GPU to other work), the
+        # MIG slice it ran on is gone.
+        if await self.mig.release_finished(statuses):
+            self.inventory = await asyncio.to_thread(self.collector.discover)
         for reading in samples:
             for process in reading.processes:
                 if process.workload_id is None:
@@ -612,17 +620,39 @@ class Agent:
                     mig.uuid == uuid for gpu in inventory.gpus for mig in gpu.mig_devices
                 ):
                     raise RuntimeFailure(f"GPU {uuid} is not on this node")
-        handle = await asyncio.to_thread(self.runtime.start, spec)
+        mig = bool(spec.mig_profile) and (known is None or spec.workload_id in self.mig.records())
+        self.mig.starting.add(spec.workload_id)
+        try:
+            if mig:
+                made = spec.workload_id not in self.mig.records()
+                spec = await self.mig.slice_for(spec, await self._runtime_status())
+                self.inventory = await asyncio.to_thread(self.collector.discover)
+            try:
+                handle = await asyncio.to_thread(self.runtime.start, spec)
+            except Exception:
+                if mig and made:
+                    await self._release_mig(spec.workload_id)
+                raise
+        finally:
+            self.mig.starting.discard(spec.workload_id)
         if spec.max_runtime_s and known is None:
             deadlines = self._deadlines()
             deadlines[spec.workload_id] = time.time() + spec.max_runtime_s
             self.buffer.set("deadlines", json.dumps(deadlines))
-        return {"workload_id": spec.workload_id, "ref": handle.ref}
+        result = {"workload_id": spec.workload_id, "ref": handle.ref}
+        if mig:
+            result["mig_uuid"] = spec.gpu_uuids[0]
+        return result
+
+    async def _release_mig(self, workload_id: str) -> None:
+        if await self.mig.release(workload_id):
+            self.inventory = await asyncio.to_thread(self.collector.discover)
 
     async def _stop_workload(self, payload: dict[str, Any]) -> dict[str, Any]:
         workload_id = str(payload["workload_id"])
         grace = float(payload.get("grace_s", self.config.stop_grace_s))
         status = await asyncio.to_thread(self.runtime.stop, workload_id, grace)
+        await self._release_mig(workload_id)
         return {"workload_id": workload_id, "state": status.state, "exit_code": status.exit_code}
 
     async def _preempt_workload(self, payload: dict[str, Any]) -> dict[str, Any]:
@@ -640,6 +670,7 @@ class Agent:
                 if status is None or status.terminal:
                     break  # it finished within its notice
         status = await asyncio.to_thread(self.runtime.stop, workload_id, grace, final_state=PREEMPTED)
+        await self._release_mig(workload_id)
         return {"workload_id": workload_id, "state": status.state, "exit_code": status.exit_code}
 
     async def _prewarm(self, payload: dict[str, Any]) -> dict[str, Any]:
@@ -649,6 +680,7 @@ class Agent:
         uuid = str(payload["gpu_uuid"])
         statuses = await self._runtime_status()
         busy = [s.workload_id for s in statuses if not s.terminal and uuid in s.gpu_uuids]
+        busy += [wid for wid, record in self.mig.records().items() if record["gpu_uuid"] == uuid]
         if busy:
             raise RuntimeFailure(
                 f"GPU {uuid} runs workloads {', '.join(busy)}; MIG can change only on an idle GPU"

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nodes.agent.collectors import COLLECTOR_KINDS
-from nodes.agent.runtimes import RUNTIME_KINDS
+from nodes.agent.runtimes import DEFAULT_MPS_PIPE_DIR, GPU_SHARING_MODES, RUNTIME_KINDS
 
 
 class ConfigError(ValueError):
@@ -31,6 +31,10 @@ class AgentConfig:
     state_dir: str = "/var/lib/gpupool-agent"
     collector: str = "auto"
     runtime: str = "docker"
+    # How fractional (non-MIG) shares of a GPU are isolated: "time-slicing" (no daemon needed) or
+    # "mps" (the host runs nvidia-cuda-mps-control; SM share and memory limit enforced).
+    gpu_sharing: str = "time-slicing"
+    mps_pipe_dir: str = DEFAULT_MPS_PIPE_DIR
     region: str = ""
     labels: dict[str, str] = field(default_factory=dict)
     hostname: str = ""
@@ -63,6 +67,10 @@ class AgentConfig:
             )
         if self.runtime not in RUNTIME_KINDS:
             raise ConfigError(f"runtime must be one of {', '.join(RUNTIME_KINDS)}, not {self.runtime!r}")
+        if self.gpu_sharing not in GPU_SHARING_MODES:
+            raise ConfigError(
+                f"gpu_sharing must be one of {', '.join(GPU_SHARING_MODES)}, not {self.gpu_sharing!r}"
+            )
         if self.heartbeat_interval_s is not None and self.heartbeat_interval_s <= 0:
             raise ConfigError("heartbeat_interval_s must be positive")
         if self.sample_interval_s <= 0:
@@ -82,6 +90,8 @@ ENV = {
     "GPUPOOL_STATE_DIR": "state_dir",
     "GPUPOOL_COLLECTOR": "collector",
     "GPUPOOL_RUNTIME": "runtime",
+    "GPUPOOL_GPU_SHARING": "gpu_sharing",
+    "GPUPOOL_MPS_PIPE_DIR": "mps_pipe_dir",
     "GPUPOOL_REGION": "region",
     "GPUPOOL_LABELS": "labels",
     "GPUPOOL_HOSTNAME": "hostname",

@@ -111,6 +111,11 @@ class WorkloadSpec:
     ports: list[Any] = field(default_factory=list)
     max_runtime_s: int | None = None
     sim_duration_s: float | None = None
+    mig_profile: str = ""
+    """Run on a MIG slice of this profile, made on ``gpu_uuids[0]`` for the workload (``1g.10gb``)."""
+    gpu_memory_limit_mib: int | None = None
+    """GPU memory a fractional (non-MIG) share may use."""
+    gpu_vendor: str = ""
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> WorkloadSpec:

@@ -39,6 +39,16 @@ class Collector(Protocol):
     def configure_mig(self, gpu_uuid: str, enable: bool, profiles: list[str]) -> dict[str, Any]:
         """Switch MIG mode on a GPU and create the given instance profiles; returns what was done."""
 
+    def create_mig_instance(self, gpu_uuid: str, profile: str) -> dict[str, Any]:
+        """Make one MIG slice of ``profile`` (a GPU instance with one compute instance) on a GPU,
+        turning MIG mode on first if it is off, without touching the slices already there; returns
+        ``{"gpu_uuid", "mig_uuid", "profile", "mig_mode_enabled"}`` (the last: MIG mode was off)."""
+
+    def destroy_mig_instance(self, gpu_uuid: str, mig_uuid: str) -> dict[str, Any]:
+        """Remove one MIG slice (nothing if it is gone already); when none is left, turn MIG mode
+        off so the GPU serves whole-GPU and shared work again. Returns ``{"gpu_uuid", "mig_uuid",
+        "destroyed", "mig_mode"}``."""
+
     def close(self) -> None:
         """Release the library."""
 

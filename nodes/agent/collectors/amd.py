@@ -189,6 +189,12 @@ class AmdSmiCollector:
             "MIG is an NVIDIA feature; AMD GPUs are partitioned with compute partitions instead"
         )
 
+    def create_mig_instance(self, gpu_uuid: str, profile: str) -> dict[str, Any]:
+        return self.configure_mig(gpu_uuid, True, [profile])
+
+    def destroy_mig_instance(self, gpu_uuid: str, mig_uuid: str) -> dict[str, Any]:
+        return self.configure_mig(gpu_uuid, False, [])
+
     def close(self) -> None:
         if not self._open:
             return

@@ -381,7 +381,12 @@ class NvmlCollector:
         }
 
     def _create_instance(self, handle: Any, profile: str) -> str:
-        """Create one GPU instance and one full compute instance of a profile such as ``1g.10gb``."""
+        self._make_instance(handle, profile)
+        return profile
+
+    def _make_instance(self, handle: Any, profile: str) -> tuple[Any, Any]:
+        """Create one GPU instance and one full compute instance of a profile such as ``1g.10gb``;
+        returns both handles. A GPU instance whose compute instance fails is destroyed again."""
         nvml = self.nvml
         slices = profile.split("g.", 1)[0]
         for attr in sorted(dir(nvml)):
@@ -395,16 +400,109 @@ class NvmlCollector:
                 continue
             try:
                 instance = nvml.nvmlDeviceCreateGpuInstance(handle, info.id)
+            except (nvml.NVMLError, AttributeError) as exc:
+                raise CollectorError(f"creating MIG instance {profile} failed: {exc}") from exc
+            try:
                 compute = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
                     instance,
                     getattr(nvml, f"NVML_COMPUTE_INSTANCE_PROFILE_{slices}_SLICE"),
                     nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
                 )
-                nvml.nvmlGpuInstanceCreateComputeInstance(instance, compute.id)
+                return instance, nvml.nvmlGpuInstanceCreateComputeInstance(instance, compute.id)
             except (nvml.NVMLError, AttributeError) as exc:
+                with contextlib.suppress(nvml.NVMLError, AttributeError):
+                    nvml.nvmlGpuInstanceDestroy(instance)
                 raise CollectorError(f"creating MIG instance {profile} failed: {exc}") from exc
-            return profile
         raise CollectorError(f"this GPU has no MIG profile named {profile}")
+
+    def _handle(self, gpu_uuid: str) -> Any:
+        if self.inventory is None:
+            self.discover()
+        handle = self._handles.get(gpu_uuid)
+        if handle is None:
+            raise CollectorError(f"no GPU {gpu_uuid} on this node")
+        return handle
+
+    def _mig_handles(self, handle: Any) -> list[Any]:
+        found = []
+        for slot in range(self._get("nvmlDeviceGetMaxMigDeviceCount", handle) or 0):
+            mig_handle = self._get("nvmlDeviceGetMigDeviceHandleByIndex", handle, slot)
+            if mig_handle is not None:  # an empty slot answers NVML_ERROR_NOT_FOUND
+                found.append(mig_handle)
+        return found
+
+    def create_mig_instance(self, gpu_uuid: str, profile: str) -> dict[str, Any]:
+        nvml = self.nvml
+        handle = self._handle(gpu_uuid)
+        enabled = False
+        try:
+            current, pending = nvml.nvmlDeviceGetMigMode(handle)
+            if current != nvml.NVML_DEVICE_MIG_ENABLE:
+                nvml.nvmlDeviceSetMigMode(handle, nvml.NVML_DEVICE_MIG_ENABLE)
+                current, pending = nvml.nvmlDeviceGetMigMode(handle)
+                enabled = True
+        except nvml.NVMLError as exc:
+            raise CollectorError(f"MIG mode on {gpu_uuid} cannot be turned on: {exc}") from exc
+        if current != nvml.NVML_DEVICE_MIG_ENABLE:
+            raise CollectorError(
+                f"MIG mode on {gpu_uuid} is pending ({pending}) and needs a GPU reset before instances can be made"
+            )
+        instance, compute = self._make_instance(handle, profile)
+        try:
+            gi_id = nvml.nvmlGpuInstanceGetInfo(instance).id
+            ci_id = nvml.nvmlComputeInstanceGetInfo(compute).id
+            mig_uuid = next(
+                (
+                    self._text(nvml.nvmlDeviceGetUUID(mig))
+                    for mig in self._mig_handles(handle)
+                    if nvml.nvmlDeviceGetGpuInstanceId(mig) == gi_id
+                    and nvml.nvmlDeviceGetComputeInstanceId(mig) == ci_id
+                ),
+                None,
+            )
+            if mig_uuid is None:
+                raise CollectorError(f"the new {profile} instance on {gpu_uuid} has no MIG device")
+        except (nvml.NVMLError, CollectorError) as exc:
+            with contextlib.suppress(nvml.NVMLError):
+                nvml.nvmlComputeInstanceDestroy(compute)
+                nvml.nvmlGpuInstanceDestroy(instance)
+            raise CollectorError(f"creating MIG instance {profile} on {gpu_uuid} failed: {exc}") from exc
+        self.discover()
+        return {"gpu_uuid": gpu_uuid, "mig_uuid": mig_uuid, "profile": profile, "mig_mode_enabled": enabled}
+
+    def destroy_mig_instance(self, gpu_uuid: str, mig_uuid: str) -> dict[str, Any]:
+        nvml = self.nvml
+        handle = self._handle(gpu_uuid)
+        target, others = None, 0
+        for mig in self._mig_handles(handle):
+            if self._text(nvml.nvmlDeviceGetUUID(mig)) == mig_uuid:
+                target = mig
+            else:
+                others += 1
+        if target is not None:
+            try:
+                instance = nvml.nvmlDeviceGetGpuInstanceById(handle, nvml.nvmlDeviceGetGpuInstanceId(target))
+                compute = nvml.nvmlGpuInstanceGetComputeInstanceById(
+                    instance, nvml.nvmlDeviceGetComputeInstanceId(target)
+                )
+                nvml.nvmlComputeInstanceDestroy(compute)
+                nvml.nvmlGpuInstanceDestroy(instance)
+            except nvml.NVMLError as exc:
+                raise CollectorError(f"destroying MIG instance {mig_uuid} failed: {exc}") from exc
+        mig_mode = True
+        if not others:
+            try:
+                nvml.nvmlDeviceSetMigMode(handle, nvml.NVML_DEVICE_MIG_DISABLE)
+                mig_mode = nvml.nvmlDeviceGetMigMode(handle)[0] == nvml.NVML_DEVICE_MIG_ENABLE
+            except nvml.NVMLError as exc:
+                log.warning("MIG mode on %s stays on: %s", gpu_uuid, exc)
+        self.discover()
+        return {
+            "gpu_uuid": gpu_uuid,
+            "mig_uuid": mig_uuid,
+            "destroyed": target is not None,
+            "mig_mode": mig_mode,
+        }
 
     def close(self) -> None:
         if not self._open:

@@ -29,6 +29,17 @@ log = logging.getLogger(__name__)
 
 UUID_NAMESPACE = uuidlib.UUID("6f1c3b52-5a0e-4f0b-9a51-8c8d7e0c2a11")
 FAULT_KINDS = ("xid", "dbe", "sbe", "fell_off_bus", "retired_pages", "row_remap_failure", "clear")
+MIG_MODELS = ("NVIDIA A100", "NVIDIA H100", "NVIDIA H200")
+MIG_SLICES = 7  # compute slices of a MIG-capable GPU
+
+
+def parse_mig_profile(profile: str) -> tuple[int, int]:
+    """``3g.40gb`` -> (3 compute slices, 40 GB)."""
+    try:
+        slices, memory = profile.split(".", 1)
+        return int(slices.removesuffix("g")), int(memory.removesuffix("gb"))
+    except ValueError as exc:
+        raise CollectorError(f"MIG profile {profile!r} is not of the form 1g.10gb") from exc
 
 
 @dataclass(frozen=True)
@@ -120,6 +131,7 @@ class SimulatedCollector:
         self._ecc: dict[str, list[int]] = {gpu.uuid: [0, 0] for gpu, _ in self._gpus}
         self._sticky: dict[str, set[str]] = {gpu.uuid: set() for gpu, _ in self._gpus}
         self._pending_xids: dict[str, list[int]] = {}
+        self._mig_serial = 0
 
     def _gpu_info(self, index: int, model: str, spec: ModelSpec, position: int) -> GpuInfo:
         if self.interconnect in ("nvswitch", "xgmi"):
@@ -201,6 +213,13 @@ class SimulatedCollector:
         load = self.load_source(now) if self.load_source else {}
         samples = []
         with self._lock:
+            # Work on a MIG slice loads the slice's GPU.
+            parents = {d.uuid: gpu.uuid for gpu, _ in self._gpus for d in gpu.mig_devices}
+            if parents:
+                by_gpu: dict[str, list[tuple[str, int]]] = {}
+                for uuid, running in load.items():
+                    by_gpu.setdefault(parents.get(uuid, uuid), []).extend(running)
+                load = by_gpu
             xids, self._pending_xids = self._pending_xids, {}
             for gpu, spec in self._gpus:
                 samples.append(
@@ -261,7 +280,7 @@ class SimulatedCollector:
         except KeyError as exc:
             raise CollectorError(str(exc)) from exc
         gpu = next(info for info, _ in self._gpus if info.uuid == uuid)
-        if enable and not gpu.name.startswith(("NVIDIA A100", "NVIDIA H100", "NVIDIA H200")):
+        if enable and not gpu.name.startswith(MIG_MODELS):
             raise CollectorError(f"{gpu.name} does not support MIG")
         gpu.mig_mode = enable
         gpu.mig_devices = []
@@ -283,6 +302,50 @@ class SimulatedCollector:
             "created": list(profiles if enable else []),
             "mig_devices": [vars(device) for device in gpu.mig_devices],
         }
+
+    def _gpu(self, gpu_uuid: str) -> GpuInfo:
+        try:
+            uuid = self._resolve(gpu_uuid)
+        except KeyError as exc:
+            raise CollectorError(str(exc)) from exc
+        return next(info for info, _ in self._gpus if info.uuid == uuid)
+
+    def create_mig_instance(self, gpu_uuid: str, profile: str) -> dict[str, Any]:
+        gpu = self._gpu(gpu_uuid)
+        if not gpu.name.startswith(MIG_MODELS):
+            raise CollectorError(f"{gpu.name} does not support MIG")
+        slices, memory_gb = parse_mig_profile(profile)
+        with self._lock:
+            used = sum(parse_mig_profile(d.name.rsplit(" ", 1)[-1])[0] for d in gpu.mig_devices)
+            if used + slices > MIG_SLICES:
+                raise CollectorError(
+                    f"no room for a {profile} slice on {gpu.uuid}: {used} of {MIG_SLICES} slices in use"
+                )
+            enabled = not gpu.mig_mode
+            gpu.mig_mode = True
+            self._mig_serial += 1
+            device = MigDevice(
+                uuid=f"MIG-{uuidlib.uuid5(UUID_NAMESPACE, f'{gpu.uuid}/{self._mig_serial}/{profile}')}",
+                name=f"{gpu.name} MIG {profile}",
+                memory_mib=memory_gb * 1024,
+            )
+            gpu.mig_devices.append(device)
+        return {
+            "gpu_uuid": gpu.uuid,
+            "mig_uuid": device.uuid,
+            "profile": profile,
+            "mig_mode_enabled": enabled,
+        }
+
+    def destroy_mig_instance(self, gpu_uuid: str, mig_uuid: str) -> dict[str, Any]:
+        gpu = self._gpu(gpu_uuid)
+        with self._lock:
+            kept = [d for d in gpu.mig_devices if d.uuid != mig_uuid]
+            destroyed = len(kept) < len(gpu.mig_devices)
+            gpu.mig_devices = kept
+            if not kept:
+                gpu.mig_mode = False
+        return {"gpu_uuid": gpu.uuid, "mig_uuid": mig_uuid, "destroyed": destroyed, "mig_mode": gpu.mig_mode}
 
     def close(self) -> None:
         self.load_source = None

@@ -20,6 +20,8 @@ from typing import Any
 from nodes.agent.types import PREEMPTED, STOPPED, WorkloadHandle, WorkloadSpec, WorkloadStatus, rfc3339
 
 RUNTIME_KINDS = ("docker", "subprocess", "simulated")
+GPU_SHARING_MODES = ("time-slicing", "mps")
+DEFAULT_MPS_PIPE_DIR = "/tmp/nvidia-mps"
 
 
 class RuntimeFailure(RuntimeError):
@@ -59,12 +61,64 @@ class RecordStore:
             return list(self.records.items())
 
 
+def gpu_sharing_env(
+    spec: WorkloadSpec, mode: str, mps_pipe_dir: str = DEFAULT_MPS_PIPE_DIR
+) -> dict[str, str]:
+    """The environment that isolates a fractional share of one GPU that is not a MIG slice.
+
+    Every share gets ``GPUPOOL_GPU_FRACTION_MILLI`` and, when the portal sent one,
+    ``GPUPOOL_GPU_MEMORY_LIMIT_MIB`` (for frameworks to apply, e.g. PyTorch's
+    ``set_per_process_memory_fraction``). On NVIDIA GPUs, ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``
+    (``0=<MiB>M``: the workload sees its one GPU as device 0, and MPS applies limits set by index,
+    not by UUID) caps its GPU memory under MPS; in ``mps`` mode ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``
+    (the share / 10, rounded up) caps its SMs and ``CUDA_MPS_PIPE_DIRECTORY`` names the MPS control
+    daemon's pipes. In ``time-slicing`` mode the GPU is shared by time slices without a compute cap;
+    the memory variables are set all the same (only an MPS daemon enforces the CUDA one). AMD GPUs
+    have no MPS: their shares are time-sliced and get only the gpupool variables."""
+    fraction = spec.gpu_fraction_milli
+    if spec.mig_profile or fraction >= 1000 or len(spec.gpu_uuids) != 1:
+        return {}
+    amd = spec.gpu_vendor == "amd"
+    env = {
+        "GPUPOOL_GPU_FRACTION_MILLI": str(fraction),
+        "GPUPOOL_GPU_SHARING": "time-slicing" if amd else mode,
+    }
+    limit = spec.gpu_memory_limit_mib
+    if limit:
+        env["GPUPOOL_GPU_MEMORY_LIMIT_MIB"] = str(int(limit))
+    if amd:
+        return env
+    if limit:
+        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={int(limit)}M"
+    if mode == "mps":
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, -(-fraction // 10)))
+        env["CUDA_MPS_PIPE_DIRECTORY"] = mps_pipe_dir
+    return env
+
+
 class Runtime(ABC):
     name: str
 
-    def __init__(self, state_dir: str | Path) -> None:
+    def __init__(
+        self,
+        state_dir: str | Path,
+        gpu_sharing: str = "time-slicing",
+        mps_pipe_dir: str = DEFAULT_MPS_PIPE_DIR,
+    ) -> None:
+        if gpu_sharing not in GPU_SHARING_MODES:
+            raise ValueError(
+                f"gpu_sharing must be one of {', '.join(GPU_SHARING_MODES)}, not {gpu_sharing!r}"
+            )
         self.state_dir = Path(state_dir)
         self.store = RecordStore(self.state_dir / f"runtime-{self.name}.json")
+        self.gpu_sharing = gpu_sharing
+        self.mps_pipe_dir = mps_pipe_dir
+
+    def sharing_env(self, spec: WorkloadSpec) -> dict[str, str]:
+        return gpu_sharing_env(spec, self.gpu_sharing, self.mps_pipe_dir)
+
+    def uses_mps(self, spec: WorkloadSpec) -> bool:
+        return "CUDA_MPS_PIPE_DIRECTORY" in self.sharing_env(spec)
 
     def workload_dir(self, workload_id: str) -> Path:
         path = self.state_dir / "workloads" / safe_name(workload_id)
@@ -117,17 +171,26 @@ class Runtime(ABC):
         return None
 
 
-def make_runtime(kind: str, state_dir: str | Path, **options: Any) -> Runtime:
+def make_runtime(
+    kind: str,
+    state_dir: str | Path,
+    *,
+    gpu_sharing: str = "time-slicing",
+    mps_pipe_dir: str = DEFAULT_MPS_PIPE_DIR,
+    **options: Any,
+) -> Runtime:
+    """``options`` go to the docker runtime only; the GPU sharing settings to every runtime."""
+    sharing = {"gpu_sharing": gpu_sharing, "mps_pipe_dir": mps_pipe_dir}
     if kind == "docker":
         from nodes.agent.runtimes.docker import DockerRuntime
 
-        return DockerRuntime(state_dir, **options)
+        return DockerRuntime(state_dir, **options, **sharing)
     if kind == "subprocess":
         from nodes.agent.runtimes.process import SubprocessRuntime
 
-        return SubprocessRuntime(state_dir)
+        return SubprocessRuntime(state_dir, **sharing)
     if kind == "simulated":
         from nodes.agent.runtimes.simulated import SimulatedRuntime
 
-        return SimulatedRuntime(state_dir)
+        return SimulatedRuntime(state_dir, **sharing)
     raise ValueError(f"unknown runtime {kind!r}; expected one of {', '.join(RUNTIME_KINDS)}")

@@ -58,9 +58,13 @@ class DockerRuntime(Runtime):
     name = "docker"
 
     def __init__(
-        self, state_dir: str | Path, docker_bin: str = "docker", command_timeout_s: float = 120
+        self,
+        state_dir: str | Path,
+        docker_bin: str = "docker",
+        command_timeout_s: float = 120,
+        **sharing: str,
     ) -> None:
-        super().__init__(state_dir)
+        super().__init__(state_dir, **sharing)
         self.docker_bin = docker_bin
         self.command_timeout_s = command_timeout_s
 
@@ -101,6 +105,10 @@ class DockerRuntime(Runtime):
             argv += ["--memory", f"{int(spec.ram_mib)}m"]
         argv += ["--env-file", str(env_file)]
         argv += ["-v", f"{notice_dir}:{NOTICE_DIR_IN_CONTAINER}:ro"]
+        if self.uses_mps(spec):
+            # An MPS client in a container reaches the host's MPS daemon through its pipe directory
+            # and shared memory (NVIDIA's MPS-in-containers setup).
+            argv += ["--ipc", "host", "-v", f"{self.mps_pipe_dir}:{self.mps_pipe_dir}"]
         for port in spec.ports:
             if isinstance(port, dict):
                 container = port.get("container") or port.get("container_port") or port.get("port")
@@ -128,6 +136,7 @@ class DockerRuntime(Runtime):
                 env_file = workdir / "env"
                 env = {**spec.env, "GPUPOOL_WORKLOAD_ID": spec.workload_id}
                 env["GPUPOOL_PREEMPT_NOTICE_FILE"] = f"{NOTICE_DIR_IN_CONTAINER}/preempt"
+                env.update(self.sharing_env(spec))
                 fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 with os.fdopen(fd, "w") as handle:
                     for key, value in sorted(env.items()):

@@ -46,8 +46,8 @@ def _alive(pid: int) -> bool:
 class SubprocessRuntime(Runtime):
     name = "subprocess"
 
-    def __init__(self, state_dir: str | Path) -> None:
-        super().__init__(state_dir)
+    def __init__(self, state_dir: str | Path, **sharing: str) -> None:
+        super().__init__(state_dir, **sharing)
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self, spec: WorkloadSpec) -> WorkloadHandle:
@@ -64,6 +64,7 @@ class SubprocessRuntime(Runtime):
             env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpu_uuids)
             env["GPUPOOL_WORKLOAD_ID"] = spec.workload_id
             env["GPUPOOL_PREEMPT_NOTICE_FILE"] = str(workdir / "preempt")
+            env.update(self.sharing_env(spec))
             with open(log_path, "ab") as log_file:
                 try:
                     proc = subprocess.Popen(

@@ -59,8 +59,9 @@ class SimulatedRuntime(Runtime):
         clock: Callable[[], float] = time.time,
         cold_start_s: dict[str, float] | float | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        **sharing: str,
     ) -> None:
-        super().__init__(state_dir)
+        super().__init__(state_dir, **sharing)
         self.clock = clock
         self.sleep = sleep
         if cold_start_s is None:
