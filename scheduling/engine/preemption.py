@@ -2,7 +2,8 @@
 
 Only work of a strictly lower priority class is a candidate, and never a reservation owner's work on
 its own reservation (lent capacity, by contrast, is reclaimed: spot work on a reserved node is lower
-than the owner's reserved work). Victims are taken in the order: lowest class first (warm pool, then
+than the owner's reserved work). On a partly reserved node the owner preempts other work only for
+its unused share; beyond it, only lent (spot, warm-pool) work. Victims are taken in the order: lowest class first (warm pool, then
 spot, then on-demand), checkpointable jobs before the rest, least work lost (most recently started)
 first. On each node that could host the request, victims are added in that order until it fits; the
 node whose victim set is cheapest (highest victim class, then how many, then work lost) wins.
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 from .spec import Demand
 from .state import ClusterState, Slot, gpu_options
 from .types import MILLI, Plan, Running
+
+LENT_PLANS = (Plan.SPOT, Plan.WARM_POOL)
 
 
 def is_protected(r: Running, reserved_for: str | None) -> bool:
@@ -125,6 +128,11 @@ class Preemptor:
             if pen is None or i in state.held or i in avoid:
                 continue
             cands = self._candidates(lst, priority)
+            j = state.keep_node.get(cls.id) if state.keep_node else None
+            if j is not None and demand.access == cls.reserved_for and demand.gpus > state.keep[j]:
+                # Beyond its unused share of a partly reserved node the owner takes back only lent
+                # capacity: the rest of that node is not its reservation.
+                cands = [r for r in cands if r.plan in LENT_PLANS]
             if not cands:
                 continue
             g = list(state.gfree[i])

@@ -88,6 +88,33 @@ def test_spot_borrows_the_share_and_the_owner_takes_it_back():
     assert isinstance(d, Pending)
 
 
+def test_beyond_its_share_the_owner_takes_back_only_lent_capacity():
+    # acme runs its 4 reserved GPUs (share used up); others run on-demand and spot on the rest.
+    running = [
+        Running("own", "acme", "n", (0, 1, 2, 3), plan="reserved"),
+        Running("od", "t", "n", (4, 5), plan="on_demand", start_time=5),
+        Running("sp", "t", "n", (6, 7), plan="spot", start_time=0),
+    ]
+    full = dict.fromkeys(range(8), 0)
+    [d] = schedule(
+        snapshot(partly("n", 0, free=full), running=running, now=10),
+        [req(1, tenant="acme", plan="reserved", gpus=2)],
+    )
+    assert isinstance(d, Place) and d.preempt == ("sp",)
+    [d] = schedule(
+        snapshot(partly("n", 0, free=full), running=running, now=10),
+        [req(1, tenant="acme", plan="reserved", gpus=4)],
+    )
+    assert isinstance(d, Pending)  # it would need the on-demand work's GPUs
+    # Within its unused share (work placed before the reservation began) it preempts what it must.
+    running = [Running("od", "t", "n", tuple(range(8)), plan="on_demand")]
+    [d] = schedule(
+        snapshot(partly("n", 4, free=full), running=running, now=10),
+        [req(1, tenant="acme", plan="reserved", gpus=4)],
+    )
+    assert isinstance(d, Place) and d.preempt == ("od",)
+
+
 def test_an_on_demand_gang_does_not_take_a_partly_reserved_node():
     nodes = [node("a"), partly("b", 4)]
     [d] = schedule(snapshot(*nodes), [req(1, gpus=16, gang=True)])
