@@ -88,7 +88,7 @@ class RevenueApi(FinanceBase):
                         "key": r.key,
                         "label": r.label,
                         "amount": _money(r.amount, r.currency),
-                        "gpu_hours": f"{r.gpu_hours:.3f}",
+                        "gpu_hours": None if r.gpu_hours is None else f"{r.gpu_hours:.3f}",
                     }
                     for r in report.rows
                 ],

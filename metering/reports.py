@@ -44,13 +44,13 @@ from django.db.models import (
     Value,
     When,
 )
-from django.db.models.functions import Coalesce
+from django.db.models.functions import Cast, Coalesce
 from django.utils import timezone
 
 from metering.models import CreditNote, Invoice, InvoiceLine, InvoiceStatus, LineKind, UsageRecord
 from metering.money import HOUR, ZERO, quantize_money
 from metering.periods import next_period, period_bounds
-from nodes.models import Gpu
+from nodes.models import Gpu, GpuModel, Region
 from scheduling.models import MILLI, Plan
 
 GROUPS = {
@@ -87,7 +87,7 @@ class RevenueRow:
     key: str
     label: str
     amount: Decimal
-    gpu_hours: Decimal
+    gpu_hours: Decimal | None  # None by region: see _revenue_by_region
 
 
 @dataclass(frozen=True)
@@ -211,27 +211,25 @@ def revenue_report(
 
 
 def _revenue_by_region(invoices, totals: list[MonthTotal]) -> list[RevenueRow]:
-    out: list[RevenueRow] = []
-    attributed: dict[tuple[date, str], Decimal] = defaultdict(lambda: ZERO)
+    """Usage amounts by region, summed per invoice in one scan without joins, then folded by the
+    invoice's month and currency (one row per invoice and region, not per record)."""
+    meta = {pk: (month, cur) for pk, month, cur in invoices.values_list("pk", "period_start", "currency")}
+    codes = dict(Region.objects.values_list("pk", "code"))
+    unrounded: dict[tuple[date, str, str], Decimal] = defaultdict(lambda: ZERO)
     for r in (
         UsageRecord.objects.filter(invoice__in=invoices)
-        .values("invoice__period_start", "invoice__currency", "region_id", "region__code")
-        .annotate(s=Sum("amount"), g=Sum("gpu_seconds"))
+        .values("invoice_id", "region_id")
+        .annotate(s=Sum("amount"))
         .order_by()
     ):
-        month, cur = r["invoice__period_start"], r["invoice__currency"]
-        amount = quantize_money(r["s"] or ZERO, cur)
+        month, cur = meta[r["invoice_id"]]
+        unrounded[(month, cur, codes.get(r["region_id"], ""))] += r["s"] or ZERO
+    out: list[RevenueRow] = []
+    attributed: dict[tuple[date, str], Decimal] = defaultdict(lambda: ZERO)
+    for (month, cur, code), total in unrounded.items():
+        amount = quantize_money(total, cur)
         attributed[(month, cur)] += amount
-        out.append(
-            RevenueRow(
-                month=month,
-                currency=cur,
-                key=r["region__code"],
-                label=r["region__code"],
-                amount=amount,
-                gpu_hours=(r["g"] or ZERO) / HOUR,
-            )
-        )
+        out.append(RevenueRow(month=month, currency=cur, key=code, label=code, amount=amount, gpu_hours=None))
     for t in totals:
         rest = t.charges - attributed[(t.month, t.currency)]
         if rest:
@@ -242,7 +240,7 @@ def _revenue_by_region(invoices, totals: list[MonthTotal]) -> list[RevenueRow]:
                     key=UNATTRIBUTED,
                     label=UNATTRIBUTED_LABEL,
                     amount=rest,
-                    gpu_hours=ZERO,
+                    gpu_hours=None,
                 )
             )
     out.sort(key=lambda r: (r.month, r.currency, r.key == UNATTRIBUTED, -r.amount, r.label))
@@ -289,31 +287,39 @@ def gpu_hours_report(
     months = months_between(first, last)
     range_start, _ = period_bounds(first)
     _, range_end = period_bounds(last)
-    usage_key = {"fleet": [], "model": ["gpu_model_id", "gpu_model__name"], "region": ["region__code"]}[
-        group_by
-    ]
+    # Usage: one scan, grouped by ids (names come from the small catalog tables). Only cheap sums run
+    # on every record; the minimum-billing top-ups (few records) are taken back out of them:
+    # gpu_seconds = (seconds + top-up) x fraction exactly, so used = gpu_seconds - top-up x fraction.
+    usage_key = {"fleet": [], "model": ["gpu_model_id"], "region": ["region_id"]}[group_by]
     telemetry = Q(avg_util_pct__isnull=False)
+    topped = Q(minimum_topup_s__gt=0)
+    topup = F("minimum_topup_s") * F("fraction_milli")
     usage = (
         UsageRecord.objects.filter(period_start__gte=first, period_start__lte=last)
         .values("period_start", *usage_key)
         .annotate(
-            used=Sum(F("seconds") * F("fraction_milli"), output_field=DecimalField()),
             billed=Sum("gpu_seconds"),
-            busy=Sum(
-                F("seconds") * F("fraction_milli") * F("avg_util_pct"),
-                filter=telemetry,
+            billed_metered=Sum("gpu_seconds", filter=telemetry),
+            busy_billed=Sum(Cast("gpu_seconds", FloatField()) * F("avg_util_pct"), output_field=FloatField()),
+            topup=Sum(topup, filter=topped, output_field=DecimalField()),
+            topup_metered=Sum(topup, filter=topped & telemetry, output_field=DecimalField()),
+            topup_busy=Sum(
+                Cast("minimum_topup_s", FloatField()) * F("fraction_milli") * F("avg_util_pct"),
+                filter=topped,
                 output_field=FloatField(),
             ),
-            metered=Sum(F("seconds") * F("fraction_milli"), filter=telemetry, output_field=DecimalField()),
         )
         .order_by()
     )
+    model_names = dict(GpuModel.objects.values_list("pk", "name"))
+    region_codes = dict(Region.objects.values_list("pk", "code"))
 
-    def key_of(r, model_field="gpu_model_id", model_name="gpu_model__name", region_field="region__code"):
+    def key_of(model_id, region_id):
         if group_by == "model":
-            return str(r[model_field] or ""), r[model_name] or "Unknown model"
+            return str(model_id or ""), model_names.get(model_id) or "Unknown model"
         if group_by == "region":
-            return r[region_field], r[region_field]
+            code = region_codes.get(region_id, "")
+            return code, code
         return "fleet", "Whole fleet"
 
     cells: dict[tuple[date, str], dict] = {}
@@ -325,26 +331,29 @@ def gpu_hours_report(
         )
 
     for r in usage:
-        key, label = key_of(r)
+        key, label = key_of(r.get("gpu_model_id"), r.get("region_id"))
         labels[key] = label
         c = cell(r["period_start"], key)
-        c["used"] += _hours((r["used"] or ZERO) / MILLI)
-        c["billed"] += _hours(r["billed"])
-        if r["metered"] is not None:
-            c["busy"] = (c["busy"] or ZERO) + _hours(Decimal(str(r["busy"] or 0)) / MILLI / 100)
-            c["metered"] += _hours(r["metered"] / MILLI)
+        billed = r["billed"] or ZERO
+        c["billed"] += _hours(billed)
+        c["used"] += _hours(billed - (r["topup"] or ZERO) / MILLI)
+        if r["billed_metered"] is not None:
+            metered = r["billed_metered"] - (r["topup_metered"] or ZERO) / MILLI
+            busy = Decimal(str(r["busy_billed"] or 0)) - Decimal(str(r["topup_busy"] or 0)) / MILLI
+            c["busy"] = (c["busy"] or ZERO) + _hours(busy / 100)
+            c["metered"] += _hours(metered)
 
     # Capacity: GPUs grouped by what decides their hours (model, region, in-service span), so the
     # rows are about one per node, not one per GPU.
     gpus = (
         Gpu.objects.filter(node__registered_at__lt=min(range_end, now))
         .filter(Q(removed_at__isnull=True) | Q(removed_at__gt=range_start))
-        .values("model_id", "model__name", "node__region__code", "node__registered_at", "removed_at")
+        .values("model_id", "node__region_id", "node__registered_at", "removed_at")
         .annotate(n=Count("id"))
         .order_by()
     )
     for g in gpus:
-        key, label = key_of(g, "model_id", "model__name", "node__region__code")
+        key, label = key_of(g["model_id"], g["node__region_id"])
         labels[key] = label
         for month in months:
             m_start, m_end = period_bounds(month)
@@ -476,7 +485,7 @@ def revenue_csv_rows(report: RevenueReport) -> list[list]:
                 r.key,
                 r.label,
                 quantize_money(r.amount, r.currency),
-                r.gpu_hours.quantize(Decimal("0.001")),
+                "" if r.gpu_hours is None else r.gpu_hours.quantize(Decimal("0.001")),
             ]
         )
     rows.append([])

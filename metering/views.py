@@ -20,7 +20,13 @@ from django.views.generic import View
 
 from metering import reports
 from metering.charts import bar_chart
-from metering.documents import format_money, invoice_csv_document, invoice_filename, invoice_pdf
+from metering.documents import (
+    DocumentUnavailable,
+    format_money,
+    invoice_csv_document,
+    invoice_filename,
+    invoice_pdf,
+)
 from metering.models import Invoice, InvoiceStatus
 from metering.periods import period_of
 from portal.dashboard import register_nav
@@ -58,7 +64,10 @@ class InvoiceDownloadView(TenantScopedMixin, View):
     def get(self, request, pk: int, fmt: str):
         invoice = self.get_scoped_object(pk=pk)
         if fmt == "pdf":
-            response = HttpResponse(invoice_pdf(invoice), content_type="application/pdf")
+            try:
+                response = HttpResponse(invoice_pdf(invoice), content_type="application/pdf")
+            except DocumentUnavailable as exc:
+                return HttpResponse(exc.message, status=503, content_type="text/plain; charset=utf-8")
         else:
             response = HttpResponse(invoice_csv_document(invoice), content_type="text/csv; charset=utf-8")
         response["Content-Disposition"] = f'attachment; filename="{invoice_filename(invoice, fmt)}"'

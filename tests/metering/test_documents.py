@@ -41,6 +41,16 @@ def invoice(tenant, card, run):
     return invoice_finalize(invoice=draft, actor=Actor.system(), now=utc(2024, 4, 4))
 
 
+@pytest.fixture
+def member_client(add_member, signed_in):  # noqa: F811
+    """``member_client(tenant, role)``: a signed-in test client of a new member with that role."""
+
+    def make(tenant, role):
+        return signed_in(add_member(tenant, role).user, tenant)
+
+    return make
+
+
 def _pdf_text(content: bytes) -> str:
     return "\n".join(page.extract_text() for page in PdfReader(io.BytesIO(content)).pages)
 
@@ -95,9 +105,9 @@ def test_documents_need_the_billing_scope_not_write(invoice, make_token, api):
     assert response.status_code == 403 and "billing" in response.json()["error"]["message"]
 
 
-def test_web_downloads_for_billing_not_viewers(invoice, add_member, signed_in, make_tenant):  # noqa: F811
+def test_web_downloads_for_billing_not_viewers(invoice, member_client, make_tenant):
     tenant = invoice.tenant
-    billing = signed_in(add_member(tenant, Role.BILLING).user, tenant)
+    billing = member_client(tenant, Role.BILLING)
     page = billing.get("/billing/invoices/")
     assert page.status_code == 200
     html = page.content.decode()
@@ -109,12 +119,12 @@ def test_web_downloads_for_billing_not_viewers(invoice, add_member, signed_in, m
     csv_response = billing.get(f"/billing/invoices/{invoice.pk}/csv/")
     assert csv_response.status_code == 200 and csv_response["Content-Type"].startswith("text/csv")
 
-    viewer = signed_in(add_member(tenant, Role.VIEWER).user, tenant)
+    viewer = member_client(tenant, Role.VIEWER)
     denied = viewer.get(f"/billing/invoices/{invoice.pk}/pdf/")
     assert denied.status_code == 403 and b"billing" in denied.content.lower()
 
     stranger_tenant = make_tenant("stranger")
-    stranger = signed_in(add_member(stranger_tenant, Role.OWNER).user, stranger_tenant)
+    stranger = member_client(stranger_tenant, Role.OWNER)
     assert stranger.get(f"/billing/invoices/{invoice.pk}/pdf/").status_code == 404
     assert stranger.get(f"/billing/invoices/{invoice.pk}/csv/").status_code == 404
     assert f"/billing/invoices/{invoice.pk}/" not in stranger.get("/billing/invoices/").content.decode()
@@ -127,3 +137,17 @@ def test_a_draft_pdf_says_it_is_a_draft(tenant, card, run, make_token, api):
     response = api(make_token(tenant)).get(f"/api/v1/invoices/{draft.pk}/pdf/")
     text = _pdf_text(response.content)
     assert "Draft" in text and "2.00 USD" in text
+
+
+def test_without_weasyprint_a_pdf_is_a_clear_503(invoice, make_token, api, monkeypatch, member_client):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "weasyprint", None)  # import weasyprint raises ImportError
+    client = api(make_token(invoice.tenant, scopes=["read", "billing"]))
+    response = client.get(f"/api/v1/invoices/{invoice.pk}/pdf/")
+    assert response.status_code == 503
+    assert "scripts/install-system-deps" in response.json()["error"]["message"]
+    assert client.get(f"/api/v1/invoices/{invoice.pk}/csv/").status_code == 200
+    web = member_client(invoice.tenant, Role.BILLING)
+    page = web.get(f"/billing/invoices/{invoice.pk}/pdf/")
+    assert page.status_code == 503 and b"scripts/install-system-deps" in page.content
