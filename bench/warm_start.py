@@ -9,8 +9,8 @@ pulls an image it has not seen for ``--cold-start`` seconds (``GPUPOOL_SIM_COLD_
 node pulls a large image; the ``prewarm`` command pulls it ahead.
 
 A warm pool (H100, one image, the region) is kept at ``--warm`` slots and prewarmed by
-``warm_pools_reconcile``; once its prewarm commands have finished, instances are submitted one at a
-time, alternately with the pool's image (a warm hit: bound to a warm slot) and with an image no
+``warm_pools_reconcile``; once its slots are ready (the agent reported the prewarm finished, which
+sets ``WarmSlot.ready_at``), instances are submitted one at a time, alternately with the pool's image (a warm hit: bound to a warm slot) and with an image no
 node has (a cold start). This process plays the scheduler's part: it runs a cycle as soon as a
 workload is submitted (as the debounced trigger does) and the reconciler after each warm hit.
 Time to running is from submission to the workload's RUNNING event (written when the agent's start
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
     from nodes.services.registration import bootstrap_token_create
     from portal.actors import Actor
     from portal.models import Tenant
-    from scheduling.models import Quota, WarmPool
+    from scheduling.models import Quota, WarmPool, WarmSlot
     from scheduling.services.warm_pools import warm_pools_reconcile
 
     region = Region.objects.get_or_create(code=REGION, defaults={"name": "US East"})[0]
@@ -164,8 +164,11 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
 
         def prewarmed() -> bool:
             warm_pools_reconcile()
-            commands = NodeCommand.objects.filter(kind=CommandKind.PREWARM)
-            return commands.exists() and not commands.exclude(state=CommandState.SUCCEEDED).exists()
+            ready = WarmSlot.objects.filter(ended_at__isnull=True, ready_at__isnull=False).count()
+            failed = NodeCommand.objects.filter(kind=CommandKind.PREWARM, state=CommandState.FAILED).count()
+            if failed:
+                print(f"warm: {failed} prewarm command(s) failed; their slots are prewarmed elsewhere")
+            return ready >= args.warm
 
         t = time.perf_counter()
         _wait("the prewarm commands", prewarmed, args.cold_start + 60, every=0.2)
