@@ -21,8 +21,10 @@ from metering.documents import invoice_filename, invoice_pdf
 from metering.models import Invoice, InvoiceLine, UsageRecord
 from metering.money import quantize_money
 from metering.selectors import hourly_estimate, invoice_csv
+from metering.services.budgets import budget_set, budget_status
 from metering.services.rates import rate_card_for_tenant
 from nodes.models import GpuModel
+from portal.actors import actor_from_request
 from portal.api.context import request_context
 from portal.api.pagination import CursorPagination
 from portal.api.routers import extra_urlpatterns, router
@@ -274,7 +276,70 @@ class CostEstimateView(APIView):
         )
 
 
+class BudgetInput(serializers.Serializer):
+    monthly_limit = serializers.DecimalField(
+        max_digits=18, decimal_places=3, min_value=Decimal(0), help_text="In the tenant's currency."
+    )
+    hard_limit = serializers.BooleanField(default=False, help_text="Refuse new workloads past the budget.")
+    alert_thresholds = serializers.ListField(
+        child=serializers.IntegerField(min_value=1, max_value=1000),
+        required=False,
+        max_length=20,
+        help_text="Percent of the budget at which an alert is sent, once a month each (default 50, 80, 100).",
+    )
+
+
+class BudgetOutput(serializers.Serializer):
+    period_start = serializers.DateField()
+    amount = serializers.CharField(help_text="Cost of the month so far, rounded to the currency.")
+    currency = serializers.CharField()
+    as_of = serializers.DateTimeField(allow_null=True, help_text="When the cost was computed (every minute).")
+    monthly_limit = serializers.CharField(allow_null=True)
+    percent = serializers.CharField(allow_null=True, help_text="Cost so far as a percent of the budget.")
+    hard_limit = serializers.BooleanField()
+    alert_thresholds = serializers.ListField(child=serializers.IntegerField())
+    alerts_fired = serializers.ListField(child=serializers.IntegerField(), help_text="This month.")
+
+
+def _budget_body(status) -> dict:
+    cur = status.currency
+    return {
+        "period_start": status.period_start,
+        "amount": str(quantize_money(status.amount, cur)),
+        "currency": cur,
+        "as_of": status.as_of,
+        "monthly_limit": None
+        if status.monthly_limit is None
+        else str(quantize_money(status.monthly_limit, cur)),
+        "percent": None if status.percent is None else str(status.percent),
+        "hard_limit": status.hard_limit,
+        "alert_thresholds": status.alert_thresholds,
+        "alerts_fired": status.alerts_fired,
+    }
+
+
+class BudgetView(APIView):
+    """The month's cost to date (kept every minute) against the tenant's budget; PUT sets the budget."""
+
+    read_scope = Scope.BILLING
+    write_scope = Scope.BILLING
+
+    @extend_schema(responses=BudgetOutput)
+    def get(self, request):
+        status = budget_status(tenant=request_context(request).tenant)
+        return Response(BudgetOutput(_budget_body(status)).data)
+
+    @extend_schema(request=BudgetInput, responses=BudgetOutput)
+    def put(self, request):
+        ctx = request_context(request)
+        data = BudgetInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        budget_set(tenant=ctx.tenant, actor=actor_from_request(request), **data.validated_data)
+        return Response(BudgetOutput(_budget_body(budget_status(tenant=ctx.tenant))).data)
+
+
 router.register("usage", UsageViewSet, basename="usage")
 router.register("invoices", InvoiceViewSet, basename="invoice")
 
 extra_urlpatterns.append(path("cost-estimate/", CostEstimateView.as_view(), name="cost-estimate"))
+extra_urlpatterns.append(path("budget/", BudgetView.as_view(), name="budget"))

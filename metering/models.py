@@ -158,14 +158,22 @@ class UsageRecord(TenantOwnedModel):
     (10 places); invoices round per line.
     """
 
-    tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="+")
-    allocation = models.ForeignKey("scheduling.Allocation", on_delete=models.PROTECT, related_name="+")
+    # Few indexes: the monthly run rewrites every record's ``invoice`` once, and each index costs
+    # a write per record. Tenant and allocation are served by ``usage_tenant_period`` and the
+    # unique segment; model, region and version are never looked up by themselves (only a
+    # delete of one of those, which PROTECT refuses anyway, would scan).
+    tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="+", db_index=False)
+    allocation = models.ForeignKey(
+        "scheduling.Allocation", on_delete=models.PROTECT, related_name="+", db_index=False
+    )
     workload = models.ForeignKey("scheduling.Workload", on_delete=models.PROTECT, related_name="+")
-    gpu_model = models.ForeignKey("nodes.GpuModel", on_delete=models.PROTECT, related_name="+")
-    region = models.ForeignKey("nodes.Region", on_delete=models.PROTECT, related_name="+")
+    gpu_model = models.ForeignKey(
+        "nodes.GpuModel", on_delete=models.PROTECT, related_name="+", db_index=False
+    )
+    region = models.ForeignKey("nodes.Region", on_delete=models.PROTECT, related_name="+", db_index=False)
     plan = models.CharField(max_length=16, choices=Plan.choices)
     period_start = models.DateField(help_text="First day (UTC) of the billing month.")
-    version = models.ForeignKey(RateCardVersion, on_delete=models.PROTECT, related_name="+")
+    version = models.ForeignKey(RateCardVersion, on_delete=models.PROTECT, related_name="+", db_index=False)
     start = models.DateTimeField()
     end = models.DateTimeField()
     fraction_milli = models.PositiveSmallIntegerField()
@@ -181,7 +189,12 @@ class UsageRecord(TenantOwnedModel):
     avg_util_pct = models.FloatField(null=True, blank=True)
     avg_mem_used_mib = models.FloatField(null=True, blank=True)
     invoice = models.ForeignKey(
-        "metering.Invoice", null=True, blank=True, on_delete=models.SET_NULL, related_name="usage_records"
+        "metering.Invoice",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="usage_records",
+        db_index=False,  # indexed by ``usage_invoice``
     )
     created_at = models.DateTimeField(default=timezone.now)
 
@@ -349,13 +362,20 @@ class CreditNote(TenantOwnedModel):
         return f"credit note {self.amount} on invoice {self.invoice_id}"
 
 
+def default_alert_thresholds() -> list[int]:
+    return [50, 80, 100]
+
+
 class Budget(TenantOwnedModel):
-    """A tenant's monthly budget; with ``hard_limit`` new workloads are refused past it."""
+    """A tenant's monthly budget; with ``hard_limit`` new workloads are refused past it. An alert
+    fires once per month at each of ``alert_thresholds`` (percent of ``monthly_limit``)."""
 
     tenant = models.OneToOneField("portal.Tenant", on_delete=models.CASCADE, related_name="budget")
     monthly_limit = _money(validators=[MinValueValidator(0)])
     hard_limit = models.BooleanField(default=False)
-    alert_thresholds = models.JSONField(default=list, blank=True, help_text="Percent, e.g. [50, 80, 100].")
+    alert_thresholds = models.JSONField(
+        default=default_alert_thresholds, blank=True, help_text="Percent, e.g. [50, 80, 100]."
+    )
 
     class Meta:
         ordering = ["tenant_id"]
@@ -363,6 +383,82 @@ class Budget(TenantOwnedModel):
 
     def __str__(self) -> str:
         return f"budget {self.monthly_limit} of tenant {self.tenant_id}"
+
+
+class CostToDate(TenantOwnedModel):
+    """A tenant's cost of the current month so far, kept by beat every minute
+    (``services.budgets.costs_to_date_update``): recorded usage plus what running allocations have
+    accrued since their last record. Unrounded; shown rounded."""
+
+    tenant = models.OneToOneField("portal.Tenant", on_delete=models.CASCADE, related_name="cost_to_date")
+    period_start = models.DateField(help_text="The month the amount is for.")
+    amount = models.DecimalField(max_digits=AMOUNT_MAX_DIGITS, decimal_places=AMOUNT_PLACES, default=0)
+    currency = models.CharField(max_length=3, default="USD")
+    as_of = models.DateTimeField()
+
+    class Meta:
+        ordering = ["tenant_id"]
+
+    def __str__(self) -> str:
+        return f"cost to date {self.amount} of tenant {self.tenant_id} ({self.period_start:%Y-%m})"
+
+
+class BudgetAlert(TenantOwnedModel):
+    """A budget threshold passed: at most one per (tenant, month, threshold), so the alert is sent
+    once however often the cost is recomputed."""
+
+    tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="+")
+    period_start = models.DateField()
+    threshold = models.PositiveSmallIntegerField(help_text="Percent of the monthly limit.")
+    amount = _money(help_text="Cost to date when it fired.")
+    monthly_limit = _money()
+    currency = models.CharField(max_length=3, default="USD")
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-period_start", "threshold"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "period_start", "threshold"], name="budgetalert_once_per_month"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"budget alert {self.threshold}% of tenant {self.tenant_id} ({self.period_start:%Y-%m})"
+
+
+class PlatformCost(models.Model):
+    """GPU time the platform pays for itself, never billed to a tenant: a warm-pool slot's time from
+    its creation until a request bound it (or it was released), one row per slot and month, valued
+    at the default rate card's on-demand price (the revenue the GPU could have earned)."""
+
+    class Kind(models.TextChoices):
+        WARM_POOL = "warm_pool", "Warm pool"
+
+    kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.WARM_POOL)
+    slot = models.ForeignKey("scheduling.WarmSlot", null=True, on_delete=models.SET_NULL, related_name="+")
+    gpu_model = models.ForeignKey("nodes.GpuModel", on_delete=models.PROTECT, related_name="+")
+    region = models.ForeignKey("nodes.Region", on_delete=models.PROTECT, related_name="+")
+    period_start = models.DateField()
+    start = models.DateTimeField()
+    end = models.DateTimeField()
+    gpu_seconds = models.DecimalField(max_digits=24, decimal_places=9)
+    unit_price = _unit_price(null=True, blank=True, help_text="On-demand per GPU-hour; empty: no price.")
+    amount = models.DecimalField(max_digits=AMOUNT_MAX_DIGITS, decimal_places=AMOUNT_PLACES, default=0)
+    bound_to = models.ForeignKey(
+        "scheduling.Workload", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["start", "id"]
+        constraints = [
+            models.UniqueConstraint(fields=["slot", "period_start"], name="platformcost_once_per_slot_month"),
+            models.CheckConstraint(condition=Q(end__gt=F("start")), name="platformcost_end_after_start"),
+        ]
+
+    def __str__(self) -> str:
+        return f"platform cost {self.kind} {self.start:%Y-%m-%d %H:%M}..{self.end:%H:%M}: {self.amount}"
 
 
 class SpotPrice(models.Model):

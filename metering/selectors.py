@@ -7,40 +7,21 @@ import io
 from datetime import datetime
 from decimal import Decimal
 
-from django.db.models import Sum
 from django.utils import timezone
 
-from metering.models import Invoice, UsageRecord
-from metering.money import HOUR, ZERO
-from metering.periods import period_bounds, period_of
+from metering.models import Invoice
+from metering.money import ZERO
 from metering.services.rates import current_prices, rate_card_for_tenant
-from scheduling.models import MILLI, Allocation, Plan
+from scheduling.models import MILLI, Plan
 
 
 def month_cost_to_date(*, tenant, now: datetime | None = None) -> Decimal:
-    """Unrounded cost of the current month so far: recorded usage, plus allocations still running
-    (from the later of their start and the month's start, at today's price; reserved usage is
-    covered by its fee)."""
-    now = now or timezone.now()
-    period = period_of(now)
-    month_start, _ = period_bounds(period)
-    recorded = (
-        UsageRecord.objects.filter(tenant=tenant, period_start=period).aggregate(s=Sum("amount"))["s"] or ZERO
-    )
-    running = ZERO
-    prices: dict[int, dict] = {}
-    for a in Allocation.objects.filter(tenant=tenant, ended_at__isnull=True).exclude(plan=Plan.RESERVED):
-        if a.gpu_model_id not in prices:
-            prices[a.gpu_model_id] = current_prices(gpu_model=a.gpu_model_id, tenant=tenant, at=now)
-        price = prices[a.gpu_model_id].get(a.plan)
-        if price is None:
-            continue
-        last = UsageRecord.objects.filter(allocation=a).order_by("-end").values_list("end", flat=True).first()
-        since = max(a.started_at, month_start, last or a.started_at)
-        if since < now:
-            seconds = Decimal(str((now - since).total_seconds()))
-            running += seconds * Decimal(a.fraction_milli) / MILLI * price / HOUR
-    return recorded + running
+    """Unrounded cost of the current month so far: recorded usage plus what running allocations
+    have accrued, priced as their records will be (``services.usage.costs_to_date``)."""
+    from metering.services.usage import costs_to_date
+
+    tenant_id = getattr(tenant, "pk", tenant)
+    return costs_to_date(tenant_ids=[tenant_id], now=now)[tenant_id]
 
 
 def hourly_estimate(

@@ -48,3 +48,11 @@ def dunning_run() -> int:
     from metering.services.payments import dunning_run as run
 
     return len(run())
+
+
+@shared_task(name="metering.tasks.costs_to_date_update")
+def costs_to_date_update() -> int:
+    """Every minute: each tenant's cost of the month so far, and budget alerts."""
+    from metering.services.budgets import costs_to_date_update as update
+
+    return update()

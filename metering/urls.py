@@ -2,10 +2,11 @@
 
 from django.urls import path
 
-from metering import finance_api, views
+from metering import finance_api, panels, views
 
 app_name = "metering"
 urlpatterns = [
+    path("panels/budget/", panels.BudgetPanel.as_view(), name="panel-budget"),
     # the tenant's invoices
     path("billing/invoices/", views.InvoiceListView.as_view(), name="invoices"),
     path(

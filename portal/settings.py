@@ -435,6 +435,12 @@ CELERY_BEAT_SCHEDULE.update(
             "task": "metering.tasks.spot_prices_update",
             "schedule": timedelta(minutes=1),
         },
+        "metering-costs-to-date": {
+            "task": "metering.tasks.costs_to_date_update",
+            "schedule": timedelta(minutes=1),
+            # A figure nobody computed in time is replaced by the next one.
+            "options": {"expires": 60},
+        },
     }
 )
 # Payments: "manual" (finance marks invoices paid) or "stripe" (the STRIPE_* settings above).

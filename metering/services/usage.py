@@ -3,8 +3,12 @@
 What is billed of an allocation: from the agent-reported start (the workload's first RUNNING event
 at or after the allocation was made, before it ended) to the allocation's end as scheduling records
 it (stop, exit, preemption, failure); when it ended because its node went DOWN, at the node's last
-heartbeat if that is earlier. An allocation that never started bills nothing. Warm-pool slots hold
-no allocation in scheduling, so warm-pool time never reaches a tenant's usage.
+heartbeat if that is earlier. An allocation that never started bills nothing.
+
+Warm pools: a warm slot holds no allocation; its time, from its creation until a request binds it or
+it is released, is the platform's cost (``PlatformCost`` rows, never on an invoice). A workload
+bound to a warm slot is billed from the bind (its allocation's start), once it has run: the GPU
+passes from the platform to the tenant at that instant.
 
 The interval is cut at every month boundary (UTC) and every price-version boundary, giving one
 record per piece, keyed by (allocation, period, version, start): building again makes the same keys
@@ -24,16 +28,16 @@ from datetime import datetime
 from decimal import Decimal
 
 from django.conf import settings
-from django.db.models import Exists, OuterRef, Q, Sum
+from django.db.models import Exists, Max, OuterRef, Q, Sum
 from django.utils import timezone
 
-from metering.models import UsageRecord
+from metering.models import PlatformCost, UsageRecord
 from metering.money import HOUR, ZERO, quantize_unit
-from metering.periods import period_of, period_starts_between, split_interval
-from metering.services.rates import TenantPricing, discounted
+from metering.periods import period_bounds, period_of, period_starts_between, previous_period, split_interval
+from metering.services.rates import PriceBook, TenantPricing, discounted
 from metering.services.spot import SpotHistory
 from nodes.models import GpuMinuteRollup
-from scheduling.models import MILLI, Allocation, Plan, WorkloadEvent, WorkloadState
+from scheduling.models import MILLI, Allocation, Plan, WarmSlot, WorkloadEvent, WorkloadState
 
 NODE_DOWN_REASONS = frozenset({"node_down"})
 
@@ -105,16 +109,117 @@ def _telemetry(gpu_id: int, start: datetime, end: datetime) -> tuple[float | Non
     return util, mem
 
 
+class _Rater:
+    """Rates pieces of many allocations with what they share, loaded once: RUNNING events, warm
+    bindings, sibling allocations (for vCPU and RAM shares), the tenants' price books and the spot
+    price history. ``usage_build`` records its final pieces; ``costs_to_date`` prices the open
+    ones up to now with the same code."""
+
+    def __init__(self, allocations: list[Allocation]):
+        self.events = _running_events(allocations)
+        self.warm = _warm_bound(allocations)
+        self.siblings: dict[tuple[int, int, datetime], int] = defaultdict(int)
+        for a in Allocation.objects.filter(workload_id__in={a.workload_id for a in allocations}).values(
+            "workload_id", "node_id", "started_at"
+        ):
+            self.siblings[(a["workload_id"], a["node_id"], a["started_at"])] += 1
+        self.pricing = TenantPricing()
+        self.pricing.load({a.tenant_id for a in allocations})
+        self.spot = SpotHistory(
+            (a.gpu_model_id, a.node.region_id) for a in allocations if a.plan == Plan.SPOT
+        )
+        self.unrated: list[str] = []
+
+    def span(self, a: Allocation) -> tuple[datetime, datetime | None] | None:
+        started = _start_of(a, self.events)
+        if started is not None and (a.workload_id, a.gpu_id, a.started_at) in self.warm:
+            # Bound to a warm slot: the tenant pays from the bind (until then the platform did).
+            started = a.started_at
+        return billable_interval(a, started=started)
+
+    def cuts(self, a: Allocation, start: datetime, end: datetime) -> list[datetime]:
+        cuts = period_starts_between(start, end) + self.pricing.book(a.tenant_id).boundaries(start, end)
+        if a.plan == Plan.SPOT:
+            cuts += self.spot.changes(a.gpu_model_id, a.node.region_id, start, end)
+        return cuts
+
+    def rate(self, a: Allocation, s: datetime, e: datetime, *, topup: Decimal, now: datetime):
+        """The usage record of ``[s, e)`` of ``a`` (unsaved), or None when it has no price."""
+        book, discount = self.pricing.book(a.tenant_id), self.pricing.account(a.tenant_id).discount_percent
+        priced = book.at(s)
+        if priced is None:
+            self.unrated.append(f"allocation {a.pk}: no price version in force at {s.isoformat()}")
+            return None
+        plan_price = priced.gpu.get((a.gpu_model_id, a.plan))
+        if a.plan == Plan.SPOT:
+            # The market price in force, when there is one (see services.spot).
+            market = self.spot.at(a.gpu_model_id, a.node.region_id, s)
+            plan_price = market if market is not None else plan_price
+        if plan_price is None:
+            self.unrated.append(
+                f"allocation {a.pk}: version {priced.version.number} has no {a.plan} price for "
+                f"GPU model {a.gpu_model_id}"
+            )
+            return None
+        vcpus, ram_gib = _per_gpu_share(a, self.siblings)
+        seconds = _seconds(e - s)
+        billed = seconds + topup
+        gpu_seconds = billed * Decimal(a.fraction_milli) / Decimal(MILLI)
+        vcpu_seconds = billed * vcpus
+        ram_seconds = billed * ram_gib
+        # Reserved usage is covered by the reservation's fee; usage above its GPUs is billed
+        # on-demand on the invoice (see services.invoices).
+        unit = ZERO if a.plan == Plan.RESERVED else discounted(plan_price, discount)
+        amount = gpu_seconds * unit / HOUR
+        if a.plan != Plan.RESERVED:
+            v = priced.version
+            if v.vcpu_hour_price is not None:
+                amount += vcpu_seconds * discounted(v.vcpu_hour_price, discount) / HOUR
+            if v.ram_gib_hour_price is not None:
+                amount += ram_seconds * discounted(v.ram_gib_hour_price, discount) / HOUR
+        return UsageRecord(
+            tenant_id=a.tenant_id,
+            allocation=a,
+            workload_id=a.workload_id,
+            gpu_model_id=a.gpu_model_id,
+            region_id=a.node.region_id,
+            plan=a.plan,
+            period_start=period_of(s),
+            version=priced.version,
+            start=s,
+            end=e,
+            fraction_milli=a.fraction_milli,
+            seconds=seconds,
+            minimum_topup_s=topup,
+            gpu_seconds=gpu_seconds,
+            vcpu_seconds=vcpu_seconds,
+            ram_gib_seconds=ram_seconds,
+            unit_price=unit,
+            amount=quantize_unit(amount),
+            created_at=now,
+        )
+
+
+def _warm_bound(allocations: list[Allocation]) -> set[tuple[int, int, datetime]]:
+    """(workload, GPU, bind time) of the warm slots the allocations' workloads were bound to."""
+    return set(
+        WarmSlot.objects.filter(
+            bound_to_id__in={a.workload_id for a in allocations}, end_reason="bound"
+        ).values_list("bound_to_id", "gpu_id", "ended_at")
+    )
+
+
 def usage_build(
     *, tenant=None, since: datetime | None = None, now: datetime | None = None
 ) -> UsageBuildResult:
     """Record the final pieces of allocations that ended at or after ``since`` (default: the start
-    of the previous month) or are still open. Safe to run any number of times."""
+    of the previous month) or are still open, and the warm pools' time as platform cost. Safe to
+    run any number of times."""
     now = now or timezone.now()
     if since is None:
-        from metering.periods import period_bounds, previous_period
-
         since = period_bounds(previous_period(period_of(now)))[0]
+    if tenant is None:
+        platform_costs_build(since=since, now=now)
     # Open allocations, recently ended ones, and any without a record yet (late data: an allocation
     # whose end reached the portal after ``since``).
     recorded = UsageRecord.objects.filter(allocation=OuterRef("pk"))
@@ -127,92 +232,29 @@ def usage_build(
     result = UsageBuildResult()
     if not allocations:
         return result
-    events = _running_events(allocations)
-    siblings: dict[tuple[int, int, datetime], int] = defaultdict(int)
-    for a in Allocation.objects.filter(workload_id__in={a.workload_id for a in allocations}).values(
-        "workload_id", "node_id", "started_at"
-    ):
-        siblings[(a["workload_id"], a["node_id"], a["started_at"])] += 1
+    rater = _Rater(allocations)
     minimum = Decimal(settings.METERING_MINIMUM_BILLABLE_S)
-    pricing = TenantPricing()
-    pricing.load({a.tenant_id for a in allocations})
-    spot = SpotHistory((a.gpu_model_id, a.node.region_id) for a in allocations if a.plan == Plan.SPOT)
     rows: list[UsageRecord] = []
     for a in allocations:
-        book, discount = pricing.book(a.tenant_id), pricing.account(a.tenant_id).discount_percent
-        span = billable_interval(a, started=_start_of(a, events))
+        span = rater.span(a)
         if span is None:
             continue
         start, end = span
         horizon = end if end is not None else now
         if horizon <= start:
             continue
-        cuts = period_starts_between(start, horizon) + book.boundaries(start, horizon)
-        if a.plan == Plan.SPOT:
-            cuts += spot.changes(a.gpu_model_id, a.node.region_id, start, horizon)
+        cuts = rater.cuts(a, start, horizon)
         pieces = split_interval(start, horizon, cuts)
         if end is None:
             # Only pieces that end at a boundary already passed are final.
             pieces = [p for p in pieces if p[1] in set(cuts)]
-        total = _seconds((end or start) - start)
-        topup = max(ZERO, minimum - total) if end is not None else ZERO
-        vcpus, ram_gib = _per_gpu_share(a, siblings)
-        fraction = Decimal(a.fraction_milli) / Decimal(MILLI)
+        topup = max(ZERO, minimum - _seconds(end - start)) if end is not None else ZERO
         for i, (s, e) in enumerate(pieces):
-            priced = book.at(s)
-            if priced is None:
-                result.unrated.append(f"allocation {a.pk}: no price version in force at {s.isoformat()}")
-                continue
-            plan_price = priced.gpu.get((a.gpu_model_id, a.plan))
-            if a.plan == Plan.SPOT:
-                # The market price in force, when there is one (see services.spot).
-                market = spot.at(a.gpu_model_id, a.node.region_id, s)
-                plan_price = market if market is not None else plan_price
-            if plan_price is None:
-                result.unrated.append(
-                    f"allocation {a.pk}: version {priced.version.number} has no {a.plan} price for "
-                    f"GPU model {a.gpu_model_id}"
-                )
-                continue
-            seconds = _seconds(e - s)
-            extra = topup if (end is not None and i == len(pieces) - 1) else ZERO
-            billed = seconds + extra
-            gpu_seconds = billed * fraction
-            vcpu_seconds = billed * vcpus
-            ram_seconds = billed * ram_gib
-            # Reserved usage is covered by the reservation's fee; usage above its GPUs is billed
-            # on-demand on the invoice (see services.invoices).
-            unit = ZERO if a.plan == Plan.RESERVED else discounted(plan_price, discount)
-            amount = gpu_seconds * unit / HOUR
-            if a.plan != Plan.RESERVED:
-                v = priced.version
-                if v.vcpu_hour_price is not None:
-                    amount += vcpu_seconds * discounted(v.vcpu_hour_price, discount) / HOUR
-                if v.ram_gib_hour_price is not None:
-                    amount += ram_seconds * discounted(v.ram_gib_hour_price, discount) / HOUR
-            rows.append(
-                UsageRecord(
-                    tenant_id=a.tenant_id,
-                    allocation=a,
-                    workload_id=a.workload_id,
-                    gpu_model_id=a.gpu_model_id,
-                    region_id=a.node.region_id,
-                    plan=a.plan,
-                    period_start=period_of(s),
-                    version=priced.version,
-                    start=s,
-                    end=e,
-                    fraction_milli=a.fraction_milli,
-                    seconds=seconds,
-                    minimum_topup_s=extra,
-                    gpu_seconds=gpu_seconds,
-                    vcpu_seconds=vcpu_seconds,
-                    ram_gib_seconds=ram_seconds,
-                    unit_price=unit,
-                    amount=quantize_unit(amount),
-                    created_at=now,
-                )
-            )
+            last = end is not None and i == len(pieces) - 1
+            row = rater.rate(a, s, e, topup=topup if last else ZERO, now=now)
+            if row is not None:
+                rows.append(row)
+    result.unrated = rater.unrated
     new = _not_recorded(rows)
     for row in new:  # telemetry only for the pieces not recorded yet
         row.avg_util_pct, row.avg_mem_used_mib = _telemetry(row.allocation.gpu_id, row.start, row.end)
@@ -220,6 +262,94 @@ def usage_build(
     result.created = len(new)
     result.unchanged = len(rows) - len(new)
     return result
+
+
+def costs_to_date(*, tenant_ids=None, now: datetime | None = None) -> dict[int, Decimal]:
+    """Unrounded cost of the current month so far per tenant (of ``tenant_ids``, or every tenant
+    with usage this month or a running allocation): the month's usage records plus what the
+    running allocations have accrued since their last record, rated exactly as their records will
+    be (price versions, spot market price, vCPU and RAM, discount; no minimum yet). Reserved usage
+    is covered by the reservation's fee. A fixed number of queries, however many tenants."""
+    now = now or timezone.now()
+    period = period_of(now)
+    month_start, _ = period_bounds(period)
+    records = UsageRecord.objects.filter(period_start=period)
+    running = Allocation.objects.filter(ended_at__isnull=True).exclude(plan=Plan.RESERVED)
+    if tenant_ids is not None:
+        tenant_ids = [getattr(t, "pk", t) for t in tenant_ids]
+        records, running = records.filter(tenant_id__in=tenant_ids), running.filter(tenant_id__in=tenant_ids)
+    out: dict[int, Decimal] = defaultdict(lambda: ZERO)
+    for tenant_id, amount in (
+        records.values("tenant_id").annotate(s=Sum("amount")).values_list("tenant_id", "s")
+    ):
+        out[tenant_id] += amount or ZERO
+    allocations = list(running.select_related("workload", "node").order_by("id"))
+    if allocations:
+        rater = _Rater(allocations)
+        last_end = dict(
+            UsageRecord.objects.filter(allocation_id__in=[a.pk for a in allocations])
+            .values("allocation_id")
+            .annotate(m=Max("end"))
+            .values_list("allocation_id", "m")
+        )
+        for a in allocations:
+            span = rater.span(a)
+            if span is None or span[0] >= now:
+                continue
+            since = max(month_start, last_end.get(a.pk) or span[0])
+            for s, e in split_interval(span[0], now, rater.cuts(a, span[0], now)):
+                if s >= since:
+                    row = rater.rate(a, s, e, topup=ZERO, now=now)
+                    out[a.tenant_id] += row.amount if row is not None else ZERO
+    if tenant_ids is not None:
+        return {t: out[t] for t in tenant_ids}
+    return dict(out)
+
+
+def platform_costs_build(*, since: datetime, now: datetime) -> int:
+    """Warm-pool time as the platform's cost: each warm slot from its creation until a request
+    bound it (from then the tenant pays: see ``_Rater.span``) or it was released, cut at months,
+    valued at the default rate card's on-demand price; final pieces only (an open slot's past
+    months), one row per (slot, month). Never on a tenant's invoice. Returns rows made."""
+    slots = list(
+        WarmSlot.objects.filter(Q(ended_at__isnull=True) | Q(ended_at__gte=since))
+        .select_related("pool", "node")
+        .order_by("id")
+    )
+    if not slots:
+        return 0
+    book = PriceBook(TenantPricing().default_card)
+    rows = []
+    for slot in slots:
+        end = slot.ended_at or now
+        if end <= slot.created_at:
+            continue
+        cuts = period_starts_between(slot.created_at, end)
+        pieces = split_interval(slot.created_at, end, cuts)
+        if slot.ended_at is None:
+            pieces = [p for p in pieces if p[1] in set(cuts)]
+        for s, e in pieces:
+            priced = book.at(s)
+            price = priced.gpu.get((slot.pool.gpu_model_id, Plan.ON_DEMAND)) if priced else None
+            gpu_seconds = _seconds(e - s)
+            rows.append(
+                PlatformCost(
+                    kind=PlatformCost.Kind.WARM_POOL,
+                    slot=slot,
+                    gpu_model_id=slot.pool.gpu_model_id,
+                    region_id=slot.node.region_id,
+                    period_start=period_of(s),
+                    start=s,
+                    end=e,
+                    gpu_seconds=gpu_seconds,
+                    unit_price=price,
+                    amount=quantize_unit(gpu_seconds * price / HOUR) if price is not None else ZERO,
+                    bound_to_id=slot.bound_to_id,
+                    created_at=now,
+                )
+            )
+    PlatformCost.objects.bulk_create(rows, ignore_conflicts=True)
+    return len(rows)
 
 
 def _not_recorded(rows: list[UsageRecord]) -> list[UsageRecord]:

@@ -1,0 +1,309 @@
+"""Budgets: the cost of the month so far, kept every minute, and alerts at thresholds.
+
+``costs_to_date_update`` (beat, every minute) computes every tenant's cost to date with
+``services.usage.costs_to_date`` (the one piece of code that prices usage, recorded and running),
+stores it in ``CostToDate`` (what the dashboard and ``/api/v1/budget/`` show), and checks budgets:
+each threshold of a budget's ``alert_thresholds`` (default 50/80/100 %) fires once per tenant and
+month, guarded by the unique (tenant, month, threshold) row, so a rerun or a second worker never
+alerts twice. An alert is audited, e-mailed to the tenant's owners and billing members (and its
+billing address) and pushed to the tenant's browsers as a live event.
+
+The hard limit (refusing new workloads) is the admission check in ``metering.admission``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from decimal import Decimal, InvalidOperation
+
+from django.conf import settings
+from django.core.mail import send_mail
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from metering.models import Budget, BudgetAlert, CostToDate, default_alert_thresholds
+from metering.money import ZERO, quantize_money
+from metering.periods import period_of
+from metering.services.rates import TenantPricing
+from metering.services.usage import costs_to_date, usage_build
+from portal.actors import Actor
+from portal.errors import ValidationFailed
+from portal.events import publish
+from portal.models import Membership, Role, Tenant
+from portal.services import audit_record
+
+logger = logging.getLogger(__name__)
+MAX_THRESHOLD = 1000  # percent
+
+
+@dataclass(frozen=True)
+class BudgetStatus:
+    """What the dashboard and the API show: the month's cost so far against the budget."""
+
+    period_start: object
+    amount: Decimal
+    currency: str
+    as_of: datetime | None
+    monthly_limit: Decimal | None
+    hard_limit: bool
+    alert_thresholds: list[int]
+    alerts_fired: list[int]
+
+    @property
+    def percent(self) -> Decimal | None:
+        if self.monthly_limit is None:
+            return None
+        if self.monthly_limit == 0:
+            return None if self.amount == 0 else Decimal(MAX_THRESHOLD)
+        return (self.amount * 100 / self.monthly_limit).quantize(Decimal("0.1"))
+
+
+def _percent(amount: Decimal, limit: Decimal) -> Decimal:
+    if limit <= 0:
+        return Decimal(0) if amount <= 0 else Decimal("Infinity")
+    return amount * 100 / limit
+
+
+def clean_thresholds(value) -> list[int]:
+    """Thresholds as sorted, distinct whole percents in 1..1000; a 4xx naming the field otherwise."""
+    if value is None:
+        return default_alert_thresholds()
+    if not isinstance(value, list | tuple):
+        raise ValidationFailed(
+            "alert_thresholds: a list of percents, e.g. [50, 80, 100].",
+            fields={"alert_thresholds": ["Must be a list of whole percents."]},
+        )
+    out = set()
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, int | str):
+            raise ValidationFailed(
+                f"alert_thresholds: {item!r} is not a whole percent.",
+                fields={"alert_thresholds": [f"{item!r} is not a whole percent."]},
+            )
+        try:
+            n = int(item)
+        except ValueError:
+            raise ValidationFailed(
+                f"alert_thresholds: {item!r} is not a whole percent.",
+                fields={"alert_thresholds": [f"{item!r} is not a whole percent."]},
+            ) from None
+        if not 1 <= n <= MAX_THRESHOLD:
+            raise ValidationFailed(
+                f"alert_thresholds: {n} is outside 1..{MAX_THRESHOLD}.",
+                fields={"alert_thresholds": [f"Each threshold is between 1 and {MAX_THRESHOLD}."]},
+            )
+        out.add(n)
+    return sorted(out)
+
+
+def budget_set(
+    *, tenant: Tenant, monthly_limit, hard_limit: bool = False, alert_thresholds=None, actor: Actor
+) -> Budget:
+    """Create or change the tenant's monthly budget (audited)."""
+    try:
+        limit = Decimal(str(monthly_limit))
+    except (InvalidOperation, ValueError):
+        raise ValidationFailed(
+            "monthly_limit: not a number.", fields={"monthly_limit": ["Not a number."]}
+        ) from None
+    if not limit.is_finite() or limit < 0:
+        raise ValidationFailed(
+            "monthly_limit: must be 0 or more.", fields={"monthly_limit": ["Must be a number, 0 or more."]}
+        )
+    thresholds = clean_thresholds(alert_thresholds)
+    with transaction.atomic():
+        budget, _ = Budget.objects.update_or_create(
+            tenant=tenant,
+            defaults={
+                "monthly_limit": quantize_money(limit, tenant.currency),
+                "hard_limit": bool(hard_limit),
+                "alert_thresholds": thresholds,
+            },
+        )
+        audit_record(
+            tenant=tenant,
+            actor=actor,
+            action="budget.set",
+            target=budget,
+            data={
+                "monthly_limit": str(budget.monthly_limit),
+                "hard_limit": budget.hard_limit,
+                "thresholds": thresholds,
+            },
+        )
+    return budget
+
+
+def budget_status(*, tenant: Tenant, now: datetime | None = None) -> BudgetStatus:
+    """The stored cost to date (kept by beat), or computed now if there is none for this month."""
+    now = now or timezone.now()
+    period = period_of(now)
+    row = CostToDate.objects.filter(tenant=tenant, period_start=period).first()
+    pricing = TenantPricing()
+    card = pricing.card(tenant.pk)
+    currency = card.currency if card is not None else tenant.currency
+    if row is None:
+        amount, as_of = costs_to_date(tenant_ids=[tenant.pk], now=now)[tenant.pk], now
+    else:
+        amount, as_of, currency = row.amount, row.as_of, row.currency
+    budget = Budget.objects.filter(tenant=tenant).first()
+    fired = list(
+        BudgetAlert.objects.filter(tenant=tenant, period_start=period)
+        .order_by("threshold")
+        .values_list("threshold", flat=True)
+    )
+    return BudgetStatus(
+        period_start=period,
+        amount=amount,
+        currency=currency,
+        as_of=as_of,
+        monthly_limit=budget.monthly_limit if budget else None,
+        hard_limit=budget.hard_limit if budget else False,
+        alert_thresholds=clean_thresholds(budget.alert_thresholds) if budget else [],
+        alerts_fired=fired,
+    )
+
+
+def costs_to_date_update(*, now: datetime | None = None) -> int:
+    """Store every tenant's cost of the month so far (those with usage or a running allocation
+    this month, a budget, or a stored figure to bring to zero at a new month) and fire budget
+    alerts. Returns how many tenants were updated."""
+    now = now or timezone.now()
+    period = period_of(now)
+    # Allocations that ended since the last minute get their records first (the usage beat's wider
+    # pass catches anything older), so the figure is recorded usage plus what is still running.
+    usage_build(since=now - timedelta(hours=1), now=now)
+    costs = costs_to_date(now=now)
+    budgets = {b.tenant_id: b for b in Budget.objects.select_related("tenant")}
+    tenant_ids = set(costs) | set(budgets) | set(CostToDate.objects.values_list("tenant_id", flat=True))
+    pricing = TenantPricing()
+    pricing.load(tenant_ids)
+    tenant_currency = dict(Tenant.objects.filter(pk__in=tenant_ids).values_list("pk", "currency"))
+    rows = []
+    for tenant_id in sorted(tenant_ids):
+        if tenant_id not in tenant_currency:
+            continue
+        card = pricing.card(tenant_id)
+        rows.append(
+            CostToDate(
+                tenant_id=tenant_id,
+                period_start=period,
+                amount=costs.get(tenant_id, ZERO),
+                currency=card.currency if card is not None else tenant_currency[tenant_id],
+                as_of=now,
+            )
+        )
+    CostToDate.objects.bulk_create(
+        rows,
+        update_conflicts=True,
+        unique_fields=["tenant"],
+        update_fields=["period_start", "amount", "currency", "as_of"],
+    )
+    currency = {r.tenant_id: r.currency for r in rows}
+    fired = set(BudgetAlert.objects.filter(period_start=period).values_list("tenant_id", "threshold"))
+    for tenant_id, budget in budgets.items():
+        amount = costs.get(tenant_id, ZERO)
+        percent = _percent(amount, budget.monthly_limit)
+        for threshold in clean_thresholds(budget.alert_thresholds):
+            if percent >= threshold and (tenant_id, threshold) not in fired:
+                budget_alert_fire(
+                    budget=budget,
+                    threshold=threshold,
+                    amount=amount,
+                    currency=currency.get(tenant_id, budget.tenant.currency),
+                    now=now,
+                )
+    return len(rows)
+
+
+def budget_alert_fire(
+    *, budget: Budget, threshold: int, amount: Decimal, currency: str, now: datetime
+) -> BudgetAlert | None:
+    """Record the alert once per (tenant, month, threshold); only the run that records it audits,
+    e-mails and publishes it. Returns None when it had already fired."""
+    tenant = budget.tenant
+    period = period_of(now)
+    spent = quantize_money(amount, currency)
+    limit = quantize_money(budget.monthly_limit, currency)
+    try:
+        with transaction.atomic():
+            alert = BudgetAlert.objects.create(
+                tenant=tenant,
+                period_start=period,
+                threshold=threshold,
+                amount=spent,
+                monthly_limit=limit,
+                currency=currency,
+                created_at=now,
+            )
+            audit_record(
+                tenant=tenant,
+                actor=Actor.system(),
+                action="budget.alert",
+                target=alert,
+                data={
+                    "threshold": threshold,
+                    "amount": str(spent),
+                    "monthly_limit": str(limit),
+                    "currency": currency,
+                },
+            )
+            publish(
+                tenant_id=tenant.pk,
+                event={
+                    "type": "budget.alert",
+                    "threshold": threshold,
+                    "amount": str(spent),
+                    "monthly_limit": str(limit),
+                    "currency": currency,
+                    "period": f"{period:%Y-%m}",
+                    "hard_limit": budget.hard_limit,
+                    "at": now.isoformat(),
+                },
+            )
+    except IntegrityError:
+        return None  # another run recorded it first
+    _email_alert(alert, budget)
+    return alert
+
+
+def _recipients(tenant: Tenant) -> list[str]:
+    emails = list(
+        Membership.objects.filter(tenant=tenant, role__in=[Role.OWNER, Role.BILLING])
+        .order_by("user__email")
+        .values_list("user__email", flat=True)
+    )
+    if tenant.billing_email and tenant.billing_email not in emails:
+        emails.append(tenant.billing_email)
+    return emails
+
+
+def _email_alert(alert: BudgetAlert, budget: Budget) -> None:
+    tenant = budget.tenant
+    to = _recipients(tenant)
+    if not to:
+        return
+    what = "reached" if alert.threshold < 100 else "passed" if alert.threshold > 100 else "used up"
+    hard = (
+        " New workloads are refused while the month's cost is over the budget (hard limit)."
+        if budget.hard_limit
+        else ""
+    )
+    message = (
+        f"{tenant.name}: {alert.threshold}% of the monthly budget {what} for "
+        f"{alert.period_start:%B %Y}.\n\n"
+        f"Cost so far: {alert.amount} {alert.currency}\n"
+        f"Monthly budget: {alert.monthly_limit} {alert.currency}\n{hard}\n"
+        f"Budget and cost to date: {settings.SITE_URL.rstrip('/')}/\n"
+    )
+    try:
+        send_mail(
+            subject=f"[gpupool] {tenant.name}: {alert.threshold}% of the monthly budget",
+            message=message,
+            from_email=settings.DEFAULT_FROM_EMAIL,
+            recipient_list=to,
+        )
+    except Exception:  # the alert is recorded and shown; a mail server outage must not undo it
+        logger.exception("Could not e-mail budget alert %s", alert.pk)
