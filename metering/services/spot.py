@@ -10,10 +10,16 @@ so the price stays near the floor while the fleet is idle and reaches the on-dem
 full. Rounded half-up to 10 places. A new row is stored only when the price changes: the rows are the
 history, each in force from its ``at`` until the next one. Spot usage is rated at the price in force
 at each instant (see ``services.usage``); with no row yet, at the rate card's spot price.
+
+Maximum price: after every update, a placed spot workload whose ``spot_max_price`` (per GPU-hour,
+like the market price) is below the market price in force where it runs is preempted through
+scheduling's ``workload_preempt`` (notice, event naming the price, then requeued or stopped). Its
+billing stops where its allocation ends, as for any preemption.
 """
 
 from __future__ import annotations
 
+import logging
 from bisect import bisect_right
 from datetime import datetime
 from decimal import Decimal
@@ -25,7 +31,12 @@ from metering.models import SpotPrice
 from metering.money import quantize_unit
 from metering.services.rates import current_prices
 from nodes.models import Gpu, GpuHealth, GpuModel, NodeState
-from scheduling.models import MILLI, Allocation
+from portal.errors import Conflict
+from scheduling.models import MILLI, Allocation, Plan, Workload, WorkloadState
+
+logger = logging.getLogger(__name__)
+# Placed: holding GPUs and not already being preempted or stopped (scheduling's preemptible states).
+PREEMPTIBLE_STATES = (WorkloadState.SCHEDULED, WorkloadState.STARTING, WorkloadState.RUNNING)
 
 
 def spot_formula(*, floor: Decimal, on_demand: Decimal, utilisation: Decimal) -> Decimal:
@@ -76,7 +87,45 @@ def spot_prices_update(*, now: datetime | None = None) -> list[SpotPrice]:
                 utilisation=u.quantize(Decimal("0.00001")),
             )
         )
+    spot_preempt_over_max(now=now)
     return made
+
+
+def spot_preempt_over_max(*, now: datetime | None = None) -> list[int]:
+    """Preempt every placed spot workload whose maximum price is below the market price in force
+    in a region and model it holds GPUs of. Returns the ids preempted."""
+    from scheduling.services import workload_preempt
+
+    now = now or timezone.now()
+    held = list(
+        Allocation.objects.filter(
+            ended_at__isnull=True,
+            plan=Plan.SPOT,
+            workload__spot_max_price__isnull=False,
+            workload__state__in=PREEMPTIBLE_STATES,
+        )
+        .values_list("workload_id", "gpu_model_id", "node__region_id", "workload__spot_max_price")
+        .order_by("workload_id")
+    )
+    if not held:
+        return []
+    history = SpotHistory({(model_id, region_id) for _, model_id, region_id, _ in held})
+    over: dict[int, tuple[Decimal, Decimal]] = {}
+    for workload_id, model_id, region_id, max_price in held:
+        price = history.at(model_id, region_id, now)
+        if price is not None and price > max_price and workload_id not in over:
+            over[workload_id] = (price, max_price)
+    preempted = []
+    for workload in Workload.objects.filter(pk__in=over).order_by("pk"):
+        price, max_price = over[workload.pk]
+        reason = f"spot price {price.normalize():f} above max {max_price.normalize():f}"
+        try:
+            workload_preempt(workload=workload, reason=reason[:64])
+        except Conflict as exc:  # it stopped or was preempted meanwhile
+            logger.info("Spot workload %s not preempted: %s", workload.pk, exc)
+            continue
+        preempted.append(workload.pk)
+    return preempted
 
 
 def current_spot_price(*, gpu_model, region) -> Decimal | None:

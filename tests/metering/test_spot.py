@@ -47,3 +47,38 @@ def test_spot_prices_follow_utilisation_with_history_and_bill_spot_usage(tenant,
         (utc(2024, 3, 1, 1), utc(2024, 3, 1, 2), Decimal("0.8")),
         (utc(2024, 3, 1, 2), utc(2024, 3, 1, 4), Decimal("2.2")),
     ]
+
+
+@pytest.mark.django_db
+def test_a_spot_workload_is_preempted_when_the_price_passes_its_maximum(tenant, card, run, node):
+    from nodes.models import NodeCommand
+    from scheduling.models import Workload, WorkloadEvent
+
+    # 4 of 8 H100 in use after the update: 0.80 + 1.20 x 0.5^2 = 1.10 per GPU-hour.
+    cheap = run(tenant, utc(2024, 3, 1, 1), None, plan=Plan.SPOT, gpu_index=0)
+    rich = run(tenant, utc(2024, 3, 1, 1), None, plan=Plan.SPOT, gpu_index=1)
+    no_max = run(tenant, utc(2024, 3, 1, 1), None, plan=Plan.SPOT, gpu_index=2)
+    on_demand = run(tenant, utc(2024, 3, 1, 1), None, gpu_index=3)
+    Workload.objects.filter(pk=cheap.workload_id).update(spot_max_price=Decimal("1.0"))
+    Workload.objects.filter(pk=rich.workload_id).update(spot_max_price=Decimal("1.5"))
+    spot_prices_update(now=utc(2024, 3, 1, 2))
+    assert SpotPrice.objects.order_by("at").last().price == Decimal("1.1")
+
+    w = Workload.objects.get(pk=cheap.workload_id)
+    assert w.state == "preempted"
+    event = WorkloadEvent.objects.filter(workload=w, to_state="preempted").get()
+    assert "1.1" in event.message and "1" in event.reason and "spot price" in event.reason
+    command = NodeCommand.objects.get(node=node, kind="preempt_workload")
+    assert command.payload["workload_id"] == str(w.pk) and command.payload["notice_s"] == 30
+    for untouched in (rich, no_max, on_demand):
+        assert Workload.objects.get(pk=untouched.workload_id).state == "running"
+    # The next update (price unchanged) does not preempt it again.
+    spot_prices_update(now=utc(2024, 3, 1, 2, 1))
+    assert NodeCommand.objects.filter(kind="preempt_workload").count() == 1
+
+    # Billing stops where the allocation ends (the agent reports the stop after the notice).
+    Allocation.objects.filter(pk=cheap.pk).update(ended_at=utc(2024, 3, 1, 2, 0, 30), end_reason="preempted")
+    usage_build(since=utc(2024, 1, 1), now=utc(2024, 4, 1))
+    assert UsageRecord.objects.filter(allocation_id=cheap.pk).order_by("end").last().end == utc(
+        2024, 3, 1, 2, 0, 30
+    )
