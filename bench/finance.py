@@ -56,6 +56,16 @@ def bench(tenants: int, records: int, repeat: int) -> dict:
 
     t0 = time.perf_counter()
     _, _, made = seed(tenants, records, min(10_000, records // 2))
+    from nodes.models import Gpu, GpuModel, Node, Region
+
+    # A fleet that was there all month and can hold the seeded usage (64 H100s: 47,616 GPU-hours).
+    region, h100 = Region.objects.get(code="us-east-1"), GpuModel.objects.get(name="NVIDIA H100 SXM 80GB")
+    for n in range(2, 9):
+        node = Node.objects.create(hostname=f"bench-{n:04d}", region=region, cpu_cores=64, ram_mib=512 * 1024)
+        Gpu.objects.bulk_create(
+            Gpu(node=node, index=i, uuid=f"GPU-bench-{n}-{i}", model=h100) for i in range(8)
+        )
+    Node.objects.update(registered_at=datetime(2024, 1, 1, tzinfo=UTC))
     invoice_run(period_start=MARCH, now=datetime(2024, 4, 1, 1, tzinfo=UTC))
     invoice_run(period_start=MARCH, now=datetime(2024, 4, 5, 1, tzinfo=UTC))
     with connection.cursor() as c:

@@ -46,7 +46,7 @@ def bar_chart(
     height: int = 260,
 ) -> SafeString:
     """One group of bars per category, one bar per series (or one stacked bar per category)."""
-    left, right, top, bottom = 56, 12, 14, 64
+    left, right, top, bottom = 56, 12, 28, 64
     plot_w, plot_h = width - left - right, height - top - bottom
     values = [[float(v or 0) for v in vals] for _, vals in series]
     if stacked:
@@ -103,6 +103,6 @@ def bar_chart(
         if lx > width - 80:
             break
     if unit:
-        out.append(f'<text x="8" y="{top + 4}" font-size="11" fill="#64748b">{escape(unit)}</text>')
+        out.append(f'<text x="8" y="12" font-size="11" fill="#64748b">{escape(unit)}</text>')
     out.append("</svg>")
     return mark_safe("".join(out))  # every label above is escaped

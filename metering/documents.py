@@ -49,8 +49,18 @@ def format_money(amount: Decimal | int | str | None, currency: str) -> str:
 def format_quantity(value: Decimal | None) -> str:
     if value is None:
         return ""
-    q = Decimal(value).quantize(Decimal("0.001")).normalize()
-    return f"{q:,f}"
+    return f"{Decimal(value).quantize(Decimal('0.001')):,f}"
+
+
+def _unit_price(line, currency: str) -> str:
+    """The line's unit price; for usage lines, which sum records at their own prices, the average
+    (amount / quantity, 4 places), marked as such."""
+    if line.unit_price is not None:
+        return format_money(line.unit_price, currency)
+    if line.kind in (LineKind.CREDIT, LineKind.TAX) or not line.quantity:
+        return ""
+    average = (Decimal(line.amount) / Decimal(line.quantity)).quantize(Decimal("0.0001"))
+    return f"avg {average:,f} {currency.upper()}"
 
 
 @dataclass(frozen=True)
@@ -93,7 +103,7 @@ def invoice_document_context(invoice: Invoice, *, now=None) -> dict:
             description=ln.description,
             quantity="" if ln.kind in (LineKind.CREDIT, LineKind.TAX) else format_quantity(ln.quantity),
             unit=ln.unit,
-            unit_price="" if ln.unit_price is None else format_money(ln.unit_price, cur),
+            unit_price=_unit_price(ln, cur),
             amount=format_money(ln.amount, cur),
         )
         for ln in invoice.lines.all()

@@ -76,6 +76,7 @@ def test_the_pdf_is_a_real_pdf_with_the_number_lines_and_total(invoice, make_tok
     assert "-5.00 USD" in text  # credits applied
     assert "2.090 USD" not in text and "1.90 USD" in text  # tax, at the currency's places
     assert "On-demand usage" in text and "Spot usage" in text
+    assert "10.000" in text and "avg 2.0000 USD" in text and "avg 0.8000 USD" in text  # quantity, unit price
     assert invoice.tenant.name in text and "2024-03-01" in text and "2024-03-31" in text
     assert "Open: awaiting payment" in text or "Overdue since" in text
 
