@@ -200,6 +200,7 @@ def model_offers(*, region_objects: dict[str, Region]) -> list[ModelOffer]:
 class Estimate:
     gpus: Decimal
     plan: str
+    plan_label: str
     per_gpu_hour: Decimal | None
     per_hour: Decimal | None
     per_day: Decimal | None
@@ -247,6 +248,7 @@ def estimate_for(data: dict[str, Any], offers: list[ModelOffer]) -> Estimate | N
     return Estimate(
         gpus=gpus,
         plan=plan,
+        plan_label=Plan(plan).label,
         per_gpu_hour=price,
         per_hour=None if price is None else price * gpus,
         per_day=None if price is None else price * gpus * HOURS_PER_DAY,

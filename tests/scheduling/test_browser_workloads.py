@@ -1,0 +1,353 @@
+"""The workload pages in a real browser, on a simulated fleet, updated live over a real websocket.
+
+The whole stack runs as it does in production, each part in a process of its own against one SQLite
+file: the portal under uvicorn (the Redis channel layer, broker and cache under prefixes of their
+own), a Celery worker that runs the scheduling cycles the portal asks for, and the real agent program
+(``python -m nodes.agent.cli run``) with the simulated collector and runtime, speaking HTTP to the
+portal. Debian's Chromium (headless, driven by Playwright) signs in, launches an instance, watches it
+reach RUNNING without reloading, sees its GPU charts fill and stops it; a viewer cannot launch; staff
+lower the team's quota in the Django admin and the next launch shows the quota error in the form.
+Screenshots land in ``var/screenshots/workload*.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+
+from tests.browser import SCREENSHOTS, chromium_page
+
+pytestmark = [pytest.mark.slow]
+
+OWNER, VIEWER, STAFF = "owner@lab.test", "viewer@lab.test", "ops@gpupool.test"
+PASSWORD = "workload-browser-pw-1"
+IMAGE = "ghcr.io/lab/notebook:2"
+KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHdvcmtsb2Fk lab@laptop"
+LIVE_TIMEOUT_MS = 90_000  # two cores shared with other work: cycles and heartbeats can be slow
+
+# Runs in the stack's environment (its database): `python -c SETUP <command> ...`.
+SETUP = r"""
+import json, sys
+from datetime import timedelta
+from decimal import Decimal
+import django
+django.setup()
+from django.utils import timezone
+from nodes.models import GpuModel, Node, Region
+from nodes.services.registration import bootstrap_token_create
+from portal.actors import Actor
+from portal.models import Membership, Role, User
+from portal.services import tenant_create
+from scheduling.models import Quota, Workload
+
+command, args = sys.argv[1], sys.argv[2:]
+
+def seed():
+    owner, viewer, staff, password = args
+    region = Region.objects.create(code="us-east-1", name="US East", location="Ashburn")
+    Region.objects.create(code="eu-west-1", name="EU West", location="Dublin")
+    tenant = tenant_create(slug="lab", name="Vision Lab", owner_email=owner, owner_password=password, actor=Actor.system())
+    user = User.objects.create_user(email=viewer, password=password, full_name="Vic Viewer")
+    Membership.objects.create(tenant=tenant, user=user, role=Role.VIEWER)
+    User.objects.create_user(email=staff, password=password, full_name="Ops Person", is_staff=True, is_superuser=True)
+    Quota.objects.create(tenant=tenant, max_gpus_total=8)
+    try:  # list prices, when metering's rate cards are there
+        from metering.models import GpuPrice, RateCard, RateCardVersion
+        card = RateCard.objects.create(name="List prices", is_default=True)
+        version = RateCardVersion.objects.create(rate_card=card, number=1, effective_from=timezone.now() - timedelta(days=1))
+        h100 = GpuModel.objects.get(name="NVIDIA H100 SXM 80GB")
+        for plan, price in (("on_demand", "2.49"), ("spot", "0.99"), ("reserved", "1.75")):
+            GpuPrice.objects.create(version=version, gpu_model=h100, plan=plan, price_per_gpu_hour=Decimal(price))
+    except ImportError:
+        pass
+    print(bootstrap_token_create(region=region, actor=Actor.system())[1])
+
+def nodes():
+    print(json.dumps(list(Node.objects.values_list("hostname", "state"))))
+
+def workload():
+    w = Workload.objects.get(pk=int(args[0]))
+    print(json.dumps({"state": w.state, "gpu_count": w.gpu_count, "image": w.image, "ssh": w.ssh_public_key,
+                      "models": [m.name for m in w.gpu_models.all()], "allocations": w.allocations.count()}))
+
+def count():
+    print(Workload.objects.count())
+
+{"seed": seed, "nodes": nodes, "workload": workload, "count": count}[command]()
+"""
+
+
+def _redis_url() -> str:
+    # The whole stack shares it: broker, cache and channel layer (settings give the channel layer
+    # the long read timeout its blocking reads need).
+    return os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/7"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    """uvicorn + a Celery worker + one simulated agent, sharing a SQLite file."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        tag = uuid.uuid4().hex[:8]
+        self.env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "portal.settings",
+            "DEBUG": "1",
+            "GPUPOOL_VAR_DIR": str(tmp),
+            "DATABASE_URL": f"sqlite:///{tmp / 'stack.sqlite3'}",
+            "REDIS_URL": _redis_url(),
+            "CHANNELS_PREFIX": f"wl-browser-{tag}",
+            "CACHE_KEY_PREFIX": f"wl-browser-{tag}",
+            "SCHEDULING_CYCLE_DEBOUNCE_S": "0.2",
+            "LOG_LEVEL": "WARNING",
+        }
+        self.queue_prefix = f"wl-{tag}-"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
+
+    def manage(self, *args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", SETUP, *args],
+            cwd=settings.BASE_DIR, env=self.env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-4000:]
+        return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+
+    def spawn(self, name: str, argv: list[str], env: dict | None = None) -> None:
+        self.logs[name] = self.tmp / f"{name}.log"
+        with open(self.logs[name], "wb") as log:
+            self.procs[name] = subprocess.Popen(
+                argv, cwd=settings.BASE_DIR, env=env or self.env, stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+
+    def log(self, name: str) -> str:
+        path = self.logs.get(name)
+        return path.read_text(errors="replace") if path and path.exists() else ""
+
+    def wait(self, what: str, predicate, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            for name, proc in self.procs.items():
+                assert proc.poll() is None, f"{name} exited:\n{self.log(name)[-4000:]}"
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.3)
+
+    def start(self) -> None:
+        subprocess.run(
+            [sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"],
+            cwd=settings.BASE_DIR, env=self.env, check=True, timeout=300,
+        )  # fmt: skip
+        token = self.manage("seed", OWNER, VIEWER, STAFF, PASSWORD)
+        self.spawn("web", [sys.executable, "-m", "uvicorn", "portal.asgi:application", "--host", "127.0.0.1",
+                           "--port", str(self.port), "--log-level", "warning"])  # fmt: skip
+        # The worker runs the scheduling cycles that submissions and releases ask for (no beat: the
+        # triggers are what the test relies on). Its queues are the broker's; stale messages go.
+        self.spawn("worker", [sys.executable, "-m", "celery", "-A", "portal", "worker", "--pool", "threads",
+                              "--concurrency", "2", "-Q", "scheduling,default,commands", "--purge",
+                              "--without-gossip", "--without-mingle", "--without-heartbeat", "--loglevel", "WARNING"])  # fmt: skip
+
+        def healthy() -> bool:
+            try:
+                with urllib.request.urlopen(f"{self.url}/healthz", timeout=2) as response:
+                    return response.status == 200
+            except OSError:
+                return False
+
+        self.wait("uvicorn to answer /healthz", healthy, 90)
+        agent_env = {k: v for k, v in self.env.items() if k != "DJANGO_SETTINGS_MODULE"}
+        agent_env["PYTHONPATH"] = str(settings.BASE_DIR)
+        config = self.tmp / "agent.toml"
+        config.write_text(
+            "backoff_initial_s = 0.2\nbackoff_max_s = 2.0\nrequest_timeout_s = 10.0\nstop_grace_s = 1.0\n"
+        )
+        self.spawn("agent", [sys.executable, "-m", "nodes.agent.cli", "run", "--config", str(config),
+                             "--portal-url", self.url, "--bootstrap-token", token, "--state-dir", str(self.tmp / "agent"),
+                             "--collector", "simulated", "--runtime", "simulated", "--hostname", "sim-use1-h100-01",
+                             "--region", "us-east-1", "--sim-gpus", json.dumps([{"model": "NVIDIA H100 80GB HBM3", "count": 4}]),
+                             "--sample-interval", "0.5", "--heartbeat-interval", "1", "--commands-wait", "2",
+                             "--log-level", "INFO"], env=agent_env)  # fmt: skip
+        self.wait(
+            "the agent to register and report",
+            lambda: json.loads(self.manage("nodes")) == [["sim-use1-h100-01", "ready"]],
+        )
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = Stack(tmp_path_factory.mktemp("workloads-browser"))
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+    web = s.log("web")
+    assert "Traceback" not in web, web[-4000:]
+
+
+@pytest.fixture
+def page():
+    with chromium_page(width=1440, height=1000) as page:
+        page.set_default_timeout(30_000)
+        yield page
+
+
+def sign_in(page, stack: Stack, email: str) -> None:
+    page.goto(f"{stack.url}/login/")
+    page.get_by_label("Email").fill(email)
+    page.get_by_label("Password").fill(PASSWORD)
+    page.get_by_role("button", name="Sign in").click()
+    page.wait_for_url(f"{stack.url}/**")
+
+
+def test_launch_an_instance_watch_it_run_see_its_gpus_and_stop_it(stack, page):
+    from playwright.sync_api import expect
+
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    sign_in(page, stack, OWNER)
+    expect(page.locator("#panel-workloads")).to_contain_text("Nothing running or waiting.")
+
+    # the launch page: the simulated fleet's H100s, free in us-east-1, with their list prices
+    page.locator(".sidebar").get_by_role("link", name="Launch").click()
+    expect(page.get_by_role("heading", name="Launch", exact=True)).to_be_visible()
+    offer = page.locator('[data-gpu-offer="NVIDIA H100 SXM 80GB"]')
+    expect(offer).to_contain_text("us-east-1 4/4")
+    expect(offer).to_contain_text("2.49 USD")
+    offer.get_by_role("radio").check()
+    page.get_by_label("Name").fill("vision-notebook")
+    page.get_by_label("Image").fill(IMAGE)
+    page.get_by_label("SSH public key").fill(KEY)
+    page.get_by_label("Region").select_option("us-east-1")
+    expect(page.locator("#id_command")).to_be_hidden()  # jobs only
+    # the estimate follows the form
+    page.get_by_label("GPUs", exact=True).fill("2")
+    expect(page.locator('[data-estimate="hour"]')).to_have_text("4.98 USD")
+    page.locator("#id_plan").select_option("spot")
+    expect(page.locator('[data-estimate="hour"]')).to_have_text("1.98 USD")
+    expect(page.get_by_label("Highest spot price per GPU-hour")).to_be_visible()
+    page.locator("#id_plan").select_option("on_demand")
+    expect(page.locator('[data-estimate="day"]')).to_have_text("119.52 USD")
+    page.screenshot(path=str(SCREENSHOTS / "workload-launch.png"), full_page=True)
+    page.get_by_role("button", name="Launch").click()
+
+    # its page: pending, then placed, starting, running, without a reload
+    page.wait_for_url(f"{stack.url}/workloads/*/")
+    wid = int(page.url.rstrip("/").rsplit("/", 1)[1])
+    page.evaluate("window.__noReload = true")
+    expect(page.locator("[data-live-status]")).to_have_attribute("data-state", "open")
+    badge = page.locator(f'h1 [data-workload-state="{wid}"]')
+    expect(badge).to_have_text("Running", timeout=LIVE_TIMEOUT_MS)
+    expect(badge).to_have_class("badge badge-wl badge-wl-running")
+    expect(page.locator('#workload-live [data-stage="running"]')).to_have_class("stage done current")
+    expect(page.locator("#timeline")).to_contain_text("→ Running", timeout=LIVE_TIMEOUT_MS)
+    expect(page.locator("#placement")).to_contain_text("sim-use1-h100-01")
+    expect(page.locator("[data-connect]")).to_have_text("ssh sim-use1-h100-01")
+    stored = json.loads(stack.manage("workload", str(wid)))
+    assert stored["state"] == "running" and stored["gpu_count"] == 2 and stored["allocations"] == 2
+    assert stored["models"] == ["NVIDIA H100 SXM 80GB"] and stored["image"] == IMAGE and stored["ssh"] == KEY
+
+    # its GPU charts fill from the agent's telemetry
+    util = page.locator('[data-workload-charts] [data-chart="util"]')
+    expect(page.locator("[data-workload-charts] .chart canvas")).to_have_count(3, timeout=LIVE_TIMEOUT_MS)
+    expect(util).not_to_have_attribute("data-points", "0", timeout=LIVE_TIMEOUT_MS)
+    assert int(util.get_attribute("data-points")) > 0
+    expect(page.locator("[data-workload-charts] .u-legend")).to_have_count(3)
+    expect(page.locator("[data-workload-charts] .u-legend").first).to_contain_text("sim-use1-h100-01 · GPU")
+    assert page.evaluate("window.__noReload") is True
+    page.screenshot(path=str(SCREENSHOTS / "workload-running.png"), full_page=True)
+
+    # stop it: stopping at once, stopped when the agent reports
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.locator("#workload-status").get_by_role("button", name="Stop").click()
+    expect(badge).to_have_text("Stopped", timeout=LIVE_TIMEOUT_MS)
+    expect(page.locator("#workload-status").get_by_role("button", name="Restart")).to_be_visible()
+    expect(page.locator("#timeline")).to_contain_text("Stopping → Stopped", timeout=LIVE_TIMEOUT_MS)
+    assert page.evaluate("window.__noReload") is True
+    assert json.loads(stack.manage("workload", str(wid)))["state"] == "stopped"
+    page.screenshot(path=str(SCREENSHOTS / "workload-stopped.png"), full_page=True)
+
+    # the list shows it, and a launch from elsewhere is announced
+    page.locator(".sidebar").get_by_role("link", name="Workloads").click()
+    expect(page.locator(f"#workload-{wid} [data-workload-state]")).to_have_text("Stopped")
+    expect(page.locator("[data-live-status]")).to_have_attribute("data-state", "open")
+    page.screenshot(path=str(SCREENSHOTS / "workloads.png"), full_page=True)
+
+
+def test_a_viewer_cannot_launch(stack, page):
+    from playwright.sync_api import expect
+
+    sign_in(page, stack, VIEWER)
+    page.locator(".sidebar").get_by_role("link", name="Launch").click()
+    expect(page.locator("#launch-read-only")).to_contain_text("can look but not launch")
+    expect(page.get_by_role("button", name="Launch")).to_have_count(0)
+    expect(page.get_by_label("Image")).to_be_disabled()
+    before = stack.manage("count")
+    # a crafted POST is refused too
+    status = page.evaluate(
+        """async () => {
+            const token = document.querySelector("input[name=csrfmiddlewaretoken]").value;
+            const body = new URLSearchParams({csrfmiddlewaretoken: token, kind: "instance", gpu_model: "NVIDIA H100 SXM 80GB",
+                                              gpu_count: "1", fraction: "1000", plan: "on_demand", image: "x:1"});
+            const r = await fetch("/launch/", {method: "POST", body, credentials: "same-origin"});
+            return r.status;
+        }"""
+    )
+    assert status == 403 and stack.manage("count") == before
+    page.screenshot(path=str(SCREENSHOTS / "workload-launch-viewer.png"), full_page=True)
+
+
+def test_staff_lower_the_quota_and_the_next_launch_shows_it(stack, page):
+    from playwright.sync_api import expect
+
+    sign_in(page, stack, STAFF)
+    page.goto(f"{stack.url}/admin/scheduling/quota/")
+    page.get_by_role("link", name="Vision Lab").click()
+    page.get_by_label("Max gpus total").fill("1")
+    page.get_by_role("button", name="Save", exact=True).click()
+    expect(page.locator(".messagelist")).to_contain_text("was changed successfully")
+    page.context.clear_cookies()
+
+    sign_in(page, stack, OWNER)
+    page.goto(f"{stack.url}/launch/")
+    page.locator('[data-gpu-offer="NVIDIA H100 SXM 80GB"]').get_by_role("radio").check()
+    page.get_by_label("Image").fill(IMAGE)
+    page.get_by_label("GPUs", exact=True).fill("2")
+    before = stack.manage("count")
+    page.get_by_role("button", name="Launch").click()
+    error = page.locator("#id_gpu_count_error")
+    expect(error).to_contain_text("Quota max_gpus_total exceeded: limit 1 GPUs")
+    expect(page.get_by_label("GPUs", exact=True)).to_have_attribute("aria-invalid", "true")
+    expect(page.locator(".alert-error[role=alert]")).to_contain_text("max_gpus_total")
+    expect(page.get_by_label("Image")).to_have_value(IMAGE)  # what was typed stays
+    assert stack.manage("count") == before
+    page.locator("#launch-form").screenshot(path=str(SCREENSHOTS / "workload-launch-quota.png"))
