@@ -177,40 +177,44 @@ class GpupoolPolicy(FGD):
 
     def set_distribution(self, dist: Distribution) -> None:
         super().set_distribution(dist)
-        self._weighted: tuple | None = None
+        self._bind(None)
+
+    def _bind(self, state: ClusterState | None) -> None:
+        """Forget what depends on the workload or on the fleet (class ids, catalog)."""
+        self._state = state
+        self._weighted: tuple = ()
         self._class_types: dict[int, tuple[tuple, float]] = {}
         self._strength: dict[tuple[frozenset[str], str], float] = {}
+        self._node_memo: dict[tuple, tuple[float, float]] = {}
 
     def _types_for(self, state: ClusterState, cls: NodeClass) -> tuple[tuple, float]:
         ct = self._class_types.get(cls.id)
         if ct is None:
-            if self._weighted is None or self._weighted[0] is not state:
+            if not self._weighted and self.dist.types:
                 count = Counter(state.ncls)
-                servers = Counter()
+                servers: Counter[tuple[str, int, int, int]] = Counter()
                 for c in state.classes:
                     servers[(c.model, c.gpu_count, c.cpu_cap, c.mem_cap)] += count[c.id]
-                self._weighted = (state, host_weights(self.dist, ((*k, n) for k, n in servers.items())))
-                self._class_types.clear()
+                self._weighted = host_weights(self.dist, ((*k, n) for k, n in servers.items()))
             types = tuple(
                 t
-                for t in self._weighted[1]
+                for t in self._weighted
                 if can_host(t, cls.model, cls.gpu_count, cls.cpu_cap, cls.mem_cap, self.use_mem)
             )
             ct = self._class_types[cls.id] = (types, sum(t[5] for t in types))
         return ct
 
-    def _frag(self, state: ClusterState, cls: NodeClass, cpu: int, mem: int, gkey) -> float:
+    def _frag(self, state: ClusterState, cls: NodeClass, cpu: int, mem: int, gkey) -> tuple[float, float]:
+        """(fragmentation, stranded look-ahead) of a node of class ``cls`` in this state."""
         k = (cls.id, cpu, mem, gkey)
-        v = self._memo.get(k)
+        v = self._node_memo.get(k)
         if v is None:
             types, wsum = self._types_for(state, cls)
             frees = [f for island in gkey for f in island]
-            v = unusable(types, cpu, mem, frees, self.use_mem) / wsum if wsum and any(frees) else 0.0
-            self._memo[k] = v
+            total = sum(frees)
+            frag = unusable(types, cpu, mem, frees, self.use_mem) / wsum if wsum and total else 0.0
+            v = self._node_memo[k] = (frag, stranded(self.dist, cpu, mem, total, self.use_mem))
         return v
-
-    def _stranded(self, cpu: int, mem: int, gkey) -> float:
-        return stranded(self.dist, cpu, mem, sum(map(sum, gkey)), self.use_mem)
 
     def strength(self, state: ClusterState, cls: NodeClass, demand: Demand) -> float:
         """0 for the weakest model the demand accepts, 1 for the strongest (catalog compute weight)."""
@@ -225,9 +229,12 @@ class GpupoolPolicy(FGD):
         return v
 
     def score(self, state, cls, key, demand, opt) -> float:
+        if state is not self._state:
+            self._bind(state)
         cpu, mem = key[1] - demand.cpu, key[2] - demand.mem
-        frag = self._frag(state, cls, cpu, mem, opt[2]) - self._frag(state, cls, key[1], key[2], key[3])
-        bal = self._stranded(cpu, mem, opt[2]) - self._stranded(key[1], key[2], key[3])
+        after = self._frag(state, cls, cpu, mem, opt[2])
+        before = self._frag(state, cls, key[1], key[2], key[3])
+        frag, bal = after[0] - before[0], after[1] - before[1]
         cpu_max, gpu_max = state.max_spec()
         left = 0.5 * cpu / cpu_max + 0.5 * sum(map(sum, opt[2])) / gpu_max
         # |bal| <= gpu_max and left <= 1: each tie-break stays under the step of the one before it.
