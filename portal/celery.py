@@ -22,9 +22,9 @@ def _stamp_published_at(headers=None, **kwargs):
 
 @task_prerun.connect(dispatch_uid="gpupool.task_prerun")
 def _task_started(task_id=None, task=None, **kwargs):
-    from portal.logging import log_context_bind
+    from portal.logging import log_context_start
 
-    task.request._gpupool_log_token = log_context_bind(task_id=task_id, task_name=task.name)
+    task.request._gpupool_log_token = log_context_start(task_id=task_id, task_name=task.name)
     _record_latency(task)
 
 

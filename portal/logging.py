@@ -35,6 +35,11 @@ def log_context_bind(**values: Any) -> Token:
     return _context.set(merged)
 
 
+def log_context_start(**values: Any) -> Token:
+    """Starts a fresh context (a request, a task): nothing of an earlier one is carried over."""
+    return _context.set({k: v for k, v in values.items() if v is not None})
+
+
 def log_context_reset(token: Token) -> None:
     try:
         _context.reset(token)

@@ -11,7 +11,7 @@ from asgiref.sync import markcoroutinefunction, sync_to_async
 from django.conf import settings
 
 from portal.api.errors import error_response
-from portal.logging import log_context_bind, log_context_reset
+from portal.logging import log_context_bind, log_context_reset, log_context_start
 
 logger = logging.getLogger(__name__)
 
@@ -193,18 +193,19 @@ class RequestIdMiddleware:
             log_context_reset(token)
 
     async def _acall(self, request):
-        token, started = self._start(request)
-        try:
-            return self._finish(request, await self.get_response(request), started)
-        finally:
-            log_context_reset(token)
+        # No reset here: Django logs 4xx/5xx answers after the middleware chain has returned, and
+        # the ids should be on that line too. Under ASGI each request runs in a task of its own (a
+        # copy of the context); under WSGI (async_to_sync) the ids stay in the thread until its
+        # next request starts a fresh context.
+        _, started = self._start(request)
+        return self._finish(request, await self.get_response(request), started)
 
     @staticmethod
     def _start(request):
         sent = request.META.get("HTTP_X_REQUEST_ID", "")
         request_id = sent if _REQUEST_ID_OK.match(sent) else uuid.uuid4().hex
         request.request_id = request_id  # type: ignore[attr-defined]
-        return log_context_bind(request_id=request_id), time.perf_counter()
+        return log_context_start(request_id=request_id), time.perf_counter()
 
     def process_view(self, request, view_func, view_args, view_kwargs):
         tenant = getattr(request, "tenant", None)

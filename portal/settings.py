@@ -115,6 +115,19 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 else:
     DATABASES["default"]["CONN_MAX_AGE"] = env.int("DB_CONN_MAX_AGE", default=60)
     DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+    # A connection pool per process (psycopg_pool). Under ASGI each request in flight runs in a
+    # thread of its own with a connection of its own, so without a pool a burst (a fleet
+    # registering, a slow moment) opens as many connections as there are requests in flight and
+    # can exhaust the server's max_connections; with one, requests wait (up to 10 s) for one of
+    # DB_POOL_MAX_SIZE connections. 0: no pool (persistent connections, DB_CONN_MAX_AGE).
+    DB_POOL_MAX_SIZE = env.int("DB_POOL_MAX_SIZE", default=0)
+    if DB_POOL_MAX_SIZE:
+        DATABASES["default"]["CONN_MAX_AGE"] = 0  # the pool keeps them
+        DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+            "min_size": 1,
+            "max_size": DB_POOL_MAX_SIZE,
+            "timeout": 10,
+        }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # --- Redis: Celery broker, cache, channel layer -------------------------------------------------

@@ -26,12 +26,14 @@ def json_log():
     handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter())
     handler.addFilter(LogContextFilter())
-    root = logging.getLogger()
-    root.addHandler(handler)
+    loggers = [logging.getLogger(), logging.getLogger("django")]  # django does not propagate
+    for logger in loggers:
+        logger.addHandler(handler)
     try:
         yield lambda: [json.loads(line) for line in stream.getvalue().splitlines()]
     finally:
-        root.removeHandler(handler)
+        for logger in loggers:
+            logger.removeHandler(handler)
 
 
 def request_lines(lines, path):
@@ -95,8 +97,12 @@ def test_the_async_stack_binds_the_id_too():
     with json_log() as lines:
         assert async_to_sync(get)("/healthz", "async-1")["X-Request-ID"] == "async-1"
         assert async_to_sync(get)("/login/", "async-2")["X-Request-ID"] == "async-2"
+        assert async_to_sync(get)("/api/v1/nope/", "async-3").status_code == 404
     assert request_lines(lines, "/login/")[0]["request_id"] == "async-2"
     assert not request_lines(lines, "/healthz")  # probes are not logged
+    # Django logs 4xx/5xx answers after the middleware chain: the id is still on that line.
+    not_found = [r for r in lines() if r["logger"] == "django.request"]
+    assert not_found and all(r["request_id"] == "async-3" and r["status_code"] == 404 for r in not_found)
 
 
 def test_log_context_nests_and_unwinds():

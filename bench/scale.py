@@ -1,0 +1,540 @@
+"""Scale-out: the whole stack on one machine under a realistic mix of tenant and agent traffic.
+
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/test .venv/bin/python bench/scale.py [--duration 60]
+
+Creates (drops first) a database of its own (``gpupool_scale`` on DATABASE_URL's server) and uses
+Redis database 9 (``--redis-url``; flushed first). Starts two uvicorn web processes, two Celery
+workers (queues split: scheduling + commands, default + metering), beat, and a simulated fleet of
+500 nodes (real ``gpupool-agent`` code, simulated GPUs and runtime, several agents per process)
+that registers, heartbeats every 10 s and long-polls for commands. Then, for ``--duration``
+seconds, a load generator (asyncio + httpx, open loop at a fixed arrival rate) plays tenants:
+listing instances, jobs, GPU types and usage, reading a job, creating jobs (which run for 30 s on
+the simulated fleet) and instances.
+
+Prints request rate and p50/p95/p99 latency per endpoint (tenant API, and the agents' heartbeats
+and command polls as the agents saw them), errors, submit -> SCHEDULED latency (from the workload
+events), whether every submitted workload is scheduled or waiting with a reason, a few figures
+from /metrics, and ends with one JSON line (``rps``, ``read_p99_ms``, ``errors``,
+``submit_to_scheduled_p95_ms`` and more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+# The fleet: (catalog model, what the driver reports, GPUs per node, share of the nodes, cpu, ram GiB)
+FLEET_MIX = (
+    ("NVIDIA H100 SXM 80GB", "NVIDIA H100 80GB HBM3", 8, 0.4, 192, 2048),
+    ("NVIDIA A100 SXM 80GB", "NVIDIA A100-SXM4-80GB", 8, 0.3, 128, 1024),
+    ("NVIDIA L40S", "NVIDIA L40S", 4, 0.2, 64, 512),
+    ("NVIDIA L4", "NVIDIA L4", 2, 0.1, 32, 128),
+)
+REGIONS = ("us-east-1", "eu-west-1", "ap-northeast-1")
+# The tenant mix: (name, weight). Reads are the GETs.
+MIX = (
+    ("GET /api/v1/instances/", 22),
+    ("GET /api/v1/jobs/", 22),
+    ("GET /api/v1/gpu-types/", 20),
+    ("GET /api/v1/usage/", 10),
+    ("GET /api/v1/jobs/{id}/", 16),
+    ("POST /api/v1/jobs/", 7),
+    ("POST /api/v1/instances/", 3),
+)
+JOB_RUN_S = 30
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pct(values: list[float], p: float) -> float:
+    if not values:
+        return 0.0
+    values = sorted(values)
+    return values[min(len(values) - 1, round(p / 100 * (len(values) - 1)))]
+
+
+# --- the simulated fleet (child process) --------------------------------------------------------------
+
+
+def agents_child(fleet_file: str, portal_url: str, state_root: str, out: str) -> int:
+    """Run the fleet file's agents; time every request they make; write the timings on SIGTERM."""
+    from nodes.agent import client as agent_client
+    from nodes.agent.fleet import Fleet
+
+    timings: list[tuple[float, str, float, int]] = []  # (wall time, kind, seconds, status)
+    original = agent_client.PortalClient.request
+
+    async def timed(self, method, path, **kwargs):
+        started = time.perf_counter()
+        status = 0
+        try:
+            response = await original(self, method, path, **kwargs)
+            status = response.status_code
+            return response
+        finally:
+            kind = path.rsplit("/", 1)[-1] if "/nodes/" in path else path.rstrip("/").rsplit("/", 1)[-1]
+            timings.append(
+                (time.time(), f"{method} /agent/v1/…/{kind}", time.perf_counter() - started, status)
+            )
+
+    agent_client.PortalClient.request = timed
+    fleet = Fleet(fleet_file, portal_url=portal_url, state_root=state_root)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, fleet.request_stop)
+        await fleet.run()
+
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    asyncio.run(run())
+    Path(out).write_text(json.dumps(timings))
+    return 0
+
+
+# --- the load generator -----------------------------------------------------------------------------
+
+
+async def tenant_load(base: str, tokens: list[str], rate: float, duration: float, models: list[str]):
+    """Open loop: requests start at fixed intervals (1/rate) whatever the answers take."""
+    names = [n for n, _ in MIX]
+    weights = [w for _, w in MIX]
+    rng = random.Random(7)
+    results: list[tuple[str, float, int, float]] = []  # (endpoint, seconds, status, start lag)
+    created: list[tuple[str, int]] = []  # (kind, workload id)
+    jobs_of: dict[int, list[int]] = defaultdict(list)
+    errors: dict[tuple[str, int], str] = {}  # the first answer of each failing (endpoint, status)
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+
+    async with httpx.AsyncClient(base_url=base, timeout=30, limits=limits) as client:
+
+        async def one(endpoint: str, t: int, due: float) -> None:
+            headers = {"Authorization": f"Bearer {tokens[t]}"}
+            method, path = endpoint.split(" ")
+            body = None
+            if path == "/api/v1/jobs/{id}/":
+                if not jobs_of[t]:
+                    path = "/api/v1/jobs/"
+                    endpoint = "GET /api/v1/jobs/"
+                else:
+                    path = f"/api/v1/jobs/{rng.choice(jobs_of[t])}/"
+            elif method == "POST":
+                spec = {
+                    "gpu_models": [rng.choice(models)],
+                    "gpu_count": rng.choice((1, 1, 1, 2, 4)),
+                    "image": "ghcr.io/bench/train:1",
+                }
+                if "jobs" in path:
+                    spec |= {
+                        "command": ["python", "train.py"],
+                        "env": {"GPUPOOL_SIM_DURATION_S": str(JOB_RUN_S)},
+                    }
+                body = spec
+            lag = time.monotonic() - due
+            started = time.perf_counter()
+            try:
+                response = await client.request(method, path, headers=headers, json=body)
+                status = response.status_code
+                if method == "POST" and status == 201:
+                    wid = response.json()["id"]
+                    created.append(("job" if "jobs" in path else "instance", wid))
+                    if "jobs" in path:
+                        jobs_of[t].append(wid)
+                elif status >= 400 and (endpoint, status) not in errors:
+                    errors[(endpoint, status)] = response.text[:200]
+            except httpx.HTTPError as exc:
+                status = 0
+                errors.setdefault((endpoint, 0), f"{type(exc).__name__} {exc}")
+            results.append((endpoint, time.perf_counter() - started, status, lag))
+
+        tasks = []
+        start = time.monotonic()
+        n = int(rate * duration)
+        for i in range(n):
+            due = start + i / rate
+            delay = due - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            endpoint = rng.choices(names, weights)[0]
+            tasks.append(asyncio.create_task(one(endpoint, rng.randrange(len(tokens)), due)))
+        await asyncio.gather(*tasks)
+        elapsed = time.monotonic() - start
+    return results, created, errors, elapsed
+
+
+# --- the stack ----------------------------------------------------------------------------------------
+
+
+def stack_env(db_url: str, redis_url: str, var_dir: Path, pool_size: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("DJANGO_SETTINGS_MODULE", "TEST_DB_NAME")}
+    env.update(
+        DATABASE_URL=db_url,
+        REDIS_URL=redis_url,
+        DJANGO_SETTINGS_MODULE="portal.settings",
+        DEBUG="0",
+        SECRET_KEY="bench-only-secret-key-" + "x" * 40,
+        SECURE_SSL_REDIRECT="0",
+        LOG_LEVEL="WARNING",
+        GPUPOOL_VAR_DIR=str(var_dir),
+        # Capacity is what is measured here, not the per-token limit or the default quotas.
+        API_RATE_LIMIT="1000000/min",
+        SCHEDULING_DEFAULT_MAX_GPUS="100000",
+        SCHEDULING_DEFAULT_MAX_WORKLOADS="100000",
+        PYTHONPATH=str(ROOT),
+        EMAIL_URL="dummymail://",
+        # Under ASGI every request in flight holds a connection: a pool per process keeps a burst
+        # (500 agents registering) within the server's max_connections.
+        DB_POOL_MAX_SIZE=str(pool_size),
+    )
+    return env
+
+
+def seed(args, port: int) -> tuple[list[str], list[dict], list[str]]:
+    """Tenants with tokens, regions, a rate card, and the fleet's bootstrap tokens."""
+    from datetime import UTC, datetime
+
+    from metering.models import RateCard
+    from metering.services.rates import rate_card_version_create
+    from nodes.models import GpuModel, Region
+    from nodes.services.registration import bootstrap_token_create
+    from portal.actors import Actor
+    from portal.services import api_token_create, tenant_create
+    from scheduling.models import Plan
+
+    system = Actor.system()
+    regions = {
+        code: Region.objects.get_or_create(code=code, defaults={"name": code, "location": code})[0]
+        for code in REGIONS
+    }
+    models = {m: GpuModel.objects.get(name=m) for m, *_ in FLEET_MIX}
+    card = RateCard.objects.create(name="Bench", currency="USD", is_default=True)
+    prices = {"on_demand": "2.00", "spot": "0.80", "reserved": "1.50"}
+    rate_card_version_create(
+        rate_card=card,
+        effective_from=datetime(2020, 1, 1, tzinfo=UTC),
+        gpu_prices={(m.pk, plan): prices[plan] for m in models.values() for plan in Plan.values},
+        allow_past=True,
+    )
+    tokens = []
+    for i in range(args.tenants):
+        tenant = tenant_create(
+            slug=f"bench-{i:03d}", name=f"Bench {i}", owner_email=f"owner@bench-{i:03d}.test", actor=system
+        )
+        tokens.append(
+            api_token_create(tenant=tenant, name="bench", scopes=["read", "write", "billing"], actor=system)[
+                1
+            ]
+        )
+    nodes = []
+    kinds = [k for k in FLEET_MIX for _ in range(round(k[3] * 100))]
+    random.Random(1).shuffle(kinds)  # every model in every region, whatever the fleet's size
+    for n in range(args.nodes):
+        model, driver, count, _, cpu, ram = kinds[n % len(kinds)]
+        region = REGIONS[n % len(REGIONS)]
+        hostname = f"scale-{n:04d}"
+        token = bootstrap_token_create(region=regions[region], actor=system, intended_hostname=hostname)[1]
+        nodes.append(
+            {
+                "hostname": hostname,
+                "region": region,
+                "bootstrap_token": token,
+                "cpu_cores": cpu,
+                "ram_mib": ram * 1024,
+                "interconnect": "nvswitch" if count == 8 else "pcie",
+                "gpus": [{"model": driver, "count": count, "memory_mib": models[model].memory_gib * 1024}],
+            }
+        )
+    return tokens, nodes, list(models)
+
+
+def wait_for(predicate, timeout: float, every: float = 0.5) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(every)
+    return False
+
+
+def scrape_metrics(base: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = defaultdict(float)
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "gpupool_scheduling_cycles_total":
+                out[f"cycles_{s.labels['result']}"] += s.value
+            elif s.name in (
+                "gpupool_scheduling_cycle_duration_seconds_sum",
+                "gpupool_scheduling_cycle_duration_seconds_count",
+            ):
+                out[s.name.rsplit("_", 1)[-1] + "_cycle"] += s.value
+            elif s.name == "gpupool_celery_task_latency_seconds_sum":
+                out["task_latency_sum"] += s.value
+            elif s.name == "gpupool_celery_task_latency_seconds_count":
+                out["task_latency_count"] += s.value
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of load")
+    parser.add_argument("--rate", type=float, default=150.0, help="tenant API requests per second")
+    parser.add_argument("--nodes", type=int, default=500)
+    parser.add_argument("--agent-processes", type=int, default=2)
+    parser.add_argument("--tenants", type=int, default=20)
+    parser.add_argument("--settle", type=float, default=20.0, help="seconds allowed for the last placements")
+    parser.add_argument("--db-name", default="gpupool_scale")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/9")
+    parser.add_argument("--db-pool", type=int, default=10, help="DB_POOL_MAX_SIZE of each process")
+    parser.add_argument("--keep", action="store_true", help="keep the database afterwards")
+    parser.add_argument(
+        "--agents-child", nargs=4, metavar=("FLEET", "URL", "STATE", "OUT"), help=argparse.SUPPRESS
+    )
+    args = parser.parse_args()
+    if args.agents_child:
+        return agents_child(*args.agents_child)
+
+    base_db = os.environ.get("DATABASE_URL", "")
+    if not base_db.startswith(("postgres://", "postgresql://")):
+        print("DATABASE_URL must point at PostgreSQL", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(ROOT))
+    import redis
+
+    from bench.pgdb import drop_database, recreate_database
+
+    redis.Redis.from_url(args.redis_url).flushdb()
+    db_url = recreate_database(base_db, args.db_name)
+    work = Path(tempfile.mkdtemp(prefix="gpupool-scale-"))
+    env = stack_env(db_url, args.redis_url, work / "var", args.db_pool)
+    (work / "var").mkdir()
+    subprocess.run([PY, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True)
+    os.environ.update(env)
+    import django
+
+    django.setup()
+    from django.db import connection
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    tokens, fleet_nodes, models = seed(args, port)
+    connection.close()
+    print(
+        f"database {args.db_name}: migrated; {args.tenants} tenants, {len(fleet_nodes)} nodes to register; logs in {work}"
+    )
+
+    procs: dict[str, subprocess.Popen] = {}
+
+    def start(name: str, cmd: list[str]) -> None:
+        log = open(work / f"{name}.log", "w")  # noqa: SIM115  (closed with the process)
+        procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    celery = [PY, "-m", "celery", "-A", "portal"]
+    agent_outs = []
+    try:
+        start("web", [PY, "-m", "uvicorn", "portal.asgi:application", "--host", "127.0.0.1", "--port", str(port),
+                      "--workers", "2", "--http", "httptools", "--loop", "uvloop", "--log-level", "warning",
+                      "--no-access-log", "--lifespan", "off"])  # fmt: skip
+        start("worker-scheduling", [*celery, "worker", "-Q", "scheduling,commands", "-n", "scheduling@%h",
+                                    "--pool", "threads", "-c", "2", "--loglevel", "WARNING"])  # fmt: skip
+        start("worker-default", [*celery, "worker", "-Q", "default,metering", "-n", "default@%h",
+                                 "--pool", "threads", "-c", "2", "--loglevel", "WARNING"])  # fmt: skip
+        start("beat", [*celery, "beat", "--schedule", str(work / "beat-schedule"), "--loglevel", "WARNING"])
+        if not wait_for(lambda: _up(base), 60):
+            print("the web processes did not start", file=sys.stderr)
+            return 1
+        per = -(-len(fleet_nodes) // args.agent_processes)
+        for i in range(args.agent_processes):
+            part = work / f"fleet-{i}.json"
+            part.write_text(json.dumps({"portal_url": base, "nodes": fleet_nodes[i * per : (i + 1) * per]}))
+            out = work / f"agents-{i}.json"
+            agent_outs.append(out)
+            start(f"agents-{i}", [PY, str(Path(__file__).resolve()), "--agents-child", str(part), base,
+                                  str(work / "agents"), str(out)])  # fmt: skip
+        from nodes.models import Node, NodeState
+
+        t0 = time.monotonic()
+        ok = wait_for(lambda: Node.objects.filter(state=NodeState.READY).count() >= len(fleet_nodes), 180, 1)
+        ready = Node.objects.filter(state=NodeState.READY).count()
+        connection.close()
+        print(f"fleet: {ready} of {len(fleet_nodes)} nodes READY after {time.monotonic() - t0:.1f} s")
+        if not ok:
+            return 1
+        time.sleep(5)  # past the registration burst: heartbeats and polls at their steady pace
+
+        metrics_before = scrape_metrics(base)
+        window = (time.time(), None)
+        load_avg = os.getloadavg()
+        results, created, sample_errors, elapsed = asyncio.run(
+            tenant_load(base, tokens, args.rate, args.duration, models)
+        )
+        window = (window[0], time.time())
+        load_after = os.getloadavg()
+        print(f"load: {len(results)} tenant requests in {elapsed:.1f} s; load average {load_after[0]:.2f} "
+              f"(before {load_avg[0]:.2f}) on {os.cpu_count()} CPUs")  # fmt: skip
+
+        from scheduling.models import Workload, WorkloadEvent, WorkloadState
+
+        ids = [wid for _, wid in created]
+        waiting = (WorkloadState.PENDING, WorkloadState.QUEUED)
+
+        def settled() -> bool:
+            n = Workload.objects.filter(pk__in=ids, state__in=waiting, pending_reason="").count()
+            connection.close()
+            return n == 0
+
+        wait_for(settled, args.settle, 1)
+        metrics_after = scrape_metrics(base)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    # --- figures ----------------------------------------------------------------------------------------
+    report: dict[str, dict] = {}
+    by_endpoint: dict[str, list] = defaultdict(list)
+    for endpoint, seconds, status, _ in results:
+        by_endpoint[endpoint].append((seconds, status))
+    agent_rows: dict[str, list] = defaultdict(list)
+    for out in agent_outs:
+        try:
+            for at, kind, seconds, status in json.loads(out.read_text()):
+                if window[0] <= at <= window[1]:
+                    agent_rows[kind].append((seconds, status))
+        except (OSError, ValueError):
+            print(f"no agent timings in {out}", file=sys.stderr)
+    span = window[1] - window[0]
+    print(f"\n{'endpoint':42} {'req/s':>7} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'errors':>6}")
+    for endpoint, rows in sorted({**by_endpoint, **agent_rows}.items()):
+        lat = [s * 1000 for s, _ in rows]
+        # A long poll that ends without a command answers 204 after its wait: not an error.
+        errs = sum(1 for _, st in rows if st == 0 or st >= 400)
+        report[endpoint] = {
+            "rps": round(len(rows) / span, 1),
+            "p50_ms": round(pct(lat, 50), 1),
+            "p95_ms": round(pct(lat, 95), 1),
+            "p99_ms": round(pct(lat, 99), 1),
+            "errors": errs,
+        }
+        r = report[endpoint]
+        print(
+            f"{endpoint:42} {r['rps']:7.1f} {r['p50_ms']:8.1f} {r['p95_ms']:8.1f} {r['p99_ms']:8.1f} {errs:6d}"
+        )
+    reads = [s * 1000 for e, s, st, _ in results if e.startswith("GET")]
+    tenant_errors = sum(1 for _, _, st, _ in results if st == 0 or st >= 400)
+    agent_errors = sum(1 for rows in agent_rows.values() for _, st in rows if st == 0 or st >= 400)
+    lags = sorted(lag for *_, lag in results)
+    total_requests = len(results) + sum(len(rows) for rows in agent_rows.values())
+    for (endpoint, status), text in sorted(sample_errors.items()):
+        n = sum(1 for e, _, st, _ in results if (e, st) == (endpoint, status))
+        print(f"error: {endpoint} answered {status or 'no answer'} {n} time(s), e.g. {text}")
+
+    first_scheduled: dict[int, float] = {}
+    for wid, at in WorkloadEvent.objects.filter(
+        workload_id__in=ids, to_state=WorkloadState.SCHEDULED
+    ).values_list("workload_id", "at"):
+        t = at.timestamp()
+        first_scheduled[wid] = min(first_scheduled.get(wid, t), t)
+    submitted = dict(Workload.objects.filter(pk__in=ids).values_list("pk", "submitted_at"))
+    waits = sorted((first_scheduled[w] - submitted[w].timestamp()) * 1000 for w in first_scheduled)
+    states = defaultdict(int)
+    no_reason = 0
+    for state, reason in Workload.objects.filter(pk__in=ids).values_list("state", "pending_reason"):
+        states[state] += 1
+        if state in waiting and not reason:
+            no_reason += 1
+    reasons = defaultdict(int)
+    for reason in Workload.objects.filter(pk__in=ids, state__in=waiting).values_list(
+        "pending_reason", flat=True
+    ):
+        reasons[reason or "(none)"] += 1
+    connection.close()
+    if not args.keep:
+        drop_database(base_db, args.db_name)
+
+    print(
+        f"\nsubmitted {len(ids)} workloads; scheduled {len(waits)}: submit -> SCHEDULED p50 {pct(waits, 50):.0f} ms, "
+        f"p95 {pct(waits, 95):.0f} ms, max {waits[-1] if waits else 0:.0f} ms"
+    )
+    print(
+        f"states now: {dict(sorted(states.items()))}; waiting by reason: {dict(reasons)}; waiting without a reason: {no_reason}"
+    )
+    cycles = {
+        k: metrics_after.get(k, 0) - metrics_before.get(k, 0)
+        for k in ("cycles_ok", "cycles_failed", "cycles_skipped")
+    }
+    n_cycles = metrics_after.get("count_cycle", 0) - metrics_before.get("count_cycle", 0)
+    mean_cycle = (
+        (metrics_after.get("sum_cycle", 0) - metrics_before.get("sum_cycle", 0)) / n_cycles if n_cycles else 0
+    )
+    n_tasks = metrics_after.get("task_latency_count", 0) - metrics_before.get("task_latency_count", 0)
+    mean_task = (
+        (metrics_after.get("task_latency_sum", 0) - metrics_before.get("task_latency_sum", 0)) / n_tasks
+        if n_tasks
+        else 0
+    )
+    print(f"/metrics over the run: cycles {cycles}, mean cycle {mean_cycle * 1000:.0f} ms; "
+          f"{n_tasks:.0f} tasks, mean publish->start {mean_task * 1000:.0f} ms")  # fmt: skip
+    print(
+        f"client: start lag p99 {pct(lags, 99) * 1000:.1f} ms (a busy load generator delays its own requests)"
+    )
+    rps = total_requests / span
+    figures = {
+        "rps": round(rps, 1),
+        "tenant_rps": round(len(results) / span, 1),
+        "read_p50_ms": round(pct(reads, 50), 1),
+        "read_p95_ms": round(pct(reads, 95), 1),
+        "read_p99_ms": round(pct(reads, 99), 1),
+        "errors": tenant_errors + agent_errors,
+        "submitted": len(ids),
+        "scheduled": len(waits),
+        "submit_to_scheduled_p50_ms": round(pct(waits, 50), 1),
+        "submit_to_scheduled_p95_ms": round(pct(waits, 95), 1),
+        "waiting_without_reason": no_reason,
+        "nodes": len(fleet_nodes),
+        "duration_s": round(span, 1),
+        "load_avg_1m": round(load_after[0], 2),
+        "cpus": os.cpu_count(),
+        "endpoints": report,
+    }
+    print(json.dumps(figures))
+    return 0 if figures["errors"] == 0 and no_reason == 0 else 1
+
+
+def _up(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())

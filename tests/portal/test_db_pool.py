@@ -1,0 +1,51 @@
+"""DB_POOL_MAX_SIZE: each process borrows its PostgreSQL connections from a pool of that size."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parents[2]
+CHILD = """
+import threading, django
+django.setup()
+from django.db import connection, connections
+from django.conf import settings
+print("options", settings.DATABASES["default"]["OPTIONS"].get("pool"), settings.DATABASES["default"]["CONN_MAX_AGE"])
+def query():
+    with connection.cursor() as c:
+        c.execute("SELECT pg_backend_pid()")
+        pids.append(c.fetchone()[0])
+    connections.close_all()  # back to the pool
+pids = []
+threads = [threading.Thread(target=query) for _ in range(8)]  # a new thread per request, as ASGI
+for t in threads: t.start()
+for t in threads: t.join()
+print("pids", len(set(pids)), "pool", type(connection.pool).__name__)
+"""
+
+
+def test_a_pool_is_used_and_reuses_connections_across_threads():
+    if connection.vendor != "postgresql":
+        pytest.skip("the pool is PostgreSQL's (psycopg_pool)")
+    db = connection.settings_dict
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "portal.settings",
+        "DEBUG": "1",
+        "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
+        "DB_POOL_MAX_SIZE": "2",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert "options {'min_size': 1, 'max_size': 2, 'timeout': 10} 0" in out.stdout
+    # Eight threads, at most two server connections between them.
+    pids = int(out.stdout.split("pids ")[1].split()[0])
+    assert 1 <= pids <= 2 and "pool ConnectionPool" in out.stdout
