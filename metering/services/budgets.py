@@ -98,6 +98,18 @@ def clean_thresholds(value) -> list[int]:
     return sorted(out)
 
 
+def thresholds_of(budget: Budget) -> list[int]:
+    """A stored budget's thresholds; a value that is not valid (edited in the admin, say) counts
+    as the default rather than stopping the alerts of every tenant."""
+    try:
+        return clean_thresholds(budget.alert_thresholds)
+    except ValidationFailed:
+        logger.warning(
+            "Budget %s has invalid alert thresholds %r; using the default", budget.pk, budget.alert_thresholds
+        )
+        return default_alert_thresholds()
+
+
 def budget_set(
     *, tenant: Tenant, monthly_limit, hard_limit: bool = False, alert_thresholds=None, actor: Actor
 ) -> Budget:
@@ -161,7 +173,7 @@ def budget_status(*, tenant: Tenant, now: datetime | None = None) -> BudgetStatu
         as_of=as_of,
         monthly_limit=budget.monthly_limit if budget else None,
         hard_limit=budget.hard_limit if budget else False,
-        alert_thresholds=clean_thresholds(budget.alert_thresholds) if budget else [],
+        alert_thresholds=thresholds_of(budget) if budget else [],
         alerts_fired=fired,
     )
 
@@ -206,7 +218,7 @@ def costs_to_date_update(*, now: datetime | None = None) -> int:
     for tenant_id, budget in budgets.items():
         amount = costs.get(tenant_id, ZERO)
         percent = _percent(amount, budget.monthly_limit)
-        for threshold in clean_thresholds(budget.alert_thresholds):
+        for threshold in thresholds_of(budget):
             if percent >= threshold and (tenant_id, threshold) not in fired:
                 budget_alert_fire(
                     budget=budget,

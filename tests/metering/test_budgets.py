@@ -176,3 +176,16 @@ def test_the_dashboard_shows_the_cost_panel_to_billing_members(client, tenant, o
     client.force_login(Membership.objects.get(tenant=tenant, role=Role.MEMBER).user)
     assert b"/panels/budget/" not in client.get("/").content
     assert client.get("/panels/budget/", HTTP_HX_REQUEST="true").status_code == 403
+
+
+def test_a_budget_with_junk_thresholds_alerts_at_the_defaults_and_others_still_run(
+    tenant, make_tenant, card, run
+):
+    other = make_tenant("other")
+    Budget.objects.create(tenant=tenant, monthly_limit=Decimal("2"), alert_thresholds=["x", None])
+    Budget.objects.create(tenant=other, monthly_limit=Decimal("2"))
+    run(tenant, utc(2024, 3, 1, 0), utc(2024, 3, 1, 1))  # 2.00 = 100 %
+    run(other, utc(2024, 3, 1, 0), utc(2024, 3, 1, 1))
+    costs_to_date_update(now=utc(2024, 3, 1, 2))
+    for t in (tenant, other):
+        assert list(BudgetAlert.objects.filter(tenant=t).values_list("threshold", flat=True)) == [50, 80, 100]
