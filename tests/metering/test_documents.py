@@ -120,7 +120,9 @@ def test_web_downloads_for_billing_not_viewers(invoice, member_client, make_tena
     csv_response = billing.get(f"/billing/invoices/{invoice.pk}/csv/")
     assert csv_response.status_code == 200 and csv_response["Content-Type"].startswith("text/csv")
 
+    assert 'href="/billing/invoices/"' in billing.get("/").content.decode()  # the sidebar entry
     viewer = member_client(tenant, Role.VIEWER)
+    assert 'href="/billing/invoices/"' not in viewer.get("/").content.decode()
     denied = viewer.get(f"/billing/invoices/{invoice.pk}/pdf/")
     assert denied.status_code == 403 and b"billing" in denied.content.lower()
 

@@ -213,6 +213,8 @@ def test_pages_render_with_tables_charts_and_csv(books, staff_client):
     assert "<svg" in html and "Revenue by month (USD)" in html
     assert "1,103.00 USD" in html and "20.03 USD" in html and "1,120.03 USD" in html  # net March
     assert 'href="/staff/finance/receivables/"' in html
+    default = staff_client.get("/staff/finance/")  # the last 12 months, by month
+    assert default.status_code == 200 and 'class="nav-link active"' in default.content.decode()
 
     export = staff_client.get("/staff/finance/?start=2024-03&end=2024-03&group=region&export=csv")
     assert export.status_code == 200 and export["Content-Type"].startswith("text/csv")
@@ -259,6 +261,7 @@ def test_bad_filters_answer_400_naming_the_field(staff_client):
 
 
 def test_only_staff_see_finance(books, tenant_client, client, make_token, api, tenant):
+    assert 'href="/staff/finance/"' not in tenant_client.get("/").content.decode()  # no nav entry
     for url in ("/staff/finance/", "/staff/finance/gpu-hours/", "/staff/finance/receivables/"):
         assert tenant_client.get(url).status_code == 403
         assert tenant_client.get(url + "?export=csv").status_code == 403
@@ -293,3 +296,33 @@ def test_the_staff_api_gives_the_same_numbers(books, staff_client, make_tenant, 
     assert row["capacity_gpu_hours"] == "7296.000" and row["busy_pct"] == "50.00"
     rec = api(plaintext).get("/api/staff/v1/finance/receivables/").json()
     assert rec["totals"]["USD"]["outstanding"] == "1104.40"
+
+
+def test_currencies_are_never_added_together_and_labels_are_escaped(books, make_tenant, staff_client):
+    from metering.models import Invoice, InvoiceLine, LineKind
+
+    euro = make_tenant("euro", name="<b>Euro & Co</b>")
+    inv = Invoice.objects.create(
+        tenant=euro, period_start=MARCH, period_end=APRIL, currency="EUR", subtotal=D("50"), total=D("50")
+    )
+    InvoiceLine.objects.create(
+        tenant=euro,
+        invoice=inv,
+        position=1,
+        kind=LineKind.ON_DEMAND,
+        plan="on_demand",
+        description="x",
+        amount=D("50"),
+    )
+    Invoice.objects.filter(pk=inv.pk).update(status="finalized", due_at=utc(2024, 4, 18))
+
+    report = reports.revenue_report(first=MARCH, last=MARCH, group_by="tenant")
+    assert {(t.currency, t.charges) for t in report.totals} == {("USD", D("1123.030")), ("EUR", D("50"))}
+    assert {(r.currency, r.label, r.amount) for r in report.rows if r.currency == "EUR"} == {
+        ("EUR", "<b>Euro & Co</b>", D("50"))
+    }
+    html = staff_client.get("/staff/finance/?start=2024-03&end=2024-03&group=tenant").content.decode()
+    assert "Revenue by month (EUR)" in html and "50.00 EUR" in html and "1,123.03 USD" in html
+    assert "<b>Euro" not in html and "&lt;b&gt;Euro &amp; Co&lt;/b&gt;" in html
+    totals = reports.receivables_report(now=utc(2024, 5, 10)).totals()
+    assert totals["EUR"]["1-30"] == D("50") and totals["USD"]["outstanding"] == D("1104.400")
