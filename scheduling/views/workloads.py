@@ -135,7 +135,12 @@ class WorkloadListView(WorkloadsMixin, View):
         form = WorkloadFilterForm(
             request.GET or None, regions=list(Region.objects.order_by("code").values_list("code", flat=True))
         )
-        qs = selectors.workloads_for_tenant(tenant=self.tenant).order_by("-id")
+        # The rows show none of the spec's JSON and long text: not read (nor parsed) for 100 rows.
+        qs = (
+            selectors.workloads_for_tenant(tenant=self.tenant)
+            .defer("command", "env", "ports", "ssh_public_key", "log_tail", "pending_message")
+            .order_by("-id")
+        )
         status, per_page = 200, DEFAULT_PAGE_SIZE
         if form.is_bound:
             if form.is_valid():
@@ -152,6 +157,7 @@ class WorkloadListView(WorkloadsMixin, View):
             "workloads": list(page.object_list),
             "filtered": form.active,
             "can_launch": self.has_scope(Scope.WRITE),
+            "workloads_url": reverse("scheduling:workloads"),
         }
         return self.render(context, status=status)
 
