@@ -18,7 +18,7 @@ from django.http import HttpResponse
 from django.utils import timezone
 from django.views.generic import View
 
-from metering import reports
+from metering import reports, reports_csv
 from metering.charts import bar_chart
 from metering.documents import (
     DocumentUnavailable,
@@ -181,7 +181,7 @@ class RevenueView(_ReportView):
         )
         if _wants_csv(request):
             return _csv_response(
-                reports.revenue_csv_rows(report),
+                reports_csv.revenue_csv_rows(report),
                 f"revenue-{f['start']:%Y-%m}-{f['end']:%Y-%m}-{f['group']}.csv",
             )
         return self.page(
@@ -249,7 +249,7 @@ class GpuHoursView(_ReportView):
         rows = reports.gpu_hours_report(first=f["start"], last=f["end"], group_by=f["group"])
         if _wants_csv(request):
             return _csv_response(
-                reports.gpu_hours_csv_rows(rows),
+                reports_csv.gpu_hours_csv_rows(rows),
                 f"gpu-hours-{f['start']:%Y-%m}-{f['end']:%Y-%m}-{f['group']}.csv",
             )
         months = reports.months_between(f["start"], f["end"])
@@ -276,7 +276,7 @@ class ReceivablesView(_ReportView):
         report = reports.receivables_report()
         if _wants_csv(request):
             return _csv_response(
-                reports.receivables_csv_rows(report), f"receivables-{report.at:%Y-%m-%d}.csv"
+                reports_csv.receivables_csv_rows(report), f"receivables-{report.at:%Y-%m-%d}.csv"
             )
         totals = report.totals()
         blocks = []
