@@ -620,6 +620,11 @@ class Agent:
                     mig.uuid == uuid for gpu in inventory.gpus for mig in gpu.mig_devices
                 ):
                     raise RuntimeFailure(f"GPU {uuid} is not on this node")
+            sliced = [] if spec.mig_profile else self.mig.holding(spec.gpu_uuids)
+            if sliced:
+                raise RuntimeFailure(
+                    f"MIG slices of workloads {', '.join(sliced)} are on its GPU; other work waits for them"
+                )
         mig = bool(spec.mig_profile) and (known is None or spec.workload_id in self.mig.records())
         self.mig.starting.add(spec.workload_id)
         try:
@@ -680,7 +685,7 @@ class Agent:
         uuid = str(payload["gpu_uuid"])
         statuses = await self._runtime_status()
         busy = [s.workload_id for s in statuses if not s.terminal and uuid in s.gpu_uuids]
-        busy += [wid for wid, record in self.mig.records().items() if record["gpu_uuid"] == uuid]
+        busy += self.mig.holding([uuid])
         if busy:
             raise RuntimeFailure(
                 f"GPU {uuid} runs workloads {', '.join(busy)}; MIG can change only on an idle GPU"

@@ -37,6 +37,10 @@ class MigSlices:
     def records(self) -> dict[str, dict[str, str]]:
         return json.loads(self.buffer.get(RECORDS, "{}") or "{}")
 
+    def holding(self, gpu_uuids: list[str]) -> list[str]:
+        """Workloads whose slices are on any of these GPUs."""
+        return [wid for wid, record in self.records().items() if record["gpu_uuid"] in gpu_uuids]
+
     def _save(self, records: dict[str, dict[str, str]]) -> None:
         self.buffer.set(RECORDS, json.dumps(records))
 

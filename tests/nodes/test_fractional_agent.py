@@ -251,6 +251,9 @@ def test_no_slice_on_a_gpu_running_other_work_nor_past_seven_slices(agent: Agent
     )
     assert state == "failed" and "4 of 7 slices in use" in message
     assert len(gpu_info(agent, 1).mig_devices) == 1
+    # Nor other work on a GPU holding slices.
+    state, _, message = run_command(agent, "c6", "start_workload", start_payload(agent, "s2", None, gpu=1))
+    assert state == "failed" and "MIG slices of workloads m2 are on its GPU" in message
     # Staff cannot reconfigure MIG under a workload's slice.
     state, _, message = run_command(
         agent, "c5", "configure_mig", {"gpu_uuid": agent.inventory.gpus[1].uuid, "enable": False}

@@ -3,15 +3,21 @@ allocation rows, the constraint, the memory limit sent to the agent) and MIG sli
 
 from __future__ import annotations
 
+from datetime import timedelta
 from decimal import Decimal
 
 import pytest
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
+from django.utils import timezone
 
+from metering.models import RateCard, UsageRecord
+from metering.services.rates import rate_card_version_create
+from metering.services.usage import usage_build
 from nodes.models import CommandKind, GpuModel, NodeCommand
-from scheduling.models import Allocation
+from scheduling.models import Allocation, Plan
 from scheduling.models import WorkloadState as S
+from scheduling.services.lifecycle import workload_on_command_finished, workload_on_exited
 from tests.scheduling.conftest import H100, reload
 
 pytestmark = pytest.mark.django_db
@@ -165,3 +171,33 @@ def test_a_share_waits_for_a_gpu_holding_mig_slices_and_vice_versa(tenant, make_
     cycle()
     assert reload(m).state == S.SCHEDULED
     assert reload(s).state == S.QUEUED and reload(s).pending_reason == "capacity"
+
+
+def test_billing_counts_the_fraction_asked_for_not_the_span(tenant, make_node, submit, cycle):
+    h100 = GpuModel.objects.get(name=H100)
+    card = RateCard.objects.create(name="Standard", currency="USD", is_default=True)
+    start = timezone.now() - timedelta(hours=2)
+    rate_card_version_create(
+        rate_card=card, effective_from=start, gpu_prices={(h100.pk, Plan.ON_DEMAND): "2.00"}, allow_past=True
+    )
+    _factor("1.20")
+    node = make_node(gpus=1)
+    a, b = submit(tenant, gpu_fraction_milli=600), submit(tenant, gpu_fraction_milli=600)
+    cycle()
+    for w in (a, b):
+        started = {"state": "running"}
+        payload = _payload(w)
+        workload_on_command_finished(
+            kind=CommandKind.START_WORKLOAD,
+            payload=payload,
+            node_id=node.pk,
+            state="succeeded",
+            result=started,
+        )
+        workload_on_exited(node_id=node.pk, workload_id=w.pk, state="exited", exit_code=0)
+    usage_build(tenant=tenant)
+    records = list(UsageRecord.objects.filter(workload__in=[a, b]))
+    assert len(records) == 2
+    for r in records:
+        assert r.fraction_milli == 600
+        assert r.gpu_seconds == (r.seconds + r.minimum_topup_s) * Decimal("0.6")
