@@ -3,18 +3,21 @@ allocation rows, the constraint, the memory limit sent to the agent) and MIG sli
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from decimal import Decimal
 
 import pytest
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
+from django.forms.models import model_to_dict
 from django.utils import timezone
 
 from metering.models import RateCard, UsageRecord
 from metering.services.rates import rate_card_version_create
 from metering.services.usage import usage_build
 from nodes.models import CommandKind, GpuModel, NodeCommand
+from portal.models import User
 from scheduling.models import Allocation, Plan
 from scheduling.models import WorkloadState as S
 from scheduling.services.lifecycle import workload_on_command_finished, workload_on_exited
@@ -201,3 +204,19 @@ def test_billing_counts_the_fraction_asked_for_not_the_span(tenant, make_node, s
     for r in records:
         assert r.fraction_milli == 600
         assert r.gpu_seconds == (r.seconds + r.minimum_topup_s) * Decimal("0.6")
+
+
+def test_staff_set_the_factor_in_the_catalog_admin(client):
+    client.force_login(User.objects.create_superuser(email="ops@gpupool.test", password="pw-staff-1"))
+    model = GpuModel.objects.get(name=H100)
+    listing = client.get("/admin/nodes/gpumodel/")
+    assert listing.status_code == 200 and b"oversubscription" in listing.content
+    url = f"/admin/nodes/gpumodel/{model.pk}/change/"
+    form = {k: v for k, v in model_to_dict(model).items() if v is not None}
+    form.update(aliases=json.dumps(model.aliases), mig_profiles=json.dumps(model.mig_profiles))
+    refused = client.post(url, {**form, "oversubscription": "4.50"})
+    assert refused.status_code == 200
+    assert "oversubscription" in refused.context["adminform"].form.errors
+    assert client.post(url, {**form, "oversubscription": "1.50"}).status_code == 302
+    model.refresh_from_db()
+    assert model.oversubscription == Decimal("1.50")
