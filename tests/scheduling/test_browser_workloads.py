@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -82,7 +83,18 @@ def workload():
 def count():
     print(Workload.objects.count())
 
-{"seed": seed, "nodes": nodes, "workload": workload, "count": count}[command]()
+def submit():  # a launch through the API's service, as another member's script would
+    from portal.models import Tenant
+    from scheduling.services.submission import workload_submit
+    w = workload_submit(tenant=Tenant.objects.get(slug="lab"), kind="job", actor=Actor.system(),
+                        spec={"name": args[0], "gpu_models": ["H100"], "image": "x:1", "command": ["sleep", "1"]})
+    print(w.pk)
+
+def stop():
+    from scheduling.services.lifecycle import workload_stop
+    workload_stop(workload=Workload.objects.get(pk=int(args[0])), actor=Actor.system())
+
+{"seed": seed, "nodes": nodes, "workload": workload, "count": count, "submit": submit, "stop": stop}[command]()
 """
 
 
@@ -300,7 +312,17 @@ def test_launch_an_instance_watch_it_run_see_its_gpus_and_stop_it(stack, page):
     page.locator(".sidebar").get_by_role("link", name="Workloads").click()
     expect(page.locator(f"#workload-{wid} [data-workload-state]")).to_have_text("Stopped")
     expect(page.locator("[data-live-status]")).to_have_attribute("data-state", "open")
+    other = int(stack.manage("submit", "nightly-eval"))
+    note = page.locator("[data-new-workloads]")
+    expect(note).to_contain_text("1 new workload(s)", timeout=LIVE_TIMEOUT_MS)
+    expect(page.locator(f'#workload-rows [data-workload-state="{other}"]')).to_have_count(0)
     page.screenshot(path=str(SCREENSHOTS / "workloads.png"), full_page=True)
+    note.get_by_role("link", name="Show them").click()
+    expect(page.locator(f"#workload-{other}")).to_contain_text("nightly-eval")
+    stack.manage("stop", str(other))
+    expect(page.locator(f'#workload-{other} [data-workload-state="{other}"]')).to_have_text(
+        re.compile("Stopping|Stopped"), timeout=LIVE_TIMEOUT_MS
+    )
 
 
 def test_a_viewer_cannot_launch(stack, page):
