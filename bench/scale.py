@@ -116,8 +116,14 @@ def agents_child(fleet_file: str, portal_url: str, state_root: str, out: str) ->
 # --- the load generator -----------------------------------------------------------------------------
 
 
-async def tenant_load(base: str, tokens: list[str], rate: float, duration: float, models: list[str]):
-    """Open loop: requests start at fixed intervals (1/rate) whatever the answers take."""
+MAX_IN_FLIGHT = 256  # the client's connections; a request due while all are busy is not sent
+REQUEST_TIMEOUT_S = 30
+
+
+async def tenant_load(base: str, tokens: list[str], rate: float, duration: float, models: dict[str, int]):
+    """Open loop: requests start at fixed intervals (1/rate) whatever the answers take. A request
+    due while MAX_IN_FLIGHT are outstanding is counted as an error (status -1) and not sent; one
+    that takes longer than REQUEST_TIMEOUT_S in all is an error (status 0)."""
     names = [n for n, _ in MIX]
     weights = [w for _, w in MIX]
     rng = random.Random(7)
@@ -125,11 +131,13 @@ async def tenant_load(base: str, tokens: list[str], rate: float, duration: float
     created: list[tuple[str, int]] = []  # (kind, workload id)
     jobs_of: dict[int, list[int]] = defaultdict(list)
     errors: dict[tuple[str, int], str] = {}  # the first answer of each failing (endpoint, status)
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    limits = httpx.Limits(max_connections=MAX_IN_FLIGHT, max_keepalive_connections=MAX_IN_FLIGHT)
+    in_flight = 0
 
     async with httpx.AsyncClient(base_url=base, timeout=30, limits=limits) as client:
 
         async def one(endpoint: str, t: int, due: float) -> None:
+            nonlocal in_flight
             headers = {"Authorization": f"Bearer {tokens[t]}"}
             method, path = endpoint.split(" ")
             body = None
@@ -140,9 +148,10 @@ async def tenant_load(base: str, tokens: list[str], rate: float, duration: float
                 else:
                     path = f"/api/v1/jobs/{rng.choice(jobs_of[t])}/"
             elif method == "POST":
+                model = rng.choice(list(models))
                 spec = {
-                    "gpu_models": [rng.choice(models)],
-                    "gpu_count": rng.choice((1, 1, 1, 2, 4)),
+                    "gpu_models": [model],
+                    "gpu_count": rng.choice([n for n in (1, 1, 1, 2, 4) if n <= models[model]]),
                     "image": "ghcr.io/bench/train:1",
                 }
                 if "jobs" in path:
@@ -153,8 +162,15 @@ async def tenant_load(base: str, tokens: list[str], rate: float, duration: float
                 body = spec
             lag = time.monotonic() - due
             started = time.perf_counter()
+            if in_flight >= MAX_IN_FLIGHT:
+                errors.setdefault((endpoint, -1), f"not sent: {in_flight} requests in flight")
+                results.append((endpoint, 0.0, -1, lag))
+                return
+            in_flight += 1
             try:
-                response = await client.request(method, path, headers=headers, json=body)
+                response = await asyncio.wait_for(
+                    client.request(method, path, headers=headers, json=body), REQUEST_TIMEOUT_S
+                )
                 status = response.status_code
                 if method == "POST" and status == 201:
                     wid = response.json()["id"]
@@ -163,9 +179,11 @@ async def tenant_load(base: str, tokens: list[str], rate: float, duration: float
                         jobs_of[t].append(wid)
                 elif status >= 400 and (endpoint, status) not in errors:
                     errors[(endpoint, status)] = response.text[:200]
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, TimeoutError) as exc:
                 status = 0
                 errors.setdefault((endpoint, 0), f"{type(exc).__name__} {exc}")
+            finally:
+                in_flight -= 1
             results.append((endpoint, time.perf_counter() - started, status, lag))
 
         tasks = []
@@ -173,9 +191,7 @@ async def tenant_load(base: str, tokens: list[str], rate: float, duration: float
         n = int(rate * duration)
         for i in range(n):
             due = start + i / rate
-            delay = due - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            await asyncio.sleep(max(due - time.monotonic(), 0))  # yields even when behind
             endpoint = rng.choices(names, weights)[0]
             tasks.append(asyncio.create_task(one(endpoint, rng.randrange(len(tokens)), due)))
         await asyncio.gather(*tasks)
@@ -210,7 +226,7 @@ def stack_env(db_url: str, redis_url: str, var_dir: Path, pool_size: int) -> dic
     return env
 
 
-def seed(args, port: int) -> tuple[list[str], list[dict], list[str]]:
+def seed(args, port: int) -> tuple[list[str], list[dict], dict[str, int]]:
     """Tenants with tokens, regions, a rate card, and the fleet's bootstrap tokens."""
     from datetime import UTC, datetime
 
@@ -228,6 +244,7 @@ def seed(args, port: int) -> tuple[list[str], list[dict], list[str]]:
         for code in REGIONS
     }
     models = {m: GpuModel.objects.get(name=m) for m, *_ in FLEET_MIX}
+    per_node = {m: count for m, _, count, *_ in FLEET_MIX}
     card = RateCard.objects.create(name="Bench", currency="USD", is_default=True)
     prices = {"on_demand": "2.00", "spot": "0.80", "reserved": "1.50"}
     rate_card_version_create(
@@ -265,7 +282,7 @@ def seed(args, port: int) -> tuple[list[str], list[dict], list[str]]:
                 "gpus": [{"model": driver, "count": count, "memory_mib": models[model].memory_gib * 1024}],
             }
         )
-    return tokens, nodes, list(models)
+    return tokens, nodes, per_node
 
 
 def wait_for(predicate, timeout: float, every: float = 0.5) -> bool:
@@ -434,9 +451,9 @@ def main() -> int:
     span = window[1] - window[0]
     print(f"\n{'endpoint':42} {'req/s':>7} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'errors':>6}")
     for endpoint, rows in sorted({**by_endpoint, **agent_rows}.items()):
-        lat = [s * 1000 for s, _ in rows]
+        lat = [s * 1000 for s, st in rows if st > 0]
         # A long poll that ends without a command answers 204 after its wait: not an error.
-        errs = sum(1 for _, st in rows if st == 0 or st >= 400)
+        errs = sum(1 for _, st in rows if st <= 0 or st >= 400)
         report[endpoint] = {
             "rps": round(len(rows) / span, 1),
             "p50_ms": round(pct(lat, 50), 1),
@@ -448,9 +465,9 @@ def main() -> int:
         print(
             f"{endpoint:42} {r['rps']:7.1f} {r['p50_ms']:8.1f} {r['p95_ms']:8.1f} {r['p99_ms']:8.1f} {errs:6d}"
         )
-    reads = [s * 1000 for e, s, st, _ in results if e.startswith("GET")]
-    tenant_errors = sum(1 for _, _, st, _ in results if st == 0 or st >= 400)
-    agent_errors = sum(1 for rows in agent_rows.values() for _, st in rows if st == 0 or st >= 400)
+    reads = [s * 1000 for e, s, st, _ in results if e.startswith("GET") and st > 0]
+    tenant_errors = sum(1 for _, _, st, _ in results if st <= 0 or st >= 400)
+    agent_errors = sum(1 for rows in agent_rows.values() for _, st in rows if st <= 0 or st >= 400)
     lags = sorted(lag for *_, lag in results)
     total_requests = len(results) + sum(len(rows) for rows in agent_rows.values())
     for (endpoint, status), text in sorted(sample_errors.items()):

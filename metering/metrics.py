@@ -44,7 +44,7 @@ def invoice_run_recorded():
     propagates."""
     try:
         yield
-    except BaseException:
+    except Exception:
         metrics_store_safely(INVOICE_RUN_LAST_FAILURE.set(time.time()))
         raise
     metrics_store_safely(INVOICE_RUN_LAST_SUCCESS.set(time.time()))

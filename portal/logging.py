@@ -132,7 +132,5 @@ def logging_config(*, fmt: str, level: str) -> dict[str, Any]:
         "loggers": {
             "django": {"handlers": ["console"], "level": "INFO", "propagate": False},
             "django.db.backends": {"level": "WARNING"},
-            # Celery installs its own handlers unless told otherwise (CELERY_WORKER_HIJACK_ROOT_LOGGER).
-            "celery": {"level": "INFO"},
         },
     }

@@ -74,7 +74,7 @@ def cycle_recorded():
     started = time.perf_counter()
     try:
         yield outcome
-    except BaseException:
+    except Exception:
         cycle_record(result="failed", seconds=time.perf_counter() - started)
         raise
     r = outcome.get("result")
