@@ -69,6 +69,10 @@ class LaunchForm(forms.Form):
         help_text="A share (½, ¼, ⅛) is of one GPU: the count must then be 1.",
     )  # fmt: skip
     region = forms.CharField(label="Region", required=False, max_length=32, widget=forms.Select)
+    other_regions_ok = forms.BooleanField(
+        label="Or another region when this one is full", required=False, initial=True,
+        help_text="Only with a region chosen; the price is then that region's.",
+    )  # fmt: skip
     plan = forms.ChoiceField(label="Plan", choices=Plan.choices, initial=Plan.ON_DEMAND)
     reservation = forms.TypedChoiceField(
         label="Reservation", required=False, coerce=int, empty_value=None,
@@ -102,6 +106,7 @@ class LaunchForm(forms.Form):
         if models and not self.is_bound:
             self.fields["gpu_model"].initial = models[0].name
         self.fields["region"].widget.choices = [("", "Any region"), *((c, c) for c in regions)]
+        self.fields["region"].widget.attrs.pop("maxlength", None)  # a select has no length
         self.fields["reservation"].choices = [("", "None")] + [
             (r.pk, f"#{r.pk}: {r.count} x {r.gpu_model.name} in {r.region.code}, until {r.ends_at:%Y-%m-%d}")
             for r in reservations
@@ -129,6 +134,8 @@ class LaunchForm(forms.Form):
         for key in ("region", "template", "ssh_public_key"):
             if d[key]:
                 spec[key] = d[key]
+        if d["region"]:
+            spec["other_regions_ok"] = d["other_regions_ok"]
         if d["command"]:
             spec["command"] = d["command"]
         if d["reservation"] is not None:

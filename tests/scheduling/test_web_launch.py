@@ -143,15 +143,20 @@ def test_launching_goes_through_the_submission_service(client, fleet, tenant, ow
         "us-east-1",
     )
     assert [m.name for m in w.gpu_models.all()] == [H100] and w.ssh_public_key == KEY
+    assert w.other_regions_ok is False  # the box was not ticked: this region only
     assert w.state == "pending" and WorkloadEvent.objects.filter(workload=w, reason="submitted").exists()
     assert AuditEvent.objects.filter(action="instance.submit", actor_user=owner).exists()
     # a job with a command split like a shell would
     r = client.post(
         "/launch/",
-        launch_data(kind="job", ssh_public_key="", command="python train.py --name 'big run'", gpu_count="1"),
-    )
+        launch_data(
+            kind="job", ssh_public_key="", command="python train.py --name 'big run'", gpu_count="1",
+            other_regions_ok="on",
+        ),
+    )  # fmt: skip
     job = Workload.objects.get(kind="job")
     assert r.status_code == 302 and job.command == ["python", "train.py", "--name", "big run"]
+    assert job.other_regions_ok is True
 
 
 @pytest.mark.parametrize(
