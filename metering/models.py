@@ -159,7 +159,7 @@ class UsageRecord(TenantOwnedModel):
     """
 
     # Few indexes: the monthly run rewrites every record's ``invoice`` once, and each index costs
-    # a write per record. Tenant and allocation are served by ``usage_tenant_period`` and the
+    # a write per record. Tenant and allocation are served by ``usage_tenant_period_id`` and the
     # unique segment; model, region and version are never looked up by themselves (only a
     # delete of one of those, which PROTECT refuses anyway, would scan).
     tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="+", db_index=False)
@@ -208,7 +208,8 @@ class UsageRecord(TenantOwnedModel):
             models.CheckConstraint(condition=Q(amount__gte=0), name="usagerecord_amount_nonneg"),
         ]
         indexes = [
-            models.Index(fields=["tenant", "period_start"], name="usage_tenant_period"),
+            # A tenant's month in id order: the run's aggregates and the API's cursor pages.
+            models.Index(fields=["tenant", "period_start", "id"], name="usage_tenant_period_id"),
             models.Index(fields=["invoice"], name="usage_invoice"),
         ]
 
