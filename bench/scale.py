@@ -5,8 +5,8 @@
 Creates (drops first) a database of its own (``gpupool_scale`` on DATABASE_URL's server) and uses
 Redis database 9 (``--redis-url``; flushed first). Starts two uvicorn web processes, two Celery
 workers (queues split: scheduling + commands, default + metering), beat, and a simulated fleet of
-500 nodes (real ``gpupool-agent`` code, simulated GPUs and runtime, several agents per process)
-that registers, heartbeats every 10 s and long-polls for commands. Then, for ``--duration``
+500 nodes (real ``gpupool-agent`` code, simulated GPUs and runtime, 100 agents per process, the
+processes started one after another) that registers, heartbeats every 10 s and long-polls for commands. Then, for ``--duration``
 seconds, a load generator (asyncio + httpx, open loop at a fixed arrival rate) plays tenants:
 listing instances, jobs, GPU types and usage, reading a job, creating jobs (which run for 30 s on
 the simulated fleet) and instances.
@@ -298,7 +298,14 @@ def scrape_metrics(base: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = defaultdict(float)
-    text = httpx.get(f"{base}/metrics", timeout=10).text
+    started = time.perf_counter()
+    try:
+        text = httpx.get(f"{base}/metrics", timeout=60).text
+    except httpx.HTTPError as exc:
+        print(f"/metrics did not answer: {type(exc).__name__}", file=sys.stderr)
+        return out
+    out["scrape_s"] = time.perf_counter() - started
+    out["series"] = sum(1 for line in text.splitlines() if line and not line.startswith("#"))
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "gpupool_scheduling_cycles_total":
@@ -320,7 +327,7 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of load")
     parser.add_argument("--rate", type=float, default=150.0, help="tenant API requests per second")
     parser.add_argument("--nodes", type=int, default=500)
-    parser.add_argument("--agent-processes", type=int, default=2)
+    parser.add_argument("--agent-processes", type=int, default=5, help="started one after another")
     parser.add_argument("--tenants", type=int, default=20)
     parser.add_argument("--settle", type=float, default=20.0, help="seconds allowed for the last placements")
     parser.add_argument("--db-name", default="gpupool_scale")
@@ -383,21 +390,28 @@ def main() -> int:
         if not wait_for(lambda: _up(base), 60):
             print("the web processes did not start", file=sys.stderr)
             return 1
+        from nodes.models import Node, NodeState
+
+        def ready() -> int:
+            n = Node.objects.filter(state=NodeState.READY).count()
+            connection.close()
+            return n
+
+        # The fleet comes up a process (a rack) at a time, as a real one does, not in one burst.
         per = -(-len(fleet_nodes) // args.agent_processes)
+        t0 = time.monotonic()
+        ok = True
         for i in range(args.agent_processes):
             part = work / f"fleet-{i}.json"
-            part.write_text(json.dumps({"portal_url": base, "nodes": fleet_nodes[i * per : (i + 1) * per]}))
+            nodes_i = fleet_nodes[i * per : (i + 1) * per]
+            part.write_text(json.dumps({"portal_url": base, "nodes": nodes_i}))
             out = work / f"agents-{i}.json"
             agent_outs.append(out)
             start(f"agents-{i}", [PY, str(Path(__file__).resolve()), "--agents-child", str(part), base,
                                   str(work / "agents"), str(out)])  # fmt: skip
-        from nodes.models import Node, NodeState
-
-        t0 = time.monotonic()
-        ok = wait_for(lambda: Node.objects.filter(state=NodeState.READY).count() >= len(fleet_nodes), 180, 1)
-        ready = Node.objects.filter(state=NodeState.READY).count()
-        connection.close()
-        print(f"fleet: {ready} of {len(fleet_nodes)} nodes READY after {time.monotonic() - t0:.1f} s")
+            target = min((i + 1) * per, len(fleet_nodes))
+            ok = ok and wait_for(lambda target=target: ready() >= target, 180, 1)
+        print(f"fleet: {ready()} of {len(fleet_nodes)} nodes READY after {time.monotonic() - t0:.1f} s")
         if not ok:
             return 1
         time.sleep(5)  # past the registration burst: heartbeats and polls at their steady pace
@@ -518,6 +532,10 @@ def main() -> int:
         if n_tasks
         else 0
     )
+    print(
+        f"/metrics: {metrics_after.get('series', 0):.0f} series, scrape {metrics_after.get('scrape_s', 0) * 1000:.0f} ms "
+        f"(before the load: {metrics_before.get('scrape_s', 0) * 1000:.0f} ms)"
+    )
     print(f"/metrics over the run: cycles {cycles}, mean cycle {mean_cycle * 1000:.0f} ms; "
           f"{n_tasks:.0f} tasks, mean publish->start {mean_task * 1000:.0f} ms")  # fmt: skip
     print(
@@ -540,6 +558,7 @@ def main() -> int:
         "duration_s": round(span, 1),
         "load_avg_1m": round(load_after[0], 2),
         "cpus": os.cpu_count(),
+        "metrics_scrape_ms": round(metrics_after.get("scrape_s", 0) * 1000),
         "endpoints": report,
     }
     print(json.dumps(figures))
