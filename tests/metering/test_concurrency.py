@@ -1,0 +1,67 @@
+"""Budget alerts and the invoice run raced on PostgreSQL (SQLite serialises writers)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import date
+from decimal import Decimal
+
+import pytest
+from django.core import mail
+from django.db import connection, connections
+
+from metering.models import Budget, BudgetAlert, Invoice, InvoiceLine
+from metering.services.budgets import costs_to_date_update
+from metering.services.invoices import invoice_run
+from metering.services.usage import usage_build
+from tests.metering.conftest import utc
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+def _postgres_only():
+    if connection.vendor != "postgresql":
+        pytest.skip("needs PostgreSQL (concurrent writers)")
+
+
+def _together(fn, n: int = 4) -> list[BaseException]:
+    barrier = threading.Barrier(n)
+    errors: list[BaseException] = []
+
+    def go():
+        try:
+            barrier.wait()
+            fn()
+        except BaseException as exc:  # collected and asserted on by the test
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=go) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def test_parallel_cost_updates_send_each_alert_once(tenant, card, run):
+    Budget.objects.create(tenant=tenant, monthly_limit=Decimal("10"))
+    run(tenant, utc(2024, 3, 1, 0), utc(2024, 3, 1, 4, 30))  # 9.00: 50 % and 80 %
+    assert _together(lambda: costs_to_date_update(now=utc(2024, 3, 1, 5))) == []
+    assert sorted(BudgetAlert.objects.values_list("threshold", flat=True)) == [50, 80]
+    assert len(mail.outbox) == 2
+
+
+def test_parallel_invoice_runs_make_one_invoice_per_tenant_with_the_same_lines(make_tenant, card, run):
+    tenants = [make_tenant(f"race{i}") for i in range(6)]
+    for i, t in enumerate(tenants):
+        run(t, utc(2024, 3, 2), utc(2024, 3, 2, 1 + i))
+    usage_build(since=utc(2024, 1, 1), now=utc(2024, 4, 1))
+    errors = _together(lambda: invoice_run(period_start=date(2024, 3, 1), now=utc(2024, 4, 1)))
+    assert errors == []
+    assert Invoice.objects.count() == 6
+    totals = dict(Invoice.objects.values_list("tenant__slug", "total"))
+    assert totals == {f"race{i}": Decimal(2 * (1 + i)) for i in range(6)}
+    assert InvoiceLine.objects.count() == 6
