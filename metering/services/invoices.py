@@ -13,7 +13,6 @@ database refuses changes to the money fields and lines; corrections are credit n
 from __future__ import annotations
 
 import logging
-import sys
 from collections import defaultdict
 from datetime import date, datetime, timedelta
 from decimal import Decimal
@@ -235,29 +234,31 @@ def _in_batches(
     """Build (or finalize) the tenants' invoices, ``BATCH_SIZE`` tenants per
     transaction. A batch that fails is retried tenant by tenant, so one tenant's failure (a missing
     price, say) costs nobody else their invoice; the failures are returned by tenant id."""
-    size = BATCH_SIZE
     invoices: list[Invoice] = []
     failed: dict[int, Exception] = {}
-    for i in range(0, len(tenant_ids), size):
-        batch = tenant_ids[i : i + size]
+
+    def build(ids: list[int]) -> Exception | None:
         try:
-            invoices += invoices_build_batch(
-                tenant_ids=batch, period_start=period_start, now=now, cache=cache, finalize=finalize
-            )
-            continue
-        except Exception:
-            if len(batch) == 1:
-                logger.exception("Invoice of tenant %s for %s failed", batch[0], period_start)
-                failed[batch[0]] = sys.exc_info()[1]
-                continue
-        for tenant_id in batch:
-            try:
-                invoices += invoices_build_batch(
-                    tenant_ids=[tenant_id], period_start=period_start, now=now, cache=cache, finalize=finalize
+            invoices.extend(
+                invoices_build_batch(
+                    tenant_ids=ids, period_start=period_start, now=now, cache=cache, finalize=finalize
                 )
-            except Exception as exc:
-                logger.exception("Invoice of tenant %s for %s failed", tenant_id, period_start)
-                failed[tenant_id] = exc
+            )
+        except Exception as exc:
+            return exc
+        return None
+
+    for i in range(0, len(tenant_ids), BATCH_SIZE):
+        batch = tenant_ids[i : i + BATCH_SIZE]
+        if build(batch) is None:
+            continue
+        for tenant_id in batch:  # retried one by one: only the failing tenants fail
+            error = build([tenant_id])
+            if error is not None:
+                logger.error(
+                    "Invoice of tenant %s for %s failed: %s", tenant_id, period_start, error, exc_info=error
+                )
+                failed[tenant_id] = error
     return invoices, failed
 
 
