@@ -2,8 +2,8 @@
 (``metering.selectors.invoice_csv``), with their file names and the money formatting they share.
 
 Money is shown at the currency's places (``quantize_money``: half-up), from the stored Decimals, with
-the currency code; times are UTC. The seller block comes from ``settings.METERING_SELLER`` (a dict
-with ``name`` and ``address`` lines) and defaults to gpupool's own.
+the currency code; times are UTC. The seller block comes from ``settings.METERING_SELLER`` (name, address
+lines, e-mail and tax id; the ``METERING_SELLER_*`` environment variables).
 
 WeasyPrint needs Pango (Debian: ``libpango-1.0-0``, ``libpangoft2-1.0-0``; see
 ``scripts/install-system-deps``); it is imported when a PDF is rendered, so the rest of the app runs
@@ -25,12 +25,6 @@ from metering.models import CreditNote, Invoice, InvoiceStatus, LineKind
 from metering.money import ZERO, minor_units, quantize_money
 from metering.selectors import invoice_csv
 from portal.errors import DomainError
-
-DEFAULT_SELLER = {
-    "name": "gpupool",
-    "address": ["GPU cloud services"],
-    "email": "billing@gpupool.invalid",
-}
 
 
 class DocumentUnavailable(DomainError):
@@ -111,7 +105,7 @@ def invoice_document_context(invoice: Invoice, *, now=None) -> dict:
     ]
     credit_notes = CreditNote.objects.filter(invoice=invoice).aggregate(s=Sum("amount"))["s"] or ZERO
     tenant = invoice.tenant
-    seller = {**DEFAULT_SELLER, **getattr(settings, "METERING_SELLER", {})}
+    seller = settings.METERING_SELLER
     return {
         "invoice": invoice,
         "number": invoice_number(invoice),

@@ -460,6 +460,17 @@ CELERY_BEAT_SCHEDULE.update(
 METERING_PAYMENT_PROVIDER = env.str("METERING_PAYMENT_PROVIDER", default="manual")
 # A finalized invoice is due this many days after finalization.
 METERING_PAYMENT_TERMS_DAYS = env.int("METERING_PAYMENT_TERMS_DAYS", default=14)
+# The seller printed on invoices (PDF): name, postal address (lines separated by "|"), e-mail, tax id.
+METERING_SELLER = {
+    "name": env.str("METERING_SELLER_NAME", default="gpupool"),
+    "address": [
+        line.strip()
+        for line in env.str("METERING_SELLER_ADDRESS", default="GPU cloud services").split("|")
+        if line.strip()
+    ],
+    "email": env.str("METERING_SELLER_EMAIL", default="billing@gpupool.invalid"),
+    "tax_id": env.str("METERING_SELLER_TAX_ID", default=""),
+}
 # Dunning: days past the due date before the tenant is suspended (paying reactivates it).
 METERING_DUNNING_GRACE_DAYS = env.int("METERING_DUNNING_GRACE_DAYS", default=7)
 CELERY_BEAT_SCHEDULE["metering-dunning"] = {

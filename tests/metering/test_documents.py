@@ -81,6 +81,25 @@ def test_the_pdf_is_a_real_pdf_with_the_number_lines_and_total(invoice, make_tok
     assert "Open: awaiting payment" in text or "Overdue since" in text
 
 
+def test_the_seller_comes_from_the_settings(invoice, make_token, api, settings):
+    settings.METERING_SELLER = {
+        "name": "Example GPU Cloud GmbH",
+        "address": ["Hauptstrasse 1", "10115 Berlin"],
+        "email": "invoices@example.com",
+        "tax_id": "DE123456789",
+    }
+    client = api(make_token(invoice.tenant, scopes=["read", "billing"]))
+    text = " ".join(_pdf_text(client.get(f"/api/v1/invoices/{invoice.pk}/pdf/").content).split())
+    for part in (
+        "Example GPU Cloud GmbH",
+        "Hauptstrasse 1",
+        "10115 Berlin",
+        "invoices@example.com",
+        "DE123456789",
+    ):
+        assert part in text
+
+
 def test_the_csv_lines_sum_to_the_total(invoice, make_token, api):
     client = api(make_token(invoice.tenant, scopes=["read", "billing"]))
     response = client.get(f"/api/v1/invoices/{invoice.pk}/csv/")
