@@ -207,9 +207,11 @@ class RequestIdMiddleware:
         request.request_id = request_id  # type: ignore[attr-defined]
         return log_context_start(request_id=request_id), time.perf_counter()
 
-    def process_view(self, request, view_func, view_args, view_kwargs):
+    async def process_view(self, request, view_func, view_args, view_kwargs):
+        # Async, so that it costs no thread hop under ASGI; it reads only what TenantMiddleware
+        # already loaded (the user Django cached), never the database.
         tenant = getattr(request, "tenant", None)
-        user = getattr(request, "user", None)
+        user = request.__dict__.get("_cached_user")
         log_context_bind(
             tenant_id=tenant.pk if tenant is not None else None,
             user_id=user.pk if user is not None and user.is_authenticated else None,

@@ -156,3 +156,12 @@ def test_the_settings_pick_the_format(debug, fmt, json_expected):
         assert record["task_id"] == "t-9" and record["workload_id"] == 11
     else:
         assert line.endswith("INFO scheduling.x placed 3 [task_id=t-9 workload_id=11]"), line
+
+
+def test_a_signed_in_persons_request_carries_their_user_and_tenant(tenant, owner, client):
+    client.force_login(owner)
+    with json_log() as lines:
+        response = client.get("/", HTTP_X_REQUEST_ID="web-1")
+    assert response.status_code == 200
+    (line,) = request_lines(lines, "/")
+    assert line["request_id"] == "web-1" and line["user_id"] == owner.pk and line["tenant_id"] == tenant.pk
