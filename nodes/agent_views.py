@@ -23,7 +23,8 @@ from django.views.decorators.http import require_GET, require_POST
 from nodes import metrics as node_metrics
 from nodes.models import Interconnect
 from nodes.services import commands as command_services
-from nodes.services.ingest import heartbeat_ingest, heartbeat_parse
+from nodes.services.heartbeat_parse import heartbeat_parse
+from nodes.services.ingest import heartbeat_ingest
 from nodes.services.registration import (
     AuthenticatedNode,
     GpuInfo,
