@@ -161,6 +161,9 @@ class GpupoolPolicy(FGD):
       GPU capacity that the node's free CPU (or RAM) cannot feed at the workload's own CPU-per-GPU
       ratio (CPU-only tasks included) will be stranded once the node fills, so that amount counts
       as fragmentation too. This steers CPU-hungry work to CPU-rich servers before it strands GPUs.
+      It is weighted 0.3: it assumes the node fills with the average mix, which whole-server
+      (multi-GPU) work, whose CPU per GPU differs, does not do; at full weight it opened fresh
+      CPU-poor servers for small GPU-heavy pods and left none whole for 8-GPU pods.
     * The change is compared on FGD's integer scale; ties go, in order, to the weakest GPU model the
       request accepts (catalog compute weight: strong GPUs stay free for work that needs them), to
       the better balance, and to best fit (least CPU and GPU left on the node, which keeps whole
@@ -173,7 +176,7 @@ class GpupoolPolicy(FGD):
     use_mem = True
     scan = False
     scale = 1000.0
-    balance = 1.0
+    balance = 0.3
 
     def set_distribution(self, dist: Distribution) -> None:
         super().set_distribution(dist)
