@@ -3,11 +3,10 @@ views of workloads and allocations. Changes with consequences go through the ser
 
 from __future__ import annotations
 
-from django.contrib import admin
+from django.contrib import admin, messages
 
 from portal.actors import Actor
 from portal.admin_actions import run_each
-from portal.services import audit_record
 from scheduling.models import (
     Allocation,
     Quota,
@@ -18,6 +17,7 @@ from scheduling.models import (
     WorkloadEvent,
 )
 from scheduling.services.lifecycle import workload_stop
+from scheduling.services.quotas import EDITABLE_FIELDS, quota_update
 from scheduling.services.reservations import reservation_activate, reservation_cancel
 
 
@@ -45,15 +45,38 @@ class QuotaAdmin(admin.ModelAdmin):
     autocomplete_fields = ["tenant"]
     inlines = [QuotaModelLimitInline]
 
+    def get_readonly_fields(self, request, obj=None):
+        return ["tenant"] if obj is not None else []
+
     def save_model(self, request, obj, form, change):
-        super().save_model(request, obj, form, change)
-        audit_record(
+        # Saved in save_related, with the per-model limits, through the service: one audited change.
+        obj._quota_changes = {
+            f: form.cleaned_data[f] for f in EDITABLE_FIELDS if not change or f in form.changed_data
+        }
+
+    def save_related(self, request, form, formsets, change):
+        limits: dict[int, int | None] = {}
+        for formset in formsets:
+            # Not saved by the formset: the admin's change message reads what it would have saved.
+            formset.new_objects, formset.changed_objects, formset.deleted_objects = [], [], []
+            for f in formset.forms:
+                data = getattr(f, "cleaned_data", None) or {}
+                if not data or not (f.has_changed() or data.get("DELETE")):
+                    continue
+                old, new = f.initial.get("gpu_model"), data.get("gpu_model")
+                if old is not None and (data.get("DELETE") or new is None or new.pk != old):
+                    limits[old] = None
+                if new is not None and not data.get("DELETE"):
+                    limits[new.pk] = data.get("max_gpus")
+        obj = form.instance
+        result = quota_update(
             tenant=obj.tenant,
+            changes={**obj._quota_changes, "model_limits": limits},
             actor=Actor(user=request.user),
-            action="quota.update",
-            target=obj,
-            data={f: getattr(obj, f) for f in form.changed_data if f.startswith("max_")},
         )
+        obj.pk, obj.updated_at, obj._state.adding = result.quota.pk, result.quota.updated_at, False
+        for w in result.warnings:
+            messages.warning(request, w)
 
 
 @admin.register(Reservation)

@@ -2,7 +2,7 @@
 
 from django.urls import path
 
-from scheduling.views import launch, workloads
+from scheduling.views import launch, staff, workloads
 
 app_name = "scheduling"
 urlpatterns = [
@@ -17,4 +17,8 @@ urlpatterns = [
     path("workloads/<int:pk>/stop/", workloads.WorkloadStopView.as_view(), name="workload-stop"),
     path("workloads/<int:pk>/restart/", workloads.WorkloadRestartView.as_view(), name="workload-restart"),
     path("panels/workloads/", workloads.WorkloadsPanel.as_view(), name="panel-workloads"),
+    path("staff/quotas/", staff.QuotaListView.as_view(), name="staff-quotas"),
+    path("staff/quotas/bulk/", staff.QuotaBulkView.as_view(), name="staff-quotas-bulk"),
+    path("staff/quotas/<int:pk>/", staff.QuotaEditView.as_view(), name="staff-quota"),
+    path("staff/queue/", staff.QueueView.as_view(), name="staff-queue"),
 ]
