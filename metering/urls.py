@@ -2,7 +2,7 @@
 
 from django.urls import path
 
-from metering import finance_api, panels, views
+from metering import finance_api, panels, views, views_billing
 
 app_name = "metering"
 urlpatterns = [
@@ -21,6 +21,18 @@ urlpatterns = [
         {"fmt": "csv"},
         name="invoice-csv",
     ),
+    # usage, reservations and the budget
+    path("billing/usage/", views_billing.UsageView.as_view(), name="usage"),
+    path("billing/reservations/", views_billing.ReservationsView.as_view(), name="reservations"),
+    path(
+        "billing/reservations/quote/", views_billing.ReservationQuoteView.as_view(), name="reservation-quote"
+    ),
+    path(
+        "billing/reservations/<int:pk>/cancel/",
+        views_billing.ReservationCancelView.as_view(),
+        name="reservation-cancel",
+    ),
+    path("billing/budget/", views_billing.BudgetView.as_view(), name="budget"),
     # staff finance reports
     path("staff/finance/", views.RevenueView.as_view(), name="finance-revenue"),
     path("staff/finance/gpu-hours/", views.GpuHoursView.as_view(), name="finance-gpu-hours"),

@@ -14,11 +14,12 @@ from datetime import date
 
 from django import forms
 from django.contrib.auth.mixins import AccessMixin
+from django.core.paginator import Paginator
 from django.http import HttpResponse
 from django.utils import timezone
 from django.views.generic import View
 
-from metering import reports, reports_csv
+from metering import reports, reports_csv, web_selectors
 from metering.charts import bar_chart
 from metering.documents import (
     DocumentUnavailable,
@@ -27,16 +28,24 @@ from metering.documents import (
     invoice_filename,
     invoice_pdf,
 )
-from metering.models import Invoice, InvoiceStatus
+from metering.models import CreditEntry, CreditKind, Invoice, InvoiceStatus
 from metering.periods import period_of
 from portal.dashboard import register_nav
 from portal.models import Scope
 from portal.views.base import TenantScopedMixin, forbidden, render_page
 
 register_nav("invoices", "Invoices", "metering:invoices", order=60, scope=Scope.BILLING, icon="receipt")
+# the tenant's usage, reservations and budget pages (``metering.views_billing``)
+register_nav("usage", "Usage", "metering:usage", order=58, scope=Scope.BILLING, icon="chart")
+register_nav(
+    "reservations", "Reservations", "metering:reservations", order=62, scope=Scope.BILLING, icon="server"
+)
+register_nav("budget", "Budget", "metering:budget", order=64, scope=Scope.BILLING, icon="settings")
 register_nav("finance", "Finance", "metering:finance-revenue", order=25, icon="chart", staff_only=True)
 
 MONTH_RE = re.compile(r"^(\d{4})-(\d{2})$")
+INVOICES_PER_PAGE = 24
+CREDITS_PER_PAGE = 20
 CHART_SERIES = 6  # the largest groups get a bar colour each; the rest is "Other"
 
 
@@ -49,10 +58,50 @@ class InvoiceListView(TenantScopedMixin, View):
     template_name = "metering/invoices.html"
 
     def get(self, request):
-        invoices = list(self.get_queryset().order_by("-period_start", "-pk")[:120])
+        now = timezone.now()
+        page = Paginator(self.get_queryset().order_by("-period_start", "-pk"), INVOICES_PER_PAGE).get_page(
+            request.GET.get("page")
+        )
+        invoices = list(page.object_list)
         for inv in invoices:
             inv.total_display = format_money(inv.total, inv.currency)
-        return self.render({"invoices": invoices})
+            inv.payment = _payment_status(inv, now)
+        credits = Paginator(
+            self.scoped(CreditEntry).order_by("-created_at", "-pk"), CREDITS_PER_PAGE
+        ).get_page(request.GET.get("credits_page"))
+        entries = list(credits.object_list)
+        for e in entries:
+            e.amount_display = format_money(e.amount, e.currency)
+        currency = self.tenant.currency
+        balances = web_selectors.credit_balances(tenant=self.tenant)
+        return self.render(
+            {
+                "invoices": invoices,
+                "page": page,
+                "credits": credits,
+                "credit_entries": entries,
+                "balances": [
+                    (label, format_money(balances.get(kind, 0), currency))
+                    for kind, label in CreditKind.choices
+                ],
+                "credit_total": format_money(sum(balances.values(), 0), currency),
+            }
+        )
+
+
+def _payment_status(inv: Invoice, now) -> tuple[str, str]:
+    """(label, badge class) of an invoice's payment: paid, due, overdue, draft or void."""
+    if inv.status == InvoiceStatus.PAID:
+        return "Paid", "badge-status-active"
+    if inv.status == InvoiceStatus.VOID:
+        return "Void", ""
+    if inv.status == InvoiceStatus.DRAFT:
+        return "Not yet due (draft)", ""
+    if inv.total <= 0:
+        return "Nothing to pay", "badge-status-active"
+    if inv.due_at is not None and inv.due_at < now:
+        return "Overdue", "badge-status-revoked"
+    return "Awaiting payment", "badge-status-expired"
 
 
 class InvoiceDownloadView(TenantScopedMixin, View):
