@@ -276,6 +276,7 @@ async def commands(request, node_id: int):
     give_up = time.monotonic() + wait
     async with CommandWaiter(node_id) as waiter:
         while True:
+            waiter.arm()  # a command queued from here on wakes the wait below
             delivered, next_due = await in_db_thread(_deliver_sync)(node_id)
             remaining = give_up - time.monotonic()
             if delivered or remaining <= 0:
