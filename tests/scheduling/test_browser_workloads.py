@@ -5,7 +5,8 @@ file: the portal under uvicorn (the Redis channel layer, broker and cache under 
 own), a Celery worker that runs the scheduling cycles the portal asks for, and the real agent program
 (``python -m nodes.agent.cli run``) with the simulated collector and runtime, speaking HTTP to the
 portal. Debian's Chromium (headless, driven by Playwright) signs in, launches an instance, watches it
-reach RUNNING without reloading, sees its GPU charts fill and stops it; a viewer cannot launch; staff
+reach RUNNING without reloading, sees its GPU charts fill, stops it and sees its usage and cost on
+the Usage page (metering's usage build run by the worker); a viewer cannot launch; staff
 lower the team's quota in the Django admin and the next launch shows the quota error in the form.
 Screenshots land in ``var/screenshots/workload*.png``.
 """
@@ -20,6 +21,7 @@ import sys
 import time
 import urllib.request
 import uuid
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 import pytest
@@ -94,7 +96,18 @@ def stop():
     from scheduling.services.lifecycle import workload_stop
     workload_stop(workload=Workload.objects.get(pk=int(args[0])), actor=Actor.system())
 
-{"seed": seed, "nodes": nodes, "workload": workload, "count": count, "submit": submit, "stop": stop}[command]()
+def usage():  # metering's usage build, sent to the worker as beat would send it
+    from metering.tasks import usage_build
+    print(usage_build.delay().id)
+
+def usage_sum():
+    from django.db.models import Count, Sum
+    from metering.models import UsageRecord
+    agg = UsageRecord.objects.filter(tenant__slug="lab").aggregate(n=Count("id"), s=Sum("gpu_seconds"), a=Sum("amount"))
+    print(json.dumps({"records": agg["n"], "gpu_seconds": str(agg["s"] or 0), "amount": str(agg["a"] or 0)}))
+
+{"seed": seed, "nodes": nodes, "workload": workload, "count": count, "submit": submit, "stop": stop,
+ "usage": usage, "usage_sum": usage_sum}[command]()
 """
 
 
@@ -172,10 +185,11 @@ class Stack:
         token = self.manage("seed", OWNER, VIEWER, STAFF, PASSWORD)
         self.spawn("web", [sys.executable, "-m", "uvicorn", "portal.asgi:application", "--host", "127.0.0.1",
                            "--port", str(self.port), "--log-level", "warning"])  # fmt: skip
-        # The worker runs the scheduling cycles that submissions and releases ask for (no beat: the
-        # triggers are what the test relies on). Its queues are the broker's; stale messages go.
+        # The worker runs the scheduling cycles that submissions and releases ask for, and the usage
+        # build the test sends (no beat: the triggers are what the test relies on). Its queues are
+        # the broker's; stale messages go.
         self.spawn("worker", [sys.executable, "-m", "celery", "-A", "portal", "worker", "--pool", "threads",
-                              "--concurrency", "2", "-Q", "scheduling,default,commands", "--purge",
+                              "--concurrency", "2", "-Q", "scheduling,default,commands,metering", "--purge",
                               "--without-gossip", "--without-mingle", "--without-heartbeat", "--loglevel", "WARNING"])  # fmt: skip
 
         def healthy() -> bool:
@@ -307,6 +321,26 @@ def test_launch_an_instance_watch_it_run_see_its_gpus_and_stop_it(stack, page):
     assert page.evaluate("window.__noReload") is True
     assert json.loads(stack.manage("workload", str(wid)))["state"] == "stopped"
     page.screenshot(path=str(SCREENSHOTS / "workload-stopped.png"), full_page=True)
+
+    # its usage and cost: the usage build (metering's Celery task, run by the worker) records the
+    # stopped instance's GPU time, and the Usage page shows the records' sums
+    stack.manage("usage")
+    stack.wait("the usage records", lambda: json.loads(stack.manage("usage_sum"))["records"] >= 2)
+    usage = json.loads(stack.manage("usage_sum"))
+    assert usage["records"] == 2  # one per GPU, both ended
+    hours = (Decimal(usage["gpu_seconds"]) / 3600).quantize(Decimal("0.001"), ROUND_HALF_UP)
+    cost = Decimal(usage["amount"]).quantize(Decimal("0.01"), ROUND_HALF_UP)
+    assert Decimal(usage["gpu_seconds"]) >= 120 and cost > 0  # two GPUs, at least the minimum each
+    page.locator(".sidebar").get_by_role("link", name="Usage").click()
+    expect(page.get_by_role("heading", name="Usage", exact=True)).to_be_visible()
+    expect(page.locator("[data-usage-gpu-hours]")).to_have_text(str(hours))
+    expect(page.locator("[data-usage-cost]")).to_have_text(f"{cost} USD")
+    expect(page.locator("[data-usage-models]")).to_contain_text("NVIDIA H100 SXM 80GB")
+    expect(page.locator("[data-usage-days] tbody tr")).to_have_count(1)
+    expect(page.locator("[data-usage-days]")).to_contain_text(f"{hours}")
+    expect(page.locator("[data-usage-chart] svg")).to_have_count(2)
+    expect(page.locator("[data-cost-to-date]")).to_contain_text("USD")
+    page.screenshot(path=str(SCREENSHOTS / "billing-usage.png"), full_page=True)
 
     # the list shows it, and a launch from elsewhere is announced
     page.locator(".sidebar").get_by_role("link", name="Workloads").click()
