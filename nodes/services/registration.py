@@ -134,13 +134,19 @@ def _flag_unknown(name: str, node: Node, count: int, now: datetime) -> None:
 
 # --- registration -------------------------------------------------------------------------------------
 
+# How long after a bootstrap token was spent the same machine may send the same registration again
+# (its first answer lost to a timeout) and get the same node with a fresh credential.
+REGISTER_RETRY_WINDOW = timedelta(minutes=10)
+
 
 @transaction.atomic
 def node_register(*, bootstrap_token: str, info: NodeInfo, now: datetime | None = None) -> tuple[Node, str]:
     """Spend a bootstrap token; create the node (or re-key an existing hostname) and its GPUs.
 
     Returns the node and its new credential ``gpn_<node_id>_<secret>`` (only the hash is stored).
-    A wrong, used or expired token raises NotAuthenticated (401) and changes nothing.
+    A wrong, used or expired token raises NotAuthenticated (401) and changes nothing; except that a
+    spent token sent again by the machine it registered, shortly after, before that node sent a
+    heartbeat (see ``_registration_retried``), answers the same node with a new credential.
     """
     now = now or timezone.now()
     parts = _split_token(bootstrap_token, NodeBootstrapToken.PREFIX)
@@ -149,9 +155,12 @@ def node_register(*, bootstrap_token: str, info: NodeInfo, now: datetime | None 
         token = NodeBootstrapToken.objects.select_for_update().filter(key_id=parts[0]).first()
     if token is None or not hmac.compare_digest(token.token_hash, hash_secret(bootstrap_token)):
         raise NotAuthenticated("Invalid bootstrap token.")
+    retry_of = None
     if token.used_at is not None:
-        raise NotAuthenticated("This bootstrap token has already been used.")
-    if token.expires_at is not None and token.expires_at <= now:
+        retry_of = _registration_retried(token, info, now)
+        if retry_of is None:
+            raise NotAuthenticated("This bootstrap token has already been used.")
+    elif token.expires_at is not None and token.expires_at <= now:
         raise NotAuthenticated("This bootstrap token has expired.")
 
     region = token.region
@@ -178,33 +187,54 @@ def node_register(*, bootstrap_token: str, info: NodeInfo, now: datetime | None 
         "last_seq": 0,
         "simulated": info.simulated or bool(token.intended_hostname),
     }
-    node = Node.objects.select_for_update().filter(hostname=info.hostname).first()
-    rekey = node is not None
+    node = retry_of or Node.objects.select_for_update().filter(hostname=info.hostname).first()
+    rekey = node is not None and retry_of is None
     if node is None:
         node = Node.objects.create(hostname=info.hostname, state_changed_at=now, **fields)
     else:
+        if retry_of is not None:
+            fields.pop("registered_at")  # the same registration, answered again
         for k, v in fields.items():
             setattr(node, k, v)
-        node.seq_epoch += 1  # a reinstalled server numbers its batches from 1 again
+        if rekey:
+            node.seq_epoch += 1  # a reinstalled server numbers its batches from 1 again
         node.save()
 
     secret_plain = f"{NodeCredential.PREFIX}_{node.pk}_{new_secret()}"
     NodeCredential.objects.update_or_create(
         node=node, defaults={"key_hash": hash_secret(secret_plain), "created_at": now}
     )
-    token.used_at = now
-    token.used_by_node = node
-    token.save(update_fields=["used_at", "used_by_node"])
+    if retry_of is None:
+        token.used_at = now
+        token.used_by_node = node
+        token.save(update_fields=["used_at", "used_by_node"])
 
     _sync_gpus(node, info.gpus, now)
     audit_record(
         tenant=None,
         actor=Actor.system(),
-        action="node.rekey" if rekey else "node.register",
+        action="node.register.retry" if retry_of else "node.rekey" if rekey else "node.register",
         target=node,
         data={"bootstrap_token": token.key_id, "gpus": len(info.gpus), "region": region.code},
     )
     return node, secret_plain
+
+
+def _registration_retried(token: NodeBootstrapToken, info: NodeInfo, now: datetime) -> Node | None:
+    """The node a spent token registered, when this request is that registration sent again (the
+    agent timed out before it read the answer): within REGISTER_RETRY_WINDOW of the first use, by
+    the same machine, i.e. the same hostname and the same GPUs (UUIDs) as the node has now, and
+    before that node sent anything with its credential. Otherwise None: the token stays spent."""
+    node = token.used_by_node
+    if node is None or token.used_at is None or now - token.used_at > REGISTER_RETRY_WINDOW:
+        return None
+    node = Node.objects.select_for_update().filter(pk=node.pk).first()
+    if node is None or node.hostname != info.hostname or node.last_seq != 0:
+        return None
+    present = set(Gpu.objects.filter(node=node, removed_at__isnull=True).values_list("uuid", flat=True))
+    if present != {gpu.uuid for gpu in info.gpus}:
+        return None
+    return node
 
 
 def _sync_gpus(node: Node, gpus: tuple[GpuInfo, ...], now: datetime) -> None:

@@ -8,7 +8,7 @@ from django.core.management import call_command
 
 from nodes.models import Gpu, Node, NodeBootstrapToken, UnknownGpuReport
 from portal.models import AuditEvent
-from tests.nodes.conftest import registration_body
+from tests.nodes.conftest import Agent, registration_body
 
 
 def post_register(client, body):
@@ -38,6 +38,80 @@ def test_bootstrap_token_is_one_use(client, make_bootstrap_token):
     assert again.status_code == 401
     assert again.json()["error"]["code"] == "not_authenticated"
     assert not Node.objects.filter(hostname="gpu-2").exists()
+
+
+def test_a_retried_registration_by_the_same_machine_gets_the_same_node(client, make_bootstrap_token):
+    """The agent timed out after the portal accepted: the same request again answers the same node
+    with a fresh credential (the first one, never read, stops working)."""
+    token = make_bootstrap_token()
+    body = registration_body(token, "gpu-r1", gpus=4)
+    first = post_register(client, body)
+    assert first.status_code == 201
+    epoch = Node.objects.get().seq_epoch
+    again = post_register(client, body)
+    assert again.status_code == 201, again.content
+    node_id = again.json()["node_id"]
+    assert node_id == first.json()["node_id"] and again.json()["credential"] != first.json()["credential"]
+    assert Node.objects.count() == 1 and Gpu.objects.filter(node_id=node_id, removed_at=None).count() == 4
+    assert Node.objects.get().seq_epoch == epoch  # not re-keyed as a reinstall
+    beat = f"/agent/v1/nodes/{node_id}/commands"
+    assert (
+        client.get(beat, {"wait": 0}, HTTP_AUTHORIZATION=f"Node {again.json()['credential']}").status_code
+        == 200
+    )
+    assert (
+        client.get(beat, {"wait": 0}, HTTP_AUTHORIZATION=f"Node {first.json()['credential']}").status_code
+        == 401
+    )
+    assert AuditEvent.objects.filter(action="node.register.retry", target_id=str(node_id)).count() == 1
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda body: body.update(hostname="gpu-other"), id="another hostname"),
+        pytest.param(lambda body: body["gpus"][0].update(uuid="GPU-someone-else"), id="other GPUs"),
+        pytest.param(lambda body: body["gpus"].pop(), id="fewer GPUs"),
+    ],
+)
+def test_a_spent_token_from_another_machine_is_still_refused(client, make_bootstrap_token, change):
+    token = make_bootstrap_token()
+    body = registration_body(token, "gpu-r2", gpus=2)
+    assert post_register(client, body).status_code == 201
+    other = json.loads(json.dumps(body))
+    change(other)
+    response = post_register(client, other)
+    assert response.status_code == 401 and "already been used" in response.json()["error"]["message"]
+    assert list(Node.objects.values_list("hostname", flat=True)) == ["gpu-r2"]
+    assert set(Gpu.objects.filter(removed_at=None).values_list("uuid", flat=True)) == {
+        "GPU-gpu-r2-0",
+        "GPU-gpu-r2-1",
+    }
+
+
+def test_a_spent_token_is_refused_after_the_window_or_once_the_node_is_live(client, make_bootstrap_token):
+    from django.utils import timezone
+
+    from nodes.agent_views import _parse_registration
+    from nodes.services.registration import REGISTER_RETRY_WINDOW, NotAuthenticated, node_register
+
+    token = make_bootstrap_token()
+    body = registration_body(token, "gpu-r3", gpus=2)
+    first = post_register(client, body)
+    assert first.status_code == 201
+    plaintext, info = _parse_registration(body)
+    with pytest.raises(NotAuthenticated, match="already been used"):
+        node_register(
+            bootstrap_token=plaintext,
+            info=info,
+            now=timezone.now() + REGISTER_RETRY_WINDOW + timedelta(seconds=5),
+        )
+    # Within the window, but the node has sent a heartbeat with its credential: no longer a retry.
+    agent = Agent(first.json()["node_id"], first.json()["credential"], ["GPU-gpu-r3-0", "GPU-gpu-r3-1"])
+    assert agent.heartbeat(agent.batch()).status_code == 200
+    again = post_register(client, body)
+    assert again.status_code == 401 and "already been used" in again.json()["error"]["message"]
+    assert agent.poll(wait=0).status_code == 200  # the live node's credential still works
 
 
 @pytest.mark.parametrize("token", ["gpb_nope_secret", "garbage", ""])
