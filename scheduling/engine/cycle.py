@@ -89,6 +89,7 @@ class Engine:
             r.other_regions_ok,
             r.plan,
             r.tenant,
+            r.excluded,
         )
         d = self._demands.get(k)
         if d is None:
@@ -112,6 +113,7 @@ class Engine:
                 r.other_regions_ok,
                 access,
                 r.mig,
+                r.excluded,
             )
         return d
 
@@ -167,6 +169,8 @@ class Engine:
             )
         fit = st.class_fit(d)
         if not any(fit[c.id] is not None for c in model_ok):
+            if d.excluded and all((c.model, c.region) in d.excluded for c in model_ok):
+                return Reason.PRICE, "the spot price is above the request's maximum wherever it could run"
             if d.access not in ("", ACCESS_LEND) and not any(c.reserved_for == d.access for c in model_ok):
                 return Reason.RESERVATION, "no reserved capacity of this tenant matches the request"
             if d.region is not None and not d.other_regions_ok:

@@ -59,6 +59,8 @@ class Demand:
     """ACCESS_NONE, ACCESS_LEND, or the tenant id for work on that tenant's own reservation."""
     mig: bool = False
     """A MIG slice: only on an empty GPU or one holding MIG slices, never over-subscribed."""
+    excluded: frozenset[tuple[str, str]] = frozenset()
+    """(model, region) pairs it may not use (``Request.excluded``)."""
 
     @property
     def shared(self) -> bool:
@@ -104,4 +106,5 @@ def demand_for(request: Request, catalog: dict[str, GpuModelInfo]) -> Demand:
         other_regions_ok=request.other_regions_ok,
         access=access_for(request),
         mig=request.mig,
+        excluded=request.excluded,
     )

@@ -324,6 +324,8 @@ class ClusterState:
     def _class_penalty(self, cls: NodeClass, demand: Demand) -> int | None:
         if demand.gpus and cls.model not in demand.models:
             return None
+        if demand.excluded and (cls.model, cls.region) in demand.excluded:
+            return None
         if cls.reserved_for is None:
             if demand.access not in ("", ACCESS_LEND):
                 return None

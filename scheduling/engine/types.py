@@ -142,6 +142,8 @@ class Request:
     est_runtime: float | None = None
     avoid_nodes: tuple[str, ...] = ()
     """Nodes that failed to start it: placed elsewhere unless no other node could ever take it."""
+    excluded: frozenset[tuple[str, str]] = frozenset()
+    """(GPU model, region) pairs it may not use at all, e.g. where the spot price is above its maximum."""
 
     @property
     def priority_class(self) -> PriorityClass:
@@ -217,6 +219,7 @@ class Reason(StrEnum):
     RESERVATION = "reservation"
     BLOCKED_BY_HEAD = "blocked_by_head"
     INVALID = "invalid"
+    PRICE = "price"
 
 
 @dataclass(frozen=True, slots=True)

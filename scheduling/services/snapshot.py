@@ -27,6 +27,7 @@ from scheduling.models import (
     WorkloadKind,
     WorkloadState,
 )
+from scheduling.pricing import gpu_prices
 from scheduling.services.lifecycle import PREEMPTIBLE_STATES
 from scheduling.services.warm_pools import WarmBinding
 
@@ -79,6 +80,30 @@ def _priority(workload_pc: str, plan: str) -> E.PriorityClass | None:
     if not workload_pc:
         return None
     return E.PriorityClass[workload_pc.upper()]
+
+
+def _spot_excluded(
+    queue: dict[int, Workload], catalog_rows: list[GpuModel], pairs: set[tuple[str, str]]
+) -> dict[int, frozenset[tuple[str, str]]]:
+    """Per queued spot workload with a maximum price: the (model, region) pairs of the fleet where the
+    spot price (``scheduling.pricing``, the market price metering keeps) is above it. Without this a
+    workload preempted at its maximum price would be placed again at once and preempted again."""
+    capped = [w for w in queue.values() if w.plan == E.Plan.SPOT and w.spot_max_price is not None]
+    if not capped or not pairs:
+        return {}
+    models = {m.name: m for m in catalog_rows}
+    regions = {r.code: r for r in Region.objects.filter(code__in={code for _, code in pairs})}
+    prices = {
+        (name, code): gpu_prices(gpu_model=models[name], region=regions[code])["spot"]
+        for name, code in pairs
+        if name in models and code in regions
+    }
+    out: dict[int, frozenset[tuple[str, str]]] = {}
+    for w in capped:
+        over = frozenset(k for k, price in prices.items() if price is not None and price > w.spot_max_price)
+        if over:
+            out[w.pk] = over
+    return out
 
 
 def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], CycleContext]:
@@ -297,6 +322,7 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
     ).values_list("preempted_for_id", flat=True):
         waiting_for_victims[pid] += 1
 
+    excluded = _spot_excluded(queue, catalog_rows, {(n.model, n.region) for n in nodes})
     requests: list[E.Request] = []
     ctx_quota_blocked: set[int] = set()
     for w in queue.values():
@@ -344,6 +370,7 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
                 priority=_priority(w.priority_class, w.plan),
                 submit_time=w.submitted_at.timestamp(),
                 est_runtime=float(w.estimated_runtime_s) if w.estimated_runtime_s else None,
+                excluded=excluded.get(w.pk, frozenset()),
                 avoid_nodes=tuple(
                     str(n)
                     for n in [

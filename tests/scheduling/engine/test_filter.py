@@ -87,3 +87,11 @@ def test_reserved_capacity_belongs_to_its_owner():
     # a reserved request without a reservation of its own
     d = place(snapshot(node("pub")), tenant="other", plan="reserved")
     assert d.reason == Reason.RESERVATION
+
+
+def test_excluded_model_region_pairs_are_filtered_and_named_as_price():
+    snap = snapshot(node("us", "H100", region="us"), node("eu", "H100", region="eu"))
+    d = place(snap, gpu=GpuSpec(models=("H100",)), excluded=frozenset({("H100", "us")}))
+    assert isinstance(d, Place) and d.assignments[0].node_id == "eu"
+    d = place(snap, gpu=GpuSpec(models=("H100",)), excluded=frozenset({("H100", "us"), ("H100", "eu")}))
+    assert d.reason == Reason.PRICE
