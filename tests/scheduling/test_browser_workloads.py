@@ -407,3 +407,34 @@ def test_staff_lower_the_quota_and_the_next_launch_shows_it(stack, page):
     expect(page.get_by_label("Image")).to_have_value(IMAGE)  # what was typed stays
     assert stack.manage("count") == before
     page.locator("#launch-form").screenshot(path=str(SCREENSHOTS / "workload-launch-quota.png"))
+
+
+def test_reserve_gpus_with_the_price_and_saving_shown_before_confirming(stack, page):
+    from playwright.sync_api import expect
+
+    sign_in(page, stack, OWNER)
+    page.locator(".sidebar").get_by_role("link", name="Reservations").click()
+    expect(page.locator("[data-reservations-empty]")).to_contain_text("No reservations yet")
+    # the list price: H100 reserved 1.75/h, on demand 2.49/h; 730 hours a month, 12 months 20% off
+    page.get_by_label("GPU model").select_option("NVIDIA H100 SXM 80GB")
+    page.get_by_label("Region").select_option("us-east-1")
+    page.get_by_label("GPUs", exact=True).fill("2")
+    expect(page.locator('[data-quote="monthly"]')).to_have_text("2555.00 USD")  # 1.75 x 730 x 2
+    page.get_by_label("Term").select_option("12")
+    monthly = Decimal("1.75") * 730 * Decimal("0.8") * 2
+    on_demand = Decimal("2.49") * 730 * 2 * 12
+    expect(page.locator('[data-quote="monthly"]')).to_have_text(f"{monthly:.2f} USD")
+    expect(page.locator('[data-quote="total"]')).to_have_text(f"{monthly * 12:.2f} USD")
+    expect(page.locator('[data-quote="saving"]')).to_contain_text(f"{on_demand - monthly * 12:.2f} USD")
+    page.get_by_role("button", name="Review the price").click()
+    expect(page.locator("[data-confirm-summary]")).to_contain_text("2 \u00d7 NVIDIA H100 SXM 80GB")
+    expect(page.locator('[data-quote="total"]')).to_have_text(f"{monthly * 12:.2f} USD")
+    page.screenshot(path=str(SCREENSHOTS / "billing-reservation-confirm.png"), full_page=True)
+    page.get_by_role("button", name="Confirm purchase").click()
+    expect(page.locator("[data-reservations]")).to_contain_text("2 \u00d7 H100")
+    expect(page.locator("[data-reservations]")).to_contain_text("Requested")
+    page.screenshot(path=str(SCREENSHOTS / "billing-reservations.png"), full_page=True)
+    # a bad count is refused next to the field
+    page.get_by_label("GPUs", exact=True).fill("0")
+    page.get_by_role("button", name="Review the price").click()
+    expect(page.locator("#id_count_error")).to_contain_text("greater than or equal to 1")
