@@ -270,6 +270,9 @@ API_RATE_LIMIT = env.str("API_RATE_LIMIT", default="600/min")
 # Bearer token Prometheus must send for /metrics; unset, /metrics is open (keep it off the public
 # ingress then).
 METRICS_TOKEN = env.str("METRICS_TOKEN", default="")
+# Per-GPU gauges (DCGM names, ~6 series per GPU) on /metrics besides the per-model/region aggregates
+# that are always there. Default: on with DEBUG, off in production (large fleets).
+METRICS_PER_GPU = env.bool("METRICS_PER_GPU", default=DEBUG)
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "portal.api.authentication.BearerTokenAuthentication",

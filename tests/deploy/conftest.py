@@ -12,11 +12,13 @@ from tests.nodes.conftest import Agent, registration_body
 
 
 @pytest.fixture
-def metrics_text(db, client, monkeypatch) -> str:
-    """/metrics of a small fleet: two nodes in two regions, one with a heartbeat of telemetry."""
+def metrics_text(db, client, monkeypatch, settings) -> str:
+    """/metrics of a small fleet: two nodes in two regions, one with a heartbeat of telemetry; no
+    per-GPU series (METRICS_PER_GPU is off in production: dashboards and rules must not need them)."""
     from nodes import agent_views
     from nodes.models import Region
 
+    settings.METRICS_PER_GPU = False
     monkeypatch.setattr(agent_views, "DB_THREAD_SENSITIVE", True)
     agents = []
     for code, hostname, model in (
@@ -44,5 +46,6 @@ def metrics_text(db, client, monkeypatch) -> str:
 @pytest.fixture
 def exported(metrics_text) -> set[str]:
     names = exported_series(metrics_text)
-    assert "gpupool_nodes" in names and "DCGM_FI_DEV_GPU_UTIL" in names  # the fleet really rendered
+    assert "gpupool_nodes" in names and "gpupool_gpu_util_percent_sum" in names  # the fleet really rendered
+    assert "DCGM_FI_DEV_GPU_UTIL" not in names
     return names

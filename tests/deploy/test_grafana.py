@@ -72,7 +72,12 @@ def test_fleet_dashboard_covers_the_issue_and_queries_exported_metrics(exported)
     used = names(d)
     missing = used - exported - SYNTHETIC
     assert not missing, f"fleet.json queries metrics /metrics does not have: {sorted(missing)}"
-    assert {"DCGM_FI_DEV_GPU_UTIL", "gpupool_nodes", "gpupool_gpus", "gpupool_heartbeats_total"} <= used
+    assert {
+        "gpupool_gpu_util_percent_sum",
+        "gpupool_nodes",
+        "gpupool_gpus",
+        "gpupool_heartbeats_total",
+    } <= used
 
 
 def test_scheduling_billing_dashboard_covers_the_issue_and_queries_exported_metrics(exported):
