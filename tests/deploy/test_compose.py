@@ -124,6 +124,15 @@ def test_every_variable_of_our_services_is_a_setting_the_code_reads(services):
             assert not unknown, f"{name}: {sorted(unknown)}"
 
 
+def test_app_services_pool_database_connections_like_the_configmap(services):
+    docs = yaml.safe_load_all((DEPLOY / "k8s" / "config.yaml").read_text())
+    configmap = next(d for d in docs if d["metadata"]["name"] == "gpupool-config")
+    size = configmap["data"]["DB_POOL_MAX_SIZE"]
+    for name, service in services.items():
+        if is_app(service):
+            assert service["environment"]["DB_POOL_MAX_SIZE"] == f"${{DB_POOL_MAX_SIZE:-{size}}}", name
+
+
 def test_env_example_points_at_the_compose_services():
     example = (DEPLOY / ".env.example").read_text()
     assert re.search(r"^DATABASE_URL=postgres://gpupool:[^@]+@postgres:5432/gpupool$", example, re.M)
