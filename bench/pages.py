@@ -229,7 +229,6 @@ def seed(a: argparse.Namespace) -> dict:
                     reason="exited",
                 )
             )
-    bulk_insert(events)
 
     # Allocations: running workloads hold distinct GPUs (the heavy tenant's first ones on the nodes
     # with telemetry); finished ones held GPUs in the last 45 days, more than once for the heavy tenant.
@@ -257,9 +256,20 @@ def seed(a: argparse.Namespace) -> dict:
     for w in workloads:
         if w.state not in finished:
             continue
-        runs = 3 if w.tenant_id == heavy.pk else 1
+        runs = a.heavy_runs if w.tenant_id == heavy.pk else 1
         for _ in range(runs):
             start = history + timedelta(minutes=rnd.randint(0, 44 * 24 * 60))
+            # Billing starts at the RUNNING event inside the allocation (metering.services.usage).
+            events.append(
+                WorkloadEvent(
+                    tenant_id=w.tenant_id,
+                    workload=w,
+                    at=start + timedelta(seconds=30),
+                    from_state="starting",
+                    to_state="running",
+                    reason="started",
+                )
+            )
             for _ in range(w.gpu_count):
                 gpu_id, node_id, model_id = ready_gpus[rnd.randrange(len(ready_gpus))]
                 allocations.append(
@@ -276,6 +286,7 @@ def seed(a: argparse.Namespace) -> dict:
                     )
                 )
     Allocation.objects.bulk_create(allocations, batch_size=2000)
+    bulk_insert(events)
 
     # A month of per-minute rollups for the first nodes (where the heavy tenant's workloads run).
     rollups = 0
@@ -422,6 +433,9 @@ def main() -> None:
     ap.add_argument("--tenants", type=int, default=20)
     ap.add_argument("--workloads", type=int, default=3000)
     ap.add_argument("--nodes", type=int, default=500)
+    ap.add_argument(
+        "--heavy-runs", type=int, default=12, help="placements of each finished workload of the heavy tenant"
+    )
     ap.add_argument("--rollup-nodes", type=int, default=2)
     ap.add_argument("--rollup-days", type=int, default=30)
     ap.add_argument("--repeat", type=int, default=5)
