@@ -344,7 +344,7 @@ class BudgetView(BillingMixin, View):
         initial = {}
         if budget is not None:
             initial = {
-                "monthly_limit": budget.monthly_limit,
+                "monthly_limit": quantize_money(budget.monthly_limit, self.currency()),
                 "hard_limit": budget.hard_limit,
                 "alert_thresholds": ", ".join(str(t) for t in budget.alert_thresholds or []),
             }

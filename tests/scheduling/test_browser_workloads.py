@@ -438,3 +438,15 @@ def test_reserve_gpus_with_the_price_and_saving_shown_before_confirming(stack, p
     page.get_by_label("GPUs", exact=True).fill("0")
     page.get_by_role("button", name="Review the price").click()
     expect(page.locator("#id_count_error")).to_contain_text("greater than or equal to 1")
+
+    # the budget: set through the form, shown against the month's cost
+    page.locator(".sidebar").get_by_role("link", name="Budget").click()
+    page.get_by_label("Monthly budget").fill("250")
+    page.get_by_label("Alert at (percent of the budget)").fill("25, 75, 100")
+    page.get_by_role("button", name="Save the budget").click()
+    expect(page.locator("[data-budget-standing]")).to_contain_text("of 250.00 USD")
+    expect(page.get_by_label("Alert at (percent of the budget)")).to_have_value("25, 75, 100")
+    page.screenshot(path=str(SCREENSHOTS / "billing-budget.png"), full_page=True)
+    page.locator(".sidebar").get_by_role("link", name="Invoices").click()
+    expect(page.locator("[data-credit-total]")).to_have_text("0.00 USD")
+    page.screenshot(path=str(SCREENSHOTS / "billing-invoices.png"), full_page=True)
