@@ -23,6 +23,7 @@ from nodes.models import CommandKind, CommandState, Node, NodeCommand, NodeWorkl
 from nodes.services.commands import CommandRequest, node_command_enqueue, node_commands_enqueue_many
 from portal.actors import Actor
 from portal.errors import Conflict, ValidationFailed
+from portal.logging import log_context
 from portal.services import audit_record
 from scheduling.locks import lock_workload, lock_workload_if_exists, lock_workloads, lock_workloads_where
 from scheduling.models import (
@@ -174,7 +175,7 @@ def workload_preempt(
     reason = reason.strip()
     actor = actor or SYSTEM
     now = timezone.now()
-    with transaction.atomic():
+    with log_context(workload_id=workload.pk), transaction.atomic():
         w = lock_workload(workload_id=workload.pk)
         if w.state not in PREEMPTIBLE_STATES:
             raise Conflict(
@@ -218,7 +219,7 @@ def workload_stop(*, workload: Workload, actor: Actor, now: datetime | None = No
     """Stop a workload: a waiting one stops at once; a placed one is told to stop (STOPPING) and
     stops when the agent reports it; one being preempted is stopped instead of requeued."""
     now = now or timezone.now()
-    with transaction.atomic():
+    with log_context(workload_id=workload.pk), transaction.atomic():
         w = lock_workload(workload_id=workload.pk)
         if w.state in TERMINAL_STATES or w.state == S.STOPPING or w.stop_requested_at is not None:
             raise Conflict(f"This {w.kind} is already {w.state}.", fields={"state": [w.state]})
@@ -251,7 +252,7 @@ def workload_on_command_finished(*, kind: str, payload: dict, node_id: int, stat
     if wid is None:
         return
     now = timezone.now()
-    with transaction.atomic():
+    with log_context(workload_id=wid), transaction.atomic():
         w = lock_workload_if_exists(workload_id=wid)
         if w is None or node_id not in _nodes_of(w.pk):
             return  # an earlier placement's command, or the workload has moved on
@@ -317,7 +318,7 @@ def workload_on_running(*, node_id: int, workload_id: Any) -> Workload | None:
     if wid is None:
         return None
     now = timezone.now()
-    with transaction.atomic():
+    with log_context(workload_id=wid), transaction.atomic():
         w = lock_workload_if_exists(workload_id=wid)
         if w is None or w.state not in (S.SCHEDULED, S.STARTING) or node_id not in _nodes_of(w.pk):
             return w
@@ -333,7 +334,7 @@ def workload_on_exited(
     if wid is None:
         return None
     now = timezone.now()
-    with transaction.atomic():
+    with log_context(workload_id=wid), transaction.atomic():
         w = lock_workload_if_exists(workload_id=wid)
         if w is None or w.state not in HOLDING_STATES or node_id not in _nodes_of(w.pk):
             return w

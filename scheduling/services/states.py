@@ -10,6 +10,7 @@ so the invariant lives here and nowhere else.
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime
 from typing import Any
 
@@ -22,6 +23,7 @@ from portal.actors import Actor
 from portal.bulk import bulk_insert
 from portal.errors import Conflict
 from portal.events import publish_many
+from portal.logging import log_context
 from scheduling.models import (
     HOLDING_STATES,
     TERMINAL_STATES,
@@ -31,6 +33,8 @@ from scheduling.models import (
     WorkloadKind,
 )
 from scheduling.models import WorkloadState as S
+
+logger = logging.getLogger(__name__)
 
 TRANSITIONS: dict[str, frozenset[str]] = {
     S.PENDING: frozenset({S.QUEUED, S.STOPPED, S.FAILED}),
@@ -81,15 +85,16 @@ def workload_transition(
     The caller holds the workload's row lock (``scheduling.locks.lock_workload``) or is the
     scheduling cycle (which holds the cycle lock); either way this runs in its transaction.
     """
-    return workloads_transition(
-        workloads=[workload],
-        to=to,
-        reason=reason,
-        actor=actor,
-        messages={workload.pk: message},
-        data=data,
-        now=now,
-    )[0]
+    with log_context(workload_id=workload.pk):
+        return workloads_transition(
+            workloads=[workload],
+            to=to,
+            reason=reason,
+            actor=actor,
+            messages={workload.pk: message},
+            data=data,
+            now=now,
+        )[0]
 
 
 def _apply(workload: Workload, to: str, reason: str, message: str, now: datetime) -> None:
@@ -207,6 +212,13 @@ def workloads_transition(
                 for w in workloads
             ]
         )
+        if len(workloads) == 1:
+            w = workloads[0]
+            logger.info(
+                "%s %s: %s -> %s (%s)", w.kind, w.pk, olds[w.pk], to, reason, extra={"workload_id": w.pk}
+            )
+        else:  # the cycle's batches: one line, not one per workload
+            logger.info("%d workloads -> %s (%s)", len(workloads), to, reason)
         if released:
             from scheduling.services.triggers import cycle_request
 

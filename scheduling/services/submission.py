@@ -7,6 +7,7 @@ check's error) stores nothing.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from nodes.models import Gpu, GpuModel, NodeState, Region
 from portal.actors import Actor
 from portal.errors import DomainError, ValidationFailed
 from portal.events import publish
+from portal.logging import log_context
 from portal.services import audit_record
 from scheduling.admission import run_admission_checks
 from scheduling.locks import lock_quota
@@ -40,6 +42,7 @@ from scheduling.models import (
 from scheduling.pricing import spot_price_floor
 from scheduling.selectors import QuotaUsage, quota_usage
 
+logger = logging.getLogger(__name__)
 PLAN_PRIORITY_RANK = {
     PriorityClass.WARM_POOL: 0,
     PriorityClass.SPOT: 1,
@@ -444,40 +447,44 @@ def workload_submit(*, tenant, kind: str, spec: dict[str, Any], actor: Actor) ->
         workload._spec_models = resolved.models
         run_admission_checks(tenant=tenant, workload=workload, actor=actor)
         workload.save()
-        if resolved.models:
-            workload.gpu_models.set(resolved.models)
-        WorkloadEvent.objects.create(
-            tenant=tenant,
-            workload=workload,
-            at=now,
-            from_state="",
-            to_state=WorkloadState.PENDING,
-            reason="submitted",
-            actor_repr=str(actor)[:200],
-        )
-        if actor.kind != "system":
-            audit_record(
+        with log_context(workload_id=workload.pk):  # what is logged about it from here on
+            if resolved.models:
+                workload.gpu_models.set(resolved.models)
+            WorkloadEvent.objects.create(
                 tenant=tenant,
-                actor=actor,
-                action=f"{kind}.submit",
-                target=workload,
-                data={"plan": workload.plan, "gpu_count": workload.gpu_count},
+                workload=workload,
+                at=now,
+                from_state="",
+                to_state=WorkloadState.PENDING,
+                reason="submitted",
+                actor_repr=str(actor)[:200],
             )
-        publish(
-            tenant_id=tenant.pk,
-            event={
-                "type": "workload.state",
-                "workload_id": workload.pk,
-                "kind": kind,
-                "from": "",
-                "to": WorkloadState.PENDING,
-                "reason": "submitted",
-                "at": now.isoformat(),
-            },
-        )
-        from scheduling.services.triggers import cycle_request
+            if actor.kind != "system":
+                audit_record(
+                    tenant=tenant,
+                    actor=actor,
+                    action=f"{kind}.submit",
+                    target=workload,
+                    data={"plan": workload.plan, "gpu_count": workload.gpu_count},
+                )
+            publish(
+                tenant_id=tenant.pk,
+                event={
+                    "type": "workload.state",
+                    "workload_id": workload.pk,
+                    "kind": kind,
+                    "from": "",
+                    "to": WorkloadState.PENDING,
+                    "reason": "submitted",
+                    "at": now.isoformat(),
+                },
+            )
+            from scheduling.services.triggers import cycle_request
 
-        cycle_request(reason="submit")
+            cycle_request(reason="submit")
+            logger.info(
+                "%s %s submitted (%s, %s GPU(s))", kind, workload.pk, workload.plan, workload.gpu_count
+            )
     return workload
 
 
