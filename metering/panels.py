@@ -37,7 +37,7 @@ BODY = engines["django"].from_string(
   <p class="muted small">Alerts at {% for t in thresholds %}{{ t }}%{% if not forloop.last %}, {% endif %}{% endfor %}.
     {% if fired %}Sent this month: {% for t in fired %}{{ t }}%{% if not forloop.last %}, {% endif %}{% endfor %}.{% endif %}</p>
   {% else %}
-  <p class="muted small">No monthly budget set. Set one with <code>PUT /api/v1/budget/</code> to get alerts at 50, 80 and 100 %.</p>
+  <p class="muted small">No monthly budget set. <a href="{% url 'metering:budget' %}">Set one</a> to get alerts at 50, 80 and 100 % (or <code>PUT /api/v1/budget/</code>).</p>
   {% endif %}
   <p class="muted small">Updated every minute{% if as_of %}; as of <time datetime="{{ as_of|date:'c' }}">{{ as_of|date:"H:i" }} UTC</time>{% endif %}.</p>
 </div>
