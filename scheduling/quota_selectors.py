@@ -141,7 +141,7 @@ class QuotaRow:
     usage: TenantUsage
     limits: list[Limit]
     model_limits: list[Limit] = field(default_factory=list)
-    fair_share_weight: Decimal = Decimal(1)
+    fair_share_weight: Decimal = Decimal("1.00")
 
     @property
     def status(self) -> str:
@@ -187,7 +187,7 @@ def quota_rows(*, tenants: Iterable[Tenant], usage: dict[int, TenantUsage] | Non
                     Limit(f"max_gpus[{names.get(m, m)}]", names.get(m, str(m)), lim, model_use_of(m, u))
                     for m, lim in per_model.get(t.pk, [])
                 ],
-                fair_share_weight=quota.fair_share_weight if quota is not None else Decimal(1),
+                fair_share_weight=quota.fair_share_weight if quota is not None else Decimal("1.00"),
             )
         )
     return rows
