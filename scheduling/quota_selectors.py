@@ -1,9 +1,7 @@
 """Quotas for many tenants at once: each tenant's limits beside what counts against them now.
 
-The counting is the one submissions enforce (``scheduling.selectors.quota_usage``: every workload
-waiting or holding GPUs; per model, the GPUs allocated on it plus waiting requests that accept that
-model only), grouped by tenant so that a page of tenants costs one query per aggregate, not one per
-tenant. ``tests/scheduling/test_staff_quotas.py`` checks that both give the same numbers.
+The counting is the one submissions enforce (``scheduling.selectors.quota_usage_by_tenant``), for a
+page of tenants at one query per aggregate, not one per tenant.
 """
 
 from __future__ import annotations
@@ -15,21 +13,15 @@ from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Count, F, Max, Q, Sum
 
 from nodes.models import GpuModel
 from portal.models import AuditEvent, Tenant
 from scheduling.models import (
-    ACTIVE_STATES,
     MILLI,
-    WAITING_STATES,
-    Allocation,
-    Plan,
     Quota,
     QuotaModelLimit,
-    Workload,
 )
-from scheduling.selectors import QuotaUsage
+from scheduling.selectors import QuotaUsage, quota_usage_by_tenant
 
 # The per-tenant limits staff edit, in display order (per-model limits come on their own).
 LIMIT_FIELDS = ("max_gpus_total", "max_concurrent_workloads", "max_spot_gpus", "max_gpus_per_request")
@@ -43,17 +35,6 @@ LIMIT_LABELS = {
 QUOTA_AUDIT_ACTION = "quota.update"
 
 
-@dataclass
-class TenantUsage(QuotaUsage):
-    """``QuotaUsage`` plus the largest request now counted (what ``max_gpus_per_request`` limits)."""
-
-    largest_request_milli: int = 0
-
-    @property
-    def largest_request_gpus(self) -> Decimal:
-        return Decimal(self.largest_request_milli) / MILLI
-
-
 def use_of(name: str, usage: QuotaUsage) -> Decimal | int:
     """What counts against limit ``name`` now (GPUs as Decimals, workloads as an int)."""
     if name == "max_gpus_total":
@@ -63,52 +44,12 @@ def use_of(name: str, usage: QuotaUsage) -> Decimal | int:
     if name == "max_spot_gpus":
         return usage.spot_gpus
     if name == "max_gpus_per_request":
-        return usage.largest_request_gpus if isinstance(usage, TenantUsage) else Decimal(0)
+        return usage.largest_request_gpus
     raise KeyError(name)
 
 
 def model_use_of(model_id: int, usage: QuotaUsage) -> Decimal:
     return Decimal(usage.model_milli.get(model_id, 0)) / MILLI
-
-
-def quota_usage_by_tenant(*, tenant_ids: Iterable[int] | None = None) -> dict[int, TenantUsage]:
-    """Per tenant id (only tenants with something counted): as ``quota_usage``. Three queries."""
-    milli = F("gpu_count") * F("gpu_fraction_milli")
-    active = Workload.objects.filter(state__in=ACTIVE_STATES)
-    allocations = Allocation.objects.active()
-    if tenant_ids is not None:
-        ids = list(tenant_ids)
-        active, allocations = active.filter(tenant_id__in=ids), allocations.filter(tenant_id__in=ids)
-    out: dict[int, TenantUsage] = {}
-
-    def of(tenant_id: int) -> TenantUsage:
-        u = out.get(tenant_id)
-        if u is None:
-            u = out[tenant_id] = TenantUsage()
-        return u
-
-    for row in (
-        active.values("tenant_id")
-        .annotate(n=Count("id"), gpu=Sum(milli), spot=Sum(milli, filter=Q(plan=Plan.SPOT)), big=Max(milli))
-        .order_by()
-    ):
-        u = of(row["tenant_id"])
-        u.workloads, u.gpu_milli = row["n"], row["gpu"] or 0
-        u.spot_gpu_milli, u.largest_request_milli = row["spot"] or 0, row["big"] or 0
-    per_model: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
-    for row in allocations.values("tenant_id", "gpu_model_id").annotate(m=Sum("fraction_milli")).order_by():
-        per_model[row["tenant_id"]][row["gpu_model_id"]] += row["m"]
-    waiting = (
-        active.filter(state__in=WAITING_STATES)
-        .annotate(models_n=Count("gpu_models"))
-        .filter(models_n=1)
-        .values_list("tenant_id", "gpu_models", "gpu_count", "gpu_fraction_milli")
-    )
-    for tenant_id, model_id, count, fraction in waiting:
-        per_model[tenant_id][model_id] += count * fraction
-    for tenant_id, models in per_model.items():
-        of(tenant_id).model_milli = dict(models)
-    return out
 
 
 @dataclass
@@ -138,7 +79,7 @@ class Limit:
 class QuotaRow:
     tenant: Tenant
     quota: Quota | None  # None: the tenant has no row yet; the defaults apply
-    usage: TenantUsage
+    usage: QuotaUsage
     limits: list[Limit]
     model_limits: list[Limit] = field(default_factory=list)
     fair_share_weight: Decimal = Decimal("1.00")
@@ -156,7 +97,7 @@ def quota_limits(quota: Quota | None) -> dict[str, Any]:
     return {name: getattr(quota, name) for name in LIMIT_FIELDS}
 
 
-def quota_rows(*, tenants: Iterable[Tenant], usage: dict[int, TenantUsage] | None = None) -> list[QuotaRow]:
+def quota_rows(*, tenants: Iterable[Tenant], usage: dict[int, QuotaUsage] | None = None) -> list[QuotaRow]:
     """Each tenant's limits beside its use: three queries for the usage (unless given), one for the
     quota rows, one for the per-model limits and one for the catalog names."""
     tenants = list(tenants)
@@ -174,7 +115,7 @@ def quota_rows(*, tenants: Iterable[Tenant], usage: dict[int, TenantUsage] | Non
     names = dict(GpuModel.objects.values_list("pk", "name")) if per_model else {}
     rows = []
     for t in tenants:
-        u = usage.get(t.pk) or TenantUsage()
+        u = usage.get(t.pk) or QuotaUsage()
         quota = quotas.get(t.pk)
         limits = quota_limits(quota)
         rows.append(

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from decimal import Decimal
 
-from django.db.models import Count, F, Q, QuerySet, Sum
+from django.db.models import Count, F, Max, Q, QuerySet, Sum
 
 from nodes.models import SCHEDULABLE_NODE_STATES, Gpu, GpuHealth, GpuModel
 from scheduling.models import (
@@ -29,6 +30,8 @@ class QuotaUsage:
     gpu_milli: int = 0
     spot_gpu_milli: int = 0
     model_milli: dict[int, int] = field(default_factory=dict)
+    largest_request_milli: int = 0
+    """The largest request counted now (what ``max_gpus_per_request`` limits)."""
 
     @property
     def gpus(self) -> Decimal:
@@ -38,43 +41,52 @@ class QuotaUsage:
     def spot_gpus(self) -> Decimal:
         return Decimal(self.spot_gpu_milli) / MILLI
 
+    @property
+    def largest_request_gpus(self) -> Decimal:
+        return Decimal(self.largest_request_milli) / MILLI
 
-def quota_usage(*, tenant) -> QuotaUsage:
-    """What counts against the tenant's quotas now: every workload that is waiting or holds GPUs.
 
-    Per model: GPUs allocated on that model, plus waiting requests that accept that model only.
-    Three queries.
-    """
+def quota_usage_by_tenant(*, tenant_ids: Iterable[int] | None = None) -> dict[int, QuotaUsage]:
+    """What counts against each tenant's quotas now (only tenants with something counted): every
+    workload that is waiting or holds GPUs. Per model: GPUs allocated on that model, plus waiting
+    requests that accept that model only. Three queries, whatever the number of tenants."""
     milli = F("gpu_count") * F("gpu_fraction_milli")
-    active = Workload.objects.for_tenant(tenant).filter(state__in=ACTIVE_STATES)
-    agg = active.aggregate(
-        n=Count("id"),
-        gpu=Sum(milli),
-        spot=Sum(milli, filter=Q(plan=Plan.SPOT)),
-    )
-    per_model: dict[int, int] = defaultdict(int)
+    active = Workload.objects.filter(state__in=ACTIVE_STATES)
+    allocations = Allocation.objects.active()
+    if tenant_ids is not None:
+        ids = list(tenant_ids)
+        active, allocations = active.filter(tenant_id__in=ids), allocations.filter(tenant_id__in=ids)
+    out: dict[int, QuotaUsage] = {}
     for row in (
-        Allocation.objects.for_tenant(tenant)
-        .active()
-        .values("gpu_model_id")
-        .annotate(m=Sum("fraction_milli"))
+        active.values("tenant_id")
+        .annotate(n=Count("id"), gpu=Sum(milli), spot=Sum(milli, filter=Q(plan=Plan.SPOT)), big=Max(milli))
         .order_by()
     ):
-        per_model[row["gpu_model_id"]] += row["m"]
+        out[row["tenant_id"]] = QuotaUsage(
+            workloads=row["n"],
+            gpu_milli=row["gpu"] or 0,
+            spot_gpu_milli=row["spot"] or 0,
+            largest_request_milli=row["big"] or 0,
+        )
+    per_model: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    for row in allocations.values("tenant_id", "gpu_model_id").annotate(m=Sum("fraction_milli")).order_by():
+        per_model[row["tenant_id"]][row["gpu_model_id"]] += row["m"]
     waiting = (
         active.filter(state__in=WAITING_STATES)
         .annotate(models_n=Count("gpu_models"))
         .filter(models_n=1)
-        .values_list("gpu_models", "gpu_count", "gpu_fraction_milli")
+        .values_list("tenant_id", "gpu_models", "gpu_count", "gpu_fraction_milli")
     )
-    for model_id, count, fraction in waiting:
-        per_model[model_id] += count * fraction
-    return QuotaUsage(
-        workloads=agg["n"] or 0,
-        gpu_milli=agg["gpu"] or 0,
-        spot_gpu_milli=agg["spot"] or 0,
-        model_milli=dict(per_model),
-    )
+    for tenant_id, model_id, count, fraction in waiting:
+        per_model[tenant_id][model_id] += count * fraction
+    for tenant_id, models in per_model.items():
+        out.setdefault(tenant_id, QuotaUsage()).model_milli = dict(models)
+    return out
+
+
+def quota_usage(*, tenant) -> QuotaUsage:
+    """What counts against ``tenant``'s quotas now (``quota_usage_by_tenant`` for one tenant)."""
+    return quota_usage_by_tenant(tenant_ids=[tenant.pk]).get(tenant.pk) or QuotaUsage()
 
 
 def quota_for_tenant(*, tenant) -> Quota | None:

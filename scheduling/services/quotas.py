@@ -24,11 +24,10 @@ from scheduling.quota_selectors import (
     LIMIT_FIELDS,
     LIMIT_LABELS,
     QUOTA_AUDIT_ACTION,
-    TenantUsage,
     model_use_of,
-    quota_usage_by_tenant,
     use_of,
 )
+from scheduling.selectors import QuotaUsage, quota_usage_by_tenant
 
 EDITABLE_FIELDS = (*LIMIT_FIELDS, "fair_share_weight")
 MAX_LIMIT = 2_147_483_647  # PositiveIntegerField
@@ -194,6 +193,6 @@ def quota_bulk_update(*, tenants, name: str, value: Any, actor: Actor) -> list[Q
         return [_apply(tenant=t, clean=clean, actor=actor, usage=usage.get(t.pk), bulk=True) for t in tenants]
 
 
-def _usage_of(ids: list[int]) -> dict[int, TenantUsage]:
+def _usage_of(ids: list[int]) -> dict[int, QuotaUsage]:
     usage = quota_usage_by_tenant(tenant_ids=ids)
-    return {i: usage.get(i) or TenantUsage() for i in ids}
+    return {i: usage.get(i) or QuotaUsage() for i in ids}

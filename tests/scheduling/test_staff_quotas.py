@@ -100,20 +100,18 @@ def test_only_staff_reach_the_quota_pages(client, owner_client, tenant, staff_cl
 # --- numbers -------------------------------------------------------------------------------------------
 
 
-def test_grouped_usage_counts_as_submissions_do(busy):
+def test_usage_is_counted_per_tenant_as_submissions_count_it(busy):
+    acme, bravo, charlie = busy["acme"], busy["bravo"], busy["charlie"]
+    h100, a100 = (GpuModel.objects.get(name=n).pk for n in (H100, A100))
     grouped = quota_usage_by_tenant()
-    for t in busy.values():
-        one = quota_usage(tenant=t)
-        g = grouped.get(t.pk)
-        if g is None:
-            assert one.workloads == 0 and one.gpu_milli == 0
-            continue
-        assert (g.workloads, g.gpu_milli, g.spot_gpu_milli, g.model_milli) == (
-            one.workloads,
-            one.gpu_milli,
-            one.spot_gpu_milli,
-            one.model_milli,
-        )
+    assert charlie.pk not in grouped
+    a = grouped[acme.pk]
+    # 8 + 4 placed on H100, a spot 2 waiting (H100 only), a 1-GPU A100-only job waiting
+    assert (a.workloads, a.gpus, a.spot_gpus, a.largest_request_gpus) == (4, 15, 2, 8)
+    assert a.model_milli == {h100: 14_000, a100: 1_000}
+    b = grouped[bravo.pk]
+    assert (b.workloads, b.gpus, b.spot_gpus, b.model_milli) == (1, 4, 0, {h100: 4_000})
+    assert quota_usage(tenant=acme) == a and quota_usage(tenant=charlie).workloads == 0
 
 
 def test_each_limit_beside_its_use(staff_client, busy):
