@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.invoices import CountQueries  # noqa: E402
-from bench.pgdb import drop_database, recreate_database  # noqa: E402
+from bench.pgdb import django_on_own_database, drop_database  # noqa: E402
 
 DB_NAME = "gpupool_bench_pages"
 H100 = "NVIDIA H100 SXM 80GB"
@@ -441,22 +441,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--keep", action="store_true", help="keep the database (to look at query plans)")
     a = ap.parse_args()
-    base = os.environ.get("DATABASE_URL", "")
-    if not base.startswith(("postgres://", "postgresql://")):
-        sys.exit("Set DATABASE_URL to a PostgreSQL server (the bench makes its own database there).")
-    os.environ["DATABASE_URL"] = recreate_database(base, DB_NAME)
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-    os.environ.setdefault("GPUPOOL_VAR_DIR", str(ROOT / "var" / "bench"))
-    os.environ.setdefault("SECRET_KEY", "bench-only-secret-key-" + "x" * 40)
-    os.environ.setdefault("DEBUG", "0")
-    os.environ.setdefault("SECURE_SSL_REDIRECT", "0")
-    os.environ.setdefault("LOG_LEVEL", "WARNING")
-    os.environ.setdefault("ALLOWED_HOSTS", "testserver")
-    os.environ.setdefault("SCHEDULING_TRIGGER_CYCLES", "0")
+    base = django_on_own_database(DB_NAME, ROOT, ALLOWED_HOSTS="testserver", SCHEDULING_TRIGGER_CYCLES="0")
     try:
-        import django
-
-        django.setup()
         from django.conf import settings
 
         # Pages render {% static %} links: no collectstatic manifest here.

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.engine import run as engine_run  # noqa: E402
-from bench.pgdb import drop_database, recreate_database  # noqa: E402
+from bench.pgdb import django_on_own_database, drop_database  # noqa: E402
 
 DB_NAME = "gpupool_bench_sched"
 H100 = "NVIDIA H100 SXM 80GB"
@@ -253,20 +253,8 @@ def main() -> None:
 
     engine = None if a.skip_engine else bench_engine(a.seed)
 
-    base = os.environ.get("DATABASE_URL", "")
-    if not base.startswith(("postgres://", "postgresql://")):
-        sys.exit("Set DATABASE_URL to a PostgreSQL server (the bench makes its own database there).")
-    os.environ["DATABASE_URL"] = recreate_database(base, DB_NAME)
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-    os.environ.setdefault("GPUPOOL_VAR_DIR", str(ROOT / "var" / "bench"))
-    os.environ.setdefault("SECRET_KEY", "bench-only-secret-key-" + "x" * 40)
-    os.environ.setdefault("DEBUG", "0")
-    os.environ.setdefault("SECURE_SSL_REDIRECT", "0")
-    os.environ.setdefault("LOG_LEVEL", "WARNING")
+    base = django_on_own_database(DB_NAME, ROOT)
     try:
-        import django
-
-        django.setup()
         from django.conf import settings
         from django.core.management import call_command
         from django.db import connections

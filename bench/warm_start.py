@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.pgdb import drop_database, recreate_database  # noqa: E402
+from bench.pgdb import django_on_own_database, drop_database  # noqa: E402
 
 DB_NAME = "gpupool_bench_warm"
 REGION = "us-east-1"
@@ -199,20 +199,8 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=2, help="warm slots")
     ap.add_argument("--samples", type=int, default=3)
     a = ap.parse_args()
-    base = os.environ.get("DATABASE_URL", "")
-    if not base.startswith(("postgres://", "postgresql://")):
-        sys.exit("Set DATABASE_URL to a PostgreSQL server (the bench makes its own database there).")
-    os.environ["DATABASE_URL"] = recreate_database(base, DB_NAME)
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-    os.environ.setdefault("SECRET_KEY", "bench-only-secret-key-" + "x" * 40)
-    os.environ.setdefault("DEBUG", "0")
-    os.environ.setdefault("SECURE_SSL_REDIRECT", "0")
-    os.environ.setdefault("LOG_LEVEL", "WARNING")
-    os.environ.setdefault("GPUPOOL_VAR_DIR", str(ROOT / "var" / "bench"))
+    base = django_on_own_database(DB_NAME, ROOT)
     try:
-        import django
-
-        django.setup()
         from django.conf import settings
         from django.core.management import call_command
         from django.db import connections
