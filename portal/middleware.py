@@ -19,6 +19,20 @@ JSON_PREFIXES = ("/api/", "/agent/")
 SESSION_TENANT_KEY = "tenant_id"
 
 
+class SyncAsyncMiddleware:
+    """A middleware that runs in the chain's own mode (sync under WSGI, async under ASGI), so a
+    request never pays a thread hop for it; subclasses branch on ``self.is_async`` in ``__call__``."""
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+        self.is_async = iscoroutinefunction(get_response)
+        if self.is_async:
+            markcoroutinefunction(self)
+
+
 class ApiErrorMiddleware:
     """Gives Django's own errors on API paths (404, 405, 413, 500, ...) the API's JSON error shape."""
 
@@ -123,20 +137,11 @@ class UserTimezoneMiddleware:
             timezone.deactivate()
 
 
-class ProbeMiddleware:
+class ProbeMiddleware(SyncAsyncMiddleware):
     """``/healthz``, ``/readyz`` and ``/metrics`` answer before host validation, HTTPS redirects,
     sessions and the rest: load balancers, kubelets and Prometheus reach pods by IP address,
     which ``ALLOWED_HOSTS`` rightly refuses for everything else. ``/metrics`` asks for
     ``Authorization: Bearer <METRICS_TOKEN>`` when that setting is set."""
-
-    sync_capable = True
-    async_capable = True
-
-    def __init__(self, get_response):
-        self.get_response = get_response
-        self.is_async = iscoroutinefunction(get_response)
-        if self.is_async:
-            markcoroutinefunction(self)
 
     def __call__(self, request):
         view = self._view_for(request)
@@ -167,21 +172,12 @@ request_logger = logging.getLogger("portal.requests")
 QUIET_PATHS = ("/healthz", "/readyz", "/metrics")
 
 
-class RequestIdMiddleware:
+class RequestIdMiddleware(SyncAsyncMiddleware):
     """Gives every request an id for its log lines: the incoming ``X-Request-ID`` when it is a
     plausible id (up to 128 of ``A-Za-z0-9._:-``), else a new one; echoed in the response's
     ``X-Request-ID``. Binds ``request_id`` (and, once known, ``tenant_id`` and ``user_id``) in the
     log context (portal.logging) and writes one ``portal.requests`` line per request (probes are
     left out; agent traffic logs at DEBUG)."""
-
-    sync_capable = True
-    async_capable = True
-
-    def __init__(self, get_response):
-        self.get_response = get_response
-        self.is_async = iscoroutinefunction(get_response)
-        if self.is_async:
-            markcoroutinefunction(self)
 
     def __call__(self, request):
         if self.is_async:
