@@ -15,6 +15,8 @@ cheapest such set of nodes within one (model, region) group wins, or nothing is 
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .spec import Demand
@@ -114,6 +116,31 @@ class Preemptor:
             sum(work_lost(v, self.now) for v in taken),
         )
 
+    def _freeing(self, i: int, cands: list[Running]) -> Iterator[tuple[list[int], int, int, list[Running]]]:
+        """Node ``i``'s free GPU milli, CPU and RAM as ``cands`` (each with its whole gang) are
+        preempted one after another, with the victims so far; yielded after each candidate."""
+        state = self.state
+        g = list(state.gfree[i])
+        cpu, mem = state.cpu_free[i], state.mem_free[i]
+        taken: list[Running] = []
+        seen: set[str] = set()
+        for r in cands:
+            if r.id in seen:
+                continue
+            for m in self._with_gang(r):
+                seen.add(m.id)
+                taken.append(m)
+                if m.node_id != r.node_id:
+                    continue
+                s = self.slot_of(m)
+                if s is None:
+                    continue
+                for p in s.positions:
+                    g[p] += s.milli
+                cpu += s.cpu
+                mem += s.mem
+            yield g, cpu, mem, taken
+
     def find(
         self, demand: Demand, priority: int, avoid: frozenset[int] = frozenset()
     ) -> PreemptionChoice | None:
@@ -135,26 +162,7 @@ class Preemptor:
                 cands = [r for r in cands if r.plan in LENT_PLANS]
             if not cands:
                 continue
-            g = list(state.gfree[i])
-            cpu = state.cpu_free[i]
-            mem = state.mem_free[i]
-            taken: list[Running] = []
-            seen: set[str] = set()
-            for r in cands:
-                if r.id in seen:
-                    continue
-                for m in self._with_gang(r):
-                    seen.add(m.id)
-                    taken.append(m)
-                    if m.node_id != r.node_id:
-                        continue
-                    s = self.slot_of(m)
-                    if s is None:
-                        continue
-                    for p in s.positions:
-                        g[p] += s.milli
-                    cpu += s.cpu
-                    mem += s.mem
+            for g, cpu, mem, taken in self._freeing(i, cands):
                 if cpu < demand.cpu or mem < demand.mem:
                     continue
                 gk = tuple(tuple(sorted((g[p] for p in isl), reverse=True)) for isl in cls.islands)
@@ -202,24 +210,10 @@ class Preemptor:
             cands = self._candidates(live, priority)
             if len(cands) != len(live):
                 continue  # something here may not be preempted: the node cannot be emptied
-            g = list(state.gfree[i])
-            cpu, mem = state.cpu_free[i], state.mem_free[i]
-            taken: list[Running] = []
-            seen: set[str] = set()
-            for r in cands:
-                if r.id in seen:
-                    continue
-                for m in self._with_gang(r):
-                    seen.add(m.id)
-                    taken.append(m)
-                    if m.node_id != r.node_id:
-                        continue
-                    s = self.slot_of(m)
-                    if s is not None:
-                        for p in s.positions:
-                            g[p] += s.milli
-                        cpu += s.cpu
-                        mem += s.mem
+            last = deque(self._freeing(i, cands), maxlen=1)
+            g, cpu, mem, taken = (
+                last[0] if last else (state.gfree[i], state.cpu_free[i], state.mem_free[i], [])
+            )
             if cpu < demand.cpu or mem < demand.mem or any(x != MILLI for x in g):
                 continue  # an unhealthy GPU, or capacity the victims do not free
             cost = self._cost(grp[0], taken) if taken else ()
