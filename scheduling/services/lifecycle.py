@@ -215,9 +215,13 @@ def _notices(ids: list[int]) -> dict[int, int]:
 # --- tenants ---------------------------------------------------------------------------------------
 
 
-def workload_stop(*, workload: Workload, actor: Actor, now: datetime | None = None) -> Workload:
+def workload_stop(
+    *, workload: Workload, actor: Actor, now: datetime | None = None, reason: str = "", message: str = ""
+) -> Workload:
     """Stop a workload: a waiting one stops at once; a placed one is told to stop (STOPPING) and
-    stops when the agent reports it; one being preempted is stopped instead of requeued."""
+    stops when the agent reports it; one being preempted is stopped instead of requeued. Another
+    app stopping it names its cause: ``reason`` (a short code, e.g. ``tenant_suspended``) and
+    ``message`` go into the event instead of the user's stop."""
     now = now or timezone.now()
     with log_context(workload_id=workload.pk), transaction.atomic():
         w = lock_workload(workload_id=workload.pk)
@@ -226,13 +230,33 @@ def workload_stop(*, workload: Workload, actor: Actor, now: datetime | None = No
         w.stop_requested_at = now
         w.save(update_fields=["stop_requested_at"])
         if w.state in WAITING_STATES:
-            workload_transition(workload=w, to=S.STOPPED, reason="stopped_by_user", actor=actor, now=now)
+            workload_transition(
+                workload=w,
+                to=S.STOPPED,
+                reason=reason or "stopped_by_user",
+                message=message,
+                actor=actor,
+                now=now,
+            )
         else:
             nodes = _nodes_of(w.pk)
             if w.state != S.PREEMPTED:
-                workload_transition(workload=w, to=S.STOPPING, reason="stop_requested", actor=actor, now=now)
+                workload_transition(
+                    workload=w,
+                    to=S.STOPPING,
+                    reason=reason or "stop_requested",
+                    message=message,
+                    actor=actor,
+                    now=now,
+                )
             _send_stop(w, nodes, now=now, why="user")
-        audit_record(tenant=w.tenant, actor=actor, action=f"{w.kind}.stop", target=w)
+        audit_record(
+            tenant=w.tenant,
+            actor=actor,
+            action=f"{w.kind}.stop",
+            target=w,
+            data={"reason": reason} if reason else None,
+        )
     return w
 
 
