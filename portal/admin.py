@@ -38,7 +38,8 @@ class TenantAdminForm(forms.ModelForm):
 
     def clean(self):
         data = super().clean()
-        if data.get("status") == Tenant.Status.SUSPENDED and not (data.get("suspended_reason") or "").strip():
+        needs_reason = data.get("status") in (Tenant.Status.SUSPENDED, Tenant.Status.GRACE)
+        if needs_reason and not (data.get("suspended_reason") or "").strip():
             self.add_error(
                 "suspended_reason", "Say why the tenant is suspended; its members and tokens see it."
             )

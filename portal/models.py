@@ -70,6 +70,7 @@ slug_validator = RegexValidator(
 class Tenant(models.Model):
     class Status(models.TextChoices):
         ACTIVE = "active", "Active"
+        GRACE = "grace", "Payment overdue"
         SUSPENDED = "suspended", "Suspended"
 
     name = models.CharField(max_length=120)
@@ -88,7 +89,12 @@ class Tenant(models.Model):
 
     @property
     def is_active(self) -> bool:
-        return self.status == self.Status.ACTIVE
+        """Not suspended: a tenant in GRACE (payment overdue) works like an active one."""
+        return self.status != self.Status.SUSPENDED
+
+    @property
+    def in_grace(self) -> bool:
+        return self.status == self.Status.GRACE
 
 
 class Role(models.TextChoices):

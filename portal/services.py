@@ -155,20 +155,24 @@ def user_send_account_setup(*, user: User, tenant: Tenant) -> None:
 
 @transaction.atomic
 def tenant_set_status(*, tenant: Tenant, status: str, reason: str = "", actor: Actor) -> Tenant:
+    """ACTIVE, GRACE (payment overdue: works as ACTIVE, with a warning) or SUSPENDED. GRACE and
+    SUSPENDED need a reason (kept in ``suspended_reason``, shown to the tenant)."""
     if status not in Tenant.Status.values:
         raise ValidationFailed(f"Unknown status {status!r}.", fields={"status": ["Not a valid choice."]})
-    if status == Tenant.Status.SUSPENDED and not reason.strip():
+    if status != Tenant.Status.ACTIVE and not reason.strip():
         raise ValidationFailed(
-            "Say why the tenant is suspended.", fields={"reason": ["A reason is required."]}
+            f"Say why the tenant is {Tenant.Status(status).label.lower()}.",
+            fields={"reason": ["A reason is required."]},
         )
     old = tenant.status
     tenant.status = status
-    tenant.suspended_reason = reason.strip() if status == Tenant.Status.SUSPENDED else ""
+    tenant.suspended_reason = reason.strip()[:255] if status != Tenant.Status.ACTIVE else ""
     tenant.save(update_fields=["status", "suspended_reason"])
+    action = {Tenant.Status.SUSPENDED: "suspend", Tenant.Status.GRACE: "grace"}.get(status, "reactivate")
     audit_record(
         tenant=tenant,
         actor=actor,
-        action=f"tenant.{'suspend' if status == Tenant.Status.SUSPENDED else 'reactivate'}",
+        action=f"tenant.{action}",
         target=tenant,
         data={"from": old, "to": status, "reason": tenant.suspended_reason},
     )

@@ -19,19 +19,19 @@ from datetime import datetime, timedelta
 from decimal import Decimal, InvalidOperation
 
 from django.conf import settings
-from django.core.mail import send_mail
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from metering.models import Budget, BudgetAlert, CostToDate, default_alert_thresholds
 from metering.money import ZERO, quantize_money
 from metering.periods import period_of
+from metering.services.notify import billing_contacts_mail
 from metering.services.rates import TenantPricing
 from metering.services.usage import costs_to_date, usage_build
 from portal.actors import Actor
 from portal.errors import ValidationFailed
 from portal.events import publish
-from portal.models import Membership, Role, Tenant
+from portal.models import Tenant
 from portal.services import audit_record
 
 logger = logging.getLogger(__name__)
@@ -281,22 +281,8 @@ def budget_alert_fire(
     return alert
 
 
-def _recipients(tenant: Tenant) -> list[str]:
-    emails = list(
-        Membership.objects.filter(tenant=tenant, role__in=[Role.OWNER, Role.BILLING])
-        .order_by("user__email")
-        .values_list("user__email", flat=True)
-    )
-    if tenant.billing_email and tenant.billing_email not in emails:
-        emails.append(tenant.billing_email)
-    return emails
-
-
 def _email_alert(alert: BudgetAlert, budget: Budget) -> None:
     tenant = budget.tenant
-    to = _recipients(tenant)
-    if not to:
-        return
     what = "reached" if alert.threshold < 100 else "passed" if alert.threshold > 100 else "used up"
     hard = (
         " New workloads are refused while the month's cost is over the budget (hard limit)."
@@ -310,12 +296,4 @@ def _email_alert(alert: BudgetAlert, budget: Budget) -> None:
         f"Monthly budget: {alert.monthly_limit} {alert.currency}\n{hard}\n"
         f"Budget and cost to date: {settings.SITE_URL.rstrip('/')}/\n"
     )
-    try:
-        send_mail(
-            subject=f"[gpupool] {tenant.name}: {alert.threshold}% of the monthly budget",
-            message=message,
-            from_email=settings.DEFAULT_FROM_EMAIL,
-            recipient_list=to,
-        )
-    except Exception:  # the alert is recorded and shown; a mail server outage must not undo it
-        logger.exception("Could not e-mail budget alert %s", alert.pk)
+    billing_contacts_mail(tenant=tenant, subject=f"{alert.threshold}% of the monthly budget", message=message)

@@ -8,9 +8,12 @@ in any order, so an event only says *which* object changed: the handler fetches 
 invoice and acts on its status. Our invoice only ever moves forward (finalized -> paid): a
 ``invoice.payment_failed`` that arrives after ``invoice.paid`` is recorded and changes nothing.
 
-Dunning: a finalized invoice unpaid ``METERING_DUNNING_GRACE_DAYS`` after its due date suspends its
-tenant (``portal.services.tenant_set_status``) with a reason naming the invoice; paying that invoice
-reactivates the tenant (or moves the reason to its next overdue invoice).
+Dunning (``dunning_run``, beat, hourly): a finalized invoice unpaid past its due date puts its tenant
+into GRACE (works as usual; the reason, naming the invoice and the day of suspension, is shown on
+every page and e-mailed to the owners and billing members); ``METERING_DUNNING_GRACE_DAYS`` later
+it suspends the tenant (new workloads refused by the admission check; running and queued ones kept
+or stopped, ``METERING_SUSPEND_RUNNING``). Paying that invoice reactivates the tenant (or moves it
+to GRACE or SUSPENDED for its next invoice past due).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from datetime import UTC, datetime, timedelta
 
 import stripe
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
@@ -214,86 +218,199 @@ def _customer_event(event, event_type: str, obj) -> str:
 
 # --- dunning ------------------------------------------------------------------------------------
 
+SUSPEND_RUNNING_CHOICES = ("keep", "stop")
+SUSPENDED_STOP_REASON = "tenant_suspended"  # the workload events' reason when suspension stops them
+
+
+def _due(invoice: Invoice) -> datetime:
+    return invoice.due_at or invoice.finalized_at + timedelta(days=settings.METERING_PAYMENT_TERMS_DAYS)
+
+
+def _suspension_date(invoice: Invoice) -> datetime:
+    return _due(invoice) + timedelta(days=settings.METERING_DUNNING_GRACE_DAYS)
+
+
+def _amount(invoice: Invoice) -> str:
+    return f"{quantize_money(invoice.total, invoice.currency)} {invoice.currency}"
+
 
 def dunning_reason(invoice: Invoice) -> str:
-    due = invoice.due_at or invoice.finalized_at
+    """Why the tenant is suspended (SUSPENDED)."""
     return (
-        f"Unpaid invoice #{invoice.pk} for {invoice.period_start:%Y-%m} "
-        f"({quantize_money(invoice.total, invoice.currency)} {invoice.currency}), due {due:%Y-%m-%d}"
+        f"Unpaid invoice #{invoice.pk} for {invoice.period_start:%Y-%m} ({_amount(invoice)}), "
+        f"due {_due(invoice):%Y-%m-%d}"
     )
 
 
-def _suspends(invoice: Invoice) -> bool:
-    return (invoice.tenant.suspended_reason or "").startswith(f"Unpaid invoice #{invoice.pk} ")
+def grace_reason(invoice: Invoice) -> str:
+    """Why the tenant is warned (GRACE): the invoice is past its due date, not yet past the grace."""
+    return (
+        f"Invoice #{invoice.pk} for {invoice.period_start:%Y-%m} ({_amount(invoice)}) was due "
+        f"{_due(invoice):%Y-%m-%d}; the team will be suspended on {_suspension_date(invoice):%Y-%m-%d} "
+        "unless it is paid"
+    )
 
 
-def invoices_overdue(*, now: datetime) -> Q:
-    """Finalized, unpaid invoices with something to pay, past their due date plus the grace."""
-    cutoff = now - timedelta(days=settings.METERING_DUNNING_GRACE_DAYS)
+def _names(tenant: Tenant, invoice: Invoice) -> bool:
+    """Whether the tenant's status is due to ``invoice`` (its reason is dunning's for it)."""
+    reason = tenant.suspended_reason or ""
+    return reason.startswith((f"Unpaid invoice #{invoice.pk} ", f"Invoice #{invoice.pk} "))
+
+
+def invoices_past_due(*, now: datetime, grace_days: int = 0) -> Q:
+    """Finalized, unpaid invoices with something to pay, more than ``grace_days`` past due."""
+    cutoff = now - timedelta(days=grace_days)
     terms = timedelta(days=settings.METERING_PAYMENT_TERMS_DAYS)
     return Q(status=InvoiceStatus.FINALIZED, total__gt=0) & (
         Q(due_at__lte=cutoff) | Q(due_at__isnull=True, finalized_at__lte=cutoff - terms)
     )
 
 
-def dunning_run(*, now: datetime | None = None) -> list[Tenant]:
-    """Suspend each active tenant with an overdue invoice (its oldest named). Safe to run twice."""
-    now = now or timezone.now()
-    overdue = (
-        Invoice.objects.filter(invoices_overdue(now=now), tenant__status=Tenant.Status.ACTIVE)
-        .select_related("tenant")
-        .order_by("tenant_id", "period_start")
+def invoices_overdue(*, now: datetime) -> Q:
+    """Past their due date plus the grace: these suspend their tenant."""
+    return invoices_past_due(now=now, grace_days=settings.METERING_DUNNING_GRACE_DAYS)
+
+
+def _standing(tenant: Tenant, *, now: datetime, paid: Invoice | None = None) -> tuple[str, Invoice | None]:
+    """What dunning says the tenant's status should be, and the invoice (its oldest) that says so."""
+    invoices = Invoice.objects.filter(tenant=tenant).order_by("period_start", "pk")
+    if paid is not None:
+        invoices = invoices.exclude(pk=paid.pk)
+    overdue = invoices.filter(invoices_overdue(now=now)).first()
+    if overdue is not None:
+        return Tenant.Status.SUSPENDED, overdue
+    late = invoices.filter(invoices_past_due(now=now)).first()
+    if late is not None:
+        return Tenant.Status.GRACE, late
+    return Tenant.Status.ACTIVE, None
+
+
+def suspend_running_setting() -> str:
+    value = settings.METERING_SUSPEND_RUNNING
+    if value not in SUSPEND_RUNNING_CHOICES:
+        raise ImproperlyConfigured(
+            f"METERING_SUSPEND_RUNNING must be one of {', '.join(SUSPEND_RUNNING_CHOICES)}, not {value!r}."
+        )
+    return value
+
+
+def _stop_workloads(tenant: Tenant, reason: str) -> int:
+    """Stop the tenant's running and queued workloads through scheduling's stop service."""
+    from scheduling.models import TERMINAL_STATES, Workload, WorkloadState
+    from scheduling.services.lifecycle import workload_stop
+
+    workloads = (
+        Workload.objects.for_tenant(tenant)
+        .filter(stop_requested_at__isnull=True)
+        .exclude(state__in=[*TERMINAL_STATES, WorkloadState.STOPPING])
+        .order_by("pk")
     )
-    suspended = []
-    seen: set[int] = set()
-    for invoice in overdue:
-        if invoice.tenant_id in seen:
-            continue
-        seen.add(invoice.tenant_id)
+    stopped = 0
+    for w in workloads:
+        workload_stop(
+            workload=w,
+            actor=Actor.system(),
+            reason=SUSPENDED_STOP_REASON,
+            message=f"Stopped: the team is suspended ({reason}).",
+        )
+        stopped += 1
+    return stopped
+
+
+def _mail(tenant_id: int, status: str, invoice_id: int) -> None:
+    from metering.services.notify import billing_contacts_mail
+
+    tenant = Tenant.objects.get(pk=tenant_id)
+    if tenant.status != status or not tenant.suspended_reason.startswith(("Unpaid invoice #", "Invoice #")):
+        return  # changed again before the mail went out
+    link = f"{settings.SITE_URL.rstrip('/')}/billing/invoices/"
+    if status == Tenant.Status.GRACE:
+        subject, body = (
+            f"payment overdue (invoice #{invoice_id})",
+            (f"{tenant.suspended_reason}.\n\nWhile it is unpaid the team works as usual. Invoices: {link}\n"),
+        )
+    else:
+        running = (
+            "Its running and queued workloads are being stopped."
+            if settings.METERING_SUSPEND_RUNNING == "stop"
+            else "Its running workloads continue and are billed."
+        )
+        subject, body = (
+            f"suspended (invoice #{invoice_id} unpaid)",
+            (
+                f"{tenant.name} is suspended: {tenant.suspended_reason}.\n\n"
+                f"New workloads are refused until the invoice is paid. {running}\nInvoices: {link}\n"
+            ),
+        )
+    billing_contacts_mail(tenant=tenant, subject=subject, message=body)
+
+
+def _dunning_apply(tenant: Tenant, *, status: str, invoice: Invoice) -> None:
+    """Move a locked tenant to GRACE or SUSPENDED for ``invoice``: status, audit, e-mail after
+    commit, and (``METERING_SUSPEND_RUNNING=stop``) its workloads stopped when it is suspended."""
+    was = tenant.status
+    stop = status == Tenant.Status.SUSPENDED and was != Tenant.Status.SUSPENDED
+    stop = stop and suspend_running_setting() == "stop"
+    reason = dunning_reason(invoice) if status == Tenant.Status.SUSPENDED else grace_reason(invoice)
+    tenant_set_status(tenant=tenant, status=status, reason=reason, actor=Actor.system())
+    data = {
+        "due_at": _due(invoice).isoformat(),
+        "total": str(invoice.total),
+        "suspend_on": _suspension_date(invoice).isoformat(),
+    }
+    if stop:
+        data["workloads_stopped"] = _stop_workloads(tenant, reason)
+    audit_record(
+        tenant=tenant,
+        actor=Actor.system(),
+        action="invoice.dunning_suspend" if status == Tenant.Status.SUSPENDED else "invoice.dunning_grace",
+        target=invoice,
+        data=data,
+    )
+    tenant_id, invoice_id = tenant.pk, invoice.pk
+    transaction.on_commit(lambda: _mail(tenant_id, status, invoice_id))
+
+
+def dunning_run(*, now: datetime | None = None) -> list[Tenant]:
+    """Each tenant that is not suspended and has an invoice past its due date goes to GRACE (a
+    warning, e-mailed) or, past the grace days, to SUSPENDED; the oldest such invoice is named.
+    Returns the tenants whose status changed. Safe to run twice: a tenant already in that status
+    for that invoice is left alone (and not e-mailed again)."""
+    suspend_running_setting()
+    now = now or timezone.now()
+    tenant_ids = (
+        Invoice.objects.filter(
+            invoices_past_due(now=now), tenant__status__in=[Tenant.Status.ACTIVE, Tenant.Status.GRACE]
+        )
+        .order_by("tenant_id")
+        .values_list("tenant_id", flat=True)
+        .distinct()
+    )
+    changed = []
+    for tenant_id in list(tenant_ids):
         with transaction.atomic():
-            tenant = Tenant.objects.select_for_update().get(pk=invoice.tenant_id)
-            if tenant.status != Tenant.Status.ACTIVE:
+            tenant = Tenant.objects.select_for_update().get(pk=tenant_id)
+            if tenant.status == Tenant.Status.SUSPENDED:
+                continue  # suspended meanwhile, by dunning or by hand
+            status, invoice = _standing(tenant, now=now)
+            if invoice is None or (tenant.status == status and _names(tenant, invoice)):
                 continue
-            tenant_set_status(
-                tenant=tenant,
-                status=Tenant.Status.SUSPENDED,
-                reason=dunning_reason(invoice),
-                actor=Actor.system(),
-            )
-            audit_record(
-                tenant=tenant,
-                actor=Actor.system(),
-                action="invoice.dunning_suspend",
-                target=invoice,
-                data={
-                    "due_at": (invoice.due_at or invoice.finalized_at).isoformat(),
-                    "total": str(invoice.total),
-                },
-            )
-        suspended.append(tenant)
-    return suspended
+            _dunning_apply(tenant, status=status, invoice=invoice)
+        changed.append(tenant)
+    return changed
 
 
 def dunning_release(*, invoice: Invoice, now: datetime | None = None) -> None:
-    """Called when ``invoice`` is paid (inside its transaction): if it is why the tenant is
-    suspended, reactivate the tenant, or name its next overdue invoice instead."""
+    """Called when ``invoice`` is paid (inside its transaction): if it is why the tenant is in GRACE
+    or SUSPENDED, the tenant is reactivated, or moves to GRACE or SUSPENDED for its next invoice
+    past due."""
     now = now or timezone.now()
     tenant = Tenant.objects.select_for_update().get(pk=invoice.tenant_id)
     invoice.tenant = tenant
-    if tenant.status != Tenant.Status.SUSPENDED or not _suspends(invoice):
+    if tenant.status == Tenant.Status.ACTIVE or not _names(tenant, invoice):
         return
-    following = (
-        Invoice.objects.filter(invoices_overdue(now=now), tenant=tenant)
-        .exclude(pk=invoice.pk)
-        .order_by("period_start")
-        .first()
-    )
-    if following is not None:
-        tenant_set_status(
-            tenant=tenant,
-            status=Tenant.Status.SUSPENDED,
-            reason=dunning_reason(following),
-            actor=Actor.system(),
-        )
-    else:
+    status, following = _standing(tenant, now=now, paid=invoice)
+    if following is None:
         tenant_set_status(tenant=tenant, status=Tenant.Status.ACTIVE, actor=Actor.system())
+    else:
+        _dunning_apply(tenant, status=status, invoice=following)

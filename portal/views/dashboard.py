@@ -13,6 +13,7 @@ from portal.views.base import PanelView, TenantScopedMixin
 ACTION_VERBS = {
     "tenant.create": "created the team",
     "tenant.suspend": "suspended the team",
+    "tenant.grace": "marked the team's payment overdue",
     "tenant.reactivate": "reactivated the team",
     "member.add": "added",
     "member.role_change": "changed the role of",

@@ -364,8 +364,9 @@ def test_the_webhook_counter_is_exported_with_its_labels(client, submitted, stri
 
 
 def test_an_overdue_invoice_suspends_the_tenant_and_paying_it_reactivates(finalized, tenant):
-    # Due 19 April (14 days after finalization), suspended 7 days later.
-    assert dunning_run(now=utc(2024, 4, 25, 23)) == []
+    # Due 19 April (14 days after finalization): in grace from then, suspended 7 days later.
+    assert dunning_run(now=utc(2024, 4, 18, 23)) == []
+    assert [t.status for t in dunning_run(now=utc(2024, 4, 25, 23))] == [Tenant.Status.GRACE]
     assert [t.pk for t in dunning_run(now=utc(2024, 4, 26))] == [tenant.pk]
     tenant.refresh_from_db()
     assert tenant.status == Tenant.Status.SUSPENDED
