@@ -228,3 +228,19 @@ def test_an_unknown_suspend_running_value_is_refused(march, settings):
     assert refused.returncode != 0 and "METERING_SUSPEND_RUNNING must be keep or stop" in refused.stderr
     accepted = start("Stop")
     assert accepted.returncode == 0 and accepted.stdout.strip() == "stop"
+
+
+def test_the_admin_form_asks_for_a_reason_for_grace_as_for_suspension(tenant):
+    from portal.admin import TenantAdminForm
+
+    fields = {
+        "name": tenant.name,
+        "slug": tenant.slug,
+        "billing_email": tenant.billing_email,
+        "currency": "USD",
+    }
+    for status in (Tenant.Status.GRACE, Tenant.Status.SUSPENDED):
+        form = TenantAdminForm(data={**fields, "status": status, "suspended_reason": ""}, instance=tenant)
+        assert not form.is_valid() and "suspended_reason" in form.errors
+    form = TenantAdminForm(data={**fields, "status": "grace", "suspended_reason": "late"}, instance=tenant)
+    assert form.is_valid(), form.errors
