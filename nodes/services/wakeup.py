@@ -32,6 +32,9 @@ REDIS_DOWN_POLL_S = 1.0
 # Reconnect backoff of the shared pub/sub connection: doubling from the first value up to the second.
 RECONNECT_BACKOFF_S = (0.1, 5.0)
 
+# Each read of the pub/sub connection waits at most this long (see the cancel note in _run).
+READ_TIMEOUT_S = 1.0
+
 _clients: dict[str, redis.Redis] = {}
 
 
@@ -121,8 +124,13 @@ class _Listener:
                 failures = 0
                 delay = RECONNECT_BACKOFF_S[0]
                 self._wake_all()  # anything published while we were away: check the database once
+                this = asyncio.current_task()
                 while True:
-                    message = await pubsub.get_message(timeout=30)
+                    message = await pubsub.get_message(timeout=READ_TIMEOUT_S)
+                    if this is not None and this.cancelling():
+                        # A cancel that lands inside redis-py's read can be swallowed there (seen
+                        # with redis 8.1 on Python 3.11): honour it here, at most a read later.
+                        raise asyncio.CancelledError
                     if message is None or message.get("type") != "pmessage":
                         continue
                     channel = message["channel"]

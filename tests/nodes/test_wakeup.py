@@ -100,6 +100,7 @@ def test_concurrent_polls_share_one_connection_and_a_command_wakes_its_node_at_o
     url = settings.REDIS_URL = private_redis[0]
     agents = [register_node() for _ in range(20)]
     target = agents[7]
+    target_node = target.node  # read here: threads below must not open connections of their own
     seen: dict = {}
 
     async def main():
@@ -108,7 +109,7 @@ def test_concurrent_polls_share_one_connection_and_a_command_wakes_its_node_at_o
         assert wakeup.wakeup_connected()
         seen["connections"] = len(wakeup_connections(url))
         done: dict = {}
-        thread = await asyncio.to_thread(lambda: enqueue_after(0, target.node, done))
+        thread = await asyncio.to_thread(lambda: enqueue_after(0, target_node, done))
         results = await asyncio.gather(*polls)
         await asyncio.to_thread(thread.join)
         return done["at"], results
