@@ -11,11 +11,12 @@ updates the badges and ``static/js/workloads.js`` reloads the detail page's live
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from decimal import Decimal
 
 from django import forms
 from django.contrib import messages
 from django.core.paginator import Paginator
-from django.db.models import Count, Q
+from django.db.models import Count, Q, Sum
 from django.http import HttpResponse, JsonResponse
 from django.shortcuts import redirect
 from django.urls import reverse
@@ -30,6 +31,7 @@ from portal.views.base import PanelView, TenantScopedMixin, htmx_partial, render
 from scheduling import selectors
 from scheduling.models import (
     HOLDING_STATES,
+    MILLI,
     TERMINAL_STATES,
     WAITING_STATES,
     Allocation,
@@ -347,6 +349,10 @@ class WorkloadRestartView(_ActionView):
 # --- the dashboard panel ----------------------------------------------------------------------------
 
 
+FAILED_WINDOW = timedelta(days=7)
+FAILED_SHOWN = 5
+
+
 class WorkloadsPanel(PanelView):
     panel_template_name = "scheduling/panels/workloads.html"
     title = "Running and pending workloads"
@@ -363,6 +369,32 @@ class WorkloadsPanel(PanelView):
             .filter(state__in=WAITING_STATES | HOLDING_STATES)
             .order_by("-id")[:8]
         )
+        # GPUs held now per model (shares of a GPU add up: 2 halves are 1), one aggregate query
+        in_use = [
+            {
+                "model": row["gpu_model__short_name"] or row["gpu_model__name"],
+                "gpus": Decimal(row["milli"]) / MILLI,
+            }
+            for row in Allocation.objects.for_tenant(self.tenant)
+            .active()
+            .order_by()
+            .values("gpu_model__name", "gpu_model__short_name")
+            .annotate(milli=Sum("fraction_milli"))
+            .order_by("-milli", "gpu_model__name")
+        ]
+        # Failed in the last 7 days, newest first; the sixth only says there are more
+        failed = list(
+            Workload.objects.for_tenant(self.tenant)
+            .filter(state=WorkloadState.FAILED, state_changed_at__gte=timezone.now() - FAILED_WINDOW)
+            .only("id", "kind", "name", "image", "template", "state", "state_reason", "state_changed_at")
+            .order_by("-state_changed_at", "-id")[: FAILED_SHOWN + 1]
+        )
         return super().get_context_data(
-            counts=counts, active=active, can_launch=self.has_scope(Scope.WRITE), **kwargs
+            counts=counts,
+            active=active,
+            in_use=in_use,
+            failed=failed[:FAILED_SHOWN],
+            more_failed=len(failed) > FAILED_SHOWN,
+            can_launch=self.has_scope(Scope.WRITE),
+            **kwargs,
         )
