@@ -7,7 +7,7 @@ class MeteringConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from metering import views  # noqa: F401  (the sidebar entries)
+        from metering import panels, views  # noqa: F401  (the dashboard panels, the sidebar entries)
         from metering.admission import budget_hard_limit_check, suspended_tenant_check
         from metering.pricing import provider
         from scheduling.admission import register_admission_check

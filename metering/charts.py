@@ -1,12 +1,15 @@
 """Small server-side SVG charts for the finance pages: no JavaScript, no network, printable.
 
 ``bar_chart(categories, series)`` draws grouped (or stacked) vertical bars with a y axis, a legend
-and a ``<title>`` on every bar for its exact value. Labels are escaped here.
+and a ``<title>`` on every bar for its exact value; ``line_chart(labels, values, levels=...)`` one line
+with a point per value and dashed horizontal levels (the dashboard's cost against the budget). Labels
+are escaped here.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from decimal import Decimal
 
 from django.utils.html import escape
@@ -104,5 +107,76 @@ def bar_chart(
             break
     if unit:
         out.append(f'<text x="8" y="12" font-size="11" fill="#64748b">{escape(unit)}</text>')
+    out.append("</svg>")
+    return mark_safe("".join(out))  # every label above is escaped
+
+
+def line_chart(
+    labels: list[str],
+    values: list[Decimal | float | int | None],
+    *,
+    levels: Sequence[tuple[str, Decimal | float | int]] = (),
+    unit: str = "",
+    title: str = "",
+    width: int = 360,
+    height: int = 140,
+) -> SafeString:
+    """One line through ``values`` (``None``: no point yet, e.g. a day still to come) over the x axis
+    of ``labels``, and a dashed horizontal line per ``(label, value)`` of ``levels`` (a budget)."""
+    left, right, top, bottom = 44, 8, 12, 20
+    plot_w, plot_h = width - left - right, height - top - bottom
+    known = [float(v) for v in values if v is not None]
+    top_value = _nice_max(max([*known, *(float(v) for _, v in levels)], default=0))
+    n = max(len(labels) - 1, 1)
+
+    def y_of(v: float) -> float:
+        return top + plot_h - plot_h * max(v, 0) / top_value
+
+    out = [
+        f'<svg class="chart chart-line" viewBox="0 0 {width} {height}" width="100%" role="img" '
+        f'aria-label="{escape(title or "Chart")}" xmlns="http://www.w3.org/2000/svg">',
+    ]
+    if title:
+        out.append(f"<title>{escape(title)}</title>")
+    for i in (0, 2, 4):
+        v = top_value * i / 4
+        y = y_of(v)
+        out.append(
+            f'<line x1="{left}" x2="{width - right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e2e8f0"/>'
+            f'<text x="{left - 4}" y="{y + 4:.1f}" text-anchor="end" font-size="10" fill="#64748b">'
+            f"{_fmt(v)}</text>"
+        )
+    if labels:
+        for i in sorted({0, len(labels) - 1}):
+            out.append(
+                f'<text x="{left + plot_w * i / n:.1f}" y="{height - 4}" text-anchor="middle" font-size="10" '
+                f'fill="#475569">{escape(labels[i])}</text>'
+            )
+    for si, (label, v) in enumerate(levels):
+        y = y_of(float(v))
+        colour = PALETTE[(si + 4) % len(PALETTE)]
+        out.append(
+            f'<line data-level x1="{left}" x2="{width - right}" y1="{y:.1f}" y2="{y:.1f}" stroke="{colour}" '
+            f'stroke-dasharray="4 3"><title>{escape(label)}: {float(v):,.2f}{(" " + escape(unit)) if unit else ""}'
+            f"</title></line>"
+            f'<text x="{width - right}" y="{y - 3:.1f}" text-anchor="end" font-size="10" fill="{colour}">'
+            f"{escape(label)}</text>"
+        )
+    points = [
+        (left + plot_w * i / n, y_of(float(v)), labels[i], float(v))
+        for i, v in enumerate(values)
+        if v is not None and i < len(labels)
+    ]
+    if points:
+        out.append(
+            f'<polyline fill="none" stroke="{PALETTE[0]}" stroke-width="2" points="'
+            + " ".join(f"{x:.1f},{y:.1f}" for x, y, _, _ in points)
+            + '"/>'
+        )
+        for x, y, label, v in points:
+            out.append(
+                f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2" fill="{PALETTE[0]}"><title>{escape(label)}: '
+                f"{v:,.2f}{(' ' + escape(unit)) if unit else ''}</title></circle>"
+            )
     out.append("</svg>")
     return mark_safe("".join(out))  # every label above is escaped

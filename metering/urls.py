@@ -7,6 +7,7 @@ from metering import finance_api, panels, views, views_billing
 app_name = "metering"
 urlpatterns = [
     path("panels/budget/", panels.BudgetPanel.as_view(), name="panel-budget"),
+    path("panels/alerts/", panels.AlertsPanel.as_view(), name="panel-alerts"),
     # the tenant's invoices
     path("billing/invoices/", views.InvoiceListView.as_view(), name="invoices"),
     path(
