@@ -194,10 +194,13 @@ def workload_telemetry(*, workload: Workload, now: datetime | None = None) -> di
     """Chart data for the GPUs a workload holds now (or held last), from the fleet's per-minute
     rollups and the latest raw samples (``nodes.selectors.node_telemetry``), inside its allocation:
     from its start (the first whole minute) to now or its end, at most the last hour. Nothing from
-    before or after it held the GPUs. Four queries. None: it never held a GPU."""
+    before or after it held the GPUs. Four queries. None: it never held a whole GPU (a share's GPU
+    also runs other tenants' work, which its charts would show)."""
     now = now or timezone.now()
     allocations = list(
-        Allocation.objects.filter(workload=workload).values_list("gpu_id", "started_at", "ended_at")
+        Allocation.objects.filter(workload=workload, fraction_milli=MILLI).values_list(
+            "gpu_id", "started_at", "ended_at"
+        )
     )
     if not allocations:
         return None

@@ -268,3 +268,15 @@ def test_times_show_in_the_persons_time_zone(signed_in, owner, tenant, make_node
     assert "Jan 16, 2026 08:30 JST" in html  # stored in UTC, shown in Tokyo time
     rows_html = signed_in(owner, tenant).get("/workloads/").content.decode()
     assert 'datetime="2026-01-16T08:30:00+09:00">Jan 16, 08:30</time>' in rows_html
+
+
+def test_a_share_of_a_gpu_shows_no_gpu_charts(client, tenant, make_node, submit, cycle):
+    """A share's GPU also runs other work (other tenants' too): its charts would show their use."""
+    make_node(gpus=1)
+    w = submit(tenant, kind="instance", gpu_count=1, gpu_fraction_milli=500)
+    cycle()
+    assert Allocation.objects.filter(workload=w).exists()
+    assert client.get(f"/workloads/{w.pk}/telemetry/").json() == {"x": [], "gpus": []}
+    html = client.get(f"/workloads/{w.pk}/").content.decode()
+    assert 'id="workload-telemetry"' not in html
+    assert "It shares its GPU with other work" in html
