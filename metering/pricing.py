@@ -18,6 +18,19 @@ class RateCardPriceProvider:
             prices["spot"] = market
         return prices
 
+    def estimate(self, *, tenant, gpu_model, regions, gpu_count, fraction_milli, cpu_millicores, ram_mib):
+        from metering.selectors import hourly_estimate
+
+        return hourly_estimate(
+            tenant=tenant,
+            gpu_models=[gpu_model],
+            regions=regions,
+            gpu_count=gpu_count,
+            fraction_milli=fraction_milli,
+            cpu_millicores=cpu_millicores,
+            ram_mib=ram_mib,
+        )
+
     def spot_floor(self, *, gpu_model, region):
         return current_prices(gpu_model=gpu_model).get("spot")
 

@@ -12,6 +12,7 @@ from django.utils import timezone
 from metering.models import Invoice
 from metering.money import ZERO
 from metering.services.rates import current_prices, rate_card_for_tenant
+from nodes.models import Region
 from scheduling.models import MILLI, Plan
 
 
@@ -25,21 +26,42 @@ def month_cost_to_date(*, tenant, now: datetime | None = None) -> Decimal:
 
 
 def hourly_estimate(
-    *, tenant, gpu_models, gpu_count: int, fraction_milli: int, cpu_millicores: int = 0, ram_mib: int = 0
+    *,
+    tenant,
+    gpu_models,
+    gpu_count: int,
+    fraction_milli: int,
+    cpu_millicores: int = 0,
+    ram_mib: int = 0,
+    regions=None,
 ) -> dict[str, Decimal | None]:
-    """Price of one hour of a workload spec per plan: the dearest of the candidate models (the
-    scheduler may place it on any), after the tenant's discount. None: no price for that plan."""
+    """Price of one hour of a workload spec per plan: the dearest of the candidate models and of
+    ``regions`` (None: every region that has the model; the scheduler may place it in any), after the
+    tenant's discount, with vCPU and RAM where the rate card prices them. Spot is the region's market
+    price where there is one, as usage is billed (``services.usage``). None: no price for that plan.
+    The launch form shows the same figure (the price provider's ``estimate``)."""
     from metering.services.rates import billing_account_for, discounted
+    from metering.services.spot import current_spot_price
 
     gpus = Decimal(gpu_count) * Decimal(fraction_milli) / MILLI
     out: dict[str, Decimal | None] = {}
-    per_model = [current_prices(gpu_model=m, tenant=tenant) for m in gpu_models]
+    discount = billing_account_for(tenant=tenant).discount_percent
+    per_model = []
+    for m in gpu_models:
+        prices = current_prices(gpu_model=m, tenant=tenant)
+        where = regions if regions is not None else Region.objects.filter(nodes__gpus__model=m).distinct()
+        spots = []
+        for region in where:
+            market = current_spot_price(gpu_model=m, region=region)
+            spots.append(discounted(market, discount) if market is not None else prices.get("spot"))
+        if spots:
+            prices["spot"] = None if any(s is None for s in spots) else max(spots)
+        per_model.append(prices)
     extra = ZERO
     card = rate_card_for_tenant(tenant=tenant)
     if card is not None:
         now = timezone.now()
         version = card.versions.filter(effective_from__lte=now).order_by("-effective_from").first()
-        discount = billing_account_for(tenant=tenant).discount_percent
         if version is not None and (version.effective_to is None or version.effective_to > now):
             if version.vcpu_hour_price is not None:
                 extra += Decimal(cpu_millicores) / 1000 * discounted(version.vcpu_hour_price, discount)

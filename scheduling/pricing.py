@@ -21,6 +21,10 @@ class PriceProvider(Protocol):
 
     def spot_floor(self, *, gpu_model, region) -> Decimal | None: ...
 
+    # Optional: ``estimate(*, tenant, gpu_model, regions, gpu_count, fraction_milli, cpu_millicores,
+    # ram_mib)``, the hourly price of a whole workload spec per plan for the tenant (its discount,
+    # vCPU and RAM prices), in the dearest of ``regions``; see ``workload_estimate``.
+
 
 _providers: list[PriceProvider] = []
 
@@ -54,3 +58,42 @@ def spot_price_floor(*, gpu_model, region) -> Decimal:
         if floor is not None:
             return floor
     return Decimal(str(settings.SCHEDULING_SPOT_PRICE_FLOOR))
+
+
+def workload_estimate(
+    *,
+    tenant,
+    gpu_model,
+    regions,
+    gpu_count: int,
+    fraction_milli: int,
+    cpu_millicores: int = 0,
+    ram_mib: int = 0,
+) -> dict[str, Decimal | None]:
+    """Hourly price of a workload spec per plan, in the dearest of ``regions`` (the scheduler may place
+    it in any): the first provider with an ``estimate`` that prices a plan wins (metering: the same
+    figure as ``/api/v1/cost-estimate/``); otherwise the list price of one GPU times the GPUs."""
+    out: dict[str, Decimal | None] = dict.fromkeys(PLANS)
+    for provider in _providers:
+        estimate = getattr(provider, "estimate", None)
+        if estimate is None:
+            continue
+        priced = estimate(
+            tenant=tenant,
+            gpu_model=gpu_model,
+            regions=regions,
+            gpu_count=gpu_count,
+            fraction_milli=fraction_milli,
+            cpu_millicores=cpu_millicores,
+            ram_mib=ram_mib,
+        )
+        for plan, price in priced.items():
+            if plan in out and out[plan] is None and price is not None:
+                out[plan] = price
+    gpus = Decimal(gpu_count) * Decimal(fraction_milli) / 1000
+    for plan in PLANS:
+        if out[plan] is None:
+            listed = [gpu_prices(gpu_model=gpu_model, region=r)[plan] for r in regions]
+            if listed and all(p is not None for p in listed):
+                out[plan] = max(listed) * gpus
+    return out

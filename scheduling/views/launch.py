@@ -32,7 +32,7 @@ from scheduling.models import (
     Workload,
     WorkloadKind,
 )
-from scheduling.pricing import gpu_prices
+from scheduling.pricing import gpu_prices, workload_estimate
 from scheduling.services.submission import SCHEDULABLE_VENDORS, QuotaExceeded, workload_submit
 
 FRACTIONS = [(1000, "Whole GPUs"), (500, "½ GPU"), (250, "¼ GPU"), (125, "⅛ GPU")]
@@ -232,9 +232,12 @@ def _warm_hit(*, model: GpuModel, region: str, image: str, template: str, count:
     return match.count() >= count
 
 
-def estimate_for(data: dict[str, Any], offers: list[ModelOffer]) -> Estimate | None:
+def estimate_for(
+    data: dict[str, Any], offers: list[ModelOffer], *, tenant, region_objects: dict[str, Region]
+) -> Estimate | None:
     """Price of an hour and a day of what the form describes, at the chosen region's price (or the
-    dearest region's when none is chosen: the scheduler may place it in any)."""
+    dearest region's when none is chosen: the scheduler may place it in any): the price providers'
+    ``workload_estimate``, the same figure as ``/api/v1/cost-estimate/``."""
     by_name = {o.model.name: o for o in offers}
     offer = by_name.get(str(data.get("gpu_model") or "")) or (offers[0] if offers else None)
     if offer is None:
@@ -250,15 +253,24 @@ def estimate_for(data: dict[str, Any], offers: list[ModelOffer]) -> Estimate | N
     region = str(data.get("region") or "")
     gpus = Decimal(count * fraction) / MILLI
     rows = [r for r in offer.regions if not region or r["code"] == region]
-    prices = [r["prices"].get(plan) for r in rows]
-    price = None if not prices or any(p is None for p in prices) else max(prices)
+    per_hour = (
+        workload_estimate(
+            tenant=tenant,
+            gpu_model=offer.model,
+            regions=[region_objects[r["code"]] for r in rows if r["code"] in region_objects],
+            gpu_count=count,
+            fraction_milli=fraction,
+        )[plan]
+        if rows
+        else None
+    )
     return Estimate(
         gpus=gpus,
         plan=plan,
         plan_label=Plan(plan).label,
-        per_gpu_hour=price,
-        per_hour=None if price is None else price * gpus,
-        per_day=None if price is None else price * gpus * HOURS_PER_DAY,
+        per_gpu_hour=None if per_hour is None else per_hour / gpus,
+        per_hour=per_hour,
+        per_day=None if per_hour is None else per_hour * HOURS_PER_DAY,
         dearest_region=not region and len(rows) > 1,
         warm=_warm_hit(
             model=offer.model,
@@ -298,7 +310,7 @@ class LaunchMixin(TenantScopedMixin):
         return {
             "form": form,
             "offers": offers,
-            "estimate": estimate_for(values, offers),
+            "estimate": estimate_for(values, offers, tenant=self.tenant, region_objects=region_objects),
             "currency": self.tenant.currency,
             "can_launch": self.has_scope(Scope.WRITE),
             "plans": Plan.choices,

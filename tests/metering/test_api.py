@@ -15,6 +15,7 @@ from scheduling.models import Workload
 from scheduling.pricing import gpu_prices, spot_price_floor
 from scheduling.services.submission import workload_submit
 from tests.metering.conftest import H100, utc
+from tests.portal.conftest import signed_in  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.django_db
 
@@ -108,3 +109,49 @@ def test_a_suspended_tenant_cannot_submit(tenant, card, node):
     tenant.save()
     with pytest.raises(AdmissionRefused, match="suspended: unpaid invoice"):
         _submit(tenant)
+
+
+def test_the_launch_form_shows_the_cost_estimate_apis_figure(
+    tenant,
+    card,
+    node,
+    h100,
+    owner,
+    signed_in,  # noqa: F811
+    make_token,
+    api,
+):
+    """Same spec, same figure: the tenant's discount and the region's spot market price in both."""
+    from metering.models import SpotPrice
+    from tests.portal.conftest import HTMX
+
+    BillingAccount.objects.create(tenant=tenant, discount_percent=Decimal("10"))
+    SpotPrice.objects.create(
+        gpu_model=h100,
+        region=node.region,
+        at=timezone.now(),
+        price=Decimal("1.10"),
+        floor=Decimal("0.80"),
+        on_demand=Decimal("2.00"),
+        utilisation=Decimal("0.5"),
+    )
+    client = api(make_token(tenant, scopes=["read", "write"]))
+    body = client.post(
+        "/api/v1/cost-estimate/", {"gpu_model": H100, "gpu_count": 2}, content_type="application/json"
+    ).json()
+    # on demand 2 x 2.00 less 10 %; spot at the market's 1.10 less 10 %
+    assert body["per_hour"]["on_demand"] == "3.60" and body["per_hour"]["spot"] == "1.98"
+    web = signed_in(owner, tenant)
+    for plan in ("on_demand", "spot"):
+        html = web.get(
+            "/launch/summary/",
+            {
+                "gpu_model": H100,
+                "gpu_count": "2",
+                "fraction": "1000",
+                "plan": plan,
+                "region": node.region.code,
+            },
+            **HTMX,
+        ).content.decode()
+        assert f'data-estimate="hour">{body["per_hour"][plan]} USD' in html, plan
