@@ -9,12 +9,19 @@ from django.contrib import admin
 from metering.models import (
     BillingAccount,
     Budget,
+    BudgetAlert,
+    CostToDate,
     CreditEntry,
+    CreditNote,
     GpuPrice,
     Invoice,
     InvoiceLine,
+    PlatformCost,
     RateCard,
     RateCardVersion,
+    SpotPrice,
+    StripeEvent,
+    UsageRecord,
 )
 from metering.periods import period_of, previous_period
 from metering.services.invoices import (
@@ -24,7 +31,7 @@ from metering.services.invoices import (
     invoice_run,
     invoice_void,
 )
-from portal.admin_actions import run_each
+from portal.admin_actions import RecordAdmin, run_each
 
 
 class GpuPriceInline(admin.TabularInline):
@@ -142,3 +149,77 @@ class InvoiceAdmin(admin.ModelAdmin):
 
         invoices = invoice_run(period_start=previous_period(period_of(timezone.now())))
         self.message_user(request, f"Invoice run: {len(invoices)} invoices built.")
+
+
+@admin.register(UsageRecord)
+class UsageRecordAdmin(RecordAdmin):
+    list_display = [
+        "tenant",
+        "workload",
+        "gpu_model",
+        "region",
+        "plan",
+        "start",
+        "end",
+        "gpu_seconds",
+        "amount",
+        "invoice",
+    ]
+    list_filter = ["plan", "gpu_model", "region", "period_start"]
+    search_fields = ["tenant__slug", "workload__id"]
+    list_select_related = ["tenant", "workload", "gpu_model", "region", "invoice"]
+    date_hierarchy = "start"
+
+
+@admin.register(CreditNote)
+class CreditNoteAdmin(RecordAdmin):
+    list_display = ["tenant", "invoice", "amount", "reason", "created_at"]
+    search_fields = ["tenant__slug", "reason"]
+    list_select_related = ["tenant", "invoice"]
+
+
+@admin.register(CostToDate)
+class CostToDateAdmin(RecordAdmin):
+    list_display = ["tenant", "period_start", "amount", "currency", "as_of"]
+    search_fields = ["tenant__slug"]
+    list_select_related = ["tenant"]
+
+
+@admin.register(BudgetAlert)
+class BudgetAlertAdmin(RecordAdmin):
+    list_display = [
+        "tenant",
+        "period_start",
+        "threshold",
+        "amount",
+        "monthly_limit",
+        "currency",
+        "created_at",
+    ]
+    list_filter = ["threshold", "period_start"]
+    search_fields = ["tenant__slug"]
+    list_select_related = ["tenant"]
+
+
+@admin.register(PlatformCost)
+class PlatformCostAdmin(RecordAdmin):
+    list_display = ["kind", "gpu_model", "region", "start", "end", "gpu_seconds", "amount", "bound_to"]
+    list_filter = ["kind", "gpu_model", "region", "period_start"]
+    list_select_related = ["gpu_model", "region", "bound_to"]
+    date_hierarchy = "start"
+
+
+@admin.register(SpotPrice)
+class SpotPriceAdmin(RecordAdmin):
+    list_display = ["gpu_model", "region", "at", "price", "floor", "on_demand", "utilisation"]
+    list_filter = ["gpu_model", "region"]
+    list_select_related = ["gpu_model", "region"]
+    date_hierarchy = "at"
+
+
+@admin.register(StripeEvent)
+class StripeEventAdmin(RecordAdmin):
+    list_display = ["event_id", "type", "created", "received_at", "livemode", "result", "invoice"]
+    list_filter = ["type", "result", "livemode"]
+    search_fields = ["event_id"]
+    date_hierarchy = "received_at"

@@ -5,7 +5,8 @@ from django.utils import timezone
 
 from portal import services
 from portal.actors import Actor
-from portal.models import ApiToken, AuditEvent, Invitation, Membership, Tenant, User
+from portal.admin_actions import RecordAdmin
+from portal.models import ApiToken, AuditEvent, Invitation, Membership, MetricValue, Tenant, User
 
 
 class MembershipInline(admin.TabularInline):
@@ -124,17 +125,15 @@ class ApiTokenAdmin(admin.ModelAdmin):
 
 
 @admin.register(AuditEvent)
-class AuditEventAdmin(admin.ModelAdmin):
+class AuditEventAdmin(RecordAdmin):
     list_display = ["created", "tenant", "actor_repr", "action", "target_repr"]
     list_filter = ["action", "actor_type", "tenant"]
     search_fields = ["actor_repr", "action", "target_repr", "target_id"]
     date_hierarchy = "created"
 
-    def has_add_permission(self, request):
-        return False
 
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
+@admin.register(MetricValue)
+class MetricValueAdmin(RecordAdmin):
+    list_display = ["name", "labels", "bucket", "value", "gauge", "updated_at"]
+    list_filter = ["gauge", "name"]
+    search_fields = ["name", "labels"]

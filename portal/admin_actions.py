@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from django.contrib import messages
+from django.contrib import admin, messages
 
 from portal.actors import Actor
 from portal.errors import DomainError
@@ -23,3 +23,17 @@ def run_each(modeladmin, request, queryset: Iterable, fn: Callable, verb: str) -
             modeladmin.message_user(request, f"{obj}: {exc.message}", messages.ERROR)
     if done:
         modeladmin.message_user(request, f"{verb} {done} item(s).", messages.SUCCESS)
+
+
+class RecordAdmin(admin.ModelAdmin):
+    """Records the system writes (events, usage, prices, metrics): staff look, filter and search;
+    nobody adds, edits or deletes them here, since services own them."""
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False

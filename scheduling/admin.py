@@ -6,13 +6,14 @@ from __future__ import annotations
 from django.contrib import admin, messages
 
 from portal.actors import Actor
-from portal.admin_actions import run_each
+from portal.admin_actions import RecordAdmin, run_each
 from scheduling.models import (
     Allocation,
     Quota,
     QuotaModelLimit,
     Reservation,
     WarmPool,
+    WarmSlot,
     Workload,
     WorkloadEvent,
 )
@@ -190,3 +191,22 @@ class AllocationAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request, obj=None):
         return False
+
+
+@admin.register(WarmSlot)
+class WarmSlotAdmin(RecordAdmin):
+    list_display = [
+        "id",
+        "pool",
+        "node",
+        "gpu",
+        "created_at",
+        "ready_at",
+        "ended_at",
+        "end_reason",
+        "bound_to",
+    ]
+    list_filter = ["pool", "end_reason"]
+    search_fields = ["node__hostname", "gpu__uuid"]
+    list_select_related = ["pool", "node", "gpu", "bound_to"]
+    date_hierarchy = "created_at"
