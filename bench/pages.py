@@ -192,43 +192,19 @@ def seed(a: argparse.Namespace) -> dict:
     )
     events = []
     for w in workloads:
-        events.append(
+        steps = [
+            (w.submitted_at, "", "pending", "submitted"),
+            (w.submitted_at, "pending", "queued", "admitted"),
+            (w.started_at, "queued", "running", "started"),
+            (w.finished_at, "running", w.state, "exited"),
+        ]
+        events.extend(
             WorkloadEvent(
-                tenant_id=w.tenant_id, workload=w, at=w.submitted_at, to_state="pending", reason="submitted"
+                tenant_id=w.tenant_id, workload=w, at=at, from_state=src, to_state=dst, reason=reason
             )
+            for at, src, dst, reason in steps
+            if at
         )
-        events.append(
-            WorkloadEvent(
-                tenant_id=w.tenant_id,
-                workload=w,
-                at=w.submitted_at,
-                from_state="pending",
-                to_state="queued",
-                reason="admitted",
-            )
-        )
-        if w.started_at:
-            events.append(
-                WorkloadEvent(
-                    tenant_id=w.tenant_id,
-                    workload=w,
-                    at=w.started_at,
-                    from_state="queued",
-                    to_state="running",
-                    reason="started",
-                )
-            )
-        if w.finished_at:
-            events.append(
-                WorkloadEvent(
-                    tenant_id=w.tenant_id,
-                    workload=w,
-                    at=w.finished_at,
-                    from_state="running",
-                    to_state=w.state,
-                    reason="exited",
-                )
-            )
 
     # Allocations: running workloads hold distinct GPUs (the heavy tenant's first ones on the nodes
     # with telemetry); finished ones held GPUs in the last 45 days, more than once for the heavy tenant.
