@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from metering.services.rates import current_prices
-from metering.services.spot import current_spot_price
+from metering.services.rates import current_price_table, current_prices
+from metering.services.spot import current_spot_prices
 
 
 class RateCardPriceProvider:
@@ -12,11 +12,19 @@ class RateCardPriceProvider:
     price: a spot request may not name a maximum below it."""
 
     def prices(self, *, gpu_model, region):
-        prices = current_prices(gpu_model=gpu_model)
-        market = current_spot_price(gpu_model=gpu_model, region=region)
-        if market is not None:
-            prices["spot"] = market
-        return prices
+        return self.price_table(pairs=[(gpu_model, region)])[(gpu_model.pk, region.pk if region else None)]
+
+    def price_table(self, *, pairs):
+        """``prices`` of many (gpu_model, region) pairs in five queries."""
+        listed = current_price_table(gpu_models={m for m, _ in pairs})
+        market = current_spot_prices(pairs=pairs)
+        out = {}
+        for m, r in pairs:
+            prices = dict(listed[m.pk])
+            if r is not None and (m.pk, r.pk) in market:
+                prices["spot"] = market[(m.pk, r.pk)]
+            out[(m.pk, r.pk if r is not None else None)] = prices
+        return out
 
     def estimate(self, *, tenant, gpu_model, regions, gpu_count, fraction_milli, cpu_millicores, ram_mib):
         from metering.selectors import hourly_estimate

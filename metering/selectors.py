@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from metering.models import Invoice
 from metering.money import ZERO
-from metering.services.rates import current_prices, rate_card_for_tenant
+from metering.services.rates import billing_account_for, current_price_table, discounted, rate_card_for_tenant
 from nodes.models import Region
 from scheduling.models import MILLI, Plan
 
@@ -40,20 +40,25 @@ def hourly_estimate(
     tenant's discount, with vCPU and RAM where the rate card prices them. Spot is the region's market
     price where there is one, as usage is billed (``services.usage``). None: no price for that plan.
     The launch form shows the same figure (the price provider's ``estimate``)."""
-    from metering.services.rates import billing_account_for, discounted
-    from metering.services.spot import current_spot_price
+    from metering.services.spot import current_spot_prices
 
     gpus = Decimal(gpu_count) * Decimal(fraction_milli) / MILLI
     out: dict[str, Decimal | None] = {}
     discount = billing_account_for(tenant=tenant).discount_percent
+    gpu_models = list(gpu_models)
+    listed = current_price_table(gpu_models=gpu_models, tenant=tenant)
+    where = {
+        m.pk: list(regions if regions is not None else Region.objects.filter(nodes__gpus__model=m).distinct())
+        for m in gpu_models
+    }
+    market = current_spot_prices(pairs=[(m, r) for m in gpu_models for r in where[m.pk]])
     per_model = []
     for m in gpu_models:
-        prices = current_prices(gpu_model=m, tenant=tenant)
-        where = regions if regions is not None else Region.objects.filter(nodes__gpus__model=m).distinct()
+        prices = listed[m.pk]
         spots = []
-        for region in where:
-            market = current_spot_price(gpu_model=m, region=region)
-            spots.append(discounted(market, discount) if market is not None else prices.get("spot"))
+        for region in where[m.pk]:
+            price = market.get((m.pk, region.pk))
+            spots.append(discounted(price, discount) if price is not None else prices.get("spot"))
         if spots:
             prices["spot"] = None if any(s is None for s in spots) else max(spots)
         per_model.append(prices)

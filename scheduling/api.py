@@ -30,7 +30,7 @@ from scheduling.models import (
     WorkloadKind,
     WorkloadState,
 )
-from scheduling.pricing import gpu_prices
+from scheduling.pricing import gpu_price_table
 from scheduling.services.lifecycle import workload_stop
 from scheduling.services.reservations import reservation_cancel, reservation_request
 from scheduling.services.submission import workload_submit
@@ -315,7 +315,9 @@ class GpuTypeSerializer(serializers.ModelSerializer):
                     "free_gpu_milli": ra.free_milli,
                     "price_per_gpu_hour": {
                         k: (str(v) if v is not None else None)
-                        for k, v in gpu_prices(gpu_model=m, region=regions.get(code)).items()
+                        for k, v in self.context["prices"][
+                            (m.pk, getattr(regions.get(code), "pk", None))
+                        ].items()
                     },
                 }
             )
@@ -335,8 +337,12 @@ class GpuTypeViewSet(viewsets.ReadOnlyModelViewSet):
         from nodes.models import Region
 
         ctx = super().get_serializer_context()
-        ctx["availability"] = selectors.gpu_availability()
-        ctx["regions"] = {r.code: r for r in Region.objects.all()}
+        ctx["availability"] = availability = selectors.gpu_availability()
+        ctx["regions"] = regions = {r.code: r for r in Region.objects.all()}
+        models = GpuModel.objects.in_bulk(list(availability))
+        ctx["prices"] = gpu_price_table(
+            pairs=[(models[pk], regions.get(code)) for pk, per in availability.items() for code in per]
+        )
         return ctx
 
 

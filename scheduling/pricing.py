@@ -21,6 +21,9 @@ class PriceProvider(Protocol):
 
     def spot_floor(self, *, gpu_model, region) -> Decimal | None: ...
 
+    # Optional: ``price_table(*, pairs)``, ``prices`` for many (gpu_model, region) pairs at once:
+    # ``{(gpu_model.pk, region.pk or None): {plan: price}}`` (a catalog page in a few queries).
+
     # Optional: ``estimate(*, tenant, gpu_model, regions, gpu_count, fraction_milli, cpu_millicores,
     # ram_mib)``, the hourly price of a whole workload spec per plan for the tenant (its discount,
     # vCPU and RAM prices), in the dearest of ``regions``; see ``workload_estimate``.
@@ -43,13 +46,25 @@ def unregister_price_provider(provider: PriceProvider) -> None:
 PLANS = ("on_demand", "spot", "reserved")
 
 
-def gpu_prices(*, gpu_model, region) -> dict[str, Decimal | None]:
-    out: dict[str, Decimal | None] = dict.fromkeys(PLANS)
+def gpu_price_table(*, pairs) -> dict[tuple[int, int | None], dict[str, Decimal | None]]:
+    """``gpu_prices`` for many (gpu_model, region) pairs: ``{(model pk, region pk or None): prices}``."""
+    pairs = {(m.pk, r.pk if r is not None else None): (m, r) for m, r in pairs}
+    out = {key: dict.fromkeys(PLANS) for key in pairs}
     for provider in _providers:
-        for plan, price in provider.prices(gpu_model=gpu_model, region=region).items():
-            if plan in out and out[plan] is None and price is not None:
-                out[plan] = price
+        table = getattr(provider, "price_table", None)
+        if table is not None:
+            answers = table(pairs=list(pairs.values()))
+        else:
+            answers = {key: provider.prices(gpu_model=m, region=r) for key, (m, r) in pairs.items()}
+        for key, prices in answers.items():
+            for plan, price in prices.items():
+                if plan in out[key] and out[key][plan] is None and price is not None:
+                    out[key][plan] = price
     return out
+
+
+def gpu_prices(*, gpu_model, region) -> dict[str, Decimal | None]:
+    return gpu_price_table(pairs=[(gpu_model, region)])[(gpu_model.pk, region.pk if region else None)]
 
 
 def spot_price_floor(*, gpu_model, region) -> Decimal:

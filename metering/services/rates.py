@@ -233,23 +233,34 @@ def discounted(price: Decimal | None, discount_percent: Decimal) -> Decimal | No
 
 def current_prices(*, gpu_model, tenant=None, at: datetime | None = None) -> dict[str, Decimal | None]:
     """Hourly price of one GPU of ``gpu_model`` per plan, now (after the tenant's discount)."""
+    return current_price_table(gpu_models=[gpu_model], tenant=tenant, at=at)[gpu_model.pk]
+
+
+def current_price_table(
+    *, gpu_models, tenant=None, at: datetime | None = None
+) -> dict[int, dict[str, Decimal | None]]:
+    """``current_prices`` of many GPU models in three queries: ``{model pk: {plan: price}}``."""
     at = at or timezone.now()
+    ids = {getattr(m, "pk", m) for m in gpu_models}
+    out: dict[int, dict[str, Decimal | None]] = {pk: dict.fromkeys(Plan.values) for pk in ids}
     card = (
         rate_card_for_tenant(tenant=tenant)
         if tenant is not None
         else RateCard.objects.filter(is_default=True).first()
     )
-    discount = billing_account_for(tenant=tenant).discount_percent if tenant is not None else ZERO
     if card is None:
-        return dict.fromkeys(Plan.values)
+        return out
     version = (
         RateCardVersion.objects.filter(rate_card=card, effective_from__lte=at)
         .filter(Q(effective_to__isnull=True) | Q(effective_to__gt=at))
         .first()
     )
     if version is None:
-        return dict.fromkeys(Plan.values)
-    found = {
-        p.plan: p.price_per_gpu_hour for p in GpuPrice.objects.filter(version=version, gpu_model=gpu_model)
-    }
-    return {plan: discounted(found.get(plan), discount) for plan in Plan.values}
+        return out
+    discount = billing_account_for(tenant=tenant).discount_percent if tenant is not None else ZERO
+    for model_id, plan, price in GpuPrice.objects.filter(version=version, gpu_model_id__in=ids).values_list(
+        "gpu_model_id", "plan", "price_per_gpu_hour"
+    ):
+        if plan in out[model_id]:
+            out[model_id][plan] = discounted(price, discount)
+    return out

@@ -24,7 +24,7 @@ from bisect import bisect_right
 from datetime import datetime
 from decimal import Decimal
 
-from django.db.models import Count, Q, Sum
+from django.db.models import Count, Max, Q, Sum
 from django.utils import timezone
 
 from metering.models import SpotPrice
@@ -131,13 +131,34 @@ def spot_preempt_over_max(*, now: datetime | None = None) -> list[int]:
 def current_spot_price(*, gpu_model, region) -> Decimal | None:
     if region is None:
         return None
-    row = (
-        SpotPrice.objects.filter(gpu_model=gpu_model, region=region, at__lte=timezone.now())
-        .order_by("-at")
-        .values_list("price", flat=True)
-        .first()
+    return current_spot_prices(pairs=[(gpu_model, region)]).get((gpu_model.pk, region.pk))
+
+
+def current_spot_prices(*, pairs) -> dict[tuple[int, int], Decimal]:
+    """The market price now of each (gpu_model, region) pair that has one, in two queries:
+    ``{(model pk, region pk): price}`` (pairs without a region, or without a price, are left out)."""
+    keys = {(m.pk, r.pk) for m, r in pairs if r is not None}
+    if not keys:
+        return {}
+    models, regions = {m for m, _ in keys}, {r for _, r in keys}
+    latest = (
+        SpotPrice.objects.filter(gpu_model_id__in=models, region_id__in=regions, at__lte=timezone.now())
+        .values("gpu_model_id", "region_id")
+        .annotate(last=Max("at"))
+        .order_by()
     )
-    return row
+    wanted = Q()
+    for row in latest:
+        if (row["gpu_model_id"], row["region_id"]) in keys:
+            wanted |= Q(gpu_model_id=row["gpu_model_id"], region_id=row["region_id"], at=row["last"])
+    if not wanted:
+        return {}
+    return {
+        (model_id, region_id): price
+        for model_id, region_id, price in SpotPrice.objects.filter(wanted).values_list(
+            "gpu_model_id", "region_id", "price"
+        )
+    }
 
 
 class SpotHistory:

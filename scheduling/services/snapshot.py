@@ -27,7 +27,7 @@ from scheduling.models import (
     WorkloadKind,
     WorkloadState,
 )
-from scheduling.pricing import gpu_prices
+from scheduling.pricing import gpu_price_table
 from scheduling.services.lifecycle import PREEMPTIBLE_STATES
 from scheduling.services.warm_pools import WarmBinding
 
@@ -93,11 +93,9 @@ def _spot_excluded(
         return {}
     models = {m.name: m for m in catalog_rows}
     regions = {r.code: r for r in Region.objects.filter(code__in={code for _, code in pairs})}
-    prices = {
-        (name, code): gpu_prices(gpu_model=models[name], region=regions[code])["spot"]
-        for name, code in pairs
-        if name in models and code in regions
-    }
+    known = [(name, code) for name, code in pairs if name in models and code in regions]
+    table = gpu_price_table(pairs=[(models[name], regions[code]) for name, code in known])
+    prices = {(name, code): table[(models[name].pk, regions[code].pk)]["spot"] for name, code in known}
     out: dict[int, frozenset[tuple[str, str]]] = {}
     for w in capped:
         over = frozenset(k for k, price in prices.items() if price is not None and price > w.spot_max_price)

@@ -32,7 +32,7 @@ from scheduling.models import (
     Workload,
     WorkloadKind,
 )
-from scheduling.pricing import gpu_prices, workload_estimate
+from scheduling.pricing import gpu_price_table, workload_estimate
 from scheduling.services.submission import SCHEDULABLE_VENDORS, QuotaExceeded, workload_submit
 
 FRACTIONS = [(1000, "Whole GPUs"), (500, "½ GPU"), (250, "¼ GPU"), (125, "⅛ GPU")]
@@ -179,15 +179,21 @@ def model_offers(*, region_objects: dict[str, Region]) -> list[ModelOffer]:
     two queries) and the hourly price of one GPU per plan and region (the price providers)."""
     availability = selectors.gpu_availability()
     offers = []
-    for m in (
-        selectors.gpu_catalog().filter(pk__in=list(availability)).order_by("vendor", "-memory_gib", "name")
-    ):
-        if m.vendor not in SCHEDULABLE_VENDORS:
-            continue
+    catalog = [
+        m
+        for m in selectors.gpu_catalog()
+        .filter(pk__in=list(availability))
+        .order_by("vendor", "-memory_gib", "name")
+        if m.vendor in SCHEDULABLE_VENDORS
+    ]
+    table = gpu_price_table(
+        pairs=[(m, region_objects.get(code)) for m in catalog for code in availability[m.pk]]
+    )
+    for m in catalog:
         offer = ModelOffer(model=m)
         for code in sorted(availability[m.pk]):
             ra = availability[m.pk][code]
-            prices = gpu_prices(gpu_model=m, region=region_objects.get(code))
+            prices = table[(m.pk, getattr(region_objects.get(code), "pk", None))]
             offer.regions.append(
                 {"code": code, "free": ra.free_gpus, "schedulable": ra.schedulable_gpus, "total": ra.total_gpus,
                  "free_milli": ra.free_milli, "prices": prices}

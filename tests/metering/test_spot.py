@@ -82,3 +82,41 @@ def test_a_spot_workload_is_preempted_when_the_price_passes_its_maximum(tenant, 
     assert UsageRecord.objects.filter(allocation_id=cheap.pk).order_by("end").last().end == utc(
         2024, 3, 1, 2, 0, 30
     )
+
+
+@pytest.mark.django_db
+def test_the_gpu_catalog_prices_every_model_and_region_in_a_fixed_number_of_queries(
+    tenant, card, node, h100, a100, make_token, django_assert_max_num_queries
+):
+    """Each region shows its own market spot price (the latest row), or the rate card's where it has
+    none; the queries do not grow with the models and regions listed."""
+    from django.test import Client
+
+    from nodes.models import Gpu, Node, Region
+
+    eu = Region.objects.create(code="eu-west-1", name="EU West")
+    for region, model in ((eu, h100), (node.region, a100), (eu, a100)):
+        other = Node.objects.create(hostname=f"price-{region.code}-{model.pk}", region=region)
+        Gpu.objects.create(node=other, index=0, uuid=f"GPU-{other.pk}", model=model, reported_name=model.name)
+    for model, region, day, price in (
+        (h100, node.region, 1, "0.9"),
+        (h100, node.region, 2, "1.3"),
+        (a100, eu, 1, "0.55"),
+    ):
+        SpotPrice.objects.create(gpu_model=model, region=region, at=utc(2024, 3, day), price=Decimal(price),
+                                 floor=Decimal("0.4"), on_demand=Decimal("2"), utilisation=Decimal("0.4"))  # fmt: skip
+    client = Client(HTTP_AUTHORIZATION=f"Bearer {make_token(tenant)}")
+    with django_assert_max_num_queries(16):
+        body = client.get("/api/v1/gpu-types/").json()
+    spot = {
+        (t["name"], a["region"]): Decimal(a["price_per_gpu_hour"]["spot"])
+        for t in body
+        for a in t["availability"]
+    }
+    assert spot == {
+        (h100.name, "us-east-1"): Decimal("1.3000"),
+        (h100.name, "eu-west-1"): Decimal("0.8000"),
+        (a100.name, "us-east-1"): Decimal("0.4000"),
+        (a100.name, "eu-west-1"): Decimal("0.5500"),
+    }
+    assert gpu_prices(gpu_model=a100, region=eu)["on_demand"] == Decimal("1.00")
