@@ -1,4 +1,16 @@
-"""ASGI entry point: HTTP through Django, websockets through Channels (authenticated sessions)."""
+"""ASGI entry point.
+
+- Websockets: Channels (authenticated sessions).
+- The agent protocol (``/agent/``): Django's ASGI handler. Its long poll is an async view that holds
+  no thread and no database connection while it waits; heartbeats and reports do their database
+  work on the event loop's worker threads.
+- Everything else (pages, the API, health and metrics): Django's WSGI handler on a fixed pool of
+  ``WEB_THREADS`` threads per process (a2wsgi). These views are synchronous; under Django's ASGI
+  handler each such request started a thread of its own, with a new cache (Redis) client since
+  Django's caches are per thread, and crossed between the event loop and that thread for every
+  middleware: about a third of the web tier's CPU under ``bench/scale.py``. Pool threads live as
+  long as the process and keep their clients.
+"""
 
 import os
 
@@ -7,15 +19,47 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 django_asgi_app = get_asgi_application()
 
+from a2wsgi import WSGIMiddleware  # noqa: E402
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from django.conf import settings  # noqa: E402
+from django.core.handlers.wsgi import WSGIHandler  # noqa: E402
 
 from portal.routing import websocket_urlpatterns  # noqa: E402
 
+ASYNC_PREFIXES = ("/agent/",)
+AGENT_FAST_PATH = "nodes.agent_views.AgentFastPathMiddleware"
+
+
+class PagesHandler(WSGIHandler):
+    """Django's WSGI handler, its middleware chain without the agent protocol's fast path: that
+    middleware is async only (under ASGI it must run on the event loop), and in a sync chain Django
+    would run it through async_to_sync, a thread and an event loop per request, for requests it
+    never serves here (the agent protocol goes to the ASGI handler above)."""
+
+    def load_middleware(self, is_async=False):
+        chain = settings.MIDDLEWARE
+        settings.MIDDLEWARE = [m for m in chain if m != AGENT_FAST_PATH]
+        try:
+            super().load_middleware(is_async)
+        finally:
+            settings.MIDDLEWARE = chain
+
+
+threaded_app = WSGIMiddleware(PagesHandler(), workers=settings.WEB_THREADS)
+
+
+async def http_app(scope, receive, send):
+    if scope["path"].startswith(ASYNC_PREFIXES):
+        await django_asgi_app(scope, receive, send)
+    else:
+        await threaded_app(scope, receive, send)
+
+
 application = ProtocolTypeRouter(
     {
-        "http": django_asgi_app,
+        "http": http_app,
         "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }
 )

@@ -115,11 +115,10 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 else:
     DATABASES["default"]["CONN_MAX_AGE"] = env.int("DB_CONN_MAX_AGE", default=60)
     DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
-    # A connection pool per process (psycopg_pool). Under ASGI each request in flight runs in a
-    # thread of its own with a connection of its own, so without a pool a burst (a fleet
-    # registering, a slow moment) opens as many connections as there are requests in flight and
-    # can exhaust the server's max_connections; with one, requests wait (up to 10 s) for one of
-    # DB_POOL_MAX_SIZE connections. 0: no pool (persistent connections, DB_CONN_MAX_AGE).
+    # A connection pool per process (psycopg_pool), shared by the WEB_THREADS threads and the
+    # agent protocol's worker threads (and a Celery worker's threads): requests wait (up to 10 s)
+    # for one of DB_POOL_MAX_SIZE connections. 0: no pool (a persistent connection per thread,
+    # DB_CONN_MAX_AGE).
     DB_POOL_MAX_SIZE = env.int("DB_POOL_MAX_SIZE", default=0)
     if DB_POOL_MAX_SIZE:
         DATABASES["default"]["CONN_MAX_AGE"] = 0  # the pool keeps them
@@ -129,6 +128,9 @@ else:
             "timeout": 10,
         }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+# Threads per web process that serve pages and the API (portal/asgi.py); the agent protocol runs on
+# the event loop and its worker threads. Each may hold a database connection while it serves a request.
+WEB_THREADS = env.int("WEB_THREADS", default=8)
 
 # --- Redis: Celery broker, cache, channel layer -------------------------------------------------
 REDIS_URL = env.str("REDIS_URL", default="")

@@ -1,0 +1,86 @@
+"""portal/asgi.py: pages and the API on the a2wsgi thread pool, the agent protocol on Django's ASGI
+handler (its long poll must never hold a thread), websockets through Channels."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import pytest
+
+from portal import asgi
+
+
+def _get(path: str, headers: dict | None = None) -> httpx.Response:
+    async def go():
+        transport = httpx.ASGITransport(app=asgi.application)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+            return await client.get(path, headers=headers or {})
+
+    return asyncio.run(go())
+
+
+def test_the_agent_protocol_goes_to_the_asgi_handler_and_the_rest_to_the_thread_pool(monkeypatch):
+    seen = []
+
+    def recorder(name):
+        async def app(scope, receive, send):
+            seen.append((name, scope["path"]))
+            await send({"type": "http.response.start", "status": 204, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+        return app
+
+    monkeypatch.setattr(asgi, "django_asgi_app", recorder("asgi"))
+    monkeypatch.setattr(asgi, "threaded_app", recorder("threads"))
+    for path in ("/agent/v1/nodes/7/commands", "/api/v1/jobs/", "/launch/", "/healthz"):
+        assert _get(path).status_code == 204
+    assert seen == [
+        ("asgi", "/agent/v1/nodes/7/commands"),
+        ("threads", "/api/v1/jobs/"),
+        ("threads", "/launch/"),
+        ("threads", "/healthz"),
+    ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_api_is_answered_by_a_pool_thread_through_the_whole_chain(tenant, make_token):
+    from portal.api import views  # noqa: F401  (the URLconf is loaded before the threads race for it)
+
+    threads = []
+    original = asgi.PagesHandler.__call__
+
+    def spy(self, environ, start_response):
+        threads.append(threading.current_thread().name)
+        return original(self, environ, start_response)
+
+    asgi.PagesHandler.__call__ = spy
+    try:
+        response = _get("/api/v1/me/", {"Authorization": f"Bearer {make_token(tenant)}"})
+    finally:
+        asgi.PagesHandler.__call__ = original
+    assert response.status_code == 200, response.text
+    assert response.json()["tenant"]["slug"] == "acme"
+    assert response.headers["X-Request-ID"]  # RequestIdMiddleware ran
+    assert len(threads) == 1 and threads[0] != threading.main_thread().name
+
+
+def test_the_pages_chain_leaves_out_only_the_agent_fast_path(settings, monkeypatch):
+    from django.core.handlers.asgi import ASGIHandler
+
+    from nodes.agent_views import AgentFastPathMiddleware
+
+    made = []
+    original = AgentFastPathMiddleware.__init__
+
+    def record(self, get_response):
+        made.append(self)
+        original(self, get_response)
+
+    monkeypatch.setattr(AgentFastPathMiddleware, "__init__", record)
+    asgi.PagesHandler()  # loads its chain
+    assert made == []
+    ASGIHandler()  # loads its chain (async)
+    assert len(made) == 1
+    assert settings.MIDDLEWARE.count(asgi.AGENT_FAST_PATH) == 1  # the setting itself is untouched
