@@ -267,3 +267,20 @@ def test_cold_start_setting_from_the_environment(tmp_path: Path, monkeypatch: py
         SimulatedRuntime(tmp_path / "other")
     monkeypatch.delenv("GPUPOOL_SIM_COLD_START_S")
     assert SimulatedRuntime(tmp_path / "third").cold_start_s == {}
+
+
+def test_a_sample_s_wire_form_has_every_field_of_the_sample():
+    """``GpuSample.to_json`` is written out by hand (for speed): it must not drop or rename a field."""
+    import dataclasses
+
+    from nodes.agent.types import GpuSample, ProcessSample
+
+    sample = GpuSample(
+        gpu_uuid="GPU-1", ts=1_700_000_000.25, util_pct=50.0, mem_used_mib=1024, xid_errors=[13],
+        processes=[ProcessSample(pid=7, used_mib=None, workload_id="42")],
+    )  # fmt: skip
+    wire = sample.to_json()
+    assert wire["ts"] == "2023-11-14T22:13:20.250Z"
+    assert {k: v for k, v in wire.items() if k != "ts"} == {
+        k: v for k, v in dataclasses.asdict(sample).items() if k != "ts"
+    }
