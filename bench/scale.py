@@ -14,7 +14,8 @@ the simulated fleet) and instances.
 Prints request rate and p50/p95/p99 latency per endpoint (tenant API, and the agents' heartbeats
 and command polls as the agents saw them), errors, submit -> SCHEDULED latency (from the workload
 events), whether every submitted workload is scheduled or waiting with a reason, a few figures
-from /metrics, and ends with one JSON line (``rps``, ``read_p99_ms``, ``errors``,
+from /metrics, the CPU each part of the stack used during the load (in cores: web, agents,
+workers, PostgreSQL, Redis, the load generator), and ends with one JSON line (``rps``, ``read_p99_ms``, ``errors``,
 ``submit_to_scheduled_p95_ms`` and more).
 """
 
@@ -285,6 +286,38 @@ def seed(args, port: int) -> tuple[list[str], list[dict], dict[str, int]]:
     return tokens, nodes, per_node
 
 
+def cpu_by_role(procs: dict[str, subprocess.Popen]) -> dict[str, float]:
+    """CPU seconds used so far by each part of the stack (Linux /proc): the processes started here
+    with their children (by the name they were started under, ``agents-3`` counting as ``agents``),
+    this process (the load generator), PostgreSQL's and Redis's processes by command line."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent, used, command = {}, {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        pid = int(entry)
+        parent[pid], used[pid], command[pid] = int(fields[1]), (int(fields[11]) + int(fields[12])) / tick, cmd
+    roots = {p.pid: name.rstrip("0123456789").rstrip("-") for name, p in procs.items()}
+    roots[os.getpid()] = "load generator"
+    out: dict[str, float] = defaultdict(float)
+    for pid, seconds in used.items():
+        up, role = pid, None
+        while up > 1 and role is None:
+            role, up = roots.get(up), parent.get(up, 0)
+        if role is None:
+            cmd = command[pid]
+            role = "postgres" if "postgres" in cmd else "redis" if "redis-server" in cmd else None
+        if role is not None:
+            out[role] += seconds
+    return out
+
+
 def wait_for(predicate, timeout: float, every: float = 0.5) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -332,7 +365,7 @@ def main() -> int:
     parser.add_argument("--settle", type=float, default=20.0, help="seconds allowed for the last placements")
     parser.add_argument("--db-name", default="gpupool_scale")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/9")
-    parser.add_argument("--db-pool", type=int, default=10, help="DB_POOL_MAX_SIZE of each process")
+    parser.add_argument("--db-pool", type=int, default=16, help="DB_POOL_MAX_SIZE of each process")
     parser.add_argument("--keep", action="store_true", help="keep the database afterwards")
     parser.add_argument(
         "--agents-child", nargs=4, metavar=("FLEET", "URL", "STATE", "OUT"), help=argparse.SUPPRESS
@@ -419,11 +452,13 @@ def main() -> int:
         metrics_before = scrape_metrics(base)
         window = (time.time(), None)
         load_avg = os.getloadavg()
+        cpu_before = cpu_by_role(procs)
         results, created, sample_errors, elapsed = asyncio.run(
             tenant_load(base, tokens, args.rate, args.duration, models)
         )
         window = (window[0], time.time())
         load_after = os.getloadavg()
+        cpu_after = cpu_by_role(procs)
         print(f"load: {len(results)} tenant requests in {elapsed:.1f} s; load average {load_after[0]:.2f} "
               f"(before {load_avg[0]:.2f}) on {os.cpu_count()} CPUs")  # fmt: skip
 
@@ -541,6 +576,13 @@ def main() -> int:
     print(
         f"client: start lag p99 {pct(lags, 99) * 1000:.1f} ms (a busy load generator delays its own requests)"
     )
+    cpu = {role: (cpu_after[role] - cpu_before.get(role, 0)) / span for role in cpu_after}
+    cpu = {role: share for role, share in sorted(cpu.items(), key=lambda kv: -kv[1]) if share >= 0.005}
+    print(
+        f"CPU during the load, in cores ({os.cpu_count()} on this machine): "
+        + ", ".join(f"{role} {share:.2f}" for role, share in cpu.items())
+        + f"; total {sum(cpu.values()):.2f}"
+    )
     rps = total_requests / span
     figures = {
         "rps": round(rps, 1),
@@ -559,6 +601,7 @@ def main() -> int:
         "load_avg_1m": round(load_after[0], 2),
         "cpus": os.cpu_count(),
         "metrics_scrape_ms": round(metrics_after.get("scrape_s", 0) * 1000),
+        "cpu_cores_by_role": {role: round(share, 2) for role, share in cpu.items()},
         "endpoints": report,
     }
     print(json.dumps(figures))
