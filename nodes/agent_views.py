@@ -15,8 +15,10 @@ from datetime import UTC, datetime
 
 from asgiref.sync import markcoroutinefunction, sync_to_async
 from django.conf import settings
+from django.core.exceptions import RequestAborted
+from django.core.handlers.asgi import ASGIHandler
 from django.db import connection
-from django.http import HttpRequest, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
@@ -38,6 +40,8 @@ from nodes.services.wakeup import CommandWaiter
 from nodes.validation import fail, get_bool, get_int, get_str, parse_time, require_object
 from portal.api.errors import error_response
 from portal.errors import DomainError, NotFound, ValidationFailed
+from portal.logging import log_context_reset
+from portal.middleware import RequestIdMiddleware
 
 AUTH_SCHEME = "Node"
 logger = logging.getLogger(__name__)
@@ -329,15 +333,55 @@ _FAST_ROUTES = re.compile(
 )
 
 
+def fast_route(path: str, method: str, secure: bool):
+    """The view and its arguments for a heartbeat, command poll or command report; (None, None) for
+    anything else, and for plain HTTP when SECURE_SSL_REDIRECT asks for a redirect."""
+    if not path.startswith("/agent/v1/nodes/"):
+        return None, None
+    match = _FAST_ROUTES.match(path)
+    if match is None or (settings.SECURE_SSL_REDIRECT and not secure):
+        return None, None
+    node_id = int(match["node_id"])
+    if match["hb"]:
+        return (heartbeat, {"node_id": node_id}) if method == "POST" else (None, None)
+    if match["cmd"]:
+        if method != "POST":
+            return None, None
+        return command_report, {"node_id": node_id, "command_id": match["cmd"]}
+    return (commands, {"node_id": node_id}) if method == "GET" else (None, None)
+
+
+async def serve_fast(request, view, kwargs) -> HttpResponse:
+    """What the middleware chain does that the agent protocol needs: bodies over the upload limit
+    are 413, errors are JSON, responses have a Content-Length."""
+    try:
+        length = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        return error_response(400, "Content-Length is not a number.")
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    if limit is not None and length > limit:
+        return error_response(413, f"The request body is larger than {limit} bytes.")
+    try:
+        response = await view(request, **kwargs)
+    except Exception:
+        logger.exception("Unhandled error on %s", request.path)
+        return error_response(500, "Internal server error.")
+    if not response.has_header("Content-Length"):  # as CommonMiddleware: no chunked encoding
+        response["Content-Length"] = str(len(response.content))
+    return response
+
+
 class AgentFastPathMiddleware:
     """The first middleware: heartbeats, command polls and command reports go straight to their
     (async) views, without the session, authentication, CSRF, message, htmx and tenant middleware
     that the agent protocol does not use. Under ASGI those are sync middleware, and each request
     through them is several thread hops; at hundreds of heartbeats a second that is most of the
-    server's time. What the chain does that the agent protocol needs is done here: bodies over the
-    upload limit are 413, errors are JSON, and with SECURE_SSL_REDIRECT a plain-HTTP request takes
-    the normal path (and is redirected). Anything else (another method, an unknown URL, register)
-    takes the normal path too."""
+    server's time. What the chain does that the agent protocol needs is done by ``serve_fast``;
+    with SECURE_SSL_REDIRECT a plain-HTTP request takes the normal path (and is redirected).
+    Anything else (another method, an unknown URL, register) takes the normal path too. In
+    production (uvicorn, portal/asgi.py) ``AgentProtocolHandler`` serves these requests before
+    Django's handler; this middleware serves them for Django's test clients and any other
+    deployment of Django's handlers."""
 
     # Async only: Django then runs this middleware on the event loop under ASGI (were it also sync
     # capable, Django would run it in the sync chain's thread), and adapts the chain after it. Under
@@ -350,38 +394,59 @@ class AgentFastPathMiddleware:
         markcoroutinefunction(self)
 
     async def __call__(self, request):
-        view, kwargs = self._route(request)
+        view, kwargs = fast_route(request.path_info, request.method, request.is_secure())
         if view is None:
             return await self.get_response(request)
-        try:
-            length = int(request.META.get("CONTENT_LENGTH") or 0)
-        except ValueError:
-            return error_response(400, "Content-Length is not a number.")
-        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
-        if limit is not None and length > limit:
-            return error_response(413, f"The request body is larger than {limit} bytes.")
-        try:
-            response = await view(request, **kwargs)
-        except Exception:
-            logger.exception("Unhandled error on %s", request.path)
-            return error_response(500, "Internal server error.")
-        if not response.has_header("Content-Length"):  # as CommonMiddleware: no chunked encoding
-            response["Content-Length"] = str(len(response.content))
-        return response
+        return await serve_fast(request, view, kwargs)
 
-    @staticmethod
-    def _route(request):
-        path = request.path_info
-        if not path.startswith("/agent/v1/nodes/"):
-            return None, None
-        match = _FAST_ROUTES.match(path)
-        if match is None or (settings.SECURE_SSL_REDIRECT and not request.is_secure()):
-            return None, None
-        node_id = int(match["node_id"])
-        if match["hb"]:
-            return (heartbeat, {"node_id": node_id}) if request.method == "POST" else (None, None)
-        if match["cmd"]:
-            if request.method != "POST":
-                return None, None
-            return command_report, {"node_id": node_id, "command_id": match["cmd"]}
-        return (commands, {"node_id": node_id}) if request.method == "GET" else (None, None)
+
+class AgentProtocolHandler(ASGIHandler):
+    """An ASGI app for ``/agent/``: heartbeats, command polls and command reports go from the server
+    straight to their views (``serve_fast``), everything else to ``fallback`` (Django's ASGI handler).
+
+    Django's ASGI handler sends ``request_started`` and ``request_finished`` and closes the
+    response through sync_to_async in a thread-sensitive context: a thread made for each request,
+    and two hops to it, for receivers that manage database connections (which these views' database
+    work does itself, see ``in_db_thread``) and reset ``connection.queries``. Request ids and the
+    request's log line are as RequestIdMiddleware makes them. A poll's client that goes away is
+    noticed when its wait ends (at most ``NODE_COMMANDS_MAX_WAIT_S``), not at once."""
+
+    def __init__(self, fallback):  # no middleware chain: BaseHandler's empty slots stay
+        self.fallback = fallback
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.fallback(scope, receive, send)
+        path = scope["path"]
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :]
+        view, kwargs = fast_route(path, scope["method"], True)
+        if view is None:
+            return await self.fallback(scope, receive, send)
+        try:
+            body_file = await self.read_body(receive)
+        except RequestAborted:
+            return
+        try:
+            request, response = self.create_request(scope, body_file)
+            if request is not None and settings.SECURE_SSL_REDIRECT and not request.is_secure():
+                # Django's chain redirects it: replay the body that was read.
+                body_file.seek(0)
+                body = body_file.read()
+
+                async def replay():
+                    return {"type": "http.request", "body": body, "more_body": False}
+
+                return await self.fallback(scope, replay, send)
+            if request is not None:
+                token, started = RequestIdMiddleware.start(request)
+                try:
+                    response = RequestIdMiddleware.finish(
+                        request, await serve_fast(request, view, kwargs), started
+                    )
+                finally:
+                    log_context_reset(token)
+            await self.send_response(response, send)
+        finally:
+            body_file.close()

@@ -1,9 +1,10 @@
 """ASGI entry point.
 
 - Websockets: Channels (authenticated sessions).
-- The agent protocol (``/agent/``): Django's ASGI handler. Its long poll is an async view that holds
-  no thread and no database connection while it waits; heartbeats and reports do their database
-  work on the event loop's worker threads.
+- The agent protocol (``/agent/``): heartbeats, command polls and reports straight to their async
+  views (``nodes.agent_views.AgentProtocolHandler``), the rest of it through Django's ASGI handler.
+  The long poll holds no thread and no database connection while it waits; heartbeats and reports
+  do their database work on the event loop's worker threads.
 - Everything else (pages, the API, health and metrics): Django's WSGI handler on a fixed pool of
   ``WEB_THREADS`` threads per process (a2wsgi). These views are synchronous; under Django's ASGI
   handler each such request started a thread of its own, with a new cache (Redis) client since
@@ -26,6 +27,7 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 from django.conf import settings  # noqa: E402
 from django.core.handlers.wsgi import WSGIHandler  # noqa: E402
 
+from nodes.agent_views import AgentProtocolHandler  # noqa: E402
 from portal.routing import websocket_urlpatterns  # noqa: E402
 
 ASYNC_PREFIXES = ("/agent/",)
@@ -48,11 +50,12 @@ class PagesHandler(WSGIHandler):
 
 
 threaded_app = WSGIMiddleware(PagesHandler(), workers=settings.WEB_THREADS)
+agent_app = AgentProtocolHandler(fallback=django_asgi_app)
 
 
 async def http_app(scope, receive, send):
     if scope["path"].startswith(ASYNC_PREFIXES):
-        await django_asgi_app(scope, receive, send)
+        await agent_app(scope, receive, send)
     else:
         await threaded_app(scope, receive, send)
 

@@ -182,9 +182,9 @@ class RequestIdMiddleware(SyncAsyncMiddleware):
     def __call__(self, request):
         if self.is_async:
             return self._acall(request)
-        token, started = self._start(request)
+        token, started = self.start(request)
         try:
-            return self._finish(request, self.get_response(request), started)
+            return self.finish(request, self.get_response(request), started)
         finally:
             log_context_reset(token)
 
@@ -193,11 +193,11 @@ class RequestIdMiddleware(SyncAsyncMiddleware):
         # the ids should be on that line too. Under ASGI each request runs in a task of its own (a
         # copy of the context); under WSGI (async_to_sync) the ids stay in the thread until its
         # next request starts a fresh context.
-        _, started = self._start(request)
-        return self._finish(request, await self.get_response(request), started)
+        _, started = self.start(request)
+        return self.finish(request, await self.get_response(request), started)
 
     @staticmethod
-    def _start(request):
+    def start(request):
         sent = request.META.get("HTTP_X_REQUEST_ID", "")
         request_id = sent if _REQUEST_ID_OK.match(sent) else uuid.uuid4().hex
         request.request_id = request_id  # type: ignore[attr-defined]
@@ -214,7 +214,7 @@ class RequestIdMiddleware(SyncAsyncMiddleware):
         )
 
     @staticmethod
-    def _finish(request, response, started):
+    def finish(request, response, started):
         response[REQUEST_ID_HEADER] = request.request_id
         path = request.path
         if not path.startswith(QUIET_PATHS):

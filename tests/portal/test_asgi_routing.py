@@ -1,5 +1,6 @@
-"""portal/asgi.py: pages and the API on the a2wsgi thread pool, the agent protocol on Django's ASGI
-handler (its long poll must never hold a thread), websockets through Channels."""
+"""portal/asgi.py: pages and the API on the a2wsgi thread pool, the agent protocol's hot paths
+straight to their async views (the long poll must never hold a thread) and the rest of it through
+Django's ASGI handler, websockets through Channels."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def _get(path: str, headers: dict | None = None) -> httpx.Response:
     return asyncio.run(go())
 
 
-def test_the_agent_protocol_goes_to_the_asgi_handler_and_the_rest_to_the_thread_pool(monkeypatch):
+def test_the_agent_protocol_goes_to_its_handler_and_the_rest_to_the_thread_pool(monkeypatch):
     seen = []
 
     def recorder(name):
@@ -32,12 +33,12 @@ def test_the_agent_protocol_goes_to_the_asgi_handler_and_the_rest_to_the_thread_
 
         return app
 
-    monkeypatch.setattr(asgi, "django_asgi_app", recorder("asgi"))
+    monkeypatch.setattr(asgi, "agent_app", recorder("agent"))
     monkeypatch.setattr(asgi, "threaded_app", recorder("threads"))
     for path in ("/agent/v1/nodes/7/commands", "/api/v1/jobs/", "/launch/", "/healthz"):
         assert _get(path).status_code == 204
     assert seen == [
-        ("asgi", "/agent/v1/nodes/7/commands"),
+        ("agent", "/agent/v1/nodes/7/commands"),
         ("threads", "/api/v1/jobs/"),
         ("threads", "/launch/"),
         ("threads", "/healthz"),
