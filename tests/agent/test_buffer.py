@@ -66,3 +66,17 @@ def test_commands_remember_their_outcome(tmp_path: Path) -> None:
         assert buffer.command("c2") is None
         assert [i.body["status"] for i in buffer.pending()] == ["accepted", "succeeded"]
         assert buffer.unfinished_commands() == []
+
+
+def test_only_the_removal_of_a_sent_item_skips_the_disk_sync(tmp_path: Path) -> None:
+    """Queueing is synced to disk (synchronous=FULL); removing an item the portal took is not, and
+    the connection is back to FULL after it, for the next item queued."""
+    synced = []
+    with Buffer(tmp_path / "state.db") as buffer:
+        buffer.db.set_trace_callback(lambda sql: synced.append(sql) if "synchronous" in sql else None)
+        buffer.add_heartbeat({"samples": []})
+        item = buffer.peek()
+        buffer.ack(item.id)
+        assert buffer.peek() is None
+        assert synced == ["PRAGMA synchronous=NORMAL", "PRAGMA synchronous=FULL"]
+        assert buffer.db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
