@@ -7,7 +7,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from decimal import Decimal
 
-from django.db.models import Count, F, Max, Q, QuerySet, Sum
+from django.db.models import Count, F, IntegerField, Max, OuterRef, Q, QuerySet, Subquery, Sum, Value
+from django.db.models.functions import Coalesce, Greatest
 
 from nodes.models import SCHEDULABLE_NODE_STATES, Gpu, GpuHealth, GpuModel
 from scheduling.models import (
@@ -130,30 +131,38 @@ class RegionAvailability:
 
 def gpu_availability() -> dict[int, dict[str, RegionAvailability]]:
     """Per GPU model, per region: GPUs in the fleet, schedulable now (READY node, healthy, not
-    isolated), wholly free and free capacity in thousandths. Two queries."""
-    used: dict[int, int] = defaultdict(int)
-    for gpu_id, m in (
+    isolated), wholly free and free capacity in thousandths. One query, aggregated in the database
+    (a fleet's GPUs are thousands of rows; the answer is a row per model and region)."""
+    used = (
         Allocation.objects.active()
+        .filter(gpu_id=OuterRef("pk"))
+        .order_by()
         .values("gpu_id")
         .annotate(m=Sum("fraction_milli"))
-        .values_list("gpu_id", "m")
-    ):
-        used[gpu_id] = m
-    out: dict[int, dict[str, RegionAvailability]] = defaultdict(dict)
-    rows = Gpu.objects.filter(removed_at__isnull=True, model__isnull=False).values_list(
-        "pk", "model_id", "node__region__code", "node__state", "health", "isolated"
+        .values("m")
     )
-    for gpu_id, model_id, region, node_state, health, isolated in rows:
-        ra = out[model_id].get(region)
-        if ra is None:
-            ra = out[model_id][region] = RegionAvailability(region=region)
-        ra.total_gpus += 1
-        if node_state in SCHEDULABLE_NODE_STATES and health == GpuHealth.HEALTHY and not isolated:
-            ra.schedulable_gpus += 1
-            free = MILLI - used.get(gpu_id, 0)
-            ra.free_milli += max(free, 0)
-            if free >= MILLI:
-                ra.free_gpus += 1
+    schedulable = Q(node__state__in=SCHEDULABLE_NODE_STATES, health=GpuHealth.HEALTHY, isolated=False)
+    rows = (
+        Gpu.objects.filter(removed_at__isnull=True, model__isnull=False)
+        .annotate(used=Coalesce(Subquery(used, output_field=IntegerField()), Value(0)))
+        .values("model_id", "node__region__code")
+        .annotate(
+            total=Count("pk"),
+            schedulable=Count("pk", filter=schedulable),
+            free=Count("pk", filter=schedulable & Q(used__lte=0)),
+            free_milli=Sum(Greatest(Value(MILLI) - F("used"), Value(0)), filter=schedulable),
+        )
+        .order_by()
+    )
+    out: dict[int, dict[str, RegionAvailability]] = defaultdict(dict)
+    for row in rows:
+        out[row["model_id"]][row["node__region__code"]] = RegionAvailability(
+            region=row["node__region__code"],
+            total_gpus=row["total"],
+            schedulable_gpus=row["schedulable"],
+            free_gpus=row["free"],
+            free_milli=row["free_milli"] or 0,
+        )
     return out
 
 

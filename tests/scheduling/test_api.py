@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduling.models import Quota, Workload
+from nodes.models import Gpu, GpuModel
+from scheduling.models import Allocation, Quota, Workload
 from scheduling.pricing import register_price_provider, unregister_price_provider
 from tests.scheduling.conftest import H100, reload
 
@@ -146,3 +147,26 @@ def test_a_waiting_instance_says_why(client, tenant, make_node, submit, cycle):
     assert body["state"] == "queued"
     assert body["pending"]["reason"] == "capacity" and body["pending"]["message"]
     assert reload(w).pending_reason == "capacity"
+
+
+def test_gpu_availability_counts_schedulable_free_and_shared_capacity(tenant, make_node, submit, cycle):
+    from nodes.models import GpuHealth, NodeState
+    from scheduling.selectors import gpu_availability
+
+    node = make_node(gpus=4)
+    make_node(gpus=2, state=NodeState.DOWN)
+    submit(tenant, gpu_count=1)
+    submit(tenant, gpu_fraction_milli=500)
+    cycle()
+    make_node(gpus=2, region="eu")
+    gpus = list(node.gpus.order_by("index"))
+    busy = {a.gpu_id for a in Allocation.objects.filter(ended_at__isnull=True)}
+    idle = [g for g in gpus if g.pk not in busy]
+    assert len(busy) == 2 and len(idle) == 2
+    Gpu.objects.filter(pk=idle[0].pk).update(health=GpuHealth.UNHEALTHY)
+    h100 = GpuModel.objects.get(name=H100).pk
+    us, eu = gpu_availability()[h100]["us-east-1"], gpu_availability()[h100]["eu-west-1"]
+    # us: 6 GPUs; the DOWN node's 2 and the unhealthy one are not schedulable; of the other three,
+    # one is wholly free, one holds a whole-GPU job and one a half share.
+    assert (us.total_gpus, us.schedulable_gpus, us.free_gpus, us.free_milli) == (6, 3, 1, 1500)
+    assert (eu.total_gpus, eu.schedulable_gpus, eu.free_gpus, eu.free_milli) == (2, 2, 2, 2000)
