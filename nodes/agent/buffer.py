@@ -65,9 +65,13 @@ class OutboxItem:
     id: int
     kind: str
     key: str
-    body: dict[str, Any]
+    raw: str  # the body as stored: JSON, sent as it is
     created_at: float
     attempts: int
+
+    @property
+    def body(self) -> dict[str, Any]:
+        return json.loads(self.raw)
 
 
 @dataclass
@@ -142,13 +146,13 @@ class Buffer:
         ).fetchone()
         if row is None:
             return None
-        return OutboxItem(row[0], row[1], row[2], json.loads(row[3]), row[4], row[5])
+        return OutboxItem(row[0], row[1], row[2], row[3], row[4], row[5])
 
     def pending(self) -> list[OutboxItem]:
         rows = self.db.execute(
             "SELECT id, kind, key, body, created_at, attempts FROM outbox ORDER BY id"
         ).fetchall()
-        return [OutboxItem(r[0], r[1], r[2], json.loads(r[3]), r[4], r[5]) for r in rows]
+        return [OutboxItem(r[0], r[1], r[2], r[3], r[4], r[5]) for r in rows]
 
     def count(self) -> int:
         return self.db.execute("SELECT COUNT(*) FROM outbox").fetchone()[0]
@@ -183,7 +187,7 @@ class Buffer:
                     item.id,
                     item.kind,
                     item.key,
-                    json.dumps(item.body, separators=(",", ":")),
+                    item.raw,
                     item.created_at,
                     time.time(),
                     status_code,

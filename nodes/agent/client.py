@@ -84,15 +84,20 @@ class PortalClient:
         *,
         credential: str | None = None,
         json: Any = None,
+        content: str | None = None,
         params: dict[str, Any] | None = None,
         timeout_s: float | None = None,
     ) -> httpx.Response:
+        """``json``: a value to encode; ``content``: a body already encoded as JSON."""
         headers = {"Authorization": f"Node {credential}"} if credential else {}
+        if content is not None:
+            headers["Content-Type"] = "application/json"
         try:
             return await self.http.request(
                 method,
                 path,
                 json=json,
+                content=content.encode() if content is not None else None,
                 params=params,
                 headers=headers,
                 timeout=httpx.Timeout(timeout_s or self.timeout_s),
