@@ -338,6 +338,10 @@ class Agent(CommandHandlers):
         """Read the GPUs every ``sample_interval_s``; every ``heartbeat_interval_s`` put the readings
         since the last batch into a new batch (DCGM-style 1 Hz telemetry sent every 10 s)."""
         loop = asyncio.get_running_loop()
+        if self.config.heartbeat_phase and await self._sleep(
+            self.config.heartbeat_phase * self.heartbeat_interval_s
+        ):
+            return
         next_sample = next_batch = loop.time()
         while not self.stopping:
             if loop.time() >= next_batch - 1e-3:

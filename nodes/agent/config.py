@@ -42,6 +42,10 @@ class AgentConfig:
     sample_interval_s: float = 1.0
     # Unset (None): the portal's answer to register decides.
     heartbeat_interval_s: float | None = None
+    # Where in the interval (0-1) this agent's readings and batches fall: 0 starts at once. A
+    # simulated fleet's agents all start together; their phases spread them over the interval as
+    # the start times of a real fleet's machines do.
+    heartbeat_phase: float = 0.0
     commands_wait_s: int | None = None
     request_timeout_s: float = 10.0
     backoff_initial_s: float = 0.5
@@ -73,6 +77,8 @@ class AgentConfig:
             )
         if self.heartbeat_interval_s is not None and self.heartbeat_interval_s <= 0:
             raise ConfigError("heartbeat_interval_s must be positive")
+        if not 0 <= self.heartbeat_phase < 1:
+            raise ConfigError("heartbeat_phase must be at least 0 and below 1")
         if self.sample_interval_s <= 0:
             raise ConfigError("sample_interval_s must be positive")
         if not self.hostname:

@@ -58,6 +58,7 @@ def node_config(
         ram_mib=node.get("ram_mib"),
         interconnect=str(node.get("interconnect") or "nvswitch"),
         seed=zlib.crc32(hostname.encode()),
+        heartbeat_phase=random.Random(zlib.crc32(hostname.encode())).random(),
         backoff_max_s=backoff_max_s,
     ).validate()
 

@@ -184,3 +184,20 @@ def test_fleet_waits_for_its_file_and_runs_every_node(portal: FakePortal, tmp_pa
     assert registered["sim-us-east-1-001"]["interconnect"] == "pcie"
     assert registered["sim-eu-west-1-002"]["rocm_version"] == "6.2.0"
     assert (tmp_path / "agents" / "sim-us-east-1-000" / "credential.json").exists()
+
+
+def test_a_fleet_spreads_its_agents_over_the_heartbeat_interval(tmp_path: Path) -> None:
+    from nodes.agent.config import AgentConfig, ConfigError
+    from nodes.agent.fleet import node_config
+
+    phases = [
+        node_config({"hostname": f"sim-{i:03d}"}, portal_url="http://p", state_root=tmp_path).heartbeat_phase
+        for i in range(200)
+    ]
+    assert all(0 <= p < 1 for p in phases)
+    assert len(set(phases)) == 200 and min(phases) < 0.1 and max(phases) > 0.9  # spread, not bunched
+    again = node_config({"hostname": "sim-007"}, portal_url="http://p", state_root=tmp_path)
+    assert again.heartbeat_phase == phases[7]  # the same host keeps its phase across restarts
+    assert AgentConfig().heartbeat_phase == 0  # a real agent starts at once
+    with pytest.raises(ConfigError, match="heartbeat_phase"):
+        AgentConfig(portal_url="http://p", heartbeat_phase=1.0).validate()
