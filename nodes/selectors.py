@@ -479,26 +479,21 @@ def node_telemetry(*, gpus: list[Gpu], start: datetime, now: datetime | None = N
         row[2][i] = None if power is None else round(power, 1)
         row[3][i] = temp
 
-    for rollup in GpuMinuteRollup.objects.filter(
+    # Rows, not model instances: a day of minutes for eight GPUs is 11,520 of them.
+    rollups = GpuMinuteRollup.objects.filter(
         gpu_id__in=ids, minute__gte=start, minute__lt=current_minute, sample_count__gt=0
-    ).only(
-        "gpu_id",
-        "minute",
-        "util_sum",
-        "util_count",
-        "mem_used_sum",
-        "mem_used_count",
-        "power_sum",
-        "power_count",
-        "temp_max",
-    ):
+    ).values_list(
+        "gpu_id", "minute", "util_sum", "util_count", "mem_used_sum", "mem_used_count", "power_sum",
+        "power_count", "temp_max",
+    )  # fmt: skip
+    for gpu_id, minute, util_sum, util_n, mem_sum, mem_n, power_sum, power_n, temp_max in rollups:
         put(
-            int(rollup.minute.timestamp()),
-            column[rollup.gpu_id],
-            rollup.util_avg,
-            rollup.mem_used_avg_mib,
-            rollup.power_avg_w,
-            rollup.temp_max,
+            int(minute.timestamp()),
+            column[gpu_id],
+            util_sum / util_n if util_n else None,  # as GpuMinuteRollup.util_avg and the others
+            mem_sum / mem_n if mem_n else None,
+            power_sum / power_n if power_n else None,
+            temp_max,
         )
     for gpu_id, ts, util, mem, power, temp in (
         GpuSample.objects.filter(gpu_id__in=ids, ts__gte=max(current_minute, start), ts__lte=now)
