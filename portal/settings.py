@@ -407,6 +407,9 @@ SCHEDULING_DEFAULT_QUOTA = {
     "max_gpus_per_request": None,
 }
 SCHEDULING_LOG_TAIL_CHARS = 16_000
+# /api/v1/gpu-types/ (unfiltered) is the same for every tenant: answered from the cache for this
+# many seconds (its availability is then at most that old). 0: computed for each request.
+SCHEDULING_GPU_TYPES_CACHE_S = env.int("SCHEDULING_GPU_TYPES_CACHE_S", default=2)
 # Workload.gpu_vendor and GpuModel.vendor share one choice set: one name for it in the schema.
 SPECTACULAR_SETTINGS.setdefault("ENUM_NAME_OVERRIDES", {})["GpuVendorEnum"] = "nodes.models.Vendor"
 # Warm pools: time constant of the demand estimate, and how often targets and slots are reconciled.

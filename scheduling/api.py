@@ -10,6 +10,7 @@ from decimal import Decimal
 
 import django_filters
 from django.conf import settings
+from django.core.cache import cache
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
@@ -332,6 +333,21 @@ class GpuTypeViewSet(viewsets.ReadOnlyModelViewSet):
     pagination_class = None
     filterset_fields = ["vendor", "mig_capable"]
     lookup_value_regex = r"[0-9]+"
+
+    CACHE_KEY = "scheduling:gpu-types:v1"
+
+    def list(self, request, *args, **kwargs):
+        """The unfiltered list is the same for everyone (list prices, the fleet's availability): it
+        is kept ``SCHEDULING_GPU_TYPES_CACHE_S`` seconds (clients poll it; at 500 nodes and forty
+        catalog models it is the dearest read of the API)."""
+        ttl = settings.SCHEDULING_GPU_TYPES_CACHE_S
+        if not ttl or request.query_params:
+            return super().list(request, *args, **kwargs)
+        data = cache.get(self.CACHE_KEY)
+        if data is None:
+            data = list(super().list(request, *args, **kwargs).data)
+            cache.set(self.CACHE_KEY, data, ttl)
+        return Response(data)
 
     def get_serializer_context(self):
         from nodes.models import Region

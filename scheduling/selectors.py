@@ -7,10 +7,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from decimal import Decimal
 
-from django.db.models import Count, F, IntegerField, Max, OuterRef, Q, QuerySet, Subquery, Sum, Value
-from django.db.models.functions import Coalesce, Greatest
+from django.db import connection
+from django.db.models import Count, F, Max, Q, QuerySet, Sum
 
-from nodes.models import SCHEDULABLE_NODE_STATES, Gpu, GpuHealth, GpuModel
+from nodes.models import SCHEDULABLE_NODE_STATES, Gpu, GpuHealth, GpuModel, Node, Region
 from scheduling.models import (
     ACTIVE_STATES,
     HOLDING_STATES,
@@ -131,38 +131,41 @@ class RegionAvailability:
 
 def gpu_availability() -> dict[int, dict[str, RegionAvailability]]:
     """Per GPU model, per region: GPUs in the fleet, schedulable now (READY node, healthy, not
-    isolated), wholly free and free capacity in thousandths. One query, aggregated in the database
-    (a fleet's GPUs are thousands of rows; the answer is a row per model and region)."""
-    used = (
-        Allocation.objects.active()
-        .filter(gpu_id=OuterRef("pk"))
-        .order_by()
-        .values("gpu_id")
-        .annotate(m=Sum("fraction_milli"))
-        .values("m")
-    )
-    schedulable = Q(node__state__in=SCHEDULABLE_NODE_STATES, health=GpuHealth.HEALTHY, isolated=False)
-    rows = (
-        Gpu.objects.filter(removed_at__isnull=True, model__isnull=False)
-        .annotate(used=Coalesce(Subquery(used, output_field=IntegerField()), Value(0)))
-        .values("model_id", "node__region__code")
-        .annotate(
-            total=Count("pk"),
-            schedulable=Count("pk", filter=schedulable),
-            free=Count("pk", filter=schedulable & Q(used__lte=0)),
-            free_milli=Sum(Greatest(Value(MILLI) - F("used"), Value(0)), filter=schedulable),
+    isolated), wholly free and free capacity in thousandths. One statement, aggregated in the
+    database: the active allocations summed per GPU once, joined to the GPUs (a fleet's GPUs are
+    thousands of rows; the answer is a row per model and region)."""
+    states = sorted(SCHEDULABLE_NODE_STATES)
+    sql = f"""
+        WITH used AS (
+            SELECT gpu_id, SUM(fraction_milli) AS m FROM {Allocation._meta.db_table}
+            WHERE ended_at IS NULL GROUP BY gpu_id
+        ), gpus AS (
+            SELECT g.model_id, r.code,
+                   CASE WHEN n.state IN ({", ".join(["%s"] * len(states))}) AND g.health = %s
+                             AND g.isolated = %s THEN 1 ELSE 0 END AS ok,
+                   COALESCE(u.m, 0) AS m
+            FROM {Gpu._meta.db_table} g
+            JOIN {Node._meta.db_table} n ON n.id = g.node_id
+            JOIN {Region._meta.db_table} r ON r.id = n.region_id
+            LEFT JOIN used u ON u.gpu_id = g.id
+            WHERE g.removed_at IS NULL AND g.model_id IS NOT NULL
         )
-        .order_by()
-    )
+        SELECT model_id, code, COUNT(*), SUM(ok),
+               SUM(CASE WHEN ok = 1 AND m <= 0 THEN 1 ELSE 0 END),
+               SUM(CASE WHEN ok = 0 OR m >= {MILLI} THEN 0 WHEN m <= 0 THEN {MILLI} ELSE {MILLI} - m END)
+        FROM gpus GROUP BY model_id, code
+    """
     out: dict[int, dict[str, RegionAvailability]] = defaultdict(dict)
-    for row in rows:
-        out[row["model_id"]][row["node__region__code"]] = RegionAvailability(
-            region=row["node__region__code"],
-            total_gpus=row["total"],
-            schedulable_gpus=row["schedulable"],
-            free_gpus=row["free"],
-            free_milli=row["free_milli"] or 0,
-        )
+    with connection.cursor() as cur:
+        cur.execute(sql, [*states, GpuHealth.HEALTHY, False])
+        for model_id, code, total, schedulable, free, free_milli in cur.fetchall():
+            out[model_id][code] = RegionAvailability(
+                region=code,
+                total_gpus=total,
+                schedulable_gpus=schedulable or 0,
+                free_gpus=free or 0,
+                free_milli=free_milli or 0,
+            )
     return out
 
 

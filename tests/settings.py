@@ -23,3 +23,5 @@ DATABASES["default"]["CONN_MAX_AGE"] = 0  # noqa: F405
 # Rate limits and throttles count in the cache; each test starts from an empty one (see conftest).
 # The broker and channel layer stay on Redis when REDIS_URL is set.
 CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "tests"}}
+# Tests read /api/v1/gpu-types/ right after changing the fleet; the cached answer has a test of its own.
+SCHEDULING_GPU_TYPES_CACHE_S = 0

@@ -170,3 +170,21 @@ def test_gpu_availability_counts_schedulable_free_and_shared_capacity(tenant, ma
     # one is wholly free, one holds a whole-GPU job and one a half share.
     assert (us.total_gpus, us.schedulable_gpus, us.free_gpus, us.free_milli) == (6, 3, 1, 1500)
     assert (eu.total_gpus, eu.schedulable_gpus, eu.free_gpus, eu.free_milli) == (2, 2, 2, 2000)
+
+
+def test_the_unfiltered_gpu_catalog_is_served_from_the_cache_for_a_moment(
+    client, tenant, make_node, settings
+):
+    settings.SCHEDULING_GPU_TYPES_CACHE_S = 60
+    make_node(gpus=8)
+
+    def free_h100(**params):
+        types = {t["name"]: t for t in client.get("/api/v1/gpu-types/", params).json()}
+        return sum(a["free_gpus"] for a in types.get(H100, {"availability": []})["availability"])
+
+    assert free_h100() == 8
+    make_node(gpus=8)
+    assert free_h100() == 8  # the cached answer, at most SCHEDULING_GPU_TYPES_CACHE_S old
+    assert free_h100(vendor="nvidia") == 16  # a filtered list is computed for each request
+    settings.SCHEDULING_GPU_TYPES_CACHE_S = 0
+    assert free_h100() == 16
