@@ -132,7 +132,11 @@ async def tenant_load(base: str, tokens: list[str], rate: float, duration: float
     created: list[tuple[str, int]] = []  # (kind, workload id)
     jobs_of: dict[int, list[int]] = defaultdict(list)
     errors: dict[tuple[str, int], str] = {}  # the first answer of each failing (endpoint, status)
-    limits = httpx.Limits(max_connections=MAX_IN_FLIGHT, max_keepalive_connections=MAX_IN_FLIGHT)
+    # An idle connection is dropped before uvicorn's keep-alive timeout (5 s) closes it, so that a
+    # request is never sent on a connection the server is closing (a ReadError, not the server's).
+    limits = httpx.Limits(
+        max_connections=MAX_IN_FLIGHT, max_keepalive_connections=MAX_IN_FLIGHT, keepalive_expiry=4.0
+    )
     in_flight = 0
 
     async with httpx.AsyncClient(base_url=base, timeout=30, limits=limits) as client:
