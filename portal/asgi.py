@@ -38,7 +38,7 @@ class PagesHandler(WSGIHandler):
     """Django's WSGI handler, its middleware chain without the agent protocol's fast path: that
     middleware is async only (under ASGI it must run on the event loop), and in a sync chain Django
     would run it through async_to_sync, a thread and an event loop per request, for requests it
-    never serves here (the agent protocol goes to the ASGI handler above)."""
+    never serves here (the agent protocol goes to ``agent_app`` below)."""
 
     def load_middleware(self, is_async=False):
         chain = settings.MIDDLEWARE
