@@ -41,7 +41,7 @@ from nodes.validation import fail, get_bool, get_int, get_str, parse_time, requi
 from portal.api.errors import error_response
 from portal.errors import DomainError, NotFound, ValidationFailed
 from portal.logging import log_context_reset
-from portal.middleware import RequestIdMiddleware
+from portal.middleware import RequestIdMiddleware, body_refused
 
 AUTH_SCHEME = "Node"
 logger = logging.getLogger(__name__)
@@ -354,13 +354,9 @@ def fast_route(path: str, method: str, secure: bool):
 async def serve_fast(request, view, kwargs) -> HttpResponse:
     """What the middleware chain does that the agent protocol needs: bodies over the upload limit
     are 413, errors are JSON, responses have a Content-Length."""
-    try:
-        length = int(request.META.get("CONTENT_LENGTH") or 0)
-    except ValueError:
-        return error_response(400, "Content-Length is not a number.")
-    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
-    if limit is not None and length > limit:
-        return error_response(413, f"The request body is larger than {limit} bytes.")
+    refused = body_refused(request)
+    if refused is not None:
+        return refused
     try:
         response = await view(request, **kwargs)
     except Exception:

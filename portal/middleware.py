@@ -33,6 +33,19 @@ class SyncAsyncMiddleware:
             markcoroutinefunction(self)
 
 
+def body_refused(request):
+    """A JSON 400 for a Content-Length that is not a number, 413 for a body over the upload limit
+    (checked before anything reads the body); None when the body may be read."""
+    try:
+        length = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        return error_response(400, "Content-Length is not a number.")
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    if limit is not None and length > limit:
+        return error_response(413, f"The request body is larger than {limit} bytes.")
+    return None
+
+
 class ApiErrorMiddleware:
     """Gives Django's own errors on API paths (404, 405, 413, 500, ...) the API's JSON error shape."""
 
@@ -42,13 +55,9 @@ class ApiErrorMiddleware:
     def __call__(self, request):
         if not request.path.startswith(JSON_PREFIXES):
             return self.get_response(request)
-        try:
-            length = int(request.META.get("CONTENT_LENGTH") or 0)
-        except ValueError:
-            return error_response(400, "Content-Length is not a number.")
-        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
-        if limit is not None and length > limit:
-            return error_response(413, f"The request body is larger than {limit} bytes.")
+        refused = body_refused(request)
+        if refused is not None:
+            return refused
         response = self.get_response(request)
         if response.status_code >= 400 and not response.get("Content-Type", "").startswith(
             "application/json"
