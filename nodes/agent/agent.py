@@ -366,7 +366,10 @@ class Agent(CommandHandlers):
         """Read every GPU once and keep the readings for the next batch; returns how many."""
         now = time.time()
         try:
-            samples = await asyncio.to_thread(self.collector.sample, now)
+            if getattr(self.collector, "sample_blocks", True):
+                samples = await asyncio.to_thread(self.collector.sample, now)
+            else:
+                samples = self.collector.sample(now)
         except Exception as exc:  # a collector failure must not stop the heartbeats
             self.log.error("collector sample failed: %r", exc)
             samples = []

@@ -287,3 +287,31 @@ def test_readings_every_sample_interval_are_batched_every_heartbeat_interval(
     steps = [b - a for a, b in itertools.pairwise(times)]
     assert max(steps) < 0.3, steps  # none missing between batches
     assert stopped_at - times[-1] < 0.5  # the readings since the last batch went in a final one
+
+
+def test_a_collector_that_never_blocks_is_sampled_on_the_event_loop(
+    make_config: Callable[..., AgentConfig], monkeypatch
+) -> None:
+    """The simulated collector (``sample_blocks = False``) costs no thread hop per reading; a real
+    one (NVML, AMD SMI) is read on a worker thread so that a slow driver never stalls the loop."""
+    import asyncio
+    import threading
+
+    agent = Agent(make_config())
+    assert agent.collector.sample_blocks is False
+    threads: list[str] = []
+    original = agent.collector.sample
+    monkeypatch.setattr(
+        agent.collector,
+        "sample",
+        lambda now: (threads.append(threading.current_thread().name), original(now))[1],
+    )
+
+    async def both() -> tuple[int, int]:
+        on_loop = await agent.take_sample()
+        monkeypatch.setattr(agent.collector, "sample_blocks", True, raising=False)
+        return on_loop, await agent.take_sample()
+
+    counts = asyncio.run(both())
+    assert counts[0] == counts[1] > 0
+    assert threads[0] == threading.current_thread().name and threads[1] != threads[0]

@@ -29,6 +29,8 @@ class CollectorError(RuntimeError):
 @runtime_checkable
 class Collector(Protocol):
     name: str
+    # Optional ``sample_blocks`` (default True): False for a collector whose ``sample`` never waits
+    # on a driver or a device, which the agent then calls on its event loop instead of a thread.
 
     def discover(self) -> NodeInventory:
         """The GPUs of this machine and the driver versions."""

@@ -98,6 +98,9 @@ def simulated_gpu_uuid(hostname: str, index: int) -> str:
 
 class SimulatedCollector:
     name = "simulated"
+    # Computed readings: a thread hop would cost more than the sample (a fleet process runs a
+    # hundred agents sampling once a second).
+    sample_blocks = False
 
     def __init__(
         self,
