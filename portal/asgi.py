@@ -26,23 +26,28 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.core.handlers.wsgi import WSGIHandler  # noqa: E402
+from django.utils.module_loading import import_string  # noqa: E402
 
-from nodes.agent_views import AgentProtocolHandler  # noqa: E402
 from portal.routing import websocket_urlpatterns  # noqa: E402
 
-ASYNC_PREFIXES = ("/agent/",)
-AGENT_FAST_PATH = "nodes.agent_views.AgentFastPathMiddleware"
+# (prefix, ASGI app class, the middleware that serves only its requests), from the settings: the
+# apps are named, not imported, as in MIDDLEWARE (portal imports no app above it).
+PREFIX_APPS = [
+    (prefix, import_string(app)(fallback=django_asgi_app), middleware)
+    for prefix, app, middleware in settings.ASGI_PREFIX_APPS
+]
 
 
 class PagesHandler(WSGIHandler):
-    """Django's WSGI handler, its middleware chain without the agent protocol's fast path: that
-    middleware is async only (under ASGI it must run on the event loop), and in a sync chain Django
-    would run it through async_to_sync, a thread and an event loop per request, for requests it
-    never serves here (the agent protocol goes to ``agent_app`` below)."""
+    """Django's WSGI handler, its middleware chain without the middleware that serves only requests
+    routed to a prefix app (the agent protocol's fast path): that one is async only (under ASGI it
+    must run on the event loop), and in a sync chain Django would run it through async_to_sync, a
+    thread and an event loop per request, for requests it never serves here."""
 
     def load_middleware(self, is_async=False):
         chain = settings.MIDDLEWARE
-        settings.MIDDLEWARE = [m for m in chain if m != AGENT_FAST_PATH]
+        skip = {middleware for _, _, middleware in settings.ASGI_PREFIX_APPS}
+        settings.MIDDLEWARE = [m for m in chain if m not in skip]
         try:
             super().load_middleware(is_async)
         finally:
@@ -50,14 +55,14 @@ class PagesHandler(WSGIHandler):
 
 
 threaded_app = WSGIMiddleware(PagesHandler(), workers=settings.WEB_THREADS)
-agent_app = AgentProtocolHandler(fallback=django_asgi_app)
 
 
 async def http_app(scope, receive, send):
-    if scope["path"].startswith(ASYNC_PREFIXES):
-        await agent_app(scope, receive, send)
-    else:
-        await threaded_app(scope, receive, send)
+    path = scope["path"]
+    for prefix, app, _ in PREFIX_APPS:
+        if path.startswith(prefix):
+            return await app(scope, receive, send)
+    await threaded_app(scope, receive, send)
 
 
 application = ProtocolTypeRouter(

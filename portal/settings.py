@@ -131,6 +131,12 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 # Threads per web process that serve pages and the API (portal/asgi.py); the agent protocol runs on
 # the event loop and its worker threads. Each may hold a database connection while it serves a request.
 WEB_THREADS = env.int("WEB_THREADS", default=8)
+# portal/asgi.py: requests under a prefix go to that app's ASGI app (made with Django's ASGI handler
+# as its fallback) instead of the pages' thread pool; the middleware named with it serves only those
+# requests (for Django's own handlers and test clients), so the pages' chain leaves it out.
+ASGI_PREFIX_APPS = [
+    ("/agent/", "nodes.agent_views.AgentProtocolHandler", "nodes.agent_views.AgentFastPathMiddleware")
+]
 
 # --- Redis: Celery broker, cache, channel layer -------------------------------------------------
 REDIS_URL = env.str("REDIS_URL", default="")

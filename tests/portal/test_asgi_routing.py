@@ -33,7 +33,7 @@ def test_the_agent_protocol_goes_to_its_handler_and_the_rest_to_the_thread_pool(
 
         return app
 
-    monkeypatch.setattr(asgi, "agent_app", recorder("agent"))
+    monkeypatch.setattr(asgi, "PREFIX_APPS", [("/agent/", recorder("agent"), None)])
     monkeypatch.setattr(asgi, "threaded_app", recorder("threads"))
     for path in ("/agent/v1/nodes/7/commands", "/api/v1/jobs/", "/launch/", "/healthz"):
         assert _get(path).status_code == 204
@@ -84,4 +84,6 @@ def test_the_pages_chain_leaves_out_only_the_agent_fast_path(settings, monkeypat
     assert made == []
     ASGIHandler()  # loads its chain (async)
     assert len(made) == 1
-    assert settings.MIDDLEWARE.count(asgi.AGENT_FAST_PATH) == 1  # the setting itself is untouched
+    fast_path = settings.ASGI_PREFIX_APPS[0][2]
+    assert fast_path == "nodes.agent_views.AgentFastPathMiddleware"
+    assert settings.MIDDLEWARE.count(fast_path) == 1  # the setting itself is untouched
