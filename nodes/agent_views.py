@@ -427,12 +427,13 @@ class AgentProtocolHandler(ASGIHandler):
         try:
             request, response = self.create_request(scope, body_file)
             if request is not None and settings.SECURE_SSL_REDIRECT and not request.is_secure():
-                # Django's chain redirects it: replay the body that was read.
+                # Django's chain redirects it: replay the body that was read, then the client's
+                # own messages (a disconnect).
                 body_file.seek(0)
-                body = body_file.read()
+                replayed = [{"type": "http.request", "body": body_file.read(), "more_body": False}]
 
                 async def replay():
-                    return {"type": "http.request", "body": body, "more_body": False}
+                    return replayed.pop() if replayed else await receive()
 
                 return await self.fallback(scope, replay, send)
             if request is not None:

@@ -86,3 +86,15 @@ def test_other_agent_paths_and_methods_take_django_s_handler(capture_signal):
         (response,) = call([("GET", "/agent/v1/nodes/1/heartbeat", None, {})])
     assert len(started) == 1
     assert response.status_code == 405
+
+
+def test_plain_http_goes_to_django_s_handler_when_https_is_required(settings, capture_signal):
+    """Django's chain decides (its SecurityMiddleware redirects when the process starts with
+    SECURE_SSL_REDIRECT; here it was loaded without, so the agent view answers through the chain)."""
+    settings.SECURE_SSL_REDIRECT = True
+    with capture_signal(signals.request_started) as started:
+        (response,) = call(
+            [("POST", "/agent/v1/nodes/1/heartbeat", {"seq": 1}, {"Content-Type": "application/json"})]
+        )
+    assert len(started) == 1  # the body read for the fast path was replayed to Django's handler
+    assert response.status_code == 401 and response.json()["error"]["code"]
