@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from metering.services.rates import current_price_table, current_prices
 from metering.services.spot import current_spot_prices
+from scheduling.pricing import price_key
 
 
 class RateCardPriceProvider:
@@ -12,7 +13,7 @@ class RateCardPriceProvider:
     price: a spot request may not name a maximum below it."""
 
     def prices(self, *, gpu_model, region):
-        return self.price_table(pairs=[(gpu_model, region)])[(gpu_model.pk, region.pk if region else None)]
+        return self.price_table(pairs=[(gpu_model, region)])[price_key(gpu_model, region)]
 
     def price_table(self, *, pairs):
         """``prices`` of many (gpu_model, region) pairs in five queries."""
@@ -23,7 +24,7 @@ class RateCardPriceProvider:
             prices = dict(listed[m.pk])
             if r is not None and (m.pk, r.pk) in market:
                 prices["spot"] = market[(m.pk, r.pk)]
-            out[(m.pk, r.pk if r is not None else None)] = prices
+            out[price_key(m, r)] = prices
         return out
 
     def estimate(self, *, tenant, gpu_model, regions, gpu_count, fraction_milli, cpu_millicores, ram_mib):

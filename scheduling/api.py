@@ -31,7 +31,7 @@ from scheduling.models import (
     WorkloadKind,
     WorkloadState,
 )
-from scheduling.pricing import gpu_price_table
+from scheduling.pricing import gpu_price_table, price_key
 from scheduling.services.lifecycle import workload_stop
 from scheduling.services.reservations import reservation_cancel, reservation_request
 from scheduling.services.submission import workload_submit
@@ -316,9 +316,7 @@ class GpuTypeSerializer(serializers.ModelSerializer):
                     "free_gpu_milli": ra.free_milli,
                     "price_per_gpu_hour": {
                         k: (str(v) if v is not None else None)
-                        for k, v in self.context["prices"][
-                            (m.pk, getattr(regions.get(code), "pk", None))
-                        ].items()
+                        for k, v in self.context["prices"][price_key(m, regions.get(code))].items()
                     },
                 }
             )

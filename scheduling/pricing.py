@@ -22,7 +22,7 @@ class PriceProvider(Protocol):
     def spot_floor(self, *, gpu_model, region) -> Decimal | None: ...
 
     # Optional: ``price_table(*, pairs)``, ``prices`` for many (gpu_model, region) pairs at once:
-    # ``{(gpu_model.pk, region.pk or None): {plan: price}}`` (a catalog page in a few queries).
+    # ``{price_key(gpu_model, region): {plan: price}}`` (a catalog page in a few queries).
 
     # Optional: ``estimate(*, tenant, gpu_model, regions, gpu_count, fraction_milli, cpu_millicores,
     # ram_mib)``, the hourly price of a whole workload spec per plan for the tenant (its discount,
@@ -46,9 +46,14 @@ def unregister_price_provider(provider: PriceProvider) -> None:
 PLANS = ("on_demand", "spot", "reserved")
 
 
+def price_key(gpu_model, region) -> tuple[int, int | None]:
+    """A price table's key for a GPU model in a region (None: no region)."""
+    return gpu_model.pk, getattr(region, "pk", None)
+
+
 def gpu_price_table(*, pairs) -> dict[tuple[int, int | None], dict[str, Decimal | None]]:
-    """``gpu_prices`` for many (gpu_model, region) pairs: ``{(model pk, region pk or None): prices}``."""
-    pairs = {(m.pk, r.pk if r is not None else None): (m, r) for m, r in pairs}
+    """``gpu_prices`` for many (gpu_model, region) pairs: ``{price_key(model, region): prices}``."""
+    pairs = {price_key(m, r): (m, r) for m, r in pairs}
     out = {key: dict.fromkeys(PLANS) for key in pairs}
     for provider in _providers:
         table = getattr(provider, "price_table", None)
@@ -64,7 +69,7 @@ def gpu_price_table(*, pairs) -> dict[tuple[int, int | None], dict[str, Decimal 
 
 
 def gpu_prices(*, gpu_model, region) -> dict[str, Decimal | None]:
-    return gpu_price_table(pairs=[(gpu_model, region)])[(gpu_model.pk, region.pk if region else None)]
+    return gpu_price_table(pairs=[(gpu_model, region)])[price_key(gpu_model, region)]
 
 
 def spot_price_floor(*, gpu_model, region) -> Decimal:

@@ -128,12 +128,6 @@ def spot_preempt_over_max(*, now: datetime | None = None) -> list[int]:
     return preempted
 
 
-def current_spot_price(*, gpu_model, region) -> Decimal | None:
-    if region is None:
-        return None
-    return current_spot_prices(pairs=[(gpu_model, region)]).get((gpu_model.pk, region.pk))
-
-
 def current_spot_prices(*, pairs) -> dict[tuple[int, int], Decimal]:
     """The market price now of each (gpu_model, region) pair that has one, in two queries:
     ``{(model pk, region pk): price}`` (pairs without a region, or without a price, are left out)."""

@@ -32,7 +32,7 @@ from scheduling.models import (
     Workload,
     WorkloadKind,
 )
-from scheduling.pricing import gpu_price_table, workload_estimate
+from scheduling.pricing import gpu_price_table, price_key, workload_estimate
 from scheduling.services.submission import SCHEDULABLE_VENDORS, QuotaExceeded, workload_submit
 
 FRACTIONS = [(1000, "Whole GPUs"), (500, "½ GPU"), (250, "¼ GPU"), (125, "⅛ GPU")]
@@ -176,7 +176,7 @@ class ModelOffer:
 
 def model_offers(*, region_objects: dict[str, Region]) -> list[ModelOffer]:
     """The catalog models present in the fleet, with availability per region (``gpu_availability``,
-    two queries) and the hourly price of one GPU per plan and region (the price providers)."""
+    one statement) and the hourly price of one GPU per plan and region (the price providers)."""
     availability = selectors.gpu_availability()
     offers = []
     catalog = [
@@ -193,7 +193,7 @@ def model_offers(*, region_objects: dict[str, Region]) -> list[ModelOffer]:
         offer = ModelOffer(model=m)
         for code in sorted(availability[m.pk]):
             ra = availability[m.pk][code]
-            prices = table[(m.pk, getattr(region_objects.get(code), "pk", None))]
+            prices = table[price_key(m, region_objects.get(code))]
             offer.regions.append(
                 {"code": code, "free": ra.free_gpus, "schedulable": ra.schedulable_gpus, "total": ra.total_gpus,
                  "free_milli": ra.free_milli, "prices": prices}
