@@ -333,7 +333,7 @@ _FAST_ROUTES = re.compile(
 )
 
 
-def fast_route(path: str, method: str, secure: bool):
+def fast_route(path: str, method: str, *, secure: bool):
     """The view and its arguments for a heartbeat, command poll or command report; (None, None) for
     anything else, and for plain HTTP when SECURE_SSL_REDIRECT asks for a redirect."""
     if not path.startswith("/agent/v1/nodes/"):
@@ -390,7 +390,7 @@ class AgentFastPathMiddleware:
         markcoroutinefunction(self)
 
     async def __call__(self, request):
-        view, kwargs = fast_route(request.path_info, request.method, request.is_secure())
+        view, kwargs = fast_route(request.path_info, request.method, secure=request.is_secure())
         if view is None:
             return await self.get_response(request)
         return await serve_fast(request, view, kwargs)
@@ -417,7 +417,9 @@ class AgentProtocolHandler(ASGIHandler):
         root = scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root) :]
-        view, kwargs = fast_route(path, scope["method"], True)
+        # Whether it came over HTTPS is the request's to say (proxy headers): checked below, once
+        # it is built, so route it here as if it had.
+        view, kwargs = fast_route(path, scope["method"], secure=True)
         if view is None:
             return await self.fallback(scope, receive, send)
         try:
