@@ -212,9 +212,11 @@ class RequestIdMiddleware(SyncAsyncMiddleware):
         request.request_id = request_id  # type: ignore[attr-defined]
         return log_context_start(request_id=request_id), time.perf_counter()
 
-    async def process_view(self, request, view_func, view_args, view_kwargs):
-        # Async, so that it costs no thread hop under ASGI; it reads only what TenantMiddleware
-        # already loaded (the user Django cached), never the database.
+    def process_view(self, request, view_func, view_args, view_kwargs):
+        # Sync: pages and the API run on the WSGI thread pool (portal/asgi.py), where an async
+        # method cost an event loop run per request; only the agent protocol's rare requests
+        # through Django's ASGI handler take a thread hop for it. It reads only what
+        # TenantMiddleware already loaded (the user Django cached), never the database.
         tenant = getattr(request, "tenant", None)
         user = request.__dict__.get("_cached_user")
         log_context_bind(

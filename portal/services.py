@@ -460,7 +460,9 @@ def api_token_authenticate(*, plaintext: str) -> ApiToken | None:
     parts = (plaintext or "").split("_", 2)
     if len(parts) != 3 or parts[0] != ApiToken.PREFIX:
         return None
-    token = ApiToken.objects.select_related("tenant", "created_by").filter(key_id=parts[1]).first()
+    # The tenant comes with it (every request needs it); the creator (``created_by``), which only
+    # writes and a few views ask for, is loaded when first asked.
+    token = next(iter(ApiToken.objects.select_related("tenant").filter(key_id=parts[1])[:1]), None)
     if token is None or not secrets.compare_digest(token.token_hash, hash_secret(plaintext)):
         return None
     return token

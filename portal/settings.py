@@ -289,7 +289,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["portal.api.permissions.TenantScopePermission"],
     "DEFAULT_PAGINATION_CLASS": "portal.api.pagination.CursorPagination",
     "PAGE_SIZE": 50,
-    "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
+    "DEFAULT_FILTER_BACKENDS": ["portal.api.filters.FilterBackend"],
     "DEFAULT_THROTTLE_CLASSES": ["portal.api.throttling.TokenRateThrottle"],
     "DEFAULT_THROTTLE_RATES": {"token": API_RATE_LIMIT},
     "EXCEPTION_HANDLER": "portal.api.errors.exception_handler",

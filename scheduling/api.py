@@ -11,6 +11,7 @@ from decimal import Decimal
 import django_filters
 from django.conf import settings
 from django.core.cache import cache
+from django.db.models import Prefetch
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
@@ -19,6 +20,7 @@ from rest_framework.response import Response
 from nodes.models import GpuModel
 from portal.api.filters import UTCDateTimeFilter
 from portal.api.routers import router
+from portal.api.serializers import ReadPlanSerializer
 from portal.api.viewsets import TenantReadOnlyViewSet, TenantScopedViewSet
 from portal.models import Scope
 from scheduling import selectors
@@ -39,7 +41,7 @@ from scheduling.services.submission import workload_submit
 # --- serializers -----------------------------------------------------------------------------------
 
 
-class WorkloadSerializer(serializers.ModelSerializer):
+class WorkloadSerializer(ReadPlanSerializer):
     gpu_models = serializers.SlugRelatedField(many=True, read_only=True, slug_field="name")
     region = serializers.SlugRelatedField(read_only=True, slug_field="code")
     pending = serializers.SerializerMethodField()
@@ -209,7 +211,7 @@ class _WorkloadViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
             .get_queryset()
             .filter(kind=self.kind)
             .select_related("region")
-            .prefetch_related("gpu_models")
+            .prefetch_related(Prefetch("gpu_models", queryset=GpuModel.objects.only("name")))
         )
 
     def get_serializer_class(self):

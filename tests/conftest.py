@@ -1,8 +1,13 @@
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+import subprocess
+import time
 
 import pytest
+import redis
 from hypothesis import settings as hypothesis_settings
 
 from portal.actors import Actor
@@ -78,3 +83,43 @@ def api(client):
         return Client(HTTP_AUTHORIZATION=f"Bearer {token}")
 
     return with_token
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def private_redis():
+    """A Redis server of this test's own, which the test can stop and start again."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    procs: list[subprocess.Popen] = []
+
+    def start() -> None:
+        proc = subprocess.Popen(
+            [binary, "--port", str(port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1"],
+            stdout=subprocess.DEVNULL,
+        )
+        procs.append(proc)
+        for _ in range(100):
+            try:
+                redis.Redis(port=port).ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop() -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(5)
+
+    start()
+    yield f"redis://127.0.0.1:{port}/0", start, stop
+    stop()

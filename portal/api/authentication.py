@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from django.contrib.auth.models import AnonymousUser
+from django.utils.functional import SimpleLazyObject
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import authentication, exceptions
 
@@ -31,9 +33,8 @@ class BearerTokenAuthentication(authentication.BaseAuthentication):
             raise exceptions.AuthenticationFailed("This token has expired.")
         api_token_touch(token=token)
         log_context_bind(tenant_id=token.tenant_id, user_id=token.created_by_id)
-        from django.contrib.auth.models import AnonymousUser
-
-        return (token.created_by or AnonymousUser(), token)
+        # The person the token acts for, loaded only if something asks (most reads never do).
+        return (SimpleLazyObject(lambda: token.created_by or AnonymousUser()), token)
 
     def authenticate_header(self, request):
         return f'{self.keyword} realm="api"'

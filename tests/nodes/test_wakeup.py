@@ -4,9 +4,6 @@ a command wakes its node's poll at once, and Redis going away falls back to the 
 from __future__ import annotations
 
 import asyncio
-import shutil
-import socket
-import subprocess
 import threading
 import time
 
@@ -18,6 +15,7 @@ from django.test import AsyncClient
 
 from nodes.services import wakeup
 from nodes.services.commands import node_command_enqueue
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -52,46 +50,6 @@ async def poll(agent, wait: float) -> tuple[float, dict]:
     )
     assert response.status_code == 200, response.content
     return time.monotonic(), response.json()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def private_redis():
-    """A Redis server of this test's own, which the test can stop and start again."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed")
-    port = free_port()
-    procs: list[subprocess.Popen] = []
-
-    def start() -> None:
-        proc = subprocess.Popen(
-            [binary, "--port", str(port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1"],
-            stdout=subprocess.DEVNULL,
-        )
-        procs.append(proc)
-        for _ in range(100):
-            try:
-                redis.Redis(port=port).ping()
-                return
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def stop() -> None:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait(5)
-
-    start()
-    yield f"redis://127.0.0.1:{port}/0", start, stop
-    stop()
 
 
 def test_concurrent_polls_share_one_connection_and_a_command_wakes_its_node_at_once(

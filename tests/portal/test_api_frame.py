@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from django.core.cache import cache
@@ -164,3 +167,72 @@ def test_invitations_api_creates_and_emails(
     assert len(mailoutbox) == 1 and "/invitations/" in mailoutbox[0].body
     dup = client.post("/api/v1/invitations/", {"email": "owner@acme.test"}, content_type="application/json")
     assert dup.status_code == 409 and "email" in dup.json()["error"]["fields"]
+
+
+def _rate_steps(store) -> None:
+    from portal.ratelimit import rate_take
+
+    # 3 per 0.6 s: a quiet key may send 3 at once, then one every 0.2 s.
+    taken = [rate_take("k", limit=3, period_s=0.6, using=store) for _ in range(4)]
+    assert taken[:3] == [0, 0, 0]
+    assert 0.1 < taken[3] <= 0.2
+    assert rate_take("other", limit=3, period_s=0.6, using=store) == 0  # per key
+    time.sleep(taken[3] + 0.02)
+    assert rate_take("k", limit=3, period_s=0.6, using=store) == 0
+    assert rate_take("k", limit=3, period_s=0.6, using=store) > 0
+    time.sleep(0.62)  # a full period quiet: the whole burst again
+    assert [rate_take("k", limit=3, period_s=0.6, using=store) for _ in range(3)] == [0, 0, 0]
+
+
+def test_request_rate_in_the_embedded_cache():
+    _rate_steps(cache)
+
+
+def test_request_rate_on_redis_is_one_atomic_step(private_redis):
+    """On Redis the rate is one Lua script: exact under concurrent requests from many threads (as
+    from many web processes), and it survives the server forgetting the script."""
+    from django.core.cache.backends.redis import RedisCache
+
+    from portal.ratelimit import rate_take
+
+    store = RedisCache(private_redis[0], {})
+    _rate_steps(store)
+    redis_client = store._cache.get_client(write=True)
+    redis_client.script_flush()
+    assert rate_take("fresh", limit=5, period_s=60, using=store) == 0  # loaded again by EVAL
+    barrier = threading.Barrier(8)
+
+    def burst(_):
+        barrier.wait()
+        return [rate_take("shared", limit=50, period_s=60, using=store) == 0 for _ in range(10)]
+
+    with ThreadPoolExecutor(8) as pool:
+        allowed = sum(sum(r) for r in pool.map(burst, range(8)))
+    assert allowed == 50  # 80 tried, exactly the limit let through
+    assert 0 < redis_client.pttl(store.make_and_validate_key("rate:shared")) <= 60_000
+
+
+def test_a_request_without_filter_parameters_skips_the_filterset(rf):
+    """portal.api.filters.FilterBackend leaves the queryset alone when no parameter names a filter;
+    for every FilterSet of the API that is what the FilterSet itself gives for empty input."""
+    from rest_framework.request import Request
+
+    from metering.api import UsageFilter, UsageViewSet
+    from portal.api.filters import FilterBackend
+    from portal.api.views import ApiTokenFilter, ApiTokenViewSet
+    from scheduling.api import JobViewSet, WorkloadFilter
+
+    backend = FilterBackend()
+    cases = (
+        (WorkloadFilter, JobViewSet, {"state": "pending"}),
+        (UsageFilter, UsageViewSet, {"period": "2026-01-01"}),
+        (ApiTokenFilter, ApiTokenViewSet, {"status": "active"}),
+    )
+    for filterset, viewset, params in cases:
+        queryset = viewset.queryset.all()
+        view = viewset(filterset_class=filterset)
+        assert str(filterset(data={}, queryset=queryset).qs.query) == str(queryset.query)
+        plain = Request(rf.get("/", {"page_size": 5, "cursor": "x"}))
+        assert backend.filter_queryset(plain, queryset, view) is queryset
+        named = backend.filter_queryset(Request(rf.get("/", params)), queryset, view)
+        assert str(named.query) != str(queryset.query)

@@ -188,3 +188,54 @@ def test_the_unfiltered_gpu_catalog_is_served_from_the_cache_for_a_moment(
     assert free_h100(vendor="nvidia") == 16  # a filtered list is computed for each request
     settings.SCHEDULING_GPU_TYPES_CACHE_S = 0
     assert free_h100() == 16
+
+
+def test_workload_read_plan_renders_what_drf_renders(client, tenant, make_node, cycle, submit):
+    """The workload serializers render through a read plan (portal.api.serializers.ReadPlanSerializer);
+    its output must be DRF's own, field for field, for workloads in every shape the API shows."""
+    from rest_framework import serializers
+
+    from scheduling.api import WorkloadDetailSerializer, WorkloadSerializer
+
+    make_node(gpus=8)
+    spot = submit(tenant, gpu_count=2, plan="spot", spot_max_price="1.2500000000", name="spot one")
+    r = client.post(
+        "/api/v1/instances/",
+        {**JOB, "ports": [22, 8888], "ssh_public_key": "ssh-ed25519 AAAA"},
+        content_type="application/json",
+    )
+    assert r.status_code == 201, r.content
+    cycle()
+    waiting = submit(tenant, gpu_count=8, env={"A": "b"}, max_runtime_s=600)  # cannot fit: pending
+    finished = submit(tenant, gpu_count=1)
+    Workload.objects.filter(pk=finished.pk).update(state="failed", exit_code=3, retries=1)
+    workloads = Workload.objects.filter(tenant=tenant).select_related("region").prefetch_related("gpu_models")
+    assert {w.pk for w in workloads} >= {spot.pk, waiting.pk, finished.pk} and len(workloads) == 4
+    shapes = set()
+    for cls in (WorkloadSerializer, WorkloadDetailSerializer):
+        for w in workloads:
+            planned = cls(w).data
+            drf = serializers.ModelSerializer.to_representation(cls(w), w)
+            assert dict(planned) == dict(drf), w.pk
+            assert list(planned) == list(drf)  # and in the same order
+            shapes.add((w.state, w.plan, w.region_id is None, bool(planned.get("placement"))))
+    assert len(shapes) >= 4  # pending, scheduled, failed; spot and on-demand; with and without placement
+    listed = client.get("/api/v1/jobs/").json()["results"]
+    assert {j["id"]: j["name"] for j in listed}[spot.pk] == "spot one"
+
+
+def test_a_read_plan_refuses_a_field_it_cannot_render():
+    from django.core.exceptions import ImproperlyConfigured
+    from rest_framework import serializers
+
+    from portal.api.serializers import ReadPlanSerializer
+
+    class Nested(ReadPlanSerializer):
+        tenant_slug = serializers.CharField(source="tenant.slug")
+
+        class Meta:
+            model = Workload
+            fields = ["id", "tenant_slug"]
+
+    with pytest.raises(ImproperlyConfigured, match="tenant_slug"):
+        Nested.read_plan()
