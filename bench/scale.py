@@ -128,7 +128,9 @@ async def tenant_load(base: str, tokens: list[str], rate: float, duration: float
     names = [n for n, _ in MIX]
     weights = [w for _, w in MIX]
     rng = random.Random(7)
-    results: list[tuple[str, float, int, float]] = []  # (endpoint, seconds, status, start lag)
+    results: list[
+        tuple[str, float, int, float, float]
+    ] = []  # (endpoint, seconds, status, start lag, sent at)
     created: list[tuple[str, int]] = []  # (kind, workload id)
     jobs_of: dict[int, list[int]] = defaultdict(list)
     errors: dict[tuple[str, int], str] = {}  # the first answer of each failing (endpoint, status)
@@ -166,10 +168,10 @@ async def tenant_load(base: str, tokens: list[str], rate: float, duration: float
                     }
                 body = spec
             lag = time.monotonic() - due
-            started = time.perf_counter()
+            started, sent_at = time.perf_counter(), time.time()
             if in_flight >= MAX_IN_FLIGHT:
                 errors.setdefault((endpoint, -1), f"not sent: {in_flight} requests in flight")
-                results.append((endpoint, 0.0, -1, lag))
+                results.append((endpoint, 0.0, -1, lag, time.time()))
                 return
             in_flight += 1
             try:
@@ -189,7 +191,7 @@ async def tenant_load(base: str, tokens: list[str], rate: float, duration: float
                 errors.setdefault((endpoint, 0), f"{type(exc).__name__} {exc}")
             finally:
                 in_flight -= 1
-            results.append((endpoint, time.perf_counter() - started, status, lag))
+            results.append((endpoint, time.perf_counter() - started, status, lag, sent_at))
 
         tasks = []
         start = time.monotonic()
@@ -372,6 +374,9 @@ def main() -> int:
     parser.add_argument("--db-pool", type=int, default=16, help="DB_POOL_MAX_SIZE of each process")
     parser.add_argument("--keep", action="store_true", help="keep the database afterwards")
     parser.add_argument(
+        "--timeline", type=float, default=0, metavar="S", help="print latency per S seconds of the load"
+    )
+    parser.add_argument(
         "--agents-child", nargs=4, metavar=("FLEET", "URL", "STATE", "OUT"), help=argparse.SUPPRESS
     )
     args = parser.parse_args()
@@ -496,14 +501,17 @@ def main() -> int:
     # --- figures ----------------------------------------------------------------------------------------
     report: dict[str, dict] = {}
     by_endpoint: dict[str, list] = defaultdict(list)
-    for endpoint, seconds, status, _ in results:
+    for endpoint, seconds, status, *_ in results:
         by_endpoint[endpoint].append((seconds, status))
     agent_rows: dict[str, list] = defaultdict(list)
+    heartbeat_times: list[tuple[float, float]] = []  # (sent at, seconds)
     for out in agent_outs:
         try:
             for at, kind, seconds, status in json.loads(out.read_text()):
                 if window[0] <= at <= window[1]:
                     agent_rows[kind].append((seconds, status))
+                    if kind.endswith("heartbeat"):
+                        heartbeat_times.append((at - seconds, seconds))
         except (OSError, ValueError):
             print(f"no agent timings in {out}", file=sys.stderr)
     span = window[1] - window[0]
@@ -523,14 +531,31 @@ def main() -> int:
         print(
             f"{endpoint:42} {r['rps']:7.1f} {r['p50_ms']:8.1f} {r['p95_ms']:8.1f} {r['p99_ms']:8.1f} {errs:6d}"
         )
-    reads = [s * 1000 for e, s, st, _ in results if e.startswith("GET") and st > 0]
-    tenant_errors = sum(1 for _, _, st, _ in results if st <= 0 or st >= 400)
+    reads = [s * 1000 for e, s, st, *_ in results if e.startswith("GET") and st > 0]
+    tenant_errors = sum(1 for _, _, st, *_ in results if st <= 0 or st >= 400)
     agent_errors = sum(1 for rows in agent_rows.values() for _, st in rows if st <= 0 or st >= 400)
-    lags = sorted(lag for *_, lag in results)
+    lags = sorted(lag for _, _, _, lag, _ in results)
     total_requests = len(results) + sum(len(rows) for rows in agent_rows.values())
     for (endpoint, status), text in sorted(sample_errors.items()):
-        n = sum(1 for e, _, st, _ in results if (e, st) == (endpoint, status))
+        n = sum(1 for e, _, st, *_ in results if (e, st) == (endpoint, status))
         print(f"error: {endpoint} answered {status or 'no answer'} {n} time(s), e.g. {text}")
+
+    if args.timeline:
+        print(
+            f"\ntimeline ({args.timeline:g} s steps from the start of the load): tenant reads and heartbeats sent"
+        )
+        print(f"{'t s':>5} {'reads':>6} {'p50 ms':>8} {'p95 ms':>8} {'heartbeats':>10} {'p95 ms':>8}")
+        steps = defaultdict(lambda: ([], []))
+        for e, seconds, st, _, at in results:
+            if e.startswith("GET") and st > 0:
+                steps[int((at - window[0]) // args.timeline)][0].append(seconds * 1000)
+        for at, seconds in heartbeat_times:
+            steps[int((at - window[0]) // args.timeline)][1].append(seconds * 1000)
+        for step in sorted(k for k in steps if k >= 0):
+            r, h = steps[step]
+            print(
+                f"{step * args.timeline:5.0f} {len(r):6d} {pct(r, 50):8.1f} {pct(r, 95):8.1f} {len(h):10d} {pct(h, 95):8.1f}"
+            )
 
     first_scheduled: dict[int, float] = {}
     for wid, at in WorkloadEvent.objects.filter(

@@ -7,10 +7,11 @@
   do their database work on the event loop's worker threads.
 - Everything else (pages, the API, health and metrics): Django's WSGI handler on a fixed pool of
   ``WEB_THREADS`` threads per process (a2wsgi). These views are synchronous; under Django's ASGI
-  handler each such request started a thread of its own, with a new cache (Redis) client since
-  Django's caches are per thread, and crossed between the event loop and that thread for every
-  middleware: about a third of the web tier's CPU under ``bench/scale.py``. Pool threads live as
-  long as the process and keep their clients.
+  handler each such request started a thread of its own and crossed between the event loop and
+  that thread for every middleware: about a third of the web tier's CPU under ``bench/scale.py``.
+  Pool threads live as long as the process and keep their database connections; Django's cache
+  objects are per context, which is new for every request, so the Redis client is the process's
+  (``portal.cache.RedisCache``).
 """
 
 import os

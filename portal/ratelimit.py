@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import time
 
-from django.core.cache import cache
+from django.core.cache import DEFAULT_CACHE_ALIAS, cache, caches
 from django.core.cache.backends.redis import RedisCache
 from redis.exceptions import NoScriptError
 
@@ -72,7 +72,7 @@ _GCRA_SHA = hashlib.sha1(_GCRA_LUA.encode(), usedforsecurity=False).hexdigest()
 def rate_take(key: str, *, limit: int, period_s: float, using=None) -> float:
     """Count one request against ``key``'s ``limit`` per ``period_s``: 0 when it is allowed, else
     the seconds until the next would be. ``using``: a cache (the default cache when None)."""
-    store = using if using is not None else cache
+    store = using if using is not None else caches[DEFAULT_CACHE_ALIAS]  # the backend, not its proxy
     interval_us = int(period_s * 1_000_000 / limit)
     burst_us = int(period_s * 1_000_000) - interval_us
     full_key = f"rate:{key}"

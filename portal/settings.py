@@ -146,7 +146,7 @@ if REDIS_URL:
     CELERY_RESULT_BACKEND = None
     CACHES = {
         "default": {
-            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "BACKEND": "portal.cache.RedisCache",  # one connection pool per process
             "LOCATION": REDIS_URL,
             "KEY_PREFIX": env.str("CACHE_KEY_PREFIX", default="gpupool"),
         }

@@ -236,3 +236,35 @@ def test_a_request_without_filter_parameters_skips_the_filterset(rf):
         assert backend.filter_queryset(plain, queryset, view) is queryset
         named = backend.filter_queryset(Request(rf.get("/", params)), queryset, view)
         assert str(named.query) != str(queryset.query)
+
+
+def test_the_redis_cache_keeps_one_client_per_process_and_the_throttle_runs_its_script(
+    private_redis, settings, monkeypatch
+):
+    """Every request starts in a fresh context, and Django makes a cache object per context: the
+    cache backend (portal.cache.RedisCache) must still share one client and connection pool; the
+    API throttle on it takes the Lua path (no plain GET of the key)."""
+    import contextvars
+
+    from django.core.cache import caches
+    from django.core.cache.backends.redis import RedisCache as DjangoRedisCache
+
+    from portal.ratelimit import rate_take
+
+    settings.CACHES = {"default": {"BACKEND": "portal.cache.RedisCache", "LOCATION": private_redis[0]}}
+    first, second = (contextvars.Context().run(lambda: caches["default"]) for _ in range(2))
+    assert first is not second  # Django's cache objects: one per context
+    assert first._cache is second._cache  # one client, one pool
+    pool = first._cache._get_connection_pool(write=True)
+    for backend in (first, second):
+        backend.set("k", 1)
+        assert backend.get("k") == 1
+    assert len(pool._available_connections) + len(pool._in_use_connections) == 1
+
+    def no_get(*args, **kwargs):
+        raise AssertionError("the throttle read its key with GET")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(DjangoRedisCache, "get", no_get)
+        assert [rate_take("t1", limit=2, period_s=60) for _ in range(2)] == [0, 0]
+    assert rate_take("t1", limit=2, period_s=60) > 0
