@@ -134,10 +134,10 @@ async def tenant_load(base: str, tokens: list[str], rate: float, duration: float
     created: list[tuple[str, int]] = []  # (kind, workload id)
     jobs_of: dict[int, list[int]] = defaultdict(list)
     errors: dict[tuple[str, int], str] = {}  # the first answer of each failing (endpoint, status)
-    # An idle connection is dropped before uvicorn's keep-alive timeout (5 s) closes it, so that a
-    # request is never sent on a connection the server is closing (a ReadError, not the server's).
+    # An idle connection is dropped before the web tier's keep-alive (75 s, as in deploy/) closes
+    # it, so that a request is never sent on a connection the server is closing.
     limits = httpx.Limits(
-        max_connections=MAX_IN_FLIGHT, max_keepalive_connections=MAX_IN_FLIGHT, keepalive_expiry=4.0
+        max_connections=MAX_IN_FLIGHT, max_keepalive_connections=MAX_IN_FLIGHT, keepalive_expiry=30.0
     )
     in_flight = 0
 
@@ -423,7 +423,7 @@ def main() -> int:
     try:
         start("web", [PY, "-m", "uvicorn", "portal.asgi:application", "--host", "127.0.0.1", "--port", str(port),
                       "--workers", "2", "--http", "httptools", "--loop", "uvloop", "--log-level", "warning",
-                      "--no-access-log", "--lifespan", "off"])  # fmt: skip
+                      "--no-access-log", "--lifespan", "off", "--timeout-keep-alive", "75"])  # fmt: skip
         start("worker-scheduling", [*celery, "worker", "-Q", "scheduling,commands", "-n", "scheduling@%h",
                                     "--pool", "threads", "-c", "2", "--loglevel", "WARNING"])  # fmt: skip
         start("worker-default", [*celery, "worker", "-Q", "default,metering", "-n", "default@%h",

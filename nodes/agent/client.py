@@ -65,15 +65,22 @@ class Backoff:
         self.attempt = 0
 
 
+# How long an idle connection to the portal is kept: longer than the heartbeat interval (10 s), so
+# consecutive heartbeats reuse one connection instead of a TCP (and, in production, TLS) handshake
+# each; shorter than the portal's keep-alive (deploy/: uvicorn --timeout-keep-alive=75, as nginx's
+# default), so the server never closes a connection the agent is about to reuse. Behind a server
+# that closes sooner (uvicorn's own default is 5 s) the closed connection is seen before it is used
+# and a new one is opened.
+KEEPALIVE_S = 30.0
+
+
 class PortalClient:
     def __init__(self, base_url: str, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self.http = httpx.AsyncClient(
             base_url=base_url.rstrip("/"),
             timeout=httpx.Timeout(timeout_s),
-            # Below the usual server keep-alive (uvicorn: 5 s), so an idle pooled connection is not
-            # reused just as the server closes it.
-            limits=httpx.Limits(keepalive_expiry=2.0),
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S),
             headers={"User-Agent": f"gpupool-agent/{__version__}"},
         )
 
