@@ -481,9 +481,12 @@ def main() -> int:
 
         ids = [wid for _, wid in created]
         waiting = (WorkloadState.PENDING, WorkloadState.QUEUED)
+        # "submitted" is the reason a workload has until a scheduling cycle first looks at it: no
+        # answer yet, so it counts as waiting without a reason.
+        unassessed = ("", "submitted")
 
         def settled() -> bool:
-            n = Workload.objects.filter(pk__in=ids, state__in=waiting, pending_reason="").count()
+            n = Workload.objects.filter(pk__in=ids, state__in=waiting, pending_reason__in=unassessed).count()
             connection.close()
             return n == 0
 
@@ -570,7 +573,7 @@ def main() -> int:
     no_reason = 0
     for state, reason in Workload.objects.filter(pk__in=ids).values_list("state", "pending_reason"):
         states[state] += 1
-        if state in waiting and not reason:
+        if state in waiting and reason in unassessed:
             no_reason += 1
     reasons = defaultdict(int)
     for reason in Workload.objects.filter(pk__in=ids, state__in=waiting).values_list(
