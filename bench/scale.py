@@ -128,9 +128,8 @@ async def tenant_load(base: str, tokens: list[str], rate: float, duration: float
     names = [n for n, _ in MIX]
     weights = [w for _, w in MIX]
     rng = random.Random(7)
-    results: list[
-        tuple[str, float, int, float, float]
-    ] = []  # (endpoint, seconds, status, start lag, sent at)
+    # (endpoint, seconds, status, start lag, sent at)
+    results: list[tuple[str, float, int, float, float]] = []
     created: list[tuple[str, int]] = []  # (kind, workload id)
     jobs_of: dict[int, list[int]] = defaultdict(list)
     errors: dict[tuple[str, int], str] = {}  # the first answer of each failing (endpoint, status)
@@ -172,7 +171,7 @@ async def tenant_load(base: str, tokens: list[str], rate: float, duration: float
             started, sent_at = time.perf_counter(), time.time()
             if in_flight >= MAX_IN_FLIGHT:
                 errors.setdefault((endpoint, -1), f"not sent: {in_flight} requests in flight")
-                results.append((endpoint, 0.0, -1, lag, time.time()))
+                results.append((endpoint, 0.0, -1, lag, sent_at))
                 return
             in_flight += 1
             try:
