@@ -95,8 +95,8 @@ def free_port() -> int:
 def private_redis():
     """A Redis server of this test's own, which the test can stop and start again."""
     binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed")
+    # scripts/install-system-deps (run by `make test`) installs it: missing, the test fails.
+    assert binary is not None, "redis-server is not installed: run scripts/install-system-deps"
     port = free_port()
     procs: list[subprocess.Popen] = []
 

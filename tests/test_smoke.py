@@ -21,6 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 START_BUDGET_S = 180  # the promise: the login page within 3 minutes on a fresh clone
 
@@ -41,12 +43,6 @@ def _clean_copy(dest: Path) -> None:
         target = dest / name.decode()
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, target)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_for(url: str, deadline: float, proc: subprocess.Popen, log: Path) -> httpx.Response:
@@ -89,7 +85,7 @@ def _wait_for_state(browser: httpx.Client, instance_id: int, wanted: str, deadli
 def test_make_run_serves_the_portal_and_stops_on_ctrl_c(tmp_path):
     copy = tmp_path / "gpupool"
     _clean_copy(copy)
-    port = _free_port()
+    port = free_port()
     env = {
         k: v
         for k, v in os.environ.items()

@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -55,6 +54,7 @@ from nodes.services.health import node_health_reconcile
 from nodes.services.registration import bootstrap_token_create
 from nodes.signals import command_finished, gpu_unhealthy, node_down, workload_exited
 from portal.actors import Actor
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -128,12 +128,6 @@ def _no_scheduling_cycles(settings):
 
 
 # --- the portal ----------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Portal:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import pytest
 from django.conf import settings
 
 from tests.browser import SCREENSHOTS, chromium_page
+from tests.conftest import free_port
 
 pytestmark = [pytest.mark.slow]
 
@@ -144,15 +144,9 @@ def _redis_url() -> str:
     return url if "socket_timeout=" in url else url + ("&" if "?" in url else "?") + "socket_timeout=30"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     def __init__(self, tmp: Path):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {
             **os.environ,

@@ -28,6 +28,7 @@ import pytest
 from django.conf import settings
 
 from tests.browser import SCREENSHOTS, chromium_page
+from tests.conftest import free_port
 
 pytestmark = [pytest.mark.slow]
 
@@ -117,20 +118,12 @@ def _redis_url() -> str:
     return os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/7"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Stack:
     """uvicorn + a Celery worker + one simulated agent, sharing a SQLite file."""
 
     def __init__(self, tmp: Path):
         self.tmp = tmp
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         tag = uuid.uuid4().hex[:8]
         self.env = {
