@@ -233,3 +233,33 @@ def test_createapitoken_rejects_unknown_tenant_and_bad_expiry(tenant):
     with pytest.raises(CommandError, match="positive"):
         call_command("createapitoken", "acme", "--name", "x", "--expires-in-days", "0")
     assert not ApiToken.objects.exists()
+
+
+def test_the_token_lookup_loads_what_the_orm_loads_in_one_query(tenant, owner, django_assert_num_queries):
+    """``api_token_authenticate`` reads the token and its tenant with a statement of its own
+    (``portal.rows``): every field, converted as the ORM converts it (JSON scopes, aware times)."""
+    token, plaintext = services.api_token_create(
+        tenant=tenant,
+        name="ci",
+        scopes=["read", "write"],
+        actor=Actor(user=owner),
+        expires_at=timezone.now() + timedelta(days=3),
+    )
+    ApiToken.objects.filter(pk=token.pk).update(last_used_at=timezone.now())
+    with django_assert_num_queries(1):
+        found = services.api_token_authenticate(plaintext=plaintext)
+        found_tenant = found.tenant
+    expected = ApiToken.objects.select_related("tenant").get(pk=token.pk)
+    for model_obj, orm_obj in ((found, expected), (found_tenant, expected.tenant)):
+        assert type(model_obj) is type(orm_obj)
+        for field in type(orm_obj)._meta.concrete_fields:
+            got, want = getattr(model_obj, field.attname), getattr(orm_obj, field.attname)
+            assert (got, type(got)) == (want, type(want)), field.name
+            if hasattr(want, "tzinfo"):
+                assert got.tzinfo is not None, field.name
+    assert found.scopes == ["read", "write"]
+    assert found._state.adding is False and found._state.db == expected._state.db
+    with django_assert_num_queries(1):  # the creator is loaded when asked
+        assert found.created_by == owner
+    assert services.api_token_authenticate(plaintext=f"gpp_{token.key_id}_wrong") is None
+    assert services.api_token_authenticate(plaintext="gpp_nosuchkey_secret") is None

@@ -1,0 +1,59 @@
+"""Model instances from a hand-written statement, for the few hot lookups where compiling a QuerySet
+costs more than running it.
+
+Django compiles every QuerySet anew: for the API token lookup (a token and its tenant by key, one
+indexed row) the compilation was 0.5 ms of the 0.9 ms the ORM spent, against 0.18 ms for the same
+statement sent by hand. ``ModelColumns`` gives a model's column list (from its metadata, so it follows
+the model's fields) for a statement's SELECT, and turns that part of a row back into an instance the
+way the ORM does: the backend's and the fields' converters (JSON, time zones, decimals), then
+``Model.from_db``. Statements stay written with the models' own table and column names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models import Model
+
+
+class ModelColumns:
+    """The concrete columns of ``model`` under a table alias."""
+
+    def __init__(self, model: type[Model], alias: str) -> None:
+        self.model = model
+        self.alias = alias
+        self.fields = list(model._meta.concrete_fields)
+        self.attnames = [f.attname for f in self.fields]
+        self._converters: dict[str, list[tuple[int, list, Any]]] = {}
+
+    def __len__(self) -> int:
+        return len(self.fields)
+
+    def select(self, connection) -> str:
+        """``"alias"."column", ...`` for a SELECT list."""
+        qn = connection.ops.quote_name
+        return ", ".join(f"{qn(self.alias)}.{qn(f.column)}" for f in self.fields)
+
+    def instance(self, connection, values) -> Model:
+        """The model instance of this part of a row (``len(self)`` values in field order)."""
+        converters = self._converters.get(connection.alias)
+        if converters is None:
+            converters = self._converters[connection.alias] = self._converters_for(connection)
+        if converters:
+            values = list(values)
+            for i, functions, expression in converters:
+                value = values[i]
+                for fn in functions:
+                    value = fn(value, expression, connection)
+                values[i] = value
+        return self.model.from_db(connection.alias, self.attnames, values)
+
+    def _converters_for(self, connection) -> list[tuple[int, list, Any]]:
+        """As the compiler's ``get_converters``: the backend's, then the field's, per column."""
+        out = []
+        for i, field in enumerate(self.fields):
+            expression = field.get_col(self.alias)
+            functions = connection.ops.get_db_converters(expression) + expression.get_db_converters(connection)
+            if functions:
+                out.append((i, functions, expression))
+        return out
