@@ -53,7 +53,8 @@ class ModelColumns:
         out = []
         for i, field in enumerate(self.fields):
             expression = field.get_col(self.alias)
-            functions = connection.ops.get_db_converters(expression) + expression.get_db_converters(connection)
+            backend = connection.ops.get_db_converters(expression)
+            functions = backend + expression.get_db_converters(connection)
             if functions:
                 out.append((i, functions, expression))
         return out
