@@ -1,0 +1,113 @@
+"""The agent's HTTP client against a real HTTP server: URLs under a path prefix, bodies and headers,
+and what it raises when no answer comes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from nodes.agent import __version__
+from nodes.agent.client import PortalClient, PortalUnreachable, error_text
+from tests.conftest import free_port
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    seen: list[dict] = []
+
+    def _answer(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        self.seen.append(
+            {"method": self.command, "path": self.path, "headers": dict(self.headers), "body": body}
+        )
+        if self.path.startswith("/gpupool/slow"):
+            time.sleep(1.0)
+        status = 502 if "fail" in self.path else 200
+        data = b"<html>bad gateway</html>" if status == 502 else json.dumps({"ok": True}).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def server():
+    _Recorder.seen = []
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _run(coro_fn):
+    async def main():
+        return await coro_fn()
+
+    return asyncio.run(main())
+
+
+def test_paths_go_under_the_portal_urls_prefix_with_the_body_and_headers(server):
+    async def calls():
+        client = PortalClient(server + "/gpupool/", timeout_s=5)
+        try:
+            posted = await client.request("POST", "/agent/v1/register", json={"hostname": "n1"})
+            raw = await client.request(
+                "POST", "/agent/v1/nodes/3/heartbeat", credential="gpn_3_x", content='{"seq":1}'
+            )
+            polled = await client.request("GET", "/agent/v1/nodes/3/commands", params={"wait": 2.5})
+            failed = await client.request("GET", "/gpupool-fail")
+        finally:
+            await client.close()
+        return posted, raw, polled, failed
+
+    posted, raw, polled, failed = _run(calls)
+    assert (posted.status_code, posted.json()) == (200, {"ok": True})
+    first, second, third, _ = _Recorder.seen
+    assert (first["method"], first["path"]) == ("POST", "/gpupool/agent/v1/register")
+    assert json.loads(first["body"]) == {"hostname": "n1"}
+    assert first["headers"]["Content-Type"] == "application/json"
+    assert first["headers"]["User-Agent"] == f"gpupool-agent/{__version__}"
+    assert "Authorization" not in first["headers"]
+    assert second["path"] == "/gpupool/agent/v1/nodes/3/heartbeat"
+    assert (second["body"], second["headers"]["Authorization"]) == (b'{"seq":1}', "Node gpn_3_x")
+    assert third["path"] == "/gpupool/agent/v1/nodes/3/commands?wait=2.5"
+    assert raw.status_code == polled.status_code == 200
+    # An answer that is not the protocol's JSON error still reads as its status and first bytes.
+    assert failed.status_code == 502
+    assert error_text(failed) == "502: <html>bad gateway</html>"
+    with pytest.raises(ValueError):
+        failed.json()
+
+
+def test_no_answer_in_time_or_no_server_is_portal_unreachable(server):
+    async def slow():
+        client = PortalClient(server, timeout_s=5)
+        try:
+            await client.request("GET", "/gpupool/slow", timeout_s=0.2)
+        finally:
+            await client.close()
+
+    with pytest.raises(PortalUnreachable, match="Timeout"):
+        _run(slow)
+
+    async def refused():
+        client = PortalClient(f"http://127.0.0.1:{free_port()}", timeout_s=2)
+        try:
+            await client.request("POST", "/agent/v1/register", json={})
+        finally:
+            await client.close()
+
+    with pytest.raises(PortalUnreachable, match="Connect"):
+        _run(refused)
