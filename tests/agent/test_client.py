@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from nodes.agent import __version__
-from nodes.agent.client import PortalClient, PortalUnreachable, error_text
+from nodes.agent.client import PortalClient, PortalUnreachable, error_text, proxy_for
 from tests.conftest import free_port
 
 
@@ -111,3 +111,14 @@ def test_no_answer_in_time_or_no_server_is_portal_unreachable(server):
 
     with pytest.raises(PortalUnreachable, match="Connect"):
         _run(refused)
+
+
+def test_the_proxy_comes_from_the_environment_once(monkeypatch):
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    assert proxy_for("https://portal.example.com") is None
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.internal:3128")
+    monkeypatch.setenv("NO_PROXY", "localhost,.corp.example")
+    assert proxy_for("https://portal.example.com/gpupool") == "http://proxy.internal:3128"
+    assert proxy_for("https://portal.corp.example") is None
+    assert proxy_for("http://portal.example.com") is None  # HTTP_PROXY is not set
