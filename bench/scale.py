@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -416,14 +417,18 @@ def main() -> int:
 
     def start(name: str, cmd: list[str]) -> None:
         log = open(work / f"{name}.log", "w")  # noqa: SIM115  (closed with the process)
-        procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        # A session (process group) of its own: the teardown can reach its children too.
+        procs[name] = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     celery = [PY, "-m", "celery", "-A", "portal"]
     agent_outs = []
     try:
         start("web", [PY, "-m", "uvicorn", "portal.asgi:application", "--host", "127.0.0.1", "--port", str(port),
                       "--workers", "2", "--http", "httptools", "--loop", "uvloop", "--log-level", "warning",
-                      "--no-access-log", "--lifespan", "off", "--timeout-keep-alive", "75"])  # fmt: skip
+                      "--no-access-log", "--lifespan", "off", "--timeout-keep-alive", "75",
+                      "--timeout-graceful-shutdown", "10"])  # fmt: skip
         start("worker-scheduling", [*celery, "worker", "-Q", "scheduling,commands", "-n", "scheduling@%h",
                                     "--pool", "threads", "-c", "2", "--loglevel", "WARNING"])  # fmt: skip
         start("worker-default", [*celery, "worker", "-Q", "default,metering", "-n", "default@%h",
@@ -496,10 +501,12 @@ def main() -> int:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         for p in procs.values():
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            # Whatever is left of its group: a uvicorn worker outlived its supervisor when the
+            # supervisor was killed, and went on holding its connections.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
 
     # --- figures ----------------------------------------------------------------------------------------
     report: dict[str, dict] = {}

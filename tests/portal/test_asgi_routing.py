@@ -87,3 +87,30 @@ def test_the_pages_chain_leaves_out_only_the_agent_fast_path(settings, monkeypat
     fast_path = settings.ASGI_PREFIX_APPS[0][2]
     assert fast_path == "nodes.agent_views.AgentFastPathMiddleware"
     assert settings.MIDDLEWARE.count(fast_path) == 1  # the setting itself is untouched
+
+
+def test_a_web_process_freezes_what_it_loaded_before_serving():
+    """The heap loaded at start (the apps and the URL conf's views) is out of the garbage collector's
+    way: little is left for a full collection to traverse."""
+    import os
+    import subprocess
+    import sys
+
+    from django.conf import settings
+
+    code = (
+        "import gc, sys; import portal.asgi; "
+        "print(gc.get_freeze_count(), len(gc.get_objects()), 'scheduling.api' in sys.modules)"
+    )
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=settings.BASE_DIR,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    frozen, tracked, views_loaded = int(out[0]), int(out[1]), out[2] == "True"
+    assert views_loaded
+    assert frozen > 50_000 and tracked < frozen / 10, (frozen, tracked)
