@@ -210,6 +210,7 @@ def test_request_rate_on_redis_is_one_atomic_step(private_redis):
         allowed = sum(sum(r) for r in pool.map(burst, range(8)))
     assert allowed == 50  # 80 tried, exactly the limit let through
     assert 0 < redis_client.pttl(store.make_and_validate_key("rate:shared")) <= 60_000
+    store._cache._get_connection_pool(write=True).disconnect()
 
 
 def test_a_request_without_filter_parameters_skips_the_filterset(rf):
@@ -251,6 +252,9 @@ def test_the_redis_cache_keeps_one_client_per_process_and_the_throttle_runs_its_
 
     from portal.ratelimit import rate_take
 
+    from portal.cache import RedisCache
+
+    monkeypatch.setattr(RedisCache, "_clients", {})  # this test's, closed at its end
     settings.CACHES = {"default": {"BACKEND": "portal.cache.RedisCache", "LOCATION": private_redis[0]}}
     first, second = (contextvars.Context().run(lambda: caches["default"]) for _ in range(2))
     assert first is not second  # Django's cache objects: one per context
@@ -260,6 +264,8 @@ def test_the_redis_cache_keeps_one_client_per_process_and_the_throttle_runs_its_
         backend.set("k", 1)
         assert backend.get("k") == 1
     assert len(pool._available_connections) + len(pool._in_use_connections) == 1
+    # One redis-py client object too (Django's own client class made one per operation).
+    assert first._cache.get_client(write=True) is second._cache.get_client("k")
 
     def no_get(*args, **kwargs):
         raise AssertionError("the throttle read its key with GET")
@@ -268,3 +274,4 @@ def test_the_redis_cache_keeps_one_client_per_process_and_the_throttle_runs_its_
         patched.setattr(DjangoRedisCache, "get", no_get)
         assert [rate_take("t1", limit=2, period_s=60) for _ in range(2)] == [0, 0]
     assert rate_take("t1", limit=2, period_s=60) > 0
+    pool.disconnect()
