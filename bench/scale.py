@@ -16,7 +16,8 @@ and command polls as the agents saw them), errors, submit -> SCHEDULED latency (
 events), whether every submitted workload is scheduled or waiting with a reason, a few figures
 from /metrics, the CPU each part of the stack used during the load (in cores: web, agents,
 workers, PostgreSQL, Redis, the load generator), and ends with one JSON line (``rps``, ``read_p99_ms``, ``errors``,
-``submit_to_scheduled_p95_ms`` and more).
+``submit_to_scheduled_p95_ms`` and more). ``rps`` counts the requests answered; ``offered_rps`` the
+requests due, with those not sent (every connection busy) or not answered in time, which are errors.
 """
 
 from __future__ import annotations
@@ -525,13 +526,14 @@ def main() -> int:
         except (OSError, ValueError):
             print(f"no agent timings in {out}", file=sys.stderr)
     span = window[1] - window[0]
-    print(f"\n{'endpoint':42} {'req/s':>7} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'errors':>6}")
+    print(f"\n{'endpoint':42} {'answered/s':>10} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'errors':>6}")
     for endpoint, rows in sorted({**by_endpoint, **agent_rows}.items()):
         lat = [s * 1000 for s, st in rows if st > 0]
         # A long poll that ends without a command answers 204 after its wait: not an error.
         errs = sum(1 for _, st in rows if st <= 0 or st >= 400)
         report[endpoint] = {
-            "rps": round(len(rows) / span, 1),
+            "rps": round(len(lat) / span, 1),  # answered; a request not sent or not answered is an error
+            "offered_rps": round(len(rows) / span, 1),
             "p50_ms": round(pct(lat, 50), 1),
             "p95_ms": round(pct(lat, 95), 1),
             "p99_ms": round(pct(lat, 99), 1),
@@ -539,13 +541,15 @@ def main() -> int:
         }
         r = report[endpoint]
         print(
-            f"{endpoint:42} {r['rps']:7.1f} {r['p50_ms']:8.1f} {r['p95_ms']:8.1f} {r['p99_ms']:8.1f} {errs:6d}"
+            f"{endpoint:42} {r['rps']:10.1f} {r['p50_ms']:8.1f} {r['p95_ms']:8.1f} {r['p99_ms']:8.1f} {errs:6d}"
         )
     reads = [s * 1000 for e, s, st, *_ in results if e.startswith("GET") and st > 0]
     tenant_errors = sum(1 for _, _, st, *_ in results if st <= 0 or st >= 400)
     agent_errors = sum(1 for rows in agent_rows.values() for _, st in rows if st <= 0 or st >= 400)
     lags = sorted(lag for _, _, _, lag, _ in results)
-    total_requests = len(results) + sum(len(rows) for rows in agent_rows.values())
+    offered = len(results) + sum(len(rows) for rows in agent_rows.values())
+    tenant_answered = sum(1 for _, _, st, *_ in results if st > 0)
+    answered = tenant_answered + sum(1 for rows in agent_rows.values() for _, st in rows if st > 0)
     for (endpoint, status), text in sorted(sample_errors.items()):
         n = sum(1 for e, _, st, *_ in results if (e, st) == (endpoint, status))
         print(f"error: {endpoint} answered {status or 'no answer'} {n} time(s), e.g. {text}")
@@ -627,10 +631,13 @@ def main() -> int:
         + ", ".join(f"{role} {share:.2f}" for role, share in cpu.items())
         + f"; total {sum(cpu.values()):.2f}"
     )
-    rps = total_requests / span
     figures = {
-        "rps": round(rps, 1),
-        "tenant_rps": round(len(results) / span, 1),
+        # Requests answered per second; "offered" counts the load generator's requests not sent
+        # (all connections busy) or not answered in time too.
+        "rps": round(answered / span, 1),
+        "offered_rps": round(offered / span, 1),
+        "tenant_rps": round(tenant_answered / span, 1),
+        "tenant_offered_rps": round(len(results) / span, 1),
         "read_p50_ms": round(pct(reads, 50), 1),
         "read_p95_ms": round(pct(reads, 95), 1),
         "read_p99_ms": round(pct(reads, 99), 1),

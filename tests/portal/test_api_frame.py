@@ -250,9 +250,8 @@ def test_the_redis_cache_keeps_one_client_per_process_and_the_throttle_runs_its_
     from django.core.cache import caches
     from django.core.cache.backends.redis import RedisCache as DjangoRedisCache
 
-    from portal.ratelimit import rate_take
-
     from portal.cache import RedisCache
+    from portal.ratelimit import rate_take
 
     monkeypatch.setattr(RedisCache, "_clients", {})  # this test's, closed at its end
     settings.CACHES = {"default": {"BACKEND": "portal.cache.RedisCache", "LOCATION": private_redis[0]}}
