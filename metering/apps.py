@@ -10,9 +10,12 @@ class MeteringConfig(AppConfig):
         from metering import panels, views  # noqa: F401  (the dashboard panels, the sidebar entries)
         from metering.admission import budget_hard_limit_check, suspended_tenant_check
         from metering.pricing import provider
+        from metering.services.payments import workloads_stop_on_suspension
+        from portal.signals import tenant_suspended
         from scheduling.admission import register_admission_check
         from scheduling.pricing import register_price_provider
 
+        tenant_suspended.connect(workloads_stop_on_suspension, dispatch_uid="metering-stop-on-suspension")
         register_admission_check(suspended_tenant_check)
         register_admission_check(budget_hard_limit_check)
         register_price_provider(provider)

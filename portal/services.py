@@ -36,6 +36,7 @@ from portal.models import (
     slug_validator,
 )
 from portal.rows import ModelColumns
+from portal.signals import tenant_suspended
 
 # --- audit ----------------------------------------------------------------------------------------
 
@@ -177,6 +178,8 @@ def tenant_set_status(*, tenant: Tenant, status: str, reason: str = "", actor: A
         target=tenant,
         data={"from": old, "to": status, "reason": tenant.suspended_reason},
     )
+    if status == Tenant.Status.SUSPENDED and old != Tenant.Status.SUSPENDED:
+        tenant_suspended.send(sender=Tenant, tenant=tenant, reason=tenant.suspended_reason, actor=actor)
     return tenant
 
 

@@ -487,8 +487,8 @@ METERING_SELLER = {
 }
 # Dunning: days past the due date before the tenant is suspended (paying reactivates it).
 METERING_DUNNING_GRACE_DAYS = env.int("METERING_DUNNING_GRACE_DAYS", default=7)
-# What suspension does to the tenant's workloads: "keep" (running ones go on and are billed) or
-# "stop" (running and queued ones are stopped, their events naming the suspension).
+# What suspension (by dunning or by staff) does to the tenant's workloads: "keep" (running ones go on
+# and are billed) or "stop" (running and queued ones are stopped, their events naming the suspension).
 METERING_SUSPEND_RUNNING = env.str("METERING_SUSPEND_RUNNING", default="keep").strip().lower()
 if METERING_SUSPEND_RUNNING not in ("keep", "stop"):
     raise ImproperlyConfigured(

@@ -5,3 +5,7 @@ from django.dispatch import Signal
 # Sent by ``seed_demo`` after the demo tenant and people exist, with ``tenant`` and ``stdout``.
 # Each app seeds its own demo data (the fleet, prices, ...) idempotently.
 seed_demo_requested = Signal()
+
+# Sent by ``portal.services.tenant_set_status`` when a tenant becomes SUSPENDED (whoever suspends it:
+# dunning or staff), inside that transaction, with ``tenant``, ``reason`` and ``actor``.
+tenant_suspended = Signal()

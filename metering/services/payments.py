@@ -294,19 +294,32 @@ def suspend_running_setting() -> str:
     return value
 
 
-def _stop_workloads(tenant: Tenant, reason: str) -> int:
-    """Stop the tenant's running and queued workloads through scheduling's stop service."""
+def _stoppable(tenant: Tenant):
+    """The tenant's workloads that suspension stops: running and queued, not already stopping."""
     from scheduling.models import TERMINAL_STATES, Workload, WorkloadState
-    from scheduling.services.lifecycle import workload_stop
 
-    workloads = (
+    return (
         Workload.objects.for_tenant(tenant)
         .filter(stop_requested_at__isnull=True)
         .exclude(state__in=[*TERMINAL_STATES, WorkloadState.STOPPING])
         .order_by("pk")
     )
+
+
+def workloads_stop_on_suspension(*, tenant: Tenant, reason: str, **kwargs) -> int:
+    """portal's ``tenant_suspended``: with ``METERING_SUSPEND_RUNNING=stop`` the tenant's running
+    and queued workloads are stopped, whoever suspended it (dunning, or staff in the admin)."""
+    if suspend_running_setting() != "stop":
+        return 0
+    return _stop_workloads(tenant, reason)
+
+
+def _stop_workloads(tenant: Tenant, reason: str) -> int:
+    """Stop the tenant's running and queued workloads through scheduling's stop service."""
+    from scheduling.services.lifecycle import workload_stop
+
     stopped = 0
-    for w in workloads:
+    for w in _stoppable(tenant):
         workload_stop(
             workload=w,
             actor=Actor.system(),
@@ -352,14 +365,14 @@ def _dunning_apply(tenant: Tenant, *, status: str, invoice: Invoice) -> None:
     stop = status == Tenant.Status.SUSPENDED and was != Tenant.Status.SUSPENDED
     stop = stop and suspend_running_setting() == "stop"
     reason = dunning_reason(invoice) if status == Tenant.Status.SUSPENDED else grace_reason(invoice)
-    tenant_set_status(tenant=tenant, status=status, reason=reason, actor=Actor.system())
     data = {
         "due_at": _due(invoice).isoformat(),
         "total": str(invoice.total),
         "suspend_on": _suspension_date(invoice).isoformat(),
     }
-    if stop:
-        data["workloads_stopped"] = _stop_workloads(tenant, reason)
+    if stop:  # counted before: the suspension stops them (workloads_stop_on_suspension)
+        data["workloads_stopped"] = _stoppable(tenant).count()
+    tenant_set_status(tenant=tenant, status=status, reason=reason, actor=Actor.system())
     audit_record(
         tenant=tenant,
         actor=Actor.system(),

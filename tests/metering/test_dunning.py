@@ -244,3 +244,37 @@ def test_the_admin_form_asks_for_a_reason_for_grace_as_for_suspension(tenant):
         assert not form.is_valid() and "suspended_reason" in form.errors
     form = TenantAdminForm(data={**fields, "status": "grace", "suspended_reason": "late"}, instance=tenant)
     assert form.is_valid(), form.errors
+
+
+@pytest.mark.parametrize("setting", ["keep", "stop"])
+def test_staff_suspending_a_tenant_treats_its_workloads_as_dunning_does(tenant, run, settings, setting):
+    """A suspension by staff (the admin's status change goes through tenant_set_status) applies
+    METERING_SUSPEND_RUNNING like dunning's: portal's tenant_suspended, metering's receiver."""
+    settings.METERING_SUSPEND_RUNNING = setting
+    staff = User.objects.create_superuser(email="ops@gpupool.test", password="pw-for-tests-1")
+    running = run(tenant, utc(2024, 4, 20), None).workload
+    queued = submit(tenant)
+    tenant_set_status(
+        tenant=tenant, status=Tenant.Status.SUSPENDED, reason="Abuse report 17", actor=Actor(user=staff)
+    )
+    running.refresh_from_db()
+    queued.refresh_from_db()
+    if setting == "keep":
+        assert running.state == WorkloadState.RUNNING and queued.state in (
+            WorkloadState.PENDING,
+            WorkloadState.QUEUED,
+        )
+        assert not NodeCommand.objects.filter(kind=CommandKind.STOP_WORKLOAD).exists()
+        return
+    assert running.state == WorkloadState.STOPPING and queued.state == WorkloadState.STOPPED
+    for w in (running, queued):
+        event = WorkloadEvent.objects.filter(workload=w).latest("at", "id")
+        assert event.reason == "tenant_suspended" and "Abuse report 17" in event.message
+    assert NodeCommand.objects.get(kind=CommandKind.STOP_WORKLOAD).payload["workload_id"] == str(running.pk)
+    # Already suspended: a new reason sends nothing again.
+    with pytest.raises(AdmissionRefused):
+        submit(tenant)
+    tenant_set_status(
+        tenant=tenant, status=Tenant.Status.SUSPENDED, reason="Abuse report 18", actor=Actor(user=staff)
+    )
+    assert NodeCommand.objects.filter(kind=CommandKind.STOP_WORKLOAD).count() == 1
