@@ -37,12 +37,12 @@ class RedisCache(django_redis.RedisCache):
     pools are thread-safe and notice a fork, so one client per location and options serves all.
     """
 
+    _clients: ClassVar[dict[tuple, Any]] = {}
+    _clients_lock: ClassVar[threading.Lock] = threading.Lock()
+
     def __init__(self, server, params) -> None:
         super().__init__(server, params)
         self._class = RedisCacheClient
-
-    _clients: ClassVar[dict[tuple, Any]] = {}
-    _clients_lock: ClassVar[threading.Lock] = threading.Lock()
 
     @cached_property
     def _cache(self):

@@ -484,11 +484,12 @@ def _token_with_tenant(key_id: str) -> ApiToken | None:
     sql = _TOKEN_SQL.get(connection.vendor)
     if sql is None:
         qn = connection.ops.quote_name
+        t, n = qn(_TOKEN_COLUMNS.alias), qn(_TENANT_COLUMNS.alias)
         sql = _TOKEN_SQL[connection.vendor] = (
             f"SELECT {_TOKEN_COLUMNS.select(connection)}, {_TENANT_COLUMNS.select(connection)} "
-            f"FROM {qn(ApiToken._meta.db_table)} t INNER JOIN {qn(Tenant._meta.db_table)} n "
-            f"ON n.{qn(Tenant._meta.pk.column)} = t.{qn(ApiToken._meta.get_field('tenant').column)} "
-            f"WHERE t.{qn(ApiToken._meta.get_field('key_id').column)} = %s"
+            f"FROM {qn(ApiToken._meta.db_table)} {t} INNER JOIN {qn(Tenant._meta.db_table)} {n} "
+            f"ON {n}.{qn(Tenant._meta.pk.column)} = {t}.{qn(ApiToken._meta.get_field('tenant').column)} "
+            f"WHERE {t}.{qn(ApiToken._meta.get_field('key_id').column)} = %s"
         )
     with connection.cursor() as cursor:
         cursor.execute(sql, [key_id])

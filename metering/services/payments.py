@@ -306,19 +306,14 @@ def _stoppable(tenant: Tenant):
     )
 
 
-def workloads_stop_on_suspension(*, tenant: Tenant, reason: str, **kwargs) -> int:
+def workloads_stop_on_suspension(*, tenant: Tenant, reason: str, **kwargs) -> None:
     """portal's ``tenant_suspended``: with ``METERING_SUSPEND_RUNNING=stop`` the tenant's running
-    and queued workloads are stopped, whoever suspended it (dunning, or staff in the admin)."""
+    and queued workloads are stopped through scheduling's stop service, whoever suspended it
+    (dunning, or staff in the admin)."""
     if suspend_running_setting() != "stop":
-        return 0
-    return _stop_workloads(tenant, reason)
-
-
-def _stop_workloads(tenant: Tenant, reason: str) -> int:
-    """Stop the tenant's running and queued workloads through scheduling's stop service."""
+        return
     from scheduling.services.lifecycle import workload_stop
 
-    stopped = 0
     for w in _stoppable(tenant):
         workload_stop(
             workload=w,
@@ -326,8 +321,6 @@ def _stop_workloads(tenant: Tenant, reason: str) -> int:
             reason=SUSPENDED_STOP_REASON,
             message=f"Stopped: the team is suspended ({reason}).",
         )
-        stopped += 1
-    return stopped
 
 
 def _mail(tenant_id: int, status: str, invoice_id: int) -> None:

@@ -51,13 +51,6 @@ def server():
     httpd.server_close()
 
 
-def _run(coro_fn):
-    async def main():
-        return await coro_fn()
-
-    return asyncio.run(main())
-
-
 def test_paths_go_under_the_portal_urls_prefix_with_the_body_and_headers(server):
     async def calls():
         client = PortalClient(server + "/gpupool/", timeout_s=5)
@@ -72,7 +65,7 @@ def test_paths_go_under_the_portal_urls_prefix_with_the_body_and_headers(server)
             await client.close()
         return posted, raw, polled, failed
 
-    posted, raw, polled, failed = _run(calls)
+    posted, raw, polled, failed = asyncio.run(calls())
     assert (posted.status_code, posted.json()) == (200, {"ok": True})
     first, second, third, _ = _Recorder.seen
     assert (first["method"], first["path"]) == ("POST", "/gpupool/agent/v1/register")
@@ -100,7 +93,7 @@ def test_no_answer_in_time_or_no_server_is_portal_unreachable(server):
             await client.close()
 
     with pytest.raises(PortalUnreachable, match="Timeout"):
-        _run(slow)
+        asyncio.run(slow())
 
     async def refused():
         client = PortalClient(f"http://127.0.0.1:{free_port()}", timeout_s=2)
@@ -110,7 +103,7 @@ def test_no_answer_in_time_or_no_server_is_portal_unreachable(server):
             await client.close()
 
     with pytest.raises(PortalUnreachable, match="Connect"):
-        _run(refused)
+        asyncio.run(refused())
 
 
 def test_the_proxy_comes_from_the_environment_once(monkeypatch):

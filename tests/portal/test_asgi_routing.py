@@ -5,7 +5,11 @@ Django's ASGI handler, websockets through Channels."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -92,12 +96,6 @@ def test_the_pages_chain_leaves_out_only_the_agent_fast_path(settings, monkeypat
 def test_a_web_process_freezes_what_it_loaded_before_serving():
     """The heap loaded at start (the apps and the URL conf's views) is out of the garbage collector's
     way: little is left for a full collection to traverse."""
-    import os
-    import subprocess
-    import sys
-
-    from django.conf import settings
-
     code = (
         "import gc, sys; import portal.asgi; "
         "print(gc.get_freeze_count(), len(gc.get_objects()), 'scheduling.api' in sys.modules)"
@@ -106,7 +104,7 @@ def test_a_web_process_freezes_what_it_loaded_before_serving():
     out = subprocess.run(
         [sys.executable, "-c", code],
         env=env,
-        cwd=settings.BASE_DIR,
+        cwd=Path(__file__).resolve().parents[2],
         capture_output=True,
         text=True,
         check=True,
