@@ -6,9 +6,9 @@ node's GPUs; a gap is recorded or filled (rare); then the samples, the additive 
 upsert, the GPUs' latest values and the node update go in one pipeline with the COMMIT (a batch
 that changes a workload's state, fails a GPU or brings a node back runs that ORM work too, then
 commits on its own). Rows go to PostgreSQL as one JSON document per statement
-(``json_to_recordset``); the statement texts do not depend on the batch size, so psycopg prepares
-them. No ORM object is built per sample. SQLite runs the same steps as plain statements. The batch
-arrives parsed and checked (``nodes.services.heartbeat_parse``).
+(``json_to_recordset``); the statement texts do not depend on the batch size, so they are prepared
+(``portal.rows.prepared_cursor``). No ORM object is built per sample. SQLite runs the same steps as
+plain statements. The batch arrives parsed and checked (``nodes.services.heartbeat_parse``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-import psycopg
 from django.db import connection, transaction
 from django.utils import timezone
 
@@ -43,6 +42,7 @@ from nodes.services.heartbeat_parse import (
 )
 from nodes.services.registration import NotAuthenticated
 from nodes.signals import node_ready, send_on_commit, workload_exited, workload_running
+from portal.rows import prepared_cursor
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ _SAMPLE_COLUMNS = (
     "gpu_id, ts, util_pct, mem_used_mib, power_w, temp_c, sm_clock_mhz, ecc_sbe, ecc_dbe, "
     "throttle_reasons, xid_errors, processes"
 )
-# Constant statement texts (whatever the batch size): psycopg prepares them after a few uses. The
+# Constant statement texts (whatever the batch size), prepared after a few uses on a connection. The
 # rows go as one JSON document each (dumped by orjson, parsed by PostgreSQL), which costs far less
 # than adapting arrays of values one by one in Python.
 _SAMPLES_PG = (
@@ -165,11 +165,13 @@ _GPU_LATEST_COLUMNS = (
     "last_temp_c = v.temp, last_sm_clock_mhz = v.clock, ecc_sbe_total = v.sbe, ecc_dbe_total = v.dbe"
 )
 # Only newer values replace the latest ones (a replayed batch is older): the guard is in SQL, so it
-# holds against the row as it is now, whatever the batch read before it took the node's lock.
+# holds against the row as it is now, whatever the batch read before it took the node's lock. The
+# node's id leads the planner to the node's few GPUs by index: it cannot see how many rows the JSON
+# holds (it assumes 100), and without it a prepared (generic) plan scans the whole GPU table.
 _GPU_LATEST_PG = (
     f"UPDATE nodes_gpu AS g SET {_GPU_LATEST_COLUMNS} FROM json_to_recordset(%s::json) AS v("
     "id bigint, ts timestamptz, util float8, mem int, power float8, temp smallint, clock int, sbe bigint, "
-    "dbe bigint) WHERE g.id = v.id AND (g.last_sample_at IS NULL OR g.last_sample_at <= v.ts)"
+    "dbe bigint) WHERE g.node_id = %s AND g.id = v.id AND (g.last_sample_at IS NULL OR g.last_sample_at <= v.ts)"
 )
 _GPU_LATEST_SQLITE = (
     "UPDATE nodes_gpu SET last_sample_at = %s, last_util_pct = %s, last_mem_used_mib = %s, last_power_w = %s, "
@@ -203,18 +205,15 @@ def heartbeat_ingest(
     key_hash = hash_secret(credential)
     outermost = not connection.in_atomic_block
     with transaction.atomic():
-        connection.ensure_connection()
-        raw = connection.connection
-        # Server-side binding for the constant statements below (Django's cursors bind client-side).
-        cur = psycopg.Cursor(raw) if pg else connection.cursor()
-        try:
+        # Server-side binding: the constant statements below are prepared on the connection.
+        with prepared_cursor(connection) as cur:
             n, marker_id, gpus = _head(cur, node_id, key_hash, batch, now, pg)
             if marker_id is None:
                 node_metrics.HEARTBEATS.labels(result="duplicate").inc()
                 return IngestResult(status="duplicate")
             seq, last_seq = batch.seq, n.last_seq
             gap = _record_sequence(n.id, n.seq_epoch, seq, last_seq, now)
-            written, ignored, newly_unhealthy, tail = _write_samples(gpus, batch.samples, pg)
+            written, ignored, newly_unhealthy, tail = _write_samples(n.id, gpus, batch.samples, pg)
             newest = seq > last_seq
             tail.append(_node_update(n, batch, newest, now, pg))
             if pg:
@@ -227,7 +226,7 @@ def heartbeat_ingest(
                     or newly_unhealthy
                     or n.state in (NodeState.SUSPECT, NodeState.DOWN)
                 )
-                with raw.pipeline():
+                with connection.connection.pipeline():
                     for sql, params in tail:
                         cur.execute(sql, params)
                     if outermost and not more:
@@ -238,8 +237,6 @@ def heartbeat_ingest(
                         cur.executemany(sql, params)
                     else:
                         cur.execute(sql, params)
-        finally:
-            cur.close()
         # Workload statuses from the newest batch only: a late batch's are out of date.
         if newest and batch.workloads and batch.workloads_digest != n.workloads_digest:
             _record_workloads(n.id, batch.workloads, now)
@@ -345,7 +342,7 @@ def _record_sequence(
     return None
 
 
-def _write_samples(gpus: dict[str, tuple], samples: list[Sample], pg: bool):
+def _write_samples(node_id: int, gpus: dict[str, tuple], samples: list[Sample], pg: bool):
     """The statements that insert the samples, upsert the rollups and update the GPUs' latest values
     (run by the caller, pipelined with the node update). ``gpus`` maps uuid to
     (id, uuid, health, ecc_dbe_total, last_sample_at).
@@ -453,7 +450,7 @@ def _write_samples(gpus: dict[str, tuple], samples: list[Sample], pg: bool):
     if fresh:
         if pg:
             names = ("id", "ts", "util", "mem", "power", "temp", "clock", "sbe", "dbe")
-            tail.append((_GPU_LATEST_PG, [_json_rows(names, fresh)]))
+            tail.append((_GPU_LATEST_PG, [_json_rows(names, fresh), node_id]))
         else:
             tail.append((_GPU_LATEST_SQLITE, [(*(_db_dt(f[1]),), *f[2:], f[0], _db_dt(f[1])) for f in fresh]))
     for gid, xids in xids_seen.items():

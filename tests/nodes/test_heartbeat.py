@@ -364,3 +364,27 @@ def test_agent_urls_answer_json_whatever_the_method_or_path(agent):
     report = agent.client.get(agent.url("commands/not-a-command/report"))
     assert report.status_code == 405 and "error" in report.json()
     assert agent.report("not-a-command", "accepted").status_code == 404
+
+
+def test_the_ingest_statements_are_prepared_on_postgresql(agent):
+    """On PostgreSQL the ingest's constant statements go through a server-binding cursor
+    (``portal.rows.prepared_cursor``) and are prepared on the connection after a few uses: parsed and
+    planned once, not on every heartbeat."""
+    if connection.vendor != "postgresql":
+        pytest.skip("prepared statements are PostgreSQL's")
+    t0 = datetime.now(UTC) - timedelta(minutes=5)
+    for k in range(7):
+        r = agent.heartbeat(agent.batch(ts=t0 + timedelta(seconds=10 * k)))
+        assert r.status_code == 200 and r.json()["status"] == "accepted", r.content
+    with connection.cursor() as c:
+        c.execute("SELECT statement FROM pg_prepared_statements")
+        prepared = [row[0] for row in c.fetchall()]
+    for statement in (
+        "INSERT INTO nodes_heartbeatbatch",
+        "INSERT INTO nodes_gpusample",
+        "INSERT INTO nodes_gpuminuterollup",
+        "UPDATE nodes_gpu AS g",
+        "UPDATE nodes_node SET",
+    ):
+        assert any(statement in s for s in prepared), statement
+    assert Gpu.objects.filter(node_id=agent.node_id, last_sample_at=t0 + timedelta(seconds=60)).count() == 2
