@@ -15,6 +15,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Count
 from django.utils import timezone
 
 from nodes.models import Gpu, GpuModel, NodeState, Region
@@ -170,28 +171,22 @@ def _meets_constraints(m: GpuModel, c: dict[str, Any]) -> bool:
 
 
 def _fleet_nodes(candidates: Iterable[GpuModel]) -> list[dict[str, Any]]:
-    """Per node carrying a candidate model (and not DOWN or in maintenance): its model, region,
-    GPU count, CPU and RAM. A few rows: one per node, one query."""
+    """The shapes of the nodes carrying a candidate model (and not DOWN or in maintenance): region,
+    candidate GPUs per node, CPU and RAM, each shape once. One query, counted per node by the
+    database (a row per node, not per GPU)."""
     ids = [m.pk for m in candidates]
     rows = (
         Gpu.objects.filter(model_id__in=ids, removed_at__isnull=True)
         .exclude(node__state__in=[NodeState.DOWN, NodeState.MAINTENANCE])
-        .values("node_id", "model_id", "node__region_id", "node__cpu_cores", "node__ram_mib")
+        .values("node_id")
+        .annotate(gpus=Count("id"))
+        .values_list("node__region_id", "gpus", "node__cpu_cores", "node__ram_mib")
+        .order_by()
     )
-    nodes: dict[int, dict[str, Any]] = {}
-    for r in rows:
-        n = nodes.setdefault(
-            r["node_id"],
-            {
-                "model_id": r["model_id"],
-                "region_id": r["node__region_id"],
-                "gpus": 0,
-                "cpu_milli": r["node__cpu_cores"] * 1000,
-                "ram_mib": r["node__ram_mib"],
-            },
-        )
-        n["gpus"] += 1
-    return list(nodes.values())
+    return [
+        {"region_id": region_id, "gpus": gpus, "cpu_milli": cpu_cores * 1000, "ram_mib": ram_mib}
+        for region_id, gpus, cpu_cores, ram_mib in set(rows)
+    ]
 
 
 def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolved]:
