@@ -109,3 +109,43 @@ def test_events_published_together_arrive_in_order_and_only_to_their_tenant(make
         await sock_b.disconnect()
 
     async_to_sync(scenario)()
+
+
+def test_sends_from_sync_code_share_one_loop_and_the_layers_connections(db):
+    """Views, tasks and on-commit callbacks send live events through one event loop per process
+    (``portal.events._SenderLoop``): with a new loop per send (``async_to_sync``), channels_redis
+    opened a Redis connection for every event. Events sent from several threads arrive in order."""
+    import threading
+
+    import redis
+    from channels.layers import get_channel_layer
+
+    from portal import events
+
+    layer = get_channel_layer()
+    channel = async_to_sync(layer.new_channel)()
+    async_to_sync(layer.group_add)(events.tenant_group(7), channel)
+    on_redis = "redis" in settings.CHANNEL_LAYERS["default"]["BACKEND"].lower()
+
+    def connections_received() -> int:
+        return redis.Redis.from_url(settings.REDIS_URL).info("stats")["total_connections_received"]
+
+    events._send(events.tenant_group(7), {"type": "t", "i": 0})  # the loop and its connections exist
+    before = connections_received() if on_redis else 0
+    loops = set()
+
+    def send(first: int) -> None:
+        for i in range(first, first + 10):
+            events._send(events.tenant_group(7), {"type": "t", "i": i})
+        loops.add(events._SenderLoop.loop())
+
+    for first in (1, 11, 21):  # one thread after another, so the order is known
+        thread = threading.Thread(target=send, args=(first,))
+        thread.start()
+        thread.join()
+    if on_redis:  # 30 sends; a connection each before (the count is the server's, so allow a few)
+        assert connections_received() - before <= 3
+    assert len(loops) == 1 and next(iter(loops)).is_running()
+    # (each receive here runs on a new loop of async_to_sync's, with a connection of its own)
+    got = [async_to_sync(layer.receive)(channel)["event"]["i"] for _ in range(31)]
+    assert got == list(range(31))
