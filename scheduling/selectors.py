@@ -108,7 +108,11 @@ def workload_events(*, workload: Workload) -> QuerySet[WorkloadEvent]:
 
 
 def workload_placement(*, workload: Workload) -> list[dict]:
-    """Where a workload holds GPUs now: node, GPU index, share."""
+    """Where a workload holds GPUs now: node, GPU index, share. Only a workload in a holding state
+    has any (its allocations are released when it leaves them, ``services.states``): for the others
+    (just submitted, waiting, finished) no query."""
+    if workload.state not in HOLDING_STATES:
+        return []
     return list(
         Allocation.objects.filter(workload=workload, ended_at__isnull=True)
         .order_by("node_id", "gpu__index")

@@ -239,3 +239,21 @@ def test_a_read_plan_refuses_a_field_it_cannot_render():
 
     with pytest.raises(ImproperlyConfigured, match="tenant_slug"):
         Nested.read_plan()
+
+
+def test_placement_is_read_only_for_a_workload_that_holds_gpus(
+    client, make_node, cycle, django_assert_num_queries
+):
+    """Allocations are released when a workload leaves the holding states: the placement of a waiting
+    workload is empty without a query, that of a scheduled one is read."""
+    from scheduling import selectors
+
+    make_node()
+    jid = client.post("/api/v1/jobs/", JOB, content_type="application/json").json()["id"]
+    waiting = Workload.objects.get(pk=jid)
+    with django_assert_num_queries(0):
+        assert selectors.workload_placement(workload=waiting) == []
+    cycle()
+    scheduled = Workload.objects.get(pk=jid)
+    with django_assert_num_queries(1):
+        assert len(selectors.workload_placement(workload=scheduled)) == 2
