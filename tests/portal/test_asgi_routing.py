@@ -95,10 +95,12 @@ def test_the_pages_chain_leaves_out_only_the_agent_fast_path(settings, monkeypat
 
 def test_a_web_process_freezes_what_it_loaded_before_serving():
     """The heap loaded at start (the apps and the URL conf's views) is out of the garbage collector's
-    way: little is left for a full collection to traverse."""
+    way: little is left for a full collection to traverse; and young collections run far less often
+    than at the default threshold."""
     code = (
         "import gc, sys; import portal.asgi; "
-        "print(gc.get_freeze_count(), len(gc.get_objects()), 'scheduling.api' in sys.modules)"
+        "print(gc.get_freeze_count(), len(gc.get_objects()), 'scheduling.api' in sys.modules, "
+        "gc.get_threshold()[0])"
     )
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings"}
     out = subprocess.run(
@@ -111,4 +113,5 @@ def test_a_web_process_freezes_what_it_loaded_before_serving():
     ).stdout.split()
     frozen, tracked, views_loaded = int(out[0]), int(out[1]), out[2] == "True"
     assert views_loaded
+    assert int(out[3]) >= 10_000  # young collections far rarer than the default 700
     assert frozen > 50_000 and tracked < frozen / 10, (frozen, tracked)
