@@ -11,32 +11,9 @@ way the ORM does: the backend's and the fields' converters (JSON, time zones, de
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from django.db.models import Model
-
-
-@contextmanager
-def prepared_cursor(connection) -> Iterator[Any]:
-    """A cursor for a hot statement of constant text: on PostgreSQL, psycopg's server-binding cursor,
-    whose statements the server parses and plans once per connection (prepared after a few uses,
-    ``DB_PREPARED_STATEMENTS``); Django's cursors bind client-side and never prepare, and planning
-    cost PostgreSQL more than running the token check or the heartbeat's writes. Elsewhere,
-    Django's cursor. Either way in Django's cursor wrapper: its database errors, query logging and
-    execute wrappers."""
-    if connection.vendor != "postgresql":
-        with connection.cursor() as cursor:
-            yield cursor
-        return
-    import psycopg
-
-    connection.ensure_connection()
-    raw = psycopg.Cursor(connection.connection)
-    wrap = connection.make_debug_cursor if connection.queries_logged else connection.make_cursor
-    with wrap(raw) as cursor:
-        yield cursor
 
 
 class ModelColumns:

@@ -35,7 +35,7 @@ from portal.models import (
     hash_secret,
     slug_validator,
 )
-from portal.rows import ModelColumns, prepared_cursor
+from portal.rows import ModelColumns
 from portal.signals import tenant_suspended
 
 # --- audit ----------------------------------------------------------------------------------------
@@ -491,7 +491,7 @@ def _token_with_tenant(key_id: str) -> ApiToken | None:
             f"ON {n}.{qn(Tenant._meta.pk.column)} = {t}.{qn(ApiToken._meta.get_field('tenant').column)} "
             f"WHERE {t}.{qn(ApiToken._meta.get_field('key_id').column)} = %s"
         )
-    with prepared_cursor(connection) as cursor:
+    with connection.cursor() as cursor:
         cursor.execute(sql, [key_id])
         row = cursor.fetchone()
     if row is None:

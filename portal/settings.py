@@ -115,18 +115,18 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 else:
     DATABASES["default"]["CONN_MAX_AGE"] = env.int("DB_CONN_MAX_AGE", default=60)
     DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+    # Queries bind their parameters on the server (psycopg's server-side binding) and each is
+    # prepared on a connection after 5 uses: PostgreSQL parses and plans it once per connection
+    # instead of every time (planning cost it more than running most of the API's and the
+    # heartbeat's statements), and psycopg quotes no literal in Python. Under bench/scale.py this
+    # halved PostgreSQL's time per API read. Off: client-side binding, nothing prepared (Django's
+    # default; for a PgBouncer in transaction mode older than 1.21).
+    if env.bool("DB_PREPARED_STATEMENTS", default=True):
+        DATABASES["default"].setdefault("OPTIONS", {}).update(server_side_binding=True, prepare_threshold=5)
     # A connection pool per process (psycopg_pool), shared by the WEB_THREADS threads and the
     # agent protocol's worker threads (and a Celery worker's threads): requests wait (up to 10 s)
     # for one of DB_POOL_MAX_SIZE connections. 0: no pool (a persistent connection per thread,
     # DB_CONN_MAX_AGE).
-    # The statements gpupool writes by hand and sends through psycopg's server-binding cursor (the
-    # heartbeat ingest, the API token check) are prepared on each connection after a few uses: the
-    # server parses and plans them once instead of every time. Django's own queries bind client-side
-    # and are never prepared. Off: for a PgBouncer in transaction mode older than 1.21.
-    DB_PREPARED_STATEMENTS = env.bool("DB_PREPARED_STATEMENTS", default=True)
-    DATABASES["default"].setdefault("OPTIONS", {})["prepare_threshold"] = (
-        5 if DB_PREPARED_STATEMENTS else None
-    )
     DB_POOL_MAX_SIZE = env.int("DB_POOL_MAX_SIZE", default=0)
     if DB_POOL_MAX_SIZE:
         DATABASES["default"]["CONN_MAX_AGE"] = 0  # the pool keeps them

@@ -7,7 +7,7 @@ upsert, the GPUs' latest values and the node update go in one pipeline with the 
 that changes a workload's state, fails a GPU or brings a node back runs that ORM work too, then
 commits on its own). Rows go to PostgreSQL as one JSON document per statement
 (``json_to_recordset``); the statement texts do not depend on the batch size, so they are prepared
-(``portal.rows.prepared_cursor``). No ORM object is built per sample. SQLite runs the same steps as
+(``DB_PREPARED_STATEMENTS``). No ORM object is built per sample. SQLite runs the same steps as
 plain statements. The batch arrives parsed and checked (``nodes.services.heartbeat_parse``).
 """
 
@@ -42,7 +42,6 @@ from nodes.services.heartbeat_parse import (
 )
 from nodes.services.registration import NotAuthenticated
 from nodes.signals import node_ready, send_on_commit, workload_exited, workload_running
-from portal.rows import prepared_cursor
 
 logger = logging.getLogger(__name__)
 
@@ -205,8 +204,7 @@ def heartbeat_ingest(
     key_hash = hash_secret(credential)
     outermost = not connection.in_atomic_block
     with transaction.atomic():
-        # Server-side binding: the constant statements below are prepared on the connection.
-        with prepared_cursor(connection) as cur:
+        with connection.cursor() as cur:
             n, marker_id, gpus = _head(cur, node_id, key_hash, batch, now, pg)
             if marker_id is None:
                 node_metrics.HEARTBEATS.labels(result="duplicate").inc()

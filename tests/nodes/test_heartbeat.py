@@ -367,9 +367,9 @@ def test_agent_urls_answer_json_whatever_the_method_or_path(agent):
 
 
 def test_the_ingest_statements_are_prepared_on_postgresql(agent):
-    """On PostgreSQL the ingest's constant statements go through a server-binding cursor
-    (``portal.rows.prepared_cursor``) and are prepared on the connection after a few uses: parsed and
-    planned once, not on every heartbeat."""
+    """On PostgreSQL the ingest's statements (constant texts, whatever the batch) are prepared on the
+    connection after a few uses (``DB_PREPARED_STATEMENTS``): parsed and planned once, not on every
+    heartbeat, also when they go in the pipeline with the commit."""
     if connection.vendor != "postgresql":
         pytest.skip("prepared statements are PostgreSQL's")
     t0 = datetime.now(UTC) - timedelta(minutes=5)

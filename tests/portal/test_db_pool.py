@@ -49,3 +49,28 @@ def test_a_pool_is_used_and_reuses_connections_across_threads():
     # Eight threads, at most two server connections between them.
     pids = int(out.stdout.split("pids ")[1].split()[0])
     assert 1 <= pids <= 2 and "pool ConnectionPool" in out.stdout
+
+
+def test_queries_bind_on_the_server_and_are_prepared(tenant):
+    """DB_PREPARED_STATEMENTS (on by default): Django's cursors bind parameters on the server and a
+    query is prepared on the connection after a few uses, so PostgreSQL plans it once; the API token
+    check, which every API request makes, among them."""
+    if connection.vendor != "postgresql":
+        pytest.skip("prepared statements are PostgreSQL's")
+    import psycopg
+
+    from portal.models import Tenant
+    from portal.services import api_token_authenticate
+
+    with connection.cursor() as cursor:
+        assert isinstance(cursor.cursor, psycopg.Cursor) and not isinstance(
+            cursor.cursor, psycopg.ClientCursor
+        )
+    for _ in range(6):
+        assert Tenant.objects.filter(slug=tenant.slug).first() == tenant
+        assert api_token_authenticate(plaintext="gpp_nosuchkey_secret") is None
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement FROM pg_prepared_statements")
+        prepared = [row[0] for row in cursor.fetchall()]
+    assert any('FROM "portal_tenant" WHERE "portal_tenant"."slug" = $1' in s for s in prepared), prepared
+    assert any('FROM "portal_apitoken"' in s for s in prepared), prepared

@@ -7,7 +7,6 @@ from datetime import timedelta
 
 import pytest
 from django.core.management import CommandError, call_command
-from django.db import connection
 from django.utils import timezone
 
 from portal import services
@@ -264,19 +263,3 @@ def test_the_token_lookup_loads_what_the_orm_loads_in_one_query(tenant, owner, d
         assert found.created_by == owner
     assert services.api_token_authenticate(plaintext=f"gpp_{token.key_id}_wrong") is None
     assert services.api_token_authenticate(plaintext="gpp_nosuchkey_secret") is None
-
-
-def test_the_token_lookup_is_prepared_on_postgresql(tenant, owner):
-    """Every API request runs the token lookup: on PostgreSQL it is prepared on the connection after
-    a few uses (``portal.rows.prepared_cursor``), so the server plans it once."""
-    if connection.vendor != "postgresql":
-        pytest.skip("prepared statements are PostgreSQL's")
-    token, plaintext = services.api_token_create(
-        tenant=tenant, name="ci", scopes=["read"], actor=Actor(user=owner)
-    )
-    for _ in range(6):
-        assert services.api_token_authenticate(plaintext=plaintext).pk == token.pk
-    with connection.cursor() as c:
-        c.execute("SELECT statement FROM pg_prepared_statements")
-        prepared = [row[0] for row in c.fetchall()]
-    assert any('FROM "portal_apitoken"' in s for s in prepared), prepared
