@@ -11,7 +11,6 @@ from decimal import Decimal
 import django_filters
 from django.conf import settings
 from django.core.cache import cache
-from django.db.models import Prefetch
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
@@ -42,7 +41,7 @@ from scheduling.services.submission import workload_submit
 
 
 class WorkloadSerializer(ReadPlanSerializer):
-    gpu_models = serializers.SlugRelatedField(many=True, read_only=True, slug_field="name")
+    gpu_models = serializers.SerializerMethodField()
     region = serializers.SlugRelatedField(read_only=True, slug_field="code")
     pending = serializers.SerializerMethodField()
 
@@ -93,6 +92,14 @@ class WorkloadSerializer(ReadPlanSerializer):
             "finished_at",
         ]
         read_only_fields = fields
+
+    def get_gpu_models(self, w: Workload) -> list[str]:
+        """The GPU models the workload may run on, by name."""
+        # A page's come with its workloads (_WorkloadViewSet.paginate_queryset); one workload's here.
+        names = getattr(w, "gpu_model_names", None)
+        if names is None:
+            names = selectors.workload_gpu_model_names(workload_ids=[w.pk])[w.pk]
+        return names
 
     def get_pending(self, w: Workload) -> dict | None:
         """Why it waits and, where the scheduler can tell, when it is expected to start."""
@@ -206,13 +213,15 @@ class _WorkloadViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
     filterset_class = WorkloadFilter
 
     def get_queryset(self):
-        return (
-            super()
-            .get_queryset()
-            .filter(kind=self.kind)
-            .select_related("region")
-            .prefetch_related(Prefetch("gpu_models", queryset=GpuModel.objects.only("name")))
-        )
+        return super().get_queryset().filter(kind=self.kind).select_related("region")
+
+    def paginate_queryset(self, queryset):
+        page = super().paginate_queryset(queryset)
+        if page is not None:  # the page's GPU model names in one query
+            names = selectors.workload_gpu_model_names(workload_ids=[w.pk for w in page])
+            for w in page:
+                w.gpu_model_names = names[w.pk]
+        return page
 
     def get_serializer_class(self):
         if self.action == "create":

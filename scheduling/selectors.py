@@ -107,6 +107,21 @@ def workload_events(*, workload: Workload) -> QuerySet[WorkloadEvent]:
     return WorkloadEvent.objects.filter(workload=workload).order_by("at", "id")
 
 
+def workload_gpu_model_names(*, workload_ids: Iterable[int]) -> dict[int, list[str]]:
+    """The GPU models each workload accepts, by name in the catalog's order (a workload that accepts
+    any has none): one query over the many-to-many table and no model instances. For a page of
+    twenty workloads a ``prefetch_related`` cost as much Python as the page's own query."""
+    names: dict[int, list[str]] = defaultdict(list)
+    rows = (
+        Workload.gpu_models.through.objects.filter(workload_id__in=list(workload_ids))
+        .order_by("gpumodel__vendor", "gpumodel__name")
+        .values_list("workload_id", "gpumodel__name")
+    )
+    for workload_id, name in rows:
+        names[workload_id].append(name)
+    return names
+
+
 def workload_placement(*, workload: Workload) -> list[dict]:
     """Where a workload holds GPUs now: node, GPU index, share. Only a workload in a holding state
     has any (its allocations are released when it leaves them, ``services.states``): for the others

@@ -257,3 +257,36 @@ def test_placement_is_read_only_for_a_workload_that_holds_gpus(
     scheduled = Workload.objects.get(pk=jid)
     with django_assert_num_queries(1):
         assert len(selectors.workload_placement(workload=scheduled)) == 2
+
+
+def test_a_page_reads_its_gpu_models_in_one_query_whatever_its_size(client, tenant, make_node, submit):
+    """A list page's GPU model names come in one query for the page, in the catalog's order, as the
+    workload's detail shows them."""
+    from tests.scheduling.conftest import A100
+
+    make_node()
+    make_node(model=A100)
+    both = submit(tenant, gpu_models=[H100, A100], gpu_count=1)
+    by_memory = submit(tenant, gpu_count=1, min_gpu_memory_gib=40)  # the models it resolves to
+
+    def page() -> dict[int, list[str]]:
+        r = client.get("/api/v1/jobs/")
+        assert r.status_code == 200
+        return {j["id"]: j["gpu_models"] for j in r.json()["results"]}
+
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    page()  # warm: the throttle's and the token's first reads
+    with CaptureQueriesContext(connection) as few:
+        listed = page()
+    assert listed[both.pk] == sorted([H100, A100])
+    for w in (both, by_memory):
+        assert client.get(f"/api/v1/jobs/{w.pk}/").json()["gpu_models"] == listed[w.pk]
+        assert listed[w.pk] == [m.name for m in w.gpu_models.order_by("vendor", "name")]
+    for _ in range(5):
+        submit(tenant, gpu_count=1)
+    with CaptureQueriesContext(connection) as more:
+        assert len(page()) == 7
+    assert len(more.captured_queries) == len(few.captured_queries)  # not one per workload
+    assert sum("scheduling_workload_gpu_models" in q["sql"] for q in more.captured_queries) == 1
