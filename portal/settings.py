@@ -118,8 +118,8 @@ else:
     # Queries bind their parameters on the server (psycopg's server-side binding) and each is
     # prepared on a connection after 5 uses: PostgreSQL parses and plans it once per connection
     # instead of every time (planning cost it more than running most of the API's and the
-    # heartbeat's statements), and psycopg quotes no literal in Python. Under bench/scale.py this
-    # halved PostgreSQL's time per API read. Off: client-side binding, nothing prepared (Django's
+    # heartbeat's statements), and psycopg quotes no literal in Python: PostgreSQL's time per API
+    # read halved on bench/scale.py's database. Off: client-side binding, nothing prepared (Django's
     # default; for a PgBouncer in transaction mode older than 1.21).
     if env.bool("DB_PREPARED_STATEMENTS", default=True):
         DATABASES["default"].setdefault("OPTIONS", {}).update(server_side_binding=True, prepare_threshold=5)

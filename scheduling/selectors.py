@@ -108,9 +108,9 @@ def workload_events(*, workload: Workload) -> QuerySet[WorkloadEvent]:
 
 
 def workload_gpu_model_names(*, workload_ids: Iterable[int]) -> dict[int, list[str]]:
-    """The GPU models each workload accepts, by name in the catalog's order (a workload that accepts
-    any has none): one query over the many-to-many table and no model instances. For a page of
-    twenty workloads a ``prefetch_related`` cost as much Python as the page's own query."""
+    """The GPU models each workload may run on, by name in the catalog's order: one query over the
+    many-to-many table and no model instances. For a page of twenty workloads a ``prefetch_related``
+    cost as much Python as the page's own query."""
     names: dict[int, list[str]] = defaultdict(list)
     rows = (
         Workload.gpu_models.through.objects.filter(workload_id__in=list(workload_ids))
