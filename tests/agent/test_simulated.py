@@ -284,3 +284,17 @@ def test_a_sample_s_wire_form_has_every_field_of_the_sample():
     assert {k: v for k, v in wire.items() if k != "ts"} == {
         k: v for k, v in dataclasses.asdict(sample).items() if k != "ts"
     }
+
+
+def test_protocol_times_are_rfc3339_utc_with_milliseconds():
+    """Epoch seconds (the readings', cached per tick) and aware datetimes in any zone format alike."""
+    from datetime import UTC, datetime, timedelta, timezone
+
+    from nodes.agent.types import rfc3339
+
+    moment = datetime(2026, 12, 2, 12, 0, 0, 123456, tzinfo=UTC)
+    for _ in range(2):  # the second time from the cache
+        assert rfc3339(moment.timestamp()) == "2026-12-02T12:00:00.123Z"
+    assert rfc3339(moment.astimezone(timezone(timedelta(hours=-5)))) == "2026-12-02T12:00:00.123Z"
+    assert rfc3339(0.0) == "1970-01-01T00:00:00.000Z"
+    assert rfc3339(moment.timestamp() + 0.5) == "2026-12-02T12:00:00.623Z"
