@@ -85,6 +85,15 @@ def api(client):
     return with_token
 
 
+def postgres_only(reason: str) -> None:
+    """Skip the calling test, saying why, unless the suite runs on PostgreSQL (CI does)."""
+    __tracebackhide__ = True  # the skip is reported at the caller's line
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        pytest.skip(f"needs PostgreSQL: {reason}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,12 +8,13 @@ from decimal import Decimal
 
 import pytest
 from django.core import mail
-from django.db import connection, connections
+from django.db import connections
 
 from metering.models import Budget, BudgetAlert, Invoice, InvoiceLine
 from metering.services.budgets import costs_to_date_update
 from metering.services.invoices import invoice_run
 from metering.services.usage import usage_build
+from tests.conftest import postgres_only
 from tests.metering.conftest import utc
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -21,8 +22,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture(autouse=True)
 def _postgres_only():
-    if connection.vendor != "postgresql":
-        pytest.skip("needs PostgreSQL (concurrent writers)")
+    postgres_only("concurrent writers")
 
 
 def _together(fn, n: int = 4) -> list[BaseException]:

@@ -18,6 +18,7 @@ from nodes.models import (
     SequenceGap,
 )
 from nodes.signals import workload_exited
+from tests.conftest import postgres_only
 from tests.nodes.conftest import iso
 
 
@@ -370,8 +371,7 @@ def test_the_ingest_statements_are_prepared_on_postgresql(agent):
     """On PostgreSQL the ingest's statements (constant texts, whatever the batch) are prepared on the
     connection after a few uses (``DB_PREPARED_STATEMENTS``): parsed and planned once, not on every
     heartbeat, also when they go in the pipeline with the commit."""
-    if connection.vendor != "postgresql":
-        pytest.skip("prepared statements are PostgreSQL's")
+    postgres_only("prepared statements are PostgreSQL's")
     t0 = datetime.now(UTC) - timedelta(minutes=5)
     for k in range(7):
         r = agent.heartbeat(agent.batch(ts=t0 + timedelta(seconds=10 * k)))

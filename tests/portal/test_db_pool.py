@@ -7,8 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from django.db import connection
+
+from tests.conftest import postgres_only
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
@@ -31,8 +32,7 @@ print("pids", len(set(pids)), "pool", type(connection.pool).__name__)
 
 
 def test_a_pool_is_used_and_reuses_connections_across_threads():
-    if connection.vendor != "postgresql":
-        pytest.skip("the pool is PostgreSQL's (psycopg_pool)")
+    postgres_only("the pool is psycopg_pool's")
     db = connection.settings_dict
     env = {
         **os.environ,
@@ -55,8 +55,7 @@ def test_queries_bind_on_the_server_and_are_prepared(tenant):
     """DB_PREPARED_STATEMENTS (on by default): Django's cursors bind parameters on the server and a
     query is prepared on the connection after a few uses, so PostgreSQL plans it once; the API token
     check, which every API request makes, among them."""
-    if connection.vendor != "postgresql":
-        pytest.skip("prepared statements are PostgreSQL's")
+    postgres_only("prepared statements are PostgreSQL's")
     import psycopg
 
     from portal.models import Tenant

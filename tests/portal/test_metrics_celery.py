@@ -10,11 +10,11 @@ import time
 from contextlib import contextmanager
 
 import pytest
-from django.db import connection
 
 from portal.celery import app
 from portal.logging import JsonFormatter, LogContextFilter
 from scheduling.models import Workload
+from tests.conftest import postgres_only
 from tests.portal.test_metrics_app import scrape, value
 from tests.scheduling.conftest import make_node, regions, submit  # noqa: F401  (fixtures)
 
@@ -24,8 +24,7 @@ LATENCY = "gpupool_celery_task_latency_seconds"
 
 @pytest.fixture(autouse=True)
 def _postgres_only():
-    if connection.vendor != "postgresql":
-        pytest.skip("a worker thread and the test share the database: needs PostgreSQL")
+    postgres_only("a worker thread and the test share the database")
 
 
 @contextmanager

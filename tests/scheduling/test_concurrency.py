@@ -20,6 +20,7 @@ from scheduling.models import WorkloadState as S
 from scheduling.services.cycle import scheduling_cycle_run
 from scheduling.services.submission import workload_submit
 from scheduling.services.triggers import cycle_request_clear
+from tests.conftest import postgres_only
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -28,8 +29,7 @@ JOB = {"gpu_models": ["H100"], "image": "ghcr.io/acme/train:1", "command": ["pyt
 
 @pytest.fixture(autouse=True)
 def _postgres_only():
-    if connection.vendor != "postgresql":
-        pytest.skip("needs PostgreSQL (row locks, advisory locks, concurrent writers)")
+    postgres_only("row locks, advisory locks, concurrent writers")
 
 
 def test_parallel_requests_cannot_pass_a_quota(tenant, make_token, make_node):

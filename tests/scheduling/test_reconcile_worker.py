@@ -5,21 +5,20 @@ from __future__ import annotations
 import time
 
 import pytest
-from django.db import connection
 
 from nodes.models import CommandKind, NodeCommand
 from scheduling.models import Allocation, Workload
 from scheduling.models import WorkloadState as S
 from scheduling.services.cycle import scheduling_cycle_run
 from scheduling.services.triggers import cycle_request_clear
+from tests.conftest import postgres_only
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture(autouse=True)
 def _postgres_only():
-    if connection.vendor != "postgresql":
-        pytest.skip("needs PostgreSQL (the worker runs in its own connection)")
+    postgres_only("the worker runs in its own connection")
 
 
 def _wait(check, timeout=30):
