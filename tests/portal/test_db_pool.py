@@ -17,7 +17,8 @@ import threading, django
 django.setup()
 from django.db import connection, connections
 from django.conf import settings
-print("options", settings.DATABASES["default"]["OPTIONS"].get("pool"), settings.DATABASES["default"]["CONN_MAX_AGE"])
+pool = settings.DATABASES["default"]["OPTIONS"]["pool"]
+print("options", {k: v for k, v in pool.items() if k != "check"}, settings.DATABASES["default"]["CONN_MAX_AGE"])
 def query():
     with connection.cursor() as c:
         c.execute("SELECT pg_backend_pid()")
@@ -49,6 +50,60 @@ def test_a_pool_is_used_and_reuses_connections_across_threads():
     # Eight threads, at most two server connections between them.
     pids = int(out.stdout.split("pids ")[1].split()[0])
     assert 1 <= pids <= 2 and "pool ConnectionPool" in out.stdout
+
+
+RESTART_CHILD = """
+import time, django
+django.setup()
+import psycopg
+from django.db import connection, connections
+from psycopg_pool import ConnectionPool
+round_trips = []
+original = ConnectionPool.check_connection
+def counted(conn):
+    round_trips.append(1)
+    original(conn)
+ConnectionPool.check_connection = staticmethod(counted)
+def request():
+    with connection.cursor() as c:
+        c.execute("SELECT pg_backend_pid()")
+        pid = c.fetchone()[0]
+    connections.close_all()  # the request ends: back to the pool
+    return pid
+pids = {request() for _ in range(5)}
+print("pids", len(pids), "round trips", len(round_trips))
+# The server ends the idle connection, as a restart or pg_terminate_backend does.
+params = connection.get_connection_params()
+with psycopg.connect(**params, autocommit=True) as admin:
+    admin.execute("SELECT pg_terminate_backend(%s)", [next(iter(pids))])
+time.sleep(0.5)
+after = request()
+print("replaced", after not in pids, "round trips", len(round_trips), "then", request() == after)
+"""
+
+
+def test_the_pool_lends_connections_without_a_round_trip_and_drops_one_the_server_ended():
+    """DB_POOL_MAX_SIZE: the pool's check on each loan (portal.dbpool) asks the socket, not the
+    server; a connection the server has closed (a restart, pg_terminate_backend) is noticed there,
+    discarded and replaced, and the request that comes next succeeds."""
+    postgres_only("the pool is psycopg_pool's")
+    db = connection.settings_dict
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "portal.settings",
+        "DEBUG": "1",
+        "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
+        "DB_POOL_MAX_SIZE": "1",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", RESTART_CHILD], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    # Five loans of one connection, no query to check it (psycopg_pool's own check made five).
+    assert "pids 1 round trips 0" in out.stdout, out.stdout
+    # After the server ended it: one real check (the socket had the server's goodbye), a new
+    # connection, and it is lent on without a round trip again.
+    assert "replaced True round trips 1 then True" in out.stdout, out.stdout
 
 
 def test_queries_bind_on_the_server_and_are_prepared(tenant):
