@@ -315,3 +315,35 @@ def test_a_collector_that_never_blocks_is_sampled_on_the_event_loop(
     counts = asyncio.run(both())
     assert counts[0] == counts[1] > 0
     assert threads[0] == threading.current_thread().name and threads[1] != threads[0]
+
+
+def test_the_stop_event_ends_a_sleep_at_its_time_or_when_set_even_from_another_thread() -> None:
+    """``StopEvent.sleep`` (the agent's sleeps between readings and after failures): a timer and a
+    future, no task per sleep; ``set`` ends every sleep at once, also when called from another
+    thread (``Agent.request_stop`` from a signal handler or the fleet)."""
+    import asyncio
+    import threading
+
+    from nodes.agent.agent import StopEvent
+
+    async def scenario() -> tuple[bool, float, int, list[bool], float, bool, int]:
+        stop = StopEvent()
+        started = time.monotonic()
+        timed_out = await stop.sleep(0.05)
+        slept = time.monotonic() - started
+        loop = asyncio.get_running_loop()
+        sleepers = [asyncio.ensure_future(stop.sleep(30)) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        tasks = len(asyncio.all_tasks())  # this one and the three sleepers, nothing started by them
+        started = time.monotonic()
+        threading.Timer(0.05, loop.call_soon_threadsafe, [stop.set]).start()
+        woken = await asyncio.wait_for(asyncio.gather(*sleepers), timeout=5)
+        cut_short = time.monotonic() - started
+        after = await stop.sleep(30)  # already set: no wait at all
+        return timed_out, slept, tasks, woken, cut_short, after, len(stop._sleepers)
+
+    timed_out, slept, tasks, woken, cut_short, after, left = asyncio.run(scenario())
+    assert timed_out is False and 0.04 <= slept < 1
+    assert tasks == 4
+    assert woken == [True, True, True] and cut_short < 1
+    assert after is True and left == 0
