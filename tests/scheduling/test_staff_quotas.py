@@ -112,6 +112,20 @@ def test_usage_is_counted_per_tenant_as_submissions_count_it(busy):
     b = grouped[bravo.pk]
     assert (b.workloads, b.gpus, b.spot_gpus, b.model_milli) == (1, 4, 0, {h100: 4_000})
     assert quota_usage(tenant=acme) == a and quota_usage(tenant=charlie).workloads == 0
+    assert quota_usage_by_tenant(tenant_ids=[]) == {}
+    assert quota_usage_by_tenant(tenant_ids=[bravo.pk, charlie.pk]) == {bravo.pk: b}
+
+
+def test_a_waiting_request_for_several_models_counts_in_the_totals_only(busy, submit):
+    """Per model, a waiting request counts only when that model is the only one it accepts."""
+    charlie = busy["charlie"]
+    h100, a100 = (GpuModel.objects.get(name=n).pk for n in (H100, A100))
+    submit(charlie, gpu_models=[H100, A100], gpu_count=2)
+    submit(charlie, gpu_models=[A100], gpu_count=1, plan="spot")
+    usage = quota_usage(tenant=charlie)
+    assert (usage.workloads, usage.gpus, usage.spot_gpus, usage.largest_request_gpus) == (2, 3, 1, 2)
+    assert usage.model_milli == {a100: 1_000}
+    assert quota_usage_by_tenant()[busy["acme"].pk].model_milli == {h100: 14_000, a100: 1_000}
 
 
 def test_each_limit_beside_its_use(staff_client, busy):
