@@ -427,6 +427,10 @@ SCHEDULING_LOG_TAIL_CHARS = 16_000
 # /api/v1/gpu-types/ (unfiltered) is the same for every tenant: answered from the cache for this
 # many seconds (its availability is then at most that old). 0: computed for each request.
 SCHEDULING_GPU_TYPES_CACHE_S = env.int("SCHEDULING_GPU_TYPES_CACHE_S", default=2)
+# A submission checks that some node could hold it against the fleet's node shapes per GPU model,
+# kept this many seconds in each process (a request is refused only on a fresh read; one accepted
+# on older shapes waits with its reason). 0: read for each submission.
+SCHEDULING_FLEET_SHAPES_CACHE_S = env.int("SCHEDULING_FLEET_SHAPES_CACHE_S", default=10)
 # Workload.gpu_vendor and GpuModel.vendor share one choice set: one name for it in the schema.
 SPECTACULAR_SETTINGS.setdefault("ENUM_NAME_OVERRIDES", {})["GpuVendorEnum"] = "nodes.models.Vendor"
 # Warm pools: time constant of the demand estimate, and how often targets and slots are reconciled.

@@ -25,3 +25,5 @@ DATABASES["default"]["CONN_MAX_AGE"] = 0  # noqa: F405
 CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "tests"}}
 # Tests read /api/v1/gpu-types/ right after changing the fleet; the cached answer has a test of its own.
 SCHEDULING_GPU_TYPES_CACHE_S = 0
+# Likewise the fleet's node shapes a submission is checked against (scheduling.services.submission).
+SCHEDULING_FLEET_SHAPES_CACHE_S = 0

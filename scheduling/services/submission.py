@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import Count
 from django.utils import timezone
@@ -170,23 +172,62 @@ def _meets_constraints(m: GpuModel, c: dict[str, Any]) -> bool:
     return not c["rocm_target"] or (m.vendor == GpuVendor.AMD and m.gfx_target == c["rocm_target"])
 
 
-def _fleet_nodes(candidates: Iterable[GpuModel]) -> list[dict[str, Any]]:
+# The fleet's node shapes by set of candidate models, as read at (monotonic time); see _fleet_nodes.
+_shapes: dict[frozenset[int], tuple[float, list[dict[str, Any]]]] = {}
+
+
+def _fleet_nodes(candidates: Iterable[GpuModel], *, fresh: bool = False) -> list[dict[str, Any]]:
     """The shapes of the nodes carrying a candidate model (and not DOWN or in maintenance): region,
     candidate GPUs per node, CPU and RAM, each shape once. One query, counted per node by the
-    database (a row per node, not per GPU)."""
-    ids = [m.pk for m in candidates]
+    database (a row per node, not per GPU).
+
+    Kept ``SCHEDULING_FLEET_SHAPES_CACHE_S`` seconds in the process unless ``fresh``: the query
+    reads every GPU of these models (2 ms of Python and 4-5 ms of PostgreSQL at 500 nodes, a fifth
+    of a submission), and the fleet's shapes change when nodes come, go or change state, not from
+    one submission to the next. ``_validate`` refuses a request only on a fresh read."""
+    key = frozenset(m.pk for m in candidates)
+    ttl = settings.SCHEDULING_FLEET_SHAPES_CACHE_S
+    now = time.monotonic()
+    if ttl and not fresh and (kept := _shapes.get(key)) is not None and now - kept[0] < ttl:
+        return kept[1]
     rows = (
-        Gpu.objects.filter(model_id__in=ids, removed_at__isnull=True)
+        Gpu.objects.filter(model_id__in=key, removed_at__isnull=True)
         .exclude(node__state__in=[NodeState.DOWN, NodeState.MAINTENANCE])
         .values("node_id")
         .annotate(gpus=Count("id"))
         .values_list("node__region_id", "gpus", "node__cpu_cores", "node__ram_mib")
         .order_by()
     )
-    return [
+    shapes = [
         {"region_id": region_id, "gpus": gpus, "cpu_milli": cpu_cores * 1000, "ram_mib": ram_mib}
         for region_id, gpus, cpu_cores, ram_mib in set(rows)
     ]
+    if ttl:
+        _shapes[key] = (now, shapes)
+    return shapes
+
+
+def _check_fleet(f: dict[str, Any], region: Region | None, nodes: list[dict[str, Any]]) -> None:
+    """Some node (of these shapes) must be able to hold the request."""
+    if region is not None and not f["other_regions_ok"]:
+        nodes = [n for n in nodes if n["region_id"] == region.pk]
+    if not nodes:
+        where = f" in {region.code}" if region is not None and not f["other_regions_ok"] else ""
+        raise _fail("gpu_models", f"No node{where} has these GPUs.")
+    if f["gang"]:
+        sizes = sorted({n["gpus"] for n in nodes})
+        if not any(f["gpu_count"] % s == 0 for s in sizes):
+            raise _fail(
+                "gpu_count", f"A gang must be a multiple of a node's GPUs ({', '.join(map(str, sizes))})."
+            )
+    else:
+        biggest = max(n["gpus"] for n in nodes)
+        if f["gpu_count"] > biggest:
+            raise _fail("gpu_count", f"No node has {f['gpu_count']} of these GPUs (at most {biggest}).")
+    if f["cpu_millicores"] > max(n["cpu_milli"] for n in nodes):
+        raise _fail("cpu_millicores", "More CPU than any node with these GPUs has.")
+    if f["ram_mib"] > max(n["ram_mib"] for n in nodes):
+        raise _fail("ram_mib", "More RAM than any node with these GPUs has.")
 
 
 def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolved]:
@@ -301,27 +342,12 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
     f["cpu_millicores"] = _int(spec, "cpu_millicores", 0, 0, 10_000_000)
     f["ram_mib"] = _int(spec, "ram_mib", 0, 0, 1 << 40)
 
-    # Against the fleet: some node must be able to hold it.
-    nodes = _fleet_nodes(candidates)
-    if region is not None and not f["other_regions_ok"]:
-        nodes = [n for n in nodes if n["region_id"] == region.pk]
-    if not nodes:
-        where = f" in {region.code}" if region is not None and not f["other_regions_ok"] else ""
-        raise _fail("gpu_models", f"No node{where} has these GPUs.")
-    if f["gang"]:
-        sizes = sorted({n["gpus"] for n in nodes})
-        if not any(f["gpu_count"] % s == 0 for s in sizes):
-            raise _fail(
-                "gpu_count", f"A gang must be a multiple of a node's GPUs ({', '.join(map(str, sizes))})."
-            )
-    else:
-        biggest = max(n["gpus"] for n in nodes)
-        if f["gpu_count"] > biggest:
-            raise _fail("gpu_count", f"No node has {f['gpu_count']} of these GPUs (at most {biggest}).")
-    if f["cpu_millicores"] > max(n["cpu_milli"] for n in nodes):
-        raise _fail("cpu_millicores", "More CPU than any node with these GPUs has.")
-    if f["ram_mib"] > max(n["ram_mib"] for n in nodes):
-        raise _fail("ram_mib", "More RAM than any node with these GPUs has.")
+    # Against the fleet: some node must be able to hold it. The shapes may be a few seconds old
+    # (_fleet_nodes): a request is refused only on what the fleet is now.
+    try:
+        _check_fleet(f, region, _fleet_nodes(candidates))
+    except ValidationFailed:
+        _check_fleet(f, region, _fleet_nodes(candidates, fresh=True))
 
     # Spot price.
     f["spot_max_price"] = _decimal(spec, "spot_max_price")

@@ -127,3 +127,42 @@ def test_admission_checks_can_refuse(tenant, make_node, submit):
         unregister_admission_check(no_big_jobs)
     assert seen == [1, 8]
     assert Workload.objects.count() == 1
+
+
+def test_the_fleet_shapes_are_read_once_for_a_while_and_a_refusal_only_on_a_fresh_read(
+    tenant, make_node, submit, settings, monkeypatch
+):
+    """SCHEDULING_FLEET_SHAPES_CACHE_S: a submission checks that some node could hold it against
+    node shapes the process read at most that long ago; it refuses a request only on a fresh read,
+    so a node that just came is never missed. One that just left may still admit a request, which
+    then waits with its reason."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from nodes.models import NodeState
+    from scheduling.services import submission
+
+    settings.SCHEDULING_FLEET_SHAPES_CACHE_S = 60
+    monkeypatch.setattr(submission, "_shapes", {})
+
+    def shape_reads(**spec) -> int:
+        with CaptureQueriesContext(connection) as queries:
+            submit(tenant, **spec)
+        return sum('COUNT("nodes_gpu"."id")' in q["sql"] for q in queries.captured_queries)
+
+    small = make_node(gpus=4)
+    assert shape_reads(gpu_count=4) == 1
+    assert shape_reads(gpu_count=2) == 0  # the shapes just read
+    make_node(gpus=8)
+    # The kept shapes have no 8-GPU node: read again before refusing, and admitted.
+    assert shape_reads(gpu_count=8) == 1
+    assert shape_reads(gpu_count=8) == 0
+    # Every node gone: the kept shapes still admit (the request waits); a request they cannot hold
+    # is refused on a fresh read, and from then on the fleet is known to be empty.
+    type(small).objects.update(state=NodeState.DOWN)
+    assert shape_reads(gpu_count=8) == 0
+    with pytest.raises(ValidationFailed) as e:
+        submit(tenant, gpu_count=1, ram_mib=4 * 1024 * 1024)
+    assert e.value.fields == {"gpu_models": ["No node has these GPUs."]}
+    with pytest.raises(ValidationFailed):
+        submit(tenant, gpu_count=1)
