@@ -470,7 +470,7 @@ def workload_submit(*, tenant, kind: str, spec: dict[str, Any], actor: Actor) ->
         workload.save()
         with log_context(workload_id=workload.pk):  # what is logged about it from here on
             if resolved.models:
-                workload.gpu_models.set(resolved.models)
+                workload.gpu_models.add(*resolved.models)  # a new row: nothing to read first
             WorkloadEvent.objects.create(
                 tenant=tenant,
                 workload=workload,
