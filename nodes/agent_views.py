@@ -254,8 +254,17 @@ async def heartbeat(request, node_id: int):
 # --- commands -----------------------------------------------------------------------------------------
 
 
-def _auth_sync(authorization: str, node_id: int) -> AuthenticatedNode:
-    return authenticate_for(authorization, node_id)
+def _open_poll_sync(authorization: str, node_id: int, raw_wait: str):
+    """The poll's first round in one trip to a database thread: the credential (401/404 first),
+    then the ``wait`` parameter (400), then the commands due."""
+    authenticate_for(authorization, node_id)
+    try:
+        wait = float(raw_wait)
+    except ValueError:
+        raise fail("wait", "Expected a number of seconds.") from None
+    if not 0 <= wait <= settings.NODE_COMMANDS_MAX_WAIT_S:
+        raise fail("wait", f"Between 0 and {settings.NODE_COMMANDS_MAX_WAIT_S} seconds.")
+    return wait, *command_services.node_commands_deliver_due(node_id=node_id)
 
 
 def _deliver_sync(node_id: int):
@@ -265,30 +274,26 @@ def _deliver_sync(node_id: int):
 @csrf_exempt
 @require_GET
 async def commands(request, node_id: int):
-    try:
-        await in_db_thread(_auth_sync)(request.headers.get("Authorization", ""), node_id)
-        raw_wait = request.GET.get("wait", str(settings.NODE_COMMANDS_DEFAULT_WAIT_S))
-        try:
-            wait = float(raw_wait)
-        except ValueError:
-            raise fail("wait", "Expected a number of seconds.") from None
-        if not 0 <= wait <= settings.NODE_COMMANDS_MAX_WAIT_S:
-            raise fail("wait", f"Between 0 and {settings.NODE_COMMANDS_MAX_WAIT_S} seconds.")
-    except DomainError as exc:
-        return _domain_error(exc)
-
-    give_up = time.monotonic() + wait
+    raw_wait = request.GET.get("wait", str(settings.NODE_COMMANDS_DEFAULT_WAIT_S))
     async with CommandWaiter(node_id) as waiter:
-        while True:
-            waiter.arm()  # a command queued from here on wakes the wait below
-            delivered, next_due = await in_db_thread(_deliver_sync)(node_id)
+        waiter.arm()  # a command queued from here on wakes the wait below
+        try:
+            wait, delivered, next_due = await in_db_thread(_open_poll_sync)(
+                request.headers.get("Authorization", ""), node_id, raw_wait
+            )
+        except DomainError as exc:
+            return _domain_error(exc)
+        give_up = time.monotonic() + wait
+        while not delivered:
             remaining = give_up - time.monotonic()
-            if delivered or remaining <= 0:
+            if remaining <= 0:
                 break
             if next_due is not None:
                 until_due = (next_due - datetime.now(UTC)).total_seconds()
                 remaining = min(remaining, max(until_due, 0.05))
             await waiter.wait(remaining)
+            waiter.arm()
+            delivered, next_due = await in_db_thread(_deliver_sync)(node_id)
     return JsonResponse({"commands": [command_services.command_as_wire(c) for c in delivered]})
 
 

@@ -11,18 +11,21 @@ way the ORM does: the backend's and the fields' converters (JSON, time zones, de
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from django.db.models import Model
 
 
 class ModelColumns:
-    """The concrete columns of ``model`` under a table alias."""
+    """The concrete columns of ``model`` under a table alias (``names``: only these fields, in this
+    order; then ``values``, not ``instance``)."""
 
-    def __init__(self, model: type[Model], alias: str) -> None:
+    def __init__(self, model: type[Model], alias: str, names: Iterable[str] | None = None) -> None:
         self.model = model
         self.alias = alias
-        self.fields = list(model._meta.concrete_fields)
+        meta = model._meta
+        self.fields = list(meta.concrete_fields) if names is None else [meta.get_field(n) for n in names]
         self.attnames = [f.attname for f in self.fields]
         self._converters: dict[str, list[tuple[int, list, Any]]] = {}
 
@@ -34,19 +37,22 @@ class ModelColumns:
         qn = connection.ops.quote_name
         return ", ".join(f"{qn(self.alias)}.{qn(f.column)}" for f in self.fields)
 
-    def instance(self, connection, values) -> Model:
-        """The model instance of this part of a row (``len(self)`` values in field order)."""
+    def values(self, connection, values) -> list[Any]:
+        """This part of a row (``len(self)`` values in field order) as the ORM reads it."""
         converters = self._converters.get(connection.alias)
         if converters is None:
             converters = self._converters[connection.alias] = self._converters_for(connection)
-        if converters:
-            values = list(values)
-            for i, functions, expression in converters:
-                value = values[i]
-                for fn in functions:
-                    value = fn(value, expression, connection)
-                values[i] = value
-        return self.model.from_db(connection.alias, self.attnames, values)
+        values = list(values)
+        for i, functions, expression in converters:
+            value = values[i]
+            for fn in functions:
+                value = fn(value, expression, connection)
+            values[i] = value
+        return values
+
+    def instance(self, connection, values) -> Model:
+        """The model instance of this part of a row (``len(self)`` values in field order)."""
+        return self.model.from_db(connection.alias, self.attnames, self.values(connection, values))
 
     def _converters_for(self, connection) -> list[tuple[int, list, Any]]:
         """As the compiler's ``get_converters``: the backend's, then the field's, per column."""

@@ -6,7 +6,7 @@ import hmac
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -293,16 +293,22 @@ def credential_node_id(credential: str) -> int | None:
     return int(parts[0])
 
 
+_CREDENTIAL_SQL = (
+    "SELECT c.key_hash, n.seq_epoch, n.hostname FROM nodes_nodecredential c "
+    "INNER JOIN nodes_node n ON n.id = c.node_id WHERE c.node_id = %s"
+)
+
+
 def node_authenticate(*, credential: str) -> AuthenticatedNode:
     """Check a ``gpn_<node_id>_<secret>`` credential; raise NotAuthenticated (401) when wrong."""
     parts = _split_token(credential, NodeCredential.PREFIX)
     if parts is None or not parts[0].isdigit():
         raise NotAuthenticated("Invalid node credential.")
-    row = (
-        NodeCredential.objects.filter(node_id=int(parts[0]))
-        .values_list("key_hash", "node__seq_epoch", "node__hostname")
-        .first()
-    )
+    # Written here: every command poll and report asks it, and the QuerySet cost more to compile
+    # than to run (portal.rows).
+    with connection.cursor() as cursor:
+        cursor.execute(_CREDENTIAL_SQL, [int(parts[0])])
+        row = cursor.fetchone()
     if row is None or not hmac.compare_digest(row[0], hash_secret(credential)):
         raise NotAuthenticated("Invalid node credential.")
     return AuthenticatedNode(id=int(parts[0]), seq_epoch=row[1], hostname=row[2])
