@@ -32,24 +32,31 @@ print("pids", len(set(pids)), "pool", type(connection.pool).__name__)
 """
 
 
-def test_a_pool_is_used_and_reuses_connections_across_threads():
-    postgres_only("the pool is psycopg_pool's")
+def run_with_pool(code: str, pool_size: int) -> str:
+    """``code`` in a process of its own with DB_POOL_MAX_SIZE=``pool_size`` on the test database;
+    what it printed."""
     db = connection.settings_dict
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "portal.settings",
         "DEBUG": "1",
         "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
-        "DB_POOL_MAX_SIZE": "2",
+        "DB_POOL_MAX_SIZE": str(pool_size),
     }
     out = subprocess.run(
-        [sys.executable, "-c", CHILD], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
-    assert "options {'min_size': 1, 'max_size': 2, 'timeout': 10} 0" in out.stdout
+    return out.stdout
+
+
+def test_a_pool_is_used_and_reuses_connections_across_threads():
+    postgres_only("the pool is psycopg_pool's")
+    out = run_with_pool(CHILD, 2)
+    assert "options {'min_size': 1, 'max_size': 2, 'timeout': 10} 0" in out
     # Eight threads, at most two server connections between them.
-    pids = int(out.stdout.split("pids ")[1].split()[0])
-    assert 1 <= pids <= 2 and "pool ConnectionPool" in out.stdout
+    pids = int(out.split("pids ")[1].split()[0])
+    assert 1 <= pids <= 2 and "pool ConnectionPool" in out
 
 
 RESTART_CHILD = """
@@ -83,27 +90,16 @@ print("replaced", after not in pids, "round trips", len(round_trips), "then", re
 
 
 def test_the_pool_lends_connections_without_a_round_trip_and_drops_one_the_server_ended():
-    """DB_POOL_MAX_SIZE: the pool's check on each loan (portal.dbpool) asks the socket, not the
-    server; a connection the server has closed (a restart, pg_terminate_backend) is noticed there,
-    discarded and replaced, and the request that comes next succeeds."""
+    """DB_POOL_MAX_SIZE: the pool's check on each loan (portal.postgresql) asks the socket, not
+    the server; a connection the server has closed (a restart, pg_terminate_backend) is noticed
+    there, discarded and replaced, and the request that comes next succeeds."""
     postgres_only("the pool is psycopg_pool's")
-    db = connection.settings_dict
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "portal.settings",
-        "DEBUG": "1",
-        "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
-        "DB_POOL_MAX_SIZE": "1",
-    }
-    out = subprocess.run(
-        [sys.executable, "-c", RESTART_CHILD], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 0, out.stderr
+    out = run_with_pool(RESTART_CHILD, 1)
     # Five loans of one connection, no query to check it (psycopg_pool's own check made five).
-    assert "pids 1 round trips 0" in out.stdout, out.stdout
+    assert "pids 1 round trips 0" in out, out
     # After the server ended it: one real check (the socket had the server's goodbye), a new
     # connection, and it is lent on without a round trip again.
-    assert "replaced True round trips 1 then True" in out.stdout, out.stdout
+    assert "replaced True round trips 1 then True" in out, out
 
 
 def test_queries_bind_on_the_server_and_are_prepared(tenant):
