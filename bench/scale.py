@@ -70,6 +70,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def machine_speed_ms() -> float:
+    """A fixed piece of pure Python, best of five, in ms: how fast this machine runs Python now.
+    A virtual machine's speed drifts (the same code used 1.13 cores at --rate 30 one day and 1.70
+    on another); runs compare fairly only at a similar speed."""
+    best = float("inf")
+    for _ in range(5):
+        started = time.process_time()
+        total = 0
+        for i in range(2_000_000):
+            total += i
+        best = min(best, time.process_time() - started)
+    return round(best * 1000, 1)
+
+
 def pct(values: list[float], p: float) -> float:
     if not values:
         return 0.0
@@ -389,6 +403,8 @@ def main() -> int:
     if not base_db.startswith(("postgres://", "postgresql://")):
         print("DATABASE_URL must point at PostgreSQL", file=sys.stderr)
         return 2
+    speed_ms = machine_speed_ms()  # before anything of the stack runs
+    print(f"machine speed: {speed_ms} ms for a fixed piece of Python (lower is faster)")
     sys.path.insert(0, str(ROOT))
     import redis
 
@@ -651,6 +667,7 @@ def main() -> int:
         "duration_s": round(span, 1),
         "load_avg_1m": round(load_after[0], 2),
         "cpus": os.cpu_count(),
+        "machine_speed_ms": speed_ms,
         "metrics_scrape_ms": round(metrics_after.get("scrape_s", 0) * 1000),
         "cpu_cores_by_role": {role: round(share, 2) for role, share in cpu.items()},
         "endpoints": report,
