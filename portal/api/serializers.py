@@ -2,10 +2,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any, ClassVar
 
+from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
-from rest_framework import serializers
+from django.utils import timezone
+from rest_framework import ISO_8601, serializers
+from rest_framework.settings import api_settings
 
 from portal.models import ApiToken, AuditEvent, Invitation, Membership, Role, Scope, Tenant
 
@@ -51,6 +55,30 @@ def _read_step(model, field: serializers.Field) -> _Step:
     elif isinstance(field, serializers.PrimaryKeyRelatedField) and field.pk_field is None:
         attname = model._meta.get_field(source).attname  # the id, without loading the object
         return lambda serializer, obj: getattr(obj, attname)
+    elif (
+        isinstance(field, serializers.DateTimeField)
+        and not hasattr(field, "timezone")
+        and str(getattr(field, "format", api_settings.DATETIME_FORMAT)).lower() == ISO_8601
+    ):
+        render = field.to_representation
+
+        def iso_datetime(serializer, obj):
+            # DRF's rendering, with the zone looked up once per rendering instead of per value (the
+            # look-up cost three times the rest: 9 us a value against 2); what is not an aware
+            # datetime, or does not fit in the zone, goes to DRF's own.
+            value = getattr(obj, source)
+            if value is None:
+                return None
+            zone = serializer.render_timezone()
+            if zone is None or type(value) is not datetime or value.utcoffset() is None:
+                return render(value)
+            try:
+                text = value.astimezone(zone).isoformat()
+            except OverflowError:
+                return render(value)
+            return text[:-6] + "Z" if text.endswith("+00:00") else text
+
+        return iso_datetime
     elif isinstance(field, _PLAIN_FIELDS) and not getattr(field, "binary", False):
         render = field.to_representation
 
@@ -72,7 +100,8 @@ class ReadPlanSerializer(serializers.ModelSerializer):
     request) and renders each value through ``get_attribute`` and the field's checks: for a page of
     six workloads of 42 fields, a fifth of the request's CPU, and it grows with the page. The plan
     holds one step per field, taken from the fields DRF builds (so the output is DRF's own: the
-    tests compare them): plain fields render with their own ``to_representation``, slug and
+    tests compare them): plain fields render with their own ``to_representation`` (date-times as DRF
+    does, with the time zone looked up once per serializer), slug and
     primary-key relations by attribute, ``SerializerMethodField`` by its method on the serializer
     rendering. Fields of other kinds (nested serializers, dotted sources) are refused when the plan
     is made.
@@ -95,6 +124,15 @@ class ReadPlanSerializer(serializers.ModelSerializer):
 
     def to_representation(self, instance):
         return {name: step(self, instance) for name, step in self.read_plan()}
+
+    def render_timezone(self):
+        """The zone times render in (DRF's ``DateTimeField.default_timezone``), once per serializer:
+        a list's rows share their child serializer, and the zone does not change within a request."""
+        try:
+            return self._render_timezone
+        except AttributeError:
+            self._render_timezone = timezone.get_current_timezone() if settings.USE_TZ else None
+            return self._render_timezone
 
 
 class TenantSerializer(serializers.ModelSerializer):

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import contextlib
+
 import pytest
+from django.utils import timezone
 
 from nodes.models import Gpu, GpuModel
 from scheduling.models import Allocation, Quota, Workload
@@ -212,13 +215,17 @@ def test_workload_read_plan_renders_what_drf_renders(client, tenant, make_node, 
     workloads = Workload.objects.filter(tenant=tenant).select_related("region").prefetch_related("gpu_models")
     assert {w.pk for w in workloads} >= {spot.pk, waiting.pk, finished.pk} and len(workloads) == 4
     shapes = set()
-    for cls in (WorkloadSerializer, WorkloadDetailSerializer):
-        for w in workloads:
-            planned = cls(w).data
-            drf = serializers.ModelSerializer.to_representation(cls(w), w)
-            assert dict(planned) == dict(drf), w.pk
-            assert list(planned) == list(drf)  # and in the same order
-            shapes.add((w.state, w.plan, w.region_id is None, bool(planned.get("placement"))))
+    # Times render in the active zone (a person's, UserTimezoneMiddleware), UTC with a Z otherwise.
+    for zone in (None, "Asia/Kolkata"):
+        with timezone.override(zone) if zone else contextlib.nullcontext():
+            for cls in (WorkloadSerializer, WorkloadDetailSerializer):
+                for w in workloads:
+                    planned = cls(w).data
+                    drf = serializers.ModelSerializer.to_representation(cls(w), w)
+                    assert dict(planned) == dict(drf), w.pk
+                    assert list(planned) == list(drf)  # and in the same order
+                    shapes.add((w.state, w.plan, w.region_id is None, bool(planned.get("placement"))))
+                    assert planned["submitted_at"].endswith("+05:30" if zone else "Z")
     assert len(shapes) >= 4  # pending, scheduled, failed; spot and on-demand; with and without placement
     listed = client.get("/api/v1/jobs/").json()["results"]
     assert {j["id"]: j["name"] for j in listed}[spot.pk] == "spot one"
