@@ -117,12 +117,16 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
         )
     }
     gpu_rows = list(
-        Gpu.objects.filter(node_id__in=list(node_rows), removed_at__isnull=True)
+        # The nodes' filter again, not their ids: a statement that does not grow with the fleet
+        # (500 parameters at 500 nodes) is prepared once and planned once.
+        Gpu.objects.filter(node__state__in=SCHEDULABLE_NODE_STATES, removed_at__isnull=True)
         .order_by("node_id", "index")
         .values(
             "id", "node_id", "index", "uuid", "model_id", "health", "isolated", "nvlink_island", "numa_node"
         )
     )
+    # (A node that became schedulable between the two statements waits for the next cycle.)
+    gpu_rows = [g for g in gpu_rows if g["node_id"] in node_rows]
     gpus = {(g["node_id"], g["index"]): g for g in gpu_rows}
 
     allocs = list(

@@ -72,6 +72,27 @@ def test_the_snapshot_costs_a_fixed_number_of_queries(tenant, make_node, submit,
     assert counts[1] <= counts[0] + 2 * 10, counts
 
 
+def test_the_snapshots_statements_do_not_grow_with_the_fleet(make_node):
+    """The same statements at one node and at four (the GPUs are read by the nodes' filter, not by a
+    list of their ids), so that PostgreSQL prepares and plans them once."""
+    from django.db import transaction
+    from django.utils import timezone as tz
+
+    from scheduling.services.snapshot import cycle_snapshot_load
+
+    statements, now = [], tz.now()
+    for count in (1, 3):
+        for _ in range(count):
+            make_node()
+        make_node(state="down")  # not schedulable: neither it nor its GPUs are in the snapshot
+        with transaction.atomic(), CaptureQueriesContext(connection) as q:
+            snapshot, _, _ = cycle_snapshot_load(now)
+        assert sum(len(n.gpus) for n in snapshot.nodes) == 8 * len(snapshot.nodes)
+        statements.append([x["sql"] for x in q.captured_queries])
+    assert len(snapshot.nodes) == 4
+    assert statements[0] == statements[1]
+
+
 def test_shared_gpus_never_pass_1000_milli(tenant, make_node, submit, cycle):
     node = make_node(gpus=1)
     ws = [submit(tenant, gpu_fraction_milli=400) for _ in range(3)]
