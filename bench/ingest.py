@@ -59,6 +59,9 @@ def server_env(db_url: str) -> dict[str, str]:
         SECURE_SSL_REDIRECT="0",
         LOG_LEVEL="WARNING",
         GPUPOOL_VAR_DIR=str(ROOT / "var" / "bench"),
+        # A pool per process, as bench/scale.py: 400 nodes registering at once through Django's
+        # ASGI handler (a thread and a connection each) exceed the server's max_connections.
+        DB_POOL_MAX_SIZE=env.get("DB_POOL_MAX_SIZE", "16"),
     )
     return env
 

@@ -182,6 +182,34 @@ def test_samples_for_unregistered_gpus_are_counted_not_stored(agent):
     assert written(agent.node_id) == (1, 1, 1)
 
 
+def test_samples_are_not_checked_against_the_gpu_table_but_go_with_their_gpu(agent):
+    """Raw samples carry their GPU's id without a database constraint (one look-up per sample at
+    commit, a tenth of PostgreSQL's CPU under bench/scale.py); the minute rollups keep theirs, and
+    deleting a GPU still deletes its samples."""
+    postgres_only("the constraints are read from PostgreSQL's catalog")
+    now = datetime.now(UTC)
+    assert (
+        agent.heartbeat(agent.batch(samples=[agent.sample(u, now) for u in agent.uuids])).status_code == 200
+    )
+
+    def gpu_constraints(table: str) -> int:
+        with connection.cursor() as cur:
+            cur.execute(
+                "SELECT COUNT(*) FROM pg_constraint WHERE contype = 'f' AND conrelid = %s::regclass"
+                " AND confrelid = %s::regclass",
+                [table, Gpu._meta.db_table],
+            )
+            return cur.fetchone()[0]
+
+    assert gpu_constraints(GpuSample._meta.db_table) == 0
+    assert gpu_constraints(GpuMinuteRollup._meta.db_table) == 1
+    gpu = Gpu.objects.get(uuid=agent.uuids[0])
+    assert GpuSample.objects.filter(gpu=gpu).count() == 1
+    gpu.delete()
+    assert not GpuSample.objects.filter(gpu_id=gpu.pk).exists()
+    assert GpuSample.objects.count() == len(agent.uuids) - 1
+
+
 def test_future_timestamps_are_refused(agent):
     future = datetime.now(UTC) + timedelta(hours=1)
     response = agent.heartbeat(agent.batch(samples=[agent.sample(agent.uuids[0], future)]))
