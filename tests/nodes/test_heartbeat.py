@@ -210,6 +210,27 @@ def test_samples_are_not_checked_against_the_gpu_table_but_go_with_their_gpu(age
     assert GpuSample.objects.count() == len(agent.uuids) - 1
 
 
+def test_a_heartbeat_updates_its_node_in_place(agent):
+    """Nothing a heartbeat writes on the node is indexed and its pages keep room, so PostgreSQL
+    updates the row in place (HOT: no new index entries), 10 s apart for every node of the fleet."""
+    postgres_only("HOT updates are PostgreSQL's")
+    t0 = datetime.now(UTC) - timedelta(minutes=5)
+    for k in range(3):
+        r = agent.heartbeat(agent.batch(ts=t0 + timedelta(seconds=10 * k)))
+        assert r.status_code == 200 and r.json()["status"] == "accepted", r.content
+    with connection.cursor() as c:
+        c.execute(
+            "SELECT pg_stat_get_xact_tuples_updated(%s::regclass),"
+            " pg_stat_get_xact_tuples_hot_updated(%s::regclass),"
+            " (SELECT reloptions FROM pg_class WHERE oid = %s::regclass)",
+            [Node._meta.db_table] * 3,
+        )
+        updated, hot, options = c.fetchone()
+    assert updated >= 3 and hot == updated, (updated, hot)
+    assert "fillfactor=70" in options
+    assert agent.node.last_seq == 3
+
+
 def test_future_timestamps_are_refused(agent):
     future = datetime.now(UTC) + timedelta(hours=1)
     response = agent.heartbeat(agent.batch(samples=[agent.sample(agent.uuids[0], future)]))
