@@ -424,8 +424,9 @@ SCHEDULING_DEFAULT_QUOTA = {
     "max_gpus_per_request": None,
 }
 SCHEDULING_LOG_TAIL_CHARS = 16_000
-# /api/v1/gpu-types/ (unfiltered) is the same for every tenant: answered from the cache for this
-# many seconds (its availability is then at most that old). 0: computed for each request.
+# /api/v1/gpu-types/ (unfiltered) is the same for every tenant: answered from the cache, fresh for
+# this many seconds; after that one request computes the next answer while the others get the
+# previous one (its availability is then at most about twice that old). 0: computed for each request.
 SCHEDULING_GPU_TYPES_CACHE_S = env.int("SCHEDULING_GPU_TYPES_CACHE_S", default=2)
 # A submission checks that some node could hold it against the fleet's node shapes per GPU model,
 # kept this many seconds in each process (a request is refused only on a fresh read; one accepted
