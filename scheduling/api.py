@@ -214,7 +214,10 @@ class _WorkloadViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
     filterset_class = WorkloadFilter
 
     def get_queryset(self):
-        return super().get_queryset().filter(kind=self.kind).select_related("region")
+        qs = super().get_queryset().filter(kind=self.kind).select_related("region")
+        # The agent's last message (up to SCHEDULING_LOG_TAIL_CHARS) is only in ``logs``: a list
+        # page does not read fifty of them.
+        return qs.defer("log_tail") if self.action in ("list", "retrieve") else qs
 
     def paginate_queryset(self, queryset):
         page = super().paginate_queryset(queryset)

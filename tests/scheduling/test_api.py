@@ -45,6 +45,24 @@ def test_create_list_detail_and_stop_a_job(client, make_node, cycle):
     assert logs["source"] == "agent_report" and len(logs["events"]) == 4
 
 
+def test_lists_and_details_do_not_read_the_log_tail(client, make_node):
+    """The agent's last message is read by ``logs`` only, in the same single workload query."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    make_node()
+    jid = client.post("/api/v1/jobs/", JOB, content_type="application/json").json()["id"]
+    Workload.objects.filter(pk=jid).update(log_tail="epoch 3/3 loss=0.12")
+    for url in ("/api/v1/jobs/", f"/api/v1/jobs/{jid}/"):
+        with CaptureQueriesContext(connection) as q:
+            assert client.get(url).status_code == 200
+        reads = [x["sql"] for x in q.captured_queries if "scheduling_workload" in x["sql"]]
+        assert reads and not any("log_tail" in sql for sql in reads), reads
+    with CaptureQueriesContext(connection) as q:
+        assert client.get(f"/api/v1/jobs/{jid}/logs/").json()["log_tail"] == "epoch 3/3 loss=0.12"
+    assert sum("log_tail" in x["sql"] for x in q.captured_queries) == 1
+
+
 def test_bad_input_is_a_400_naming_the_field(client, make_node):
     make_node()
     for spec, field in [
