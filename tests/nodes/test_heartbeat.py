@@ -22,6 +22,15 @@ from tests.conftest import postgres_only
 from tests.nodes.conftest import iso
 
 
+def send_accepted(agent, count: int) -> datetime:
+    """``count`` heartbeats, 10 s apart from five minutes ago, each accepted; the first one's time."""
+    t0 = datetime.now(UTC) - timedelta(minutes=5)
+    for k in range(count):
+        r = agent.heartbeat(agent.batch(ts=t0 + timedelta(seconds=10 * k)))
+        assert r.status_code == 200 and r.json()["status"] == "accepted", r.content
+    return t0
+
+
 def written(node_id: int) -> tuple[int, int, int]:
     return (
         HeartbeatBatch.objects.filter(node_id=node_id).count(),
@@ -214,10 +223,7 @@ def test_a_heartbeat_updates_its_node_in_place(agent):
     """Nothing a heartbeat writes on the node is indexed and its pages keep room, so PostgreSQL
     updates the row in place (HOT: no new index entries), 10 s apart for every node of the fleet."""
     postgres_only("HOT updates are PostgreSQL's")
-    t0 = datetime.now(UTC) - timedelta(minutes=5)
-    for k in range(3):
-        r = agent.heartbeat(agent.batch(ts=t0 + timedelta(seconds=10 * k)))
-        assert r.status_code == 200 and r.json()["status"] == "accepted", r.content
+    send_accepted(agent, 3)
     with connection.cursor() as c:
         c.execute(
             "SELECT pg_stat_get_xact_tuples_updated(%s::regclass),"
@@ -421,10 +427,7 @@ def test_the_ingest_statements_are_prepared_on_postgresql(agent):
     connection after a few uses (``DB_PREPARED_STATEMENTS``): parsed and planned once, not on every
     heartbeat, also when they go in the pipeline with the commit."""
     postgres_only("prepared statements are PostgreSQL's")
-    t0 = datetime.now(UTC) - timedelta(minutes=5)
-    for k in range(7):
-        r = agent.heartbeat(agent.batch(ts=t0 + timedelta(seconds=10 * k)))
-        assert r.status_code == 200 and r.json()["status"] == "accepted", r.content
+    t0 = send_accepted(agent, 7)
     with connection.cursor() as c:
         c.execute("SELECT statement FROM pg_prepared_statements")
         prepared = [row[0] for row in c.fetchall()]
