@@ -45,6 +45,26 @@ def test_create_list_detail_and_stop_a_job(client, make_node, cycle):
     assert logs["source"] == "agent_report" and len(logs["events"]) == 4
 
 
+def test_each_workload_names_its_gpu_models_in_catalog_order(client, make_node, django_assert_num_queries):
+    """By vendor, then name; a page's names come in one statement, and no workloads need none."""
+    from scheduling.selectors import workload_gpu_model_names
+
+    make_node()
+    spec = {**JOB, "gpu_models": ["NVIDIA L4", "MI300X", "H100"]}
+    r = client.post("/api/v1/jobs/", spec, content_type="application/json")
+    assert r.status_code == 201, r.content
+    many = r.json()["id"]
+    one = client.post("/api/v1/jobs/", JOB, content_type="application/json").json()["id"]
+    expected = {many: ["AMD Instinct MI300X", H100, "NVIDIA L4"], one: [H100]}
+    listed = client.get("/api/v1/jobs/").json()["results"]
+    assert {j["id"]: j["gpu_models"] for j in listed} == expected
+    assert client.get(f"/api/v1/jobs/{many}/").json()["gpu_models"] == expected[many]
+    with django_assert_num_queries(1):
+        assert workload_gpu_model_names(workload_ids=[many, one, 10**9]) == expected
+    with django_assert_num_queries(0):
+        assert workload_gpu_model_names(workload_ids=[]) == {}
+
+
 def test_lists_and_details_do_not_read_the_log_tail(client, make_node):
     """The agent's last message is read by ``logs`` only, in the same single workload query."""
     from django.db import connection
