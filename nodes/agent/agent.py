@@ -393,6 +393,8 @@ class Agent(CommandHandlers):
 
     async def _runtime_status(self) -> list[WorkloadStatus]:
         try:
+            if not self.runtime.status_blocks:
+                return self.runtime.status()
             return await asyncio.to_thread(self.runtime.status)
         except RuntimeFailure as exc:
             self.log.error("runtime status failed: %s", exc)

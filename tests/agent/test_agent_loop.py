@@ -317,6 +317,31 @@ def test_a_collector_that_never_blocks_is_sampled_on_the_event_loop(
     assert threads[0] == threading.current_thread().name and threads[1] != threads[0]
 
 
+def test_a_runtime_that_never_blocks_is_asked_on_the_event_loop(
+    make_config: Callable[..., AgentConfig], monkeypatch
+) -> None:
+    """The simulated runtime (``status_blocks = False``) answers from memory, on the loop; Docker
+    and the process runtime are asked on a worker thread."""
+    import asyncio
+    import threading
+
+    agent = Agent(make_config())
+    assert agent.runtime.status_blocks is False
+    threads: list[str] = []
+    original = agent.runtime.status
+    monkeypatch.setattr(
+        agent.runtime, "status", lambda: (threads.append(threading.current_thread().name), original())[1]
+    )
+
+    async def both() -> None:
+        await agent._runtime_status()
+        monkeypatch.setattr(agent.runtime, "status_blocks", True)
+        await agent._runtime_status()
+
+    asyncio.run(both())
+    assert threads[0] == threading.current_thread().name and threads[1] != threads[0]
+
+
 def test_the_stop_event_ends_a_sleep_at_its_time_or_when_set_even_from_another_thread() -> None:
     """``StopEvent.sleep`` (the agent's sleeps between readings and after failures): a timer and a
     future, no task per sleep; ``set`` ends every sleep at once, also when called from another

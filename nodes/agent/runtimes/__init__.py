@@ -98,6 +98,9 @@ def gpu_sharing_env(
 
 class Runtime(ABC):
     name: str
+    # False for a runtime whose ``status`` answers from memory (the simulated one), which the agent
+    # then calls on its event loop instead of a thread (Docker and processes are asked on a thread).
+    status_blocks: bool = True
 
     def __init__(
         self,

@@ -52,6 +52,9 @@ def parse_cold_start(text: str) -> dict[str, float]:
 
 class SimulatedRuntime(Runtime):
     name = "simulated"
+    # Computed from the records in memory: a thread hop per heartbeat would cost more (a fleet
+    # process runs a hundred agents).
+    status_blocks = False
 
     def __init__(
         self,
