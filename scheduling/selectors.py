@@ -139,7 +139,7 @@ def workload_gpu_model_names(*, workload_ids: Iterable[int]) -> dict[int, list[s
     """The GPU models each workload may run on, by name in the catalog's order: one statement over
     the many-to-many table and no model instances. Every list page and detail of the API asks: for
     a page of twenty workloads a ``prefetch_related`` cost as much Python as the page's own query,
-    and compiling the equivalent QuerySet three times what running this statement costs."""
+    and the equivalent QuerySet about six times this statement (0.7-1.2 ms against 0.1-0.2 ms)."""
     names: dict[int, list[str]] = defaultdict(list)
     ids = list(workload_ids)
     if not ids:
