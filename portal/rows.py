@@ -34,8 +34,20 @@ class ModelColumns:
 
     def select(self, connection) -> str:
         """``"alias"."column", ...`` for a SELECT list."""
+        return ", ".join(self._column(connection, f) for f in self.fields)
+
+    def table(self, connection) -> str:
+        """``"table" "alias"`` for a FROM or a JOIN."""
         qn = connection.ops.quote_name
-        return ", ".join(f"{qn(self.alias)}.{qn(f.column)}" for f in self.fields)
+        return f"{qn(self.model._meta.db_table)} {qn(self.alias)}"
+
+    def column(self, connection, name: str) -> str:
+        """``"alias"."column"`` of the model's field ``name`` (any field, selected or not)."""
+        return self._column(connection, self.model._meta.get_field(name))
+
+    def _column(self, connection, field) -> str:
+        qn = connection.ops.quote_name
+        return f"{qn(self.alias)}.{qn(field.column)}"
 
     def values(self, connection, values) -> list[Any]:
         """This part of a row (``len(self)`` values in field order) as the ORM reads it."""

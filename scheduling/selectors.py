@@ -11,6 +11,7 @@ from django.db import connection
 from django.db.models import QuerySet
 
 from nodes.models import SCHEDULABLE_NODE_STATES, Gpu, GpuHealth, GpuModel, Node, Region
+from portal.rows import ModelColumns
 from scheduling.models import (
     ACTIVE_STATES,
     HOLDING_STATES,
@@ -54,21 +55,24 @@ def _quota_usage_sql(tenants: int | None) -> str:
     allocation = Allocation._meta.db_table
     models = Workload.gpu_models.through._meta.db_table
     marks = ", ".join(["%s"] * len(ACTIVE_STATES)), ", ".join(["%s"] * len(WAITING_STATES))
-    only = "" if tenants is None else f"AND tenant_id IN ({', '.join(['%s'] * tenants)})"
+
+    def only(column: str) -> str:
+        return "" if tenants is None else f"AND {column} IN ({', '.join(['%s'] * tenants)})"
+
     return f"""
         SELECT 0, tenant_id, NULL, COUNT(*), SUM(gpu_count * gpu_fraction_milli),
                SUM(CASE WHEN plan = %s THEN gpu_count * gpu_fraction_milli ELSE 0 END),
                MAX(gpu_count * gpu_fraction_milli)
-          FROM {workload} WHERE state IN ({marks[0]}) {only} GROUP BY tenant_id
+          FROM {workload} WHERE state IN ({marks[0]}) {only("tenant_id")} GROUP BY tenant_id
         UNION ALL
         SELECT 1, tenant_id, gpu_model_id, NULL, SUM(fraction_milli), NULL, NULL
-          FROM {allocation} WHERE ended_at IS NULL {only} GROUP BY tenant_id, gpu_model_id
+          FROM {allocation} WHERE ended_at IS NULL {only("tenant_id")} GROUP BY tenant_id, gpu_model_id
         UNION ALL
         SELECT 1, tenant_id, model_id, NULL, SUM(milli), NULL, NULL FROM (
             SELECT w.tenant_id, MIN(m.gpumodel_id) AS model_id,
                    MIN(w.gpu_count * w.gpu_fraction_milli) AS milli
               FROM {workload} w INNER JOIN {models} m ON m.workload_id = w.id
-             WHERE w.state IN ({marks[1]}) {only.replace("tenant_id", "w.tenant_id")}
+             WHERE w.state IN ({marks[1]}) {only("w.tenant_id")}
              GROUP BY w.tenant_id, w.id HAVING COUNT(*) = 1
         ) single GROUP BY tenant_id, model_id"""
 
@@ -135,6 +139,11 @@ def workload_events(*, workload: Workload) -> QuerySet[WorkloadEvent]:
     return WorkloadEvent.objects.filter(workload=workload).order_by("at", "id")
 
 
+# A workload's acceptable GPU models: the many-to-many table's workload, the model's name.
+_CHOICE_COLUMNS = ModelColumns(Workload.gpu_models.through, "t", ["workload"])
+_CHOICE_MODEL_COLUMNS = ModelColumns(GpuModel, "m", ["name"])
+
+
 def workload_gpu_model_names(*, workload_ids: Iterable[int]) -> dict[int, list[str]]:
     """The GPU models each workload may run on, by name in the catalog's order: one statement over
     the many-to-many table and no model instances. Every list page and detail of the API asks: for
@@ -144,14 +153,12 @@ def workload_gpu_model_names(*, workload_ids: Iterable[int]) -> dict[int, list[s
     ids = list(workload_ids)
     if not ids:
         return names
-    qn = connection.ops.quote_name
-    through, catalog = Workload.gpu_models.through._meta, GpuModel._meta
-    workload, model = qn(through.get_field("workload").column), qn(through.get_field("gpumodel").column)
-    name, vendor = qn(catalog.get_field("name").column), qn(catalog.get_field("vendor").column)
+    t, m = _CHOICE_COLUMNS, _CHOICE_MODEL_COLUMNS
     sql = (
-        f"SELECT t.{workload}, m.{name} FROM {qn(through.db_table)} t"
-        f" JOIN {qn(catalog.db_table)} m ON m.{qn(catalog.pk.column)} = t.{model}"
-        f" WHERE t.{workload} IN ({', '.join(['%s'] * len(ids))}) ORDER BY m.{vendor}, m.{name}"
+        f"SELECT {t.select(connection)}, {m.select(connection)} FROM {t.table(connection)}"
+        f" JOIN {m.table(connection)} ON {m.column(connection, 'id')} = {t.column(connection, 'gpumodel')}"
+        f" WHERE {t.column(connection, 'workload')} IN ({', '.join(['%s'] * len(ids))})"
+        f" ORDER BY {m.column(connection, 'vendor')}, {m.column(connection, 'name')}"
     )
     with connection.cursor() as cur:
         cur.execute(sql, ids)

@@ -233,11 +233,12 @@ def _upcoming(node_id: int, limit: int) -> list[list[Any]]:
     """(id, next attempt) of the node's open commands, soonest first: the long poll asks this at
     every round of every node's poll, so the statement is written here (``portal.rows``; the
     QuerySet cost more to compile than to run)."""
-    qn = connection.ops.quote_name
+    c = _UPCOMING_COLUMNS
     states = ", ".join(["%s"] * len(OPEN_COMMAND_STATES))
     sql = (
-        f"SELECT {_UPCOMING_COLUMNS.select(connection)} FROM {qn(NodeCommand._meta.db_table)} c "
-        f"WHERE c.node_id = %s AND c.state IN ({states}) ORDER BY c.next_attempt_at LIMIT %s"
+        f"SELECT {c.select(connection)} FROM {c.table(connection)}"
+        f" WHERE {c.column(connection, 'node')} = %s AND {c.column(connection, 'state')} IN ({states})"
+        f" ORDER BY {c.column(connection, 'next_attempt_at')} LIMIT %s"
     )
     with connection.cursor() as cursor:
         cursor.execute(sql, [node_id, *OPEN_COMMAND_STATES, limit])

@@ -26,6 +26,7 @@ from nodes.models import (
 from nodes.validation import fail
 from portal.actors import Actor
 from portal.errors import DomainError
+from portal.rows import ModelColumns
 from portal.services import audit_record
 
 
@@ -293,10 +294,17 @@ def credential_node_id(credential: str) -> int | None:
     return int(parts[0])
 
 
-_CREDENTIAL_SQL = (
-    "SELECT c.key_hash, n.seq_epoch, n.hostname FROM nodes_nodecredential c "
-    "INNER JOIN nodes_node n ON n.id = c.node_id WHERE c.node_id = %s"
-)
+_CREDENTIAL_COLUMNS = ModelColumns(NodeCredential, "c", ["key_hash"])
+_NODE_COLUMNS = ModelColumns(Node, "n", ["seq_epoch", "hostname"])
+
+
+def _credential_sql() -> str:
+    c, n = _CREDENTIAL_COLUMNS, _NODE_COLUMNS
+    return (
+        f"SELECT {c.select(connection)}, {n.select(connection)} FROM {c.table(connection)}"
+        f" INNER JOIN {n.table(connection)} ON {n.column(connection, 'id')} = {c.column(connection, 'node')}"
+        f" WHERE {c.column(connection, 'node')} = %s"
+    )
 
 
 def node_authenticate(*, credential: str) -> AuthenticatedNode:
@@ -307,7 +315,7 @@ def node_authenticate(*, credential: str) -> AuthenticatedNode:
     # Written here: every command poll and report asks it, and the QuerySet cost more to compile
     # than to run (portal.rows).
     with connection.cursor() as cursor:
-        cursor.execute(_CREDENTIAL_SQL, [int(parts[0])])
+        cursor.execute(_credential_sql(), [int(parts[0])])
         row = cursor.fetchone()
     if row is None or not hmac.compare_digest(row[0], hash_secret(credential)):
         raise NotAuthenticated("Invalid node credential.")
