@@ -68,8 +68,7 @@ class StopEvent(asyncio.Event):
     def set(self) -> None:
         super().set()
         for woken in self._sleepers:
-            if not woken.done():
-                woken.set_result(None)
+            _wake(woken)
 
     async def sleep(self, seconds: float) -> bool:
         """Sleep ``seconds`` unless the event is set first; True when it is set."""
