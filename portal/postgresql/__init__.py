@@ -1,1 +1,2 @@
-"""Django's PostgreSQL backend, with the connection pool's check of ``base.check_connection``."""
+"""Django's PostgreSQL backend, with the connection pool's check of ``base.check_connection`` and
+the SELECT shapes of ``portal.compiler``."""

@@ -1,5 +1,6 @@
 """Django's PostgreSQL backend (``ENGINE = "portal.postgresql"``), except for the check the
-connection pool (``DB_POOL_MAX_SIZE``) makes on each connection it lends.
+connection pool (``DB_POOL_MAX_SIZE``) makes on each connection it lends, and SELECT shapes kept
+between queries (``portal.postgresql.compiler``, ``portal.compiler``).
 
 With ``CONN_HEALTH_CHECKS`` Django gives psycopg_pool its own check, ``ConnectionPool.check_connection``,
 which sends an empty query: a round trip for every request and every agent heartbeat, 0.17 ms of
@@ -22,7 +23,7 @@ import select
 import psycopg
 from django.core.exceptions import ImproperlyConfigured
 from django.db.backends.base.base import NO_DB_ALIAS
-from django.db.backends.postgresql import base
+from django.db.backends.postgresql import base, operations
 from psycopg_pool import ConnectionPool
 
 _READABLE = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
@@ -38,7 +39,13 @@ def check_connection(conn: psycopg.Connection) -> None:
         ConnectionPool.check_connection(conn)
 
 
+class DatabaseOperations(operations.DatabaseOperations):
+    compiler_module = "portal.postgresql.compiler"
+
+
 class DatabaseWrapper(base.DatabaseWrapper):
+    ops_class = DatabaseOperations
+
     @property
     def pool(self) -> ConnectionPool | None:
         options = self.settings_dict["OPTIONS"].get("pool")

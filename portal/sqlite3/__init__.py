@@ -1,0 +1,1 @@
+"""Django's SQLite backend, with SELECT shapes kept between queries (``portal.compiler``)."""
