@@ -1,22 +1,9 @@
 """Django's PostgreSQL compilers, with SELECT shapes kept between queries (``portal.compiler``)."""
 
 from django.db.backends.postgresql import compiler as django_compiler
-from django.db.backends.postgresql.compiler import (
-    SQLAggregateCompiler,
-    SQLDeleteCompiler,
-    SQLInsertCompiler,
-    SQLUpdateCompiler,
-)
+from django.db.backends.postgresql.compiler import *  # noqa: F403  (the other statements' compilers)
 
 from portal.compiler import ShapeMemo
-
-__all__ = [
-    "SQLAggregateCompiler",
-    "SQLCompiler",
-    "SQLDeleteCompiler",
-    "SQLInsertCompiler",
-    "SQLUpdateCompiler",
-]
 
 
 class SQLCompiler(ShapeMemo, django_compiler.SQLCompiler):

@@ -1,7 +1,7 @@
-"""Django's compilers, with SELECT shapes kept between queries (``portal.compiler``)."""
+"""Django's compilers for SQLite, with SELECT shapes kept between queries (``portal.compiler``)."""
 
 from django.db.models.sql import compiler as django_compiler
-from django.db.models.sql.compiler import (
+from django.db.models.sql.compiler import (  # noqa: F401  (the other statements' compilers)
     SQLAggregateCompiler,
     SQLDeleteCompiler,
     SQLInsertCompiler,
@@ -10,14 +10,8 @@ from django.db.models.sql.compiler import (
 
 from portal.compiler import ShapeMemo
 
-__all__ = [
-    "SQLAggregateCompiler",
-    "SQLCompiler",
-    "SQLDeleteCompiler",
-    "SQLInsertCompiler",
-    "SQLUpdateCompiler",
-]
-
 
 class SQLCompiler(ShapeMemo, django_compiler.SQLCompiler):
+    """Django's, with ``ShapeMemo``."""
+
     plain = django_compiler.SQLCompiler
