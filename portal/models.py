@@ -11,6 +11,7 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
+from portal.rows import QuickLoad
 from portal.tenancy import TenantOwnedModel, TenantQuerySet
 
 
@@ -67,7 +68,7 @@ slug_validator = RegexValidator(
 )
 
 
-class Tenant(models.Model):
+class Tenant(QuickLoad, models.Model):
     class Status(models.TextChoices):
         ACTIVE = "active", "Active"
         GRACE = "grace", "Payment overdue"

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Self
 
 from django.db import models
 
+from portal.rows import QuickLoad
+
 if TYPE_CHECKING:
     from portal.models import Membership, Tenant
 
@@ -29,7 +31,7 @@ class TenantQuerySet(models.QuerySet):
         return self.for_tenant(membership.tenant)
 
 
-class TenantOwnedModel(models.Model):
+class TenantOwnedModel(QuickLoad, models.Model):
     tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="+")
 
     objects: Any = TenantQuerySet.as_manager()
