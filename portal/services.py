@@ -35,7 +35,7 @@ from portal.models import (
     hash_secret,
     slug_validator,
 )
-from portal.rows import ModelColumns
+from portal.rows import ModelColumns, Statement
 from portal.signals import tenant_suspended
 
 # --- audit ----------------------------------------------------------------------------------------
@@ -472,7 +472,16 @@ def api_token_authenticate(*, plaintext: str) -> ApiToken | None:
 
 _TOKEN_COLUMNS = ModelColumns(ApiToken, "t")
 _TENANT_COLUMNS = ModelColumns(Tenant, "n")
-_TOKEN_SQL: dict[str, str] = {}  # by database vendor
+
+
+@Statement
+def _token_sql(connection) -> str:
+    t, n = _TOKEN_COLUMNS, _TENANT_COLUMNS
+    return (
+        f"SELECT {t.select(connection)}, {n.select(connection)} FROM {t.table(connection)}"
+        f" INNER JOIN {n.table(connection)} ON {n.column(connection, 'id')} = {t.column(connection, 'tenant')}"
+        f" WHERE {t.column(connection, 'key_id')} = %s"
+    )
 
 
 def _token_with_tenant(key_id: str) -> ApiToken | None:
@@ -481,18 +490,8 @@ def _token_with_tenant(key_id: str) -> ApiToken | None:
     cost more than running it (``portal.rows``). The creator (``created_by``), which only writes and
     a few views ask for, is loaded when first asked."""
     connection = connections[ApiToken.objects.db]
-    sql = _TOKEN_SQL.get(connection.vendor)
-    if sql is None:
-        qn = connection.ops.quote_name
-        t, n = qn(_TOKEN_COLUMNS.alias), qn(_TENANT_COLUMNS.alias)
-        sql = _TOKEN_SQL[connection.vendor] = (
-            f"SELECT {_TOKEN_COLUMNS.select(connection)}, {_TENANT_COLUMNS.select(connection)} "
-            f"FROM {qn(ApiToken._meta.db_table)} {t} INNER JOIN {qn(Tenant._meta.db_table)} {n} "
-            f"ON {n}.{qn(Tenant._meta.pk.column)} = {t}.{qn(ApiToken._meta.get_field('tenant').column)} "
-            f"WHERE {t}.{qn(ApiToken._meta.get_field('key_id').column)} = %s"
-        )
     with connection.cursor() as cursor:
-        cursor.execute(sql, [key_id])
+        cursor.execute(_token_sql.sql(connection), [key_id])
         row = cursor.fetchone()
     if row is None:
         return None

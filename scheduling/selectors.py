@@ -11,7 +11,7 @@ from django.db import connection
 from django.db.models import QuerySet
 
 from nodes.models import SCHEDULABLE_NODE_STATES, Gpu, GpuHealth, GpuModel, Node, Region
-from portal.rows import ModelColumns
+from portal.rows import ModelColumns, Statement
 from scheduling.models import (
     ACTIVE_STATES,
     HOLDING_STATES,
@@ -48,7 +48,8 @@ class QuotaUsage:
         return Decimal(self.largest_request_milli) / MILLI
 
 
-def _quota_usage_sql(tenants: int | None) -> str:
+@Statement
+def _quota_usage_sql(connection, tenants: int | None) -> str:
     """One statement: a row per tenant for its workloads (kind 0), and a row per tenant and GPU
     model (kind 1) for its allocations and for its waiting requests that accept that model only."""
     workload = Workload._meta.db_table
@@ -100,7 +101,7 @@ def quota_usage_by_tenant(*, tenant_ids: Iterable[int] | None = None) -> dict[in
     out: dict[int, QuotaUsage] = {}
     per_model: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     with connection.cursor() as cursor:
-        cursor.execute(_quota_usage_sql(None if ids is None else len(ids)), params)
+        cursor.execute(_quota_usage_sql.sql(connection, None if ids is None else len(ids)), params)
         rows = cursor.fetchall()
     for kind, tenant_id, model_id, n, milli, spot, big in rows:
         if kind == 0:
@@ -144,6 +145,17 @@ _CHOICE_COLUMNS = ModelColumns(Workload.gpu_models.through, "t", ["workload"])
 _CHOICE_MODEL_COLUMNS = ModelColumns(GpuModel, "m", ["name"])
 
 
+@Statement
+def _gpu_model_names_sql(connection, workloads: int) -> str:
+    t, m = _CHOICE_COLUMNS, _CHOICE_MODEL_COLUMNS
+    return (
+        f"SELECT {t.select(connection)}, {m.select(connection)} FROM {t.table(connection)}"
+        f" JOIN {m.table(connection)} ON {m.column(connection, 'id')} = {t.column(connection, 'gpumodel')}"
+        f" WHERE {t.column(connection, 'workload')} IN ({', '.join(['%s'] * workloads)})"
+        f" ORDER BY {m.column(connection, 'vendor')}, {m.column(connection, 'name')}"
+    )
+
+
 def workload_gpu_model_names(*, workload_ids: Iterable[int]) -> dict[int, list[str]]:
     """The GPU models each workload may run on, by name in the catalog's order: one statement over
     the many-to-many table and no model instances. Every list page and detail of the API asks: for
@@ -153,15 +165,8 @@ def workload_gpu_model_names(*, workload_ids: Iterable[int]) -> dict[int, list[s
     ids = list(workload_ids)
     if not ids:
         return names
-    t, m = _CHOICE_COLUMNS, _CHOICE_MODEL_COLUMNS
-    sql = (
-        f"SELECT {t.select(connection)}, {m.select(connection)} FROM {t.table(connection)}"
-        f" JOIN {m.table(connection)} ON {m.column(connection, 'id')} = {t.column(connection, 'gpumodel')}"
-        f" WHERE {t.column(connection, 'workload')} IN ({', '.join(['%s'] * len(ids))})"
-        f" ORDER BY {m.column(connection, 'vendor')}, {m.column(connection, 'name')}"
-    )
     with connection.cursor() as cur:
-        cur.execute(sql, ids)
+        cur.execute(_gpu_model_names_sql.sql(connection, len(ids)), ids)
         for workload_id, name in cur.fetchall():
             names[workload_id].append(name)
     return names

@@ -26,7 +26,7 @@ from nodes.models import (
 from nodes.validation import fail
 from portal.actors import Actor
 from portal.errors import DomainError
-from portal.rows import ModelColumns
+from portal.rows import ModelColumns, Statement
 from portal.services import audit_record
 
 
@@ -298,7 +298,8 @@ _CREDENTIAL_COLUMNS = ModelColumns(NodeCredential, "c", ["key_hash"])
 _NODE_COLUMNS = ModelColumns(Node, "n", ["seq_epoch", "hostname"])
 
 
-def _credential_sql() -> str:
+@Statement
+def _credential_sql(connection) -> str:
     c, n = _CREDENTIAL_COLUMNS, _NODE_COLUMNS
     return (
         f"SELECT {c.select(connection)}, {n.select(connection)} FROM {c.table(connection)}"
@@ -315,7 +316,7 @@ def node_authenticate(*, credential: str) -> AuthenticatedNode:
     # Written here: every command poll and report asks it, and the QuerySet cost more to compile
     # than to run (portal.rows).
     with connection.cursor() as cursor:
-        cursor.execute(_credential_sql(), [int(parts[0])])
+        cursor.execute(_credential_sql.sql(connection), [int(parts[0])])
         row = cursor.fetchone()
     if row is None or not hmac.compare_digest(row[0], hash_secret(credential)):
         raise NotAuthenticated("Invalid node credential.")

@@ -139,3 +139,28 @@ def test_models_it_cannot_build_the_same_way_are_left_to_django():
     assert not built._state.adding and built._state.db == "default"
     own = OwnInit.from_db("default", ["id", "name"], [1, "a"])
     assert own.seen and own.name == "a"
+
+
+def test_a_statement_is_written_once_per_vendor_and_shape():
+    from django.db import connection
+
+    from portal.rows import Statement
+
+    written = []
+
+    @Statement
+    def statement(connection, n: int) -> str:
+        written.append(n)
+        return f"SELECT {', '.join(['%s'] * n)}"
+
+    assert statement.sql(connection, 2) == "SELECT %s, %s"
+    assert statement.sql(connection, 2) == "SELECT %s, %s"
+    assert statement.sql(connection, 3) == "SELECT %s, %s, %s"
+    assert written == [2, 3]
+    for n in range(Statement.MAX_SHAPES + 10):  # past the bound the text is written, not kept
+        statement.sql(connection, 100 + n)
+    assert len(statement._sql) == Statement.MAX_SHAPES
+    assert (
+        statement.sql(connection, 100 + Statement.MAX_SHAPES + 5).count("%s")
+        == 100 + Statement.MAX_SHAPES + 5
+    )
