@@ -1,5 +1,5 @@
-"""portal.rows.QuickLoad: instances read from the database are built without Model.__init__, and
-are the instances Django builds."""
+"""portal.rows: QuickLoad (instances read from the database are built without Model.__init__, and
+are the instances Django builds) and Statement (hand-written SQL written once per vendor and shape)."""
 
 from __future__ import annotations
 
