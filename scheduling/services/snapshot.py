@@ -135,7 +135,6 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
             "workload_id",
             "node_id",
             "gpu_id",
-            "gpu__index",
             "gpu_model_id",
             "fraction_milli",
             "span_milli",
@@ -157,6 +156,13 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
             "workload__mig_profile",
         )
     )
+    # Each allocation's GPU index from the GPUs just read, rather than a join that reads every GPU
+    # row again (a sequential scan of the fleet's GPUs: two thirds of the statement's time at 4,000
+    # GPUs); GPUs of nodes outside the snapshot (draining, offline) are asked for by id.
+    gpu_index = {g["id"]: g["index"] for g in gpu_rows}
+    missing = {a["gpu_id"] for a in allocs} - gpu_index.keys()
+    if missing:
+        gpu_index.update(Gpu.objects.filter(pk__in=missing).values_list("id", "index"))
     used: dict[int, int] = defaultdict(int)
     ranges: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
     holders: dict[int, list[dict[str, Any]]] = defaultdict(list)
@@ -167,6 +173,7 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
         # Capacity is counted in what each row spans (less than its fraction on an over-subscribed
         # GPU); quotas count the fractions asked for.
         a["span"] = a["span_milli"] or a["fraction_milli"]
+        a["gpu__index"] = gpu_index[a["gpu_id"]]
         used[a["gpu_id"]] += a["span"]
         ranges[a["gpu_id"]].append((a["milli_offset"], a["span"], a["id"]))
         if a["workload__mig_profile"] and a["span"] < MILLI:

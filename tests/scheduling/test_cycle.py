@@ -7,7 +7,7 @@ from django.db import IntegrityError, connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from nodes.models import CommandKind, Gpu, GpuModel, NodeCommand
+from nodes.models import CommandKind, Gpu, GpuModel, Node, NodeCommand, NodeState
 from scheduling.models import Allocation, Reservation, ReservationStatus, Workload, WorkloadEvent
 from scheduling.models import WorkloadState as S
 from scheduling.services.allocations import gpu_range_choose
@@ -91,6 +91,30 @@ def test_the_snapshots_statements_do_not_grow_with_the_fleet(make_node):
         statements.append([x["sql"] for x in q.captured_queries])
     assert len(snapshot.nodes) == 4
     assert statements[0] == statements[1]
+
+
+def test_running_work_keeps_its_gpu_indices_on_nodes_outside_the_snapshot(tenant, make_node, submit, cycle):
+    """Allocations take their GPU's index from the GPUs the snapshot read; work on a node that is no
+    longer schedulable (its GPUs are not read) is still placed on the right indices."""
+    from scheduling.services.snapshot import cycle_snapshot_load
+
+    make_node(gpus=4)
+    make_node(gpus=4)
+    first = submit(tenant, gpu_count=4)
+    second = submit(tenant, gpu_count=2)
+    cycle()
+    expected, nodes = {}, {}
+    for w in (first, second):
+        rows = list(Allocation.objects.active().filter(workload=w).select_related("gpu"))
+        nodes[w.pk] = rows[0].node
+        expected[str(w.pk)] = (str(rows[0].node_id), tuple(sorted(a.gpu.index for a in rows)))
+        _started(reload(w), rows[0].node)
+    assert nodes[first.pk] != nodes[second.pk]
+    Node.objects.filter(pk=nodes[first.pk].pk).update(state=NodeState.DRAINING)
+    with transaction.atomic():
+        snapshot, _, _ = cycle_snapshot_load(timezone.now())
+    assert {r.id: (r.node_id, r.gpu_indices) for r in snapshot.running} == expected
+    assert [n.id for n in snapshot.nodes] == [str(nodes[second.pk].pk)]
 
 
 def test_shared_gpus_never_pass_1000_milli(tenant, make_node, submit, cycle):
