@@ -12,8 +12,11 @@ from scheduling.services.warm_pools import warm_pools_reconcile
 
 
 @shared_task(name="scheduling.tasks.run_cycle", ignore_result=True)
-def run_cycle() -> dict:
-    cycle_request_clear()
+def run_cycle(token: str | None = None) -> dict:
+    """A cycle: asked for by a trigger (``token``: the mark's, which it clears; see
+    ``scheduling.services.triggers``) or by beat (none)."""
+    if token is not None:
+        cycle_request_clear(token)
     with cycle_recorded() as outcome:
         r = outcome["result"] = scheduling_cycle_run()
     return {"ran": r.ran, "placed": len(r.placed), "preempted": len(r.preempted), "pending": r.pending}

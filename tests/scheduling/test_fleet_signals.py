@@ -4,6 +4,7 @@ reconcile) and ``node_ready`` (a debounced cycle), sent by the real agent endpoi
 from __future__ import annotations
 
 import pytest
+from django.core.cache import cache
 
 from nodes.models import Node
 from nodes.services.health import node_cordon, node_uncordon
@@ -11,7 +12,7 @@ from portal.actors import Actor
 from scheduling import tasks
 from scheduling.models import WorkloadEvent
 from scheduling.models import WorkloadState as S
-from scheduling.services.triggers import cycle_request_clear
+from scheduling.services.triggers import DEBOUNCE_KEY, cycle_request_clear
 from tests.nodes import conftest as nodes_conftest
 from tests.scheduling.conftest import reload
 
@@ -64,5 +65,6 @@ def test_a_node_ready_again_asks_for_one_debounced_cycle(
     with django_capture_on_commit_callbacks(execute=True):
         node_uncordon(node=a.node, actor=Actor.system())
         node_uncordon(node=b.node, actor=Actor.system())
-    assert asked == [{"countdown": settings.SCHEDULING_CYCLE_DEBOUNCE_S, "retry": False}]
+    assert len(asked) == 1 and asked[0]["countdown"] == settings.SCHEDULING_CYCLE_DEBOUNCE_S
+    assert asked[0]["kwargs"]["token"] == cache.get(DEBOUNCE_KEY)
     cycle_request_clear()
