@@ -93,6 +93,17 @@ class ModelColumns:
         qn = connection.ops.quote_name
         return f"{qn(self.model._meta.db_table)} {qn(self.alias)}"
 
+    def select_joined(self, connection, parent: ModelColumns, via: str) -> str:
+        """``SELECT`` these columns and ``parent``'s ``FROM`` this table ``INNER JOIN`` the parent's
+        on its primary key = this model's foreign key ``via``: the head of a statement that reads a
+        row with the row it points to (a WHERE clause and the rest follow)."""
+        pk = parent.model._meta.pk.name
+        return (
+            f"SELECT {self.select(connection)}, {parent.select(connection)} FROM {self.table(connection)}"
+            f" INNER JOIN {parent.table(connection)}"
+            f" ON {parent.column(connection, pk)} = {self.column(connection, via)}"
+        )
+
     def column(self, connection, name: str) -> str:
         """``"alias"."column"`` of the model's field ``name`` (any field, selected or not)."""
         return self._column(connection, self.model._meta.get_field(name))

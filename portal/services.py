@@ -476,12 +476,8 @@ _TENANT_COLUMNS = ModelColumns(Tenant, "n")
 
 @Statement
 def _token_sql(connection) -> str:
-    t, n = _TOKEN_COLUMNS, _TENANT_COLUMNS
-    return (
-        f"SELECT {t.select(connection)}, {n.select(connection)} FROM {t.table(connection)}"
-        f" INNER JOIN {n.table(connection)} ON {n.column(connection, 'id')} = {t.column(connection, 'tenant')}"
-        f" WHERE {t.column(connection, 'key_id')} = %s"
-    )
+    t = _TOKEN_COLUMNS
+    return f"{t.select_joined(connection, _TENANT_COLUMNS, 'tenant')} WHERE {t.column(connection, 'key_id')} = %s"
 
 
 def _token_with_tenant(key_id: str) -> ApiToken | None:

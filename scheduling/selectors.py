@@ -149,8 +149,7 @@ _CHOICE_MODEL_COLUMNS = ModelColumns(GpuModel, "m", ["name"])
 def _gpu_model_names_sql(connection, workloads: int) -> str:
     t, m = _CHOICE_COLUMNS, _CHOICE_MODEL_COLUMNS
     return (
-        f"SELECT {t.select(connection)}, {m.select(connection)} FROM {t.table(connection)}"
-        f" JOIN {m.table(connection)} ON {m.column(connection, 'id')} = {t.column(connection, 'gpumodel')}"
+        f"{t.select_joined(connection, m, 'gpumodel')}"
         f" WHERE {t.column(connection, 'workload')} IN ({', '.join(['%s'] * workloads)})"
         f" ORDER BY {m.column(connection, 'vendor')}, {m.column(connection, 'name')}"
     )

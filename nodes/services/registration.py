@@ -300,12 +300,8 @@ _NODE_COLUMNS = ModelColumns(Node, "n", ["seq_epoch", "hostname"])
 
 @Statement
 def _credential_sql(connection) -> str:
-    c, n = _CREDENTIAL_COLUMNS, _NODE_COLUMNS
-    return (
-        f"SELECT {c.select(connection)}, {n.select(connection)} FROM {c.table(connection)}"
-        f" INNER JOIN {n.table(connection)} ON {n.column(connection, 'id')} = {c.column(connection, 'node')}"
-        f" WHERE {c.column(connection, 'node')} = %s"
-    )
+    c = _CREDENTIAL_COLUMNS
+    return f"{c.select_joined(connection, _NODE_COLUMNS, 'node')} WHERE {c.column(connection, 'node')} = %s"
 
 
 def node_authenticate(*, credential: str) -> AuthenticatedNode:

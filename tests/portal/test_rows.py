@@ -164,3 +164,16 @@ def test_a_statement_is_written_once_per_vendor_and_shape():
         statement.sql(connection, 100 + Statement.MAX_SHAPES + 5).count("%s")
         == 100 + Statement.MAX_SHAPES + 5
     )
+
+
+def test_a_joined_select_reads_a_row_with_the_row_it_points_to(rows):
+    from django.db import connection
+
+    from portal.rows import ModelColumns
+
+    commands = ModelColumns(NodeCommand, "c", ["kind"])
+    nodes = ModelColumns(Node, "n", ["hostname"])
+    head = commands.select_joined(connection, nodes, "node")
+    with connection.cursor() as cursor:
+        cursor.execute(f"{head} WHERE {commands.column(connection, 'kind')} = %s", ["drain"])
+        assert cursor.fetchall() == [("drain", "n1")]
