@@ -31,6 +31,19 @@ def _empty_cache():
     cache.clear()
 
 
+@pytest.fixture(autouse=True)
+def _root_logger_kept():
+    """The root logger's level as settings.LOGGING set it, back after every test. A Celery worker
+    started in a test (``start_worker``) sets the root level to the worker's log level (ERROR unless
+    it is given one), and nothing set it back: any later test that reads INFO records saw none."""
+    import logging
+
+    root = logging.getLogger()
+    level = root.level
+    yield
+    root.setLevel(level)
+
+
 @pytest.fixture
 def make_tenant(db):
     def make(slug: str = "acme", owner_email: str | None = None, **kwargs) -> Tenant:

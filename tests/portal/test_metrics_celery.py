@@ -77,7 +77,9 @@ def test_a_task_run_by_a_worker_records_its_latency_and_logs_with_its_id(
     m = scrape(client)
     labels = {"queue": "scheduling", "task": "scheduling.tasks.run_cycle"}
     before = value(m, LATENCY, LATENCY + "_count", **labels) or 0
-    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10), json_log() as lines:
+    # The worker sets the root logger's level to its own: INFO, for the cycle's record read here.
+    worker = start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10, loglevel="INFO")
+    with worker, json_log() as lines:
         result = run_cycle.delay()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and Workload.objects.get(pk=w.pk).state != "scheduled":
