@@ -30,9 +30,12 @@ def lock_quota(*, tenant) -> Quota:
     quota = Quota.objects.select_for_update().filter(tenant=tenant).first()
     if quota is not None:
         return quota
-    # First submission of the tenant: make the row (a concurrent maker loses on the unique
-    # tenant column inside its savepoint and then waits for ours) and lock it.
-    Quota.objects.get_or_create(tenant=tenant, defaults=dict(settings.SCHEDULING_DEFAULT_QUOTA))
+    # First submission of the tenant: make the row and lock it. A concurrent maker's insert waits
+    # on the unique tenant column for ours to commit and then does nothing (ON CONFLICT DO
+    # NOTHING: no failed statement, no savepoint, no "duplicate key" error in the server's log).
+    Quota.objects.bulk_create(
+        [Quota(tenant=tenant, **settings.SCHEDULING_DEFAULT_QUOTA)], ignore_conflicts=True
+    )
     return Quota.objects.select_for_update().get(tenant=tenant)
 
 

@@ -82,6 +82,36 @@ def test_parallel_gpu_quota_counts_every_admitted_request(tenant, make_node):
     assert sum(admitted) == 9 and Workload.objects.count() == 3
 
 
+def test_a_tenants_first_submissions_at_once_make_one_quota_row_with_the_defaults(
+    tenant, make_node, settings
+):
+    make_node()
+    settings.SCHEDULING_DEFAULT_QUOTA = {"max_concurrent_workloads": 2}
+    assert not Quota.objects.filter(tenant=tenant).exists()
+    n = 6
+    barrier = threading.Barrier(n)
+    outcomes: list[str] = []
+
+    def submit():
+        try:
+            barrier.wait()
+            workload_submit(tenant=tenant, kind="job", spec=JOB, actor=Actor.system())
+            outcomes.append("admitted")
+        except Exception as e:  # the quota error is the expected refusal
+            outcomes.append(type(e).__name__)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=submit) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # Every submission waited for the one row, and the default limit held across all of them.
+    assert sorted(outcomes) == ["QuotaExceeded"] * (n - 2) + ["admitted"] * 2
+    assert list(Quota.objects.filter(tenant=tenant).values_list("max_concurrent_workloads", flat=True)) == [2]
+
+
 def test_a_second_cycle_does_not_run_while_one_holds_the_lock(tenant, make_node, submit):
     make_node()
     submit(tenant)
