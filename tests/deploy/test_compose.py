@@ -4,6 +4,8 @@ the code reads (no Docker engine runs in CI: the file is parsed and checked)."""
 from __future__ import annotations
 
 import re
+import shlex
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -11,7 +13,11 @@ import yaml
 from tests.deploy.helpers import DEPLOY, ROOT, agent_settings, interpolations, portal_settings
 
 QUEUES = {"scheduling", "commands", "metering", "default"}
-REQUIRED = {"postgres", "redis", "migrate", "web", "beat", "fleet"} | {f"worker-{q}" for q in QUEUES}
+REQUIRED = {"postgres", "redis", "migrate", "web", "agent-web", "beat", "fleet"} | {
+    f"worker-{q}" for q in QUEUES
+}
+# Docker's default CPU weight (cpu_shares) of a container that sets none.
+DEFAULT_CPU_SHARES = 1024
 # Infrastructure images read their own variables; only these may come from deploy/.env.
 INFRA_INTERPOLATIONS = {"POSTGRES_PASSWORD"}
 
@@ -37,6 +43,20 @@ def is_app(service: dict) -> bool:
 
 def long_running(name: str, service: dict) -> bool:
     return service.get("restart") != "no"
+
+
+def option(cmd: list[str], name: str) -> str | None:
+    """The value of ``--name=value`` or ``--name value`` in a command."""
+    for i, arg in enumerate(cmd):
+        if arg.startswith(f"{name}="):
+            return arg.split("=", 1)[1]
+        if arg == name and i + 1 < len(cmd):
+            return cmd[i + 1]
+    return None
+
+
+def cpu_shares(service: dict) -> int:
+    return int(service.get("cpu_shares", DEFAULT_CPU_SHARES))
 
 
 def test_required_services_are_present(services):
@@ -83,6 +103,27 @@ def test_web_is_uvicorn_with_several_workers(services):
     assert "--host=0.0.0.0" in cmd
 
 
+def test_agent_web_is_the_web_app_with_fewer_cpu_shares(services):
+    web, agent = services["web"], services["agent-web"]
+    cmd = command(agent)
+    assert cmd[:2] == ["uvicorn", "portal.asgi:application"]
+    # The same server and flags as web; only the number of processes may differ.
+    assert [a for a in cmd if not a.startswith("--workers=")] == [
+        a for a in command(web) if not a.startswith("--workers=")
+    ]
+    assert int(option(cmd, "--workers")) >= 1
+    # Under CPU contention on the host, tenants' requests (web) get the CPU first; so does web
+    # against the simulated fleet.
+    assert "cpu_shares" not in web or cpu_shares(web) == DEFAULT_CPU_SHARES
+    assert cpu_shares(agent) < cpu_shares(web)
+    assert cpu_shares(services["fleet"]) < cpu_shares(web)
+    # Published on a host port of its own, to the port uvicorn listens on.
+    published = {str(p).rsplit(":", 1)[0]: str(p).rsplit(":", 1)[1] for p in agent["ports"]}
+    web_published = {str(p).rsplit(":", 1)[0] for p in web["ports"]}
+    assert set(published.values()) == {option(cmd, "--port")}
+    assert not set(published) & web_published
+
+
 def test_migrate_runs_once_before_everything_of_ours(services):
     assert services["migrate"]["restart"] == "no"
     assert command(services["migrate"]) == ["python", "manage.py", "migrate", "--noinput"]
@@ -105,9 +146,10 @@ def test_long_running_services_have_health_checks_and_restart_policies(services)
         service = services[f"worker-{queue}"]
         assert "--hostname=celery@%h" in command(service)
         assert 'ping --timeout 10 -d "celery@$$HOSTNAME"' in service["healthcheck"]["test"][1]
-    # The web check asks /readyz with a host Django accepts.
-    web_check = " ".join(services["web"]["healthcheck"]["test"])
-    assert "/readyz" in web_check
+    # The web checks ask /readyz, on the port uvicorn listens on.
+    for name in ("web", "agent-web"):
+        check = " ".join(services[name]["healthcheck"]["test"])
+        assert f"127.0.0.1:{option(command(services[name]), '--port')}/readyz" in check, name
 
 
 def test_every_variable_of_our_services_is_a_setting_the_code_reads(services):
@@ -147,6 +189,23 @@ def test_fleet_reads_the_file_seed_demo_writes(services):
     assert "python manage.py seed_demo &&" in script
     assert f"gpupool-agent fleet --fleet-file {path}" in script
     assert any(str(v).endswith(":" + path.rsplit("/", 1)[0]) for v in fleet["volumes"])
+
+
+def test_fleet_agents_reach_agent_web_and_it_serves_them(services):
+    fleet, agent = services["fleet"], services["agent-web"]
+    assert command(fleet)[:2] == ["sh", "-c"]
+    url = urlsplit(option(shlex.split(command(fleet)[2]), "--portal-url"))
+    assert url.hostname == "agent-web", url
+    assert str(url.port) == option(command(agent), "--port")
+    assert fleet["depends_on"]["agent-web"]["condition"] == "service_healthy"
+    # Over plain HTTP on the compose network: agent-web must accept the name the fleet calls it by
+    # (Django answers 400 to another Host) and must not redirect plain HTTP to HTTPS.
+    env = agent["environment"]
+    hosts = re.sub(r"\$\{[^}]*\}", "", env["ALLOWED_HOSTS"]).split(",")
+    assert url.hostname in hosts
+    assert "${ALLOWED_HOSTS" in env["ALLOWED_HOSTS"]  # and still the public names of deploy/.env
+    if url.scheme == "http":
+        assert str(env.get("SECURE_SSL_REDIRECT")).lower() in ("0", "false", "no", "off")
 
 
 def test_named_volumes_are_declared(compose, services):

@@ -21,6 +21,8 @@ KINDS = {
     ("networking.k8s.io/v1", "Ingress"),
 }  # fmt: skip
 QUEUES = {"scheduling", "commands", "metering", "default"}
+# The uvicorn Deployments: gpupool-web (tenants) and gpupool-agent-web (the agents' /agent/).
+WEB_TIERS = ("gpupool-web", "gpupool-agent-web")
 # hostPath volumes of the agent and why (the same list heads agent-daemonset.yaml).
 AGENT_HOST_PATHS = {
     "/var/lib/gpupool-agent": "DirectoryOrCreate",
@@ -92,8 +94,24 @@ def test_every_container_has_requests_and_limits_and_our_image(manifests, kustom
             assert c["image"] in images
 
 
-def test_web_probes_healthz_and_readyz(manifests):
-    web = by_kind(manifests, "Deployment")["gpupool-web"]
+def selected(manifests, selector: dict) -> list[str]:
+    """The Deployments whose pods a Service or PodDisruptionBudget selector matches."""
+    return [
+        name
+        for name, d in by_kind(manifests, "Deployment").items()
+        if matches({"matchLabels": selector}, d["spec"]["template"]["metadata"]["labels"])
+    ]
+
+
+def parse_cpu(value) -> float:
+    """A CPU quantity in cores: "250m" -> 0.25, "2" -> 2.0."""
+    text = str(value)
+    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+@pytest.mark.parametrize("name", WEB_TIERS)
+def test_web_probes_healthz_and_readyz(manifests, name):
+    web = by_kind(manifests, "Deployment")[name]
     container = web["spec"]["template"]["spec"]["containers"][0]
     port_names = {p["name"] for p in container["ports"]}
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
@@ -105,6 +123,23 @@ def test_web_probes_healthz_and_readyz(manifests):
     # Probes come by pod IP, which the app answers before host validation (ProbeMiddleware):
     # ALLOWED_HOSTS stays the public names only.
     assert "ALLOWED_HOSTS" not in {e["name"] for e in container.get("env", [])}
+
+
+def test_agent_web_is_the_web_app_on_pods_of_its_own(manifests):
+    deployments = by_kind(manifests, "Deployment")
+    web, agent = (deployments[name]["spec"]["template"] for name in WEB_TIERS)
+    web_c, agent_c = web["spec"]["containers"][0], agent["spec"]["containers"][0]
+    # The same image, app, flags and settings: only where the traffic comes from differs.
+    for key in ("image", "command", "ports", "envFrom"):
+        assert agent_c[key] == web_c[key], key
+    assert agent["metadata"]["annotations"] == web["metadata"]["annotations"]  # scraped like web
+    assert agent["metadata"]["labels"]["app.kubernetes.io/component"] == "agent-web"
+    # Its own pods: web's selector does not take them, and the other way round.
+    assert not matches(deployments["gpupool-web"]["spec"]["selector"], agent["metadata"]["labels"])
+    assert not matches(deployments["gpupool-agent-web"]["spec"]["selector"], web["metadata"]["labels"])
+    # A lower CPU request than web's: its weight when a node's CPU is contended.
+    cpu = [parse_cpu(c["resources"]["requests"]["cpu"]) for c in (agent_c, web_c)]
+    assert cpu[0] < cpu[1]
 
 
 def test_workers_one_deployment_per_queue_with_liveness(manifests):
@@ -150,43 +185,60 @@ def test_autoscaled_deployments_leave_replicas_to_the_hpa(manifests):
         assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
         assert "replicas" not in deployments[ref["name"]]["spec"], ref["name"]
         targets.add(ref["name"])
-    assert targets == {"gpupool-web"} | {f"gpupool-worker-{q}" for q in QUEUES}
+    assert targets == set(WEB_TIERS) | {f"gpupool-worker-{q}" for q in QUEUES}
 
 
-def test_pdb_selects_the_web_pods_only(manifests):
-    (pdb,) = by_kind(manifests, "PodDisruptionBudget").values()
-    web = by_kind(manifests, "Deployment")["gpupool-web"]
-    assert matches(pdb["spec"]["selector"], web["spec"]["template"]["metadata"]["labels"])
-    for m, _ in pod_specs(manifests):
-        if m is not web:
-            assert not matches(pdb["spec"]["selector"], m["spec"]["template"]["metadata"]["labels"]), m[
-                "metadata"
-            ]
-    assert pdb["spec"]["minAvailable"] >= 1
+def test_each_pdb_selects_its_own_deployments_pods_only(manifests):
+    pdbs = by_kind(manifests, "PodDisruptionBudget")
+    assert set(pdbs) == set(WEB_TIERS)
+    for name, pdb in pdbs.items():
+        owner = by_kind(manifests, "Deployment")[name]
+        assert matches(pdb["spec"]["selector"], owner["spec"]["template"]["metadata"]["labels"]), name
+        for m, _ in pod_specs(manifests):
+            if m is not owner:
+                labels = m["spec"]["template"]["metadata"]["labels"]
+                assert not matches(pdb["spec"]["selector"], labels), (name, m["metadata"]["name"])
+        assert pdb["spec"]["minAvailable"] >= 1
 
 
-def test_service_and_ingress_reach_the_web_pods_websockets_included(manifests):
+def test_each_service_reaches_exactly_one_web_tier_on_a_port_its_container_has(manifests):
+    deployments = by_kind(manifests, "Deployment")
+    reached = set()
+    for name, service in by_kind(manifests, "Service").items():
+        targets = selected(manifests, service["spec"]["selector"])
+        assert len(targets) == 1 and targets[0] in WEB_TIERS, (name, targets)
+        container = deployments[targets[0]]["spec"]["template"]["spec"]["containers"][0]
+        assert {p["targetPort"] for p in service["spec"]["ports"]} <= {p["name"] for p in container["ports"]}
+        reached.add(targets[0])
+    assert reached == set(WEB_TIERS)
+
+
+def test_ingress_sends_agents_to_agent_web_and_the_rest_to_web(manifests):
     services = by_kind(manifests, "Service")
-    web = by_kind(manifests, "Deployment")["gpupool-web"]
-    port_names = {p["name"] for p in web["spec"]["template"]["spec"]["containers"][0]["ports"]}
-    for service in services.values():
-        assert service["spec"]["selector"] == web["spec"]["selector"]["matchLabels"]
-        assert {p["targetPort"] for p in service["spec"]["ports"]} <= port_names
     paths = {}
     for ingress in by_kind(manifests, "Ingress").values():
         for rule in ingress["spec"]["rules"]:
+            assert rule["host"] == "gpupool.example.com"  # one public URL for tenants and agents
             for path in rule["http"]["paths"]:
+                assert path["pathType"] == "Prefix"
                 backend = path["backend"]["service"]
-                assert backend["name"] in services
+                assert backend["name"] in services, backend["name"]
                 assert backend["port"]["name"] in {
                     p["name"] for p in services[backend["name"]]["spec"]["ports"]
                 }
-                paths[path["path"]] = ingress
-    assert {"/", "/ws/"} <= set(paths)
-    assert (
-        int(paths["/ws/"]["metadata"]["annotations"]["nginx.ingress.kubernetes.io/proxy-read-timeout"])
-        >= 3600
-    )
+                # The Deployment whose pods the backend Service selects.
+                (target,) = selected(manifests, services[backend["name"]]["spec"]["selector"])
+                assert path["path"] not in paths, f"{path['path']} is routed twice"
+                paths[path["path"]] = (target, ingress)
+    assert {p: target for p, (target, _) in paths.items()} == {
+        "/": "gpupool-web",
+        "/ws/": "gpupool-web",
+        "/agent/": "gpupool-agent-web",
+    }
+    timeout = "nginx.ingress.kubernetes.io/proxy-read-timeout"
+    assert int(paths["/ws/"][1]["metadata"]["annotations"][timeout]) >= 3600
+    # The command long poll waits up to NODE_COMMANDS_MAX_WAIT_S (default 30 s) before answering.
+    assert int(paths["/agent/"][1]["metadata"]["annotations"][timeout]) > 30
 
 
 def test_migration_job_and_init_containers(manifests):

@@ -31,10 +31,12 @@ def keep_alive(args: list[str]) -> int | None:
 def uvicorn_commands() -> dict[str, list[str]]:
     found = {}
     compose = yaml.safe_load((ROOT / "deploy/compose.yaml").read_text())
-    found["compose web"] = compose["services"]["web"]["command"]
-    for doc in yaml.safe_load_all((ROOT / "deploy/k8s/web.yaml").read_text()):
-        if doc and doc.get("kind") == "Deployment":
-            found["k8s web"] = doc["spec"]["template"]["spec"]["containers"][0]["command"]
+    # web, and agent-web: the agents' own ingress, where their connections go.
+    for name in ("web", "agent-web"):
+        found[f"compose {name}"] = compose["services"][name]["command"]
+        for doc in yaml.safe_load_all((ROOT / f"deploy/k8s/{name}.yaml").read_text()):
+            if doc and doc.get("kind") == "Deployment":
+                found[f"k8s {name}"] = doc["spec"]["template"]["spec"]["containers"][0]["command"]
     cmd = re.search(r"^CMD (\[.*\])$", (ROOT / "deploy/Dockerfile").read_text(), re.M)
     found["Dockerfile"] = yaml.safe_load(cmd.group(1))
     procfile = dict(line.split(": ", 1) for line in (ROOT / "Procfile").read_text().splitlines() if line)
@@ -44,7 +46,7 @@ def uvicorn_commands() -> dict[str, list[str]]:
 
 def test_the_web_tier_outlasts_its_clients_idle_connections():
     commands = uvicorn_commands()
-    assert len(commands) == 4
+    assert len(commands) == 6
     for where, args in commands.items():
         assert "uvicorn" in " ".join(args), where
         seconds = keep_alive(args)

@@ -3,6 +3,8 @@ metrics the app exports."""
 
 from __future__ import annotations
 
+import re
+
 import yaml
 
 from tests.deploy.helpers import DEPLOY, SYNTHETIC, promql_metric_names, promtool
@@ -37,6 +39,35 @@ def test_promtool_accepts_the_configuration():
     assert "prometheus.yml is valid prometheus config file syntax" in result.stdout
     assert "SUCCESS: 1 rule files found" in result.stdout
     assert sorted(p.name for p in (PROM / "rules").glob("*.yml")) == ["gpupool.yml"]
+
+
+def test_every_web_tier_is_scraped_by_a_job_the_rules_read():
+    """Both uvicorn tiers, web and agent-web (where the agents' heartbeat, ingest and request
+    counters are counted), in Kubernetes (their headless Services) and in compose: the rules and
+    dashboards select job=~"gpupool-web.*"."""
+    jobs = yaml.safe_load((PROM / "prometheus.yml").read_text())["scrape_configs"]
+    scraped = set()
+    for job in jobs:
+        if re.fullmatch(r"gpupool-web.*", job["job_name"]):
+            for sd in job.get("dns_sd_configs", []):
+                scraped.update(f"{name}:{sd['port']}" for name in sd["names"])
+            for static in job.get("static_configs", []):
+                scraped.update(static["targets"])
+    headless = [
+        doc
+        for path in (DEPLOY / "k8s").glob("*.yaml")
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc and doc["kind"] == "Service" and doc["spec"].get("clusterIP") == "None"
+    ]
+    components = {doc["spec"]["selector"]["app.kubernetes.io/component"] for doc in headless}
+    assert components == {"web", "agent-web"}
+    for doc in headless:
+        (port,) = doc["spec"]["ports"]
+        assert f"{doc['metadata']['name']}.gpupool.svc.cluster.local:{port['port']}" in scraped
+    services = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]
+    for name in ("web", "agent-web"):
+        port = next(a.split("=", 1)[1] for a in services[name]["command"] if a.startswith("--port="))
+        assert f"{name}:{port}" in scraped, name
 
 
 def test_promtool_accepts_the_rules():
