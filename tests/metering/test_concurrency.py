@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import threading
 from datetime import date
 from decimal import Decimal
 
 import pytest
 from django.core import mail
-from django.db import connections
 
 from metering.models import Budget, BudgetAlert, Invoice, InvoiceLine
 from metering.services.budgets import costs_to_date_update
@@ -16,6 +14,7 @@ from metering.services.invoices import invoice_run
 from metering.services.usage import usage_build
 from tests.conftest import postgres_only
 from tests.metering.conftest import utc
+from tests.races import together
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -25,31 +24,10 @@ def _postgres_only():
     postgres_only("concurrent writers")
 
 
-def _together(fn, n: int = 4) -> list[BaseException]:
-    barrier = threading.Barrier(n)
-    errors: list[BaseException] = []
-
-    def go():
-        try:
-            barrier.wait()
-            fn()
-        except BaseException as exc:  # collected and asserted on by the test
-            errors.append(exc)
-        finally:
-            connections.close_all()
-
-    threads = [threading.Thread(target=go) for _ in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return errors
-
-
 def test_parallel_cost_updates_send_each_alert_once(tenant, card, run):
     Budget.objects.create(tenant=tenant, monthly_limit=Decimal("10"))
     run(tenant, utc(2024, 3, 1, 0), utc(2024, 3, 1, 4, 30))  # 9.00: 50 % and 80 %
-    assert _together(lambda: costs_to_date_update(now=utc(2024, 3, 1, 5))) == []
+    assert together(lambda: costs_to_date_update(now=utc(2024, 3, 1, 5))) == []
     assert sorted(BudgetAlert.objects.values_list("threshold", flat=True)) == [50, 80]
     assert len(mail.outbox) == 2
 
@@ -59,7 +37,7 @@ def test_parallel_invoice_runs_make_one_invoice_per_tenant_with_the_same_lines(m
     for i, t in enumerate(tenants):
         run(t, utc(2024, 3, 2), utc(2024, 3, 2, 1 + i))
     usage_build(since=utc(2024, 1, 1), now=utc(2024, 4, 1))
-    errors = _together(lambda: invoice_run(period_start=date(2024, 3, 1), now=utc(2024, 4, 1)))
+    errors = together(lambda: invoice_run(period_start=date(2024, 3, 1), now=utc(2024, 4, 1)))
     assert errors == []
     assert Invoice.objects.count() == 6
     totals = dict(Invoice.objects.values_list("tenant__slug", "total"))

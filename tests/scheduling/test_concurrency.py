@@ -21,6 +21,7 @@ from scheduling.services.cycle import scheduling_cycle_run
 from scheduling.services.submission import workload_submit
 from scheduling.services.triggers import cycle_request_clear
 from tests.conftest import postgres_only
+from tests.races import together
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -37,22 +38,13 @@ def test_parallel_requests_cannot_pass_a_quota(tenant, make_token, make_node):
     Quota.objects.create(tenant=tenant, max_concurrent_workloads=3, max_gpus_total=100)
     token = make_token(tenant)
     n = 10
-    barrier = threading.Barrier(n)
     codes: list[int] = []
 
     def post():
-        try:
-            client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
-            barrier.wait()
-            codes.append(client.post("/api/v1/jobs/", JOB, content_type="application/json").status_code)
-        finally:
-            connections.close_all()
+        client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+        codes.append(client.post("/api/v1/jobs/", JOB, content_type="application/json").status_code)
 
-    threads = [threading.Thread(target=post) for _ in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    assert together(post, n) == []
     assert sorted(codes) == [201] * 3 + [403] * (n - 3)
     assert Workload.objects.filter(tenant=tenant).count() == 3
 
@@ -61,25 +53,15 @@ def test_parallel_gpu_quota_counts_every_admitted_request(tenant, make_node):
     make_node()
     make_node()
     Quota.objects.create(tenant=tenant, max_gpus_total=10)
-    barrier = threading.Barrier(8)
-    admitted: list[int] = []
-
-    def submit():
-        try:
-            barrier.wait()
-            workload_submit(tenant=tenant, kind="job", spec={**JOB, "gpu_count": 3}, actor=Actor.system())
-            admitted.append(3)
-        except Exception as e:  # the quota error is the expected refusal
-            assert type(e).__name__ == "QuotaExceeded", e
-        finally:
-            connections.close_all()
-
-    threads = [threading.Thread(target=submit) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert sum(admitted) == 9 and Workload.objects.count() == 3
+    errors = together(
+        lambda: workload_submit(
+            tenant=tenant, kind="job", spec={**JOB, "gpu_count": 3}, actor=Actor.system()
+        ),
+        8,
+    )
+    # Three of eight requests of 3 GPUs fit in 10; the others are refused by the quota.
+    assert sorted(type(e).__name__ for e in errors) == ["QuotaExceeded"] * 5
+    assert Workload.objects.count() == 3
 
 
 def test_a_tenants_first_submissions_at_once_make_one_quota_row_with_the_defaults(
@@ -89,26 +71,10 @@ def test_a_tenants_first_submissions_at_once_make_one_quota_row_with_the_default
     settings.SCHEDULING_DEFAULT_QUOTA = {"max_concurrent_workloads": 2}
     assert not Quota.objects.filter(tenant=tenant).exists()
     n = 6
-    barrier = threading.Barrier(n)
-    outcomes: list[str] = []
-
-    def submit():
-        try:
-            barrier.wait()
-            workload_submit(tenant=tenant, kind="job", spec=JOB, actor=Actor.system())
-            outcomes.append("admitted")
-        except Exception as e:  # the quota error is the expected refusal
-            outcomes.append(type(e).__name__)
-        finally:
-            connections.close_all()
-
-    threads = [threading.Thread(target=submit) for _ in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = together(lambda: workload_submit(tenant=tenant, kind="job", spec=JOB, actor=Actor.system()), n)
     # Every submission waited for the one row, and the default limit held across all of them.
-    assert sorted(outcomes) == ["QuotaExceeded"] * (n - 2) + ["admitted"] * 2
+    assert sorted(type(e).__name__ for e in errors) == ["QuotaExceeded"] * (n - 2)
+    assert Workload.objects.filter(tenant=tenant).count() == 2
     assert list(Quota.objects.filter(tenant=tenant).values_list("max_concurrent_workloads", flat=True)) == [2]
 
 
