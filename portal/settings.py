@@ -315,7 +315,7 @@ REST_FRAMEWORK = {
     "DEFAULT_THROTTLE_RATES": {"token": API_RATE_LIMIT},
     "EXCEPTION_HANDLER": "portal.api.errors.exception_handler",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"]
+    "DEFAULT_RENDERER_CLASSES": ["portal.api.renderers.JSONRenderer"]
     + (["rest_framework.renderers.BrowsableAPIRenderer"] if DEBUG else []),
     "TEST_REQUEST_DEFAULT_FORMAT": "json",
 }
