@@ -38,6 +38,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -102,6 +103,7 @@ def pct(values: list[float], p: float) -> float:
 def agents_child(fleet_file: str, portal_url: str, state_root: str, out: str) -> int:
     """Run the fleet file's agents; time every request they make; write the timings on SIGTERM."""
     from nodes.agent import client as agent_client
+    from nodes.agent.cli import run_event_loop
     from nodes.agent.fleet import Fleet
 
     timings: list[tuple[float, str, float, int]] = []  # (wall time, kind, seconds, status)
@@ -131,7 +133,7 @@ def agents_child(fleet_file: str, portal_url: str, state_root: str, out: str) ->
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    asyncio.run(run())
+    run_event_loop(run())
     Path(out).write_text(json.dumps(timings))
     return 0
 
@@ -413,7 +415,11 @@ def main() -> int:
     parser.add_argument("--db-pool", type=int, default=16, help="DB_POOL_MAX_SIZE of each process")
     parser.add_argument("--keep", action="store_true", help="keep the database afterwards")
     parser.add_argument(
-        "--timeline", type=float, default=0, metavar="S", help="print latency per S seconds of the load"
+        "--timeline",
+        type=float,
+        default=0,
+        metavar="S",
+        help="print latency and CPU by role per S seconds of the load",
     )
     parser.add_argument(
         "--agents-child", nargs=4, metavar=("FLEET", "URL", "STATE", "OUT"), help=argparse.SUPPRESS
@@ -526,9 +532,21 @@ def main() -> int:
         window = (time.time(), None)
         load_avg = os.getloadavg()
         cpu_before = cpu_by_role(procs)
+        # With --timeline: CPU by role at each step, read from /proc by a thread of its own.
+        cpu_steps: list[dict[str, float]] = [cpu_before]
+        load_done = threading.Event()
+
+        def sample_cpu() -> None:
+            while not load_done.wait(window[0] + len(cpu_steps) * args.timeline - time.time()):
+                cpu_steps.append(cpu_by_role(procs))
+
+        sampler = threading.Thread(target=sample_cpu, daemon=True)
+        if args.timeline:
+            sampler.start()
         results, created, sample_errors, elapsed = asyncio.run(
             tenant_load(base, tokens, args.rate, args.duration, models)
         )
+        load_done.set()
         window = (window[0], time.time())
         load_after = os.getloadavg()
         cpu_after = cpu_by_role(procs)
@@ -611,7 +629,9 @@ def main() -> int:
         print(
             f"\ntimeline ({args.timeline:g} s steps from the start of the load): tenant reads and heartbeats sent"
         )
-        print(f"{'t s':>5} {'reads':>6} {'p50 ms':>8} {'p95 ms':>8} {'heartbeats':>10} {'p95 ms':>8}")
+        roles = ("web", "agent-web", "postgres", "agents", "worker-scheduling")
+        print(f"{'t s':>5} {'reads':>6} {'p50 ms':>8} {'p95 ms':>8} {'heartbeats':>10} {'p95 ms':>8}   "
+              f"cores: {' '.join(roles)}, all")  # fmt: skip
         steps = defaultdict(lambda: ([], []))
         for e, seconds, st, _, at in results:
             if e.startswith("GET") and st > 0:
@@ -620,8 +640,17 @@ def main() -> int:
             steps[int((at - window[0]) // args.timeline)][1].append(seconds * 1000)
         for step in sorted(k for k in steps if k >= 0):
             r, h = steps[step]
+            cores = ""
+            if step + 1 < len(cpu_steps):
+                used = {
+                    k: (cpu_steps[step + 1][k] - cpu_steps[step].get(k, 0)) / args.timeline
+                    for k in cpu_steps[step + 1]
+                }
+                cores = (
+                    "   " + " ".join(f"{used.get(k, 0):.2f}" for k in roles) + f", {sum(used.values()):.2f}"
+                )
             print(
-                f"{step * args.timeline:5.0f} {len(r):6d} {pct(r, 50):8.1f} {pct(r, 95):8.1f} {len(h):10d} {pct(h, 95):8.1f}"
+                f"{step * args.timeline:5.0f} {len(r):6d} {pct(r, 50):8.1f} {pct(r, 95):8.1f} {len(h):10d} {pct(h, 95):8.1f}{cores}"
             )
 
     first_scheduled: dict[int, float] = {}
