@@ -5,7 +5,8 @@
     gpupool-agent show-config [the flags of run]
 
 Settings: flags override the environment (``GPUPOOL_*``), which overrides the config file
-(``--config`` or ``$GPUPOOL_AGENT_CONFIG``, TOML).
+(``--config`` or ``$GPUPOOL_AGENT_CONFIG``, TOML). ``GPUPOOL_EVENT_LOOP``: ``uvloop`` (the default,
+where it is installed) or ``asyncio``.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 from nodes.agent import __version__
 from nodes.agent.collectors import COLLECTOR_KINDS, CollectorUnavailable
@@ -30,6 +32,8 @@ log = logging.getLogger("nodes.agent")
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_CONFIG = 2
+
+T = TypeVar("T")
 
 
 def _agent_flags(parser: argparse.ArgumentParser) -> None:
@@ -95,11 +99,42 @@ async def _run_with_signals(target: Any) -> Any:
             loop.remove_signal_handler(signum)
 
 
+EVENT_LOOPS = ("uvloop", "asyncio")
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's (installed with the portal's uvicorn[standard]) unless ``GPUPOOL_EVENT_LOOP=asyncio``
+    or uvloop is missing; None: asyncio's. The agent is timers, sockets and HTTP, and a fleet
+    process of the simulated fleet runs a hundred agents' of them."""
+    choice = os.environ.get("GPUPOOL_EVENT_LOOP", "uvloop")
+    if choice not in EVENT_LOOPS:
+        raise ConfigError(f"GPUPOOL_EVENT_LOOP: one of {', '.join(EVENT_LOOPS)}, not {choice!r}")
+    if choice == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            log.info("uvloop is not installed: running on asyncio's event loop")
+        else:
+            return uvloop.new_event_loop
+    return None
+
+
+def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(main)`` on the event loop of ``event_loop_factory``."""
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        return runner.run(main)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv.insert(0, "run")
     args = build_parser().parse_args(argv)
+    try:
+        event_loop_factory()
+    except ConfigError as exc:
+        print(f"gpupool-agent: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
 
     if args.command == "fleet":
         from nodes.agent.fleet import Fleet
@@ -111,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             state_root=args.state_root,
             heartbeat_interval_s=args.heartbeat_interval_s,
         )
-        failed = asyncio.run(_run_with_signals(fleet))
+        failed = run_event_loop(_run_with_signals(fleet))
         return EXIT_ERROR if failed else EXIT_OK
 
     try:
@@ -130,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gpupool-agent: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        asyncio.run(_run_with_signals(agent))
+        run_event_loop(_run_with_signals(agent))
     except (FatalAgentError, CollectorUnavailable) as exc:
         print(f"gpupool-agent: {exc}", file=sys.stderr)
         return EXIT_ERROR

@@ -201,3 +201,30 @@ def test_a_fleet_spreads_its_agents_over_the_heartbeat_interval(tmp_path: Path) 
     assert AgentConfig().heartbeat_phase == 0  # a real agent starts at once
     with pytest.raises(ConfigError, match="heartbeat_phase"):
         AgentConfig(portal_url="http://p", heartbeat_phase=1.0).validate()
+
+
+def _loop_module() -> str:
+    async def which() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    from nodes.agent.cli import run_event_loop
+
+    return run_event_loop(which())
+
+
+def test_the_agent_runs_on_uvloop_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("GPUPOOL_EVENT_LOOP", raising=False)
+    assert _loop_module().startswith("uvloop")
+    monkeypatch.setenv("GPUPOOL_EVENT_LOOP", "asyncio")
+    assert _loop_module().startswith("asyncio")
+    monkeypatch.setenv("GPUPOOL_EVENT_LOOP", "trio")
+    assert main(["show-config", "--portal-url", "http://portal.test"]) == 2
+    assert "GPUPOOL_EVENT_LOOP: one of uvloop, asyncio, not 'trio'" in capsys.readouterr().err
+
+
+def test_without_uvloop_the_agent_runs_on_asyncio(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GPUPOOL_EVENT_LOOP", raising=False)
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop raises ImportError
+    assert _loop_module().startswith("asyncio")
