@@ -31,7 +31,7 @@ class RedisCache(django_redis.RedisCache):
 
     Django keeps a cache object per context (``caches`` is an asgiref ``Local`` that is not
     thread-critical), and each request starts in a fresh one: under ASGI a task's, and on the
-    pages' thread pool a copy of the event loop's (a2wsgi). So every request built a new client
+    pages' thread pool a copy of the event loop's (``portal.threaded_wsgi``). So every request built a new client
     with a new connection pool and opened a new connection, with redis-py's handshake (which reads
     package metadata from disk): a third of an API read's CPU under ``bench/scale.py``. redis-py's
     pools are thread-safe and notice a fork, so one client per location and options serves all.

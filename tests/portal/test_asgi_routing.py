@@ -1,4 +1,4 @@
-"""portal/asgi.py: pages and the API on the a2wsgi thread pool, the agent protocol's hot paths
+"""portal/asgi.py: pages and the API on the WSGI thread pool, the agent protocol's hot paths
 straight to their async views (the long poll must never hold a thread) and the rest of it through
 Django's ASGI handler, websockets through Channels."""
 
