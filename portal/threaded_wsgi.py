@@ -66,7 +66,8 @@ class ThreadedWSGI:
     async def _read_body(receive) -> tempfile.SpooledTemporaryFile | None:
         """The request body, as Django's ASGIHandler reads it: in memory up to
         FILE_UPLOAD_MAX_MEMORY_SIZE, on disk past it."""
-        body = tempfile.SpooledTemporaryFile(max_size=settings.FILE_UPLOAD_MAX_MEMORY_SIZE, mode="w+b")  # noqa: SIM115  (the caller closes it)
+        # Closed by the caller, or below when the client leaves.
+        body = tempfile.SpooledTemporaryFile(max_size=settings.FILE_UPLOAD_MAX_MEMORY_SIZE, mode="w+b")  # noqa: SIM115
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":

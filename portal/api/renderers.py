@@ -2,13 +2,13 @@
 
 DRF's ``JSONRenderer`` runs the standard library's encoder in Python for every value of a response:
 0.22 ms for a page of twenty workloads, against 0.04 ms with orjson (already the agent protocol's
-encoder). The bytes are the same (but for a float in exponent form: 1.5e-7, not 1.5e-07): compact separators, UTF-8 rather than ``\\u`` escapes
-(``UNICODE_JSON``), U+2028 and U+2029 escaped, and every value orjson does not encode as the standard
-library would (date-times, dates and times, dataclasses, lazy strings, querysets) handed to DRF's
-encoder. Responses DRF would render otherwise (indented: ``Accept: application/json; indent=4`` or
-the browsable API; ASCII-only or non-compact settings) and integers wider than 64 bits go to DRF's
-renderer. One difference: a float that is not finite renders as ``null`` where DRF's strict
-encoder fails the request.
+encoder). The bytes are the same, but for a float in exponent form (1.5e-7, not 1.5e-07): compact
+separators, UTF-8 rather than ``\\u`` escapes (``UNICODE_JSON``), U+2028 and U+2029 escaped, and
+every value orjson does not encode as the standard library would (date-times, dates and times,
+dataclasses, lazy strings, querysets) handed to DRF's encoder. Responses DRF would render otherwise
+(indented: ``Accept: application/json; indent=4`` or the browsable API; ASCII-only or non-compact
+settings) and integers wider than 64 bits go to DRF's renderer. One difference: a float that is not
+finite renders as ``null`` where DRF's strict encoder fails the request.
 """
 
 from __future__ import annotations
