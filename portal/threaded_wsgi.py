@@ -9,7 +9,8 @@ request. Here, as in Django's own ASGI handler, the request body is read on the 
 view runs (spooled to a temporary file past ``FILE_UPLOAD_MAX_MEMORY_SIZE``), the thread runs the
 application and gathers the response, and the loop sends it. A streaming response (one whose length
 is not known: ``StreamingHttpResponse``, a ``FileResponse``) is sent chunk by chunk from the thread,
-each chunk waiting for the loop to take it, as a2wsgi does.
+each chunk waiting for the loop to take it, as a2wsgi does. What an application passes to WSGI's
+``write()`` callable comes first, as the specification orders it.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ from django.conf import settings
 class _Response:
     """What the application answered, gathered in its thread."""
 
-    __slots__ = ("body", "headers", "status", "streamed")
+    __slots__ = ("body", "headers", "status", "streamed", "written")
 
     def __init__(self) -> None:
         self.status = 500
         self.headers: list[tuple[bytes, bytes]] = []
         self.body = b""
         self.streamed = False
+        self.written: list[bytes] = []  # through WSGI's write(), which comes before the iterable
 
 
 class ThreadedWSGI:
@@ -89,13 +91,13 @@ class ThreadedWSGI:
             response.headers = [
                 (name.lower().encode("latin1"), value.encode("latin1")) for name, value in headers
             ]
-            return self._unsupported_write
+            return response.written.append
 
         iterable = self.app(environ, start_response)
         try:
             # Django's responses say whether they stream; of other iterables, a list or tuple does not.
             if not getattr(iterable, "streaming", not isinstance(iterable, list | tuple)):
-                response.body = b"".join(iterable)
+                response.body = b"".join([*response.written, *iterable])
                 return response
             response.streamed = True
 
@@ -105,7 +107,8 @@ class ThreadedWSGI:
             chunks = iter(iterable)
             first = next(chunks, b"")  # start_response may be called as the first chunk is made
             to_loop({"type": "http.response.start", "status": response.status, "headers": response.headers})
-            to_loop({"type": "http.response.body", "body": first, "more_body": True})
+            for chunk in [*response.written, first]:
+                to_loop({"type": "http.response.body", "body": chunk, "more_body": True})
             for chunk in chunks:
                 if chunk:
                     to_loop({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -114,7 +117,3 @@ class ThreadedWSGI:
         finally:
             if hasattr(iterable, "close"):
                 iterable.close()
-
-    @staticmethod
-    def _unsupported_write(data: bytes) -> None:
-        raise NotImplementedError("the write() callable of WSGI is not supported: return the body instead")

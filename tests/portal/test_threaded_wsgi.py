@@ -159,20 +159,33 @@ def test_djangos_streaming_response_streams(rf):
     ] == b"whole"
 
 
-def test_an_app_that_fails_fails_the_request_and_write_is_refused():
+def test_an_app_that_fails_fails_the_request():
     def broken(environ, start_response):
         raise RuntimeError("boom")
 
-    def writes(environ, start_response):
-        start_response("200 OK", [])(b"data")
-        return [b""]
-
     with pytest.raises(RuntimeError, match="boom"):
         call(ThreadedWSGI(broken, workers=1), SCOPE, [b""])
-    with pytest.raises(NotImplementedError, match="write"):
-        call(ThreadedWSGI(writes, workers=1), SCOPE, [b""])
     with pytest.raises(ValueError, match="HTTP only"):
         call(ThreadedWSGI(echo, workers=1), {**SCOPE, "type": "websocket"}, [b""])
+
+
+def test_what_an_app_writes_comes_before_what_it_returns():
+    def writes(environ, start_response):
+        write = start_response("200 OK", [])
+        write(b"written ")
+        write(b"then ")
+        return [b"returned"]
+
+    def writes_then_streams(environ, start_response):
+        start_response("200 OK", [])(b"written ")
+        return iter([b"streamed"])
+
+    gathered = call(ThreadedWSGI(writes, workers=1), SCOPE, [b""])
+    assert [m["type"] for m in gathered] == ["http.response.start", "http.response.body"]
+    assert gathered[1]["body"] == b"written then returned"
+    streamed = call(ThreadedWSGI(writes_then_streams, workers=1), SCOPE, [b""])
+    assert b"".join(m.get("body", b"") for m in streamed[1:]) == b"written streamed"
+    assert streamed[-1] == {"type": "http.response.body", "body": b""}
 
 
 @pytest.mark.django_db(transaction=True)
