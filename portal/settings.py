@@ -151,11 +151,13 @@ if DB_COMPILE_CACHE not in ("on", "off", "verify"):
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 # Threads per web process that serve pages and the API (portal/asgi.py); the agent protocol runs on
 # the event loop and its worker threads. Each may hold a database connection while it serves a request.
-# They share one GIL: past what covers the requests' waits on the database and Redis, more threads
-# only take turns at it. Under uvicorn with eight clients, 4 threads against 8: 17-20 % less CPU a
-# request (a workload page 6.5 -> 5.4 ms, a cached read 2.9 -> 2.3 ms, medians of four interleaved
-# runs); 2 threads did no better than 4.
-WEB_THREADS = env.int("WEB_THREADS", default=4)
+# They share one GIL, so past what covers the requests' waits on the database and Redis more threads
+# only take turns at it: with eight clients kept busy, 4 threads cost 17-20 % less CPU a request than
+# 8. But a request's waits stretch when the machine is busy, and then 4 threads are all waiting while
+# requests queue behind them: under bench/scale.py at --rate 90 (2 cores, interleaved pairs) read
+# p99 was 179, 954 and 1,053 ms with 8 threads against 1,528, 1,630 and 3,068 ms with 4, for the
+# same CPU; 12 and 16 were not clearly better than 8.
+WEB_THREADS = env.int("WEB_THREADS", default=8)
 # portal/asgi.py: requests under a prefix go to that app's ASGI app (made with Django's ASGI handler
 # as its fallback) instead of the pages' thread pool; the middleware named with it serves only those
 # requests (for Django's own handlers and test clients), so the pages' chain leaves it out.
