@@ -126,6 +126,13 @@ else:
     # heartbeat's statements), and psycopg quotes no literal in Python: PostgreSQL's time per API
     # read halved on bench/scale.py's database. Off: client-side binding, nothing prepared (Django's
     # default; for a PgBouncer in transaction mode older than 1.21).
+    # The name each connection gives PostgreSQL (pg_stat_activity, the server's log with %a): which
+    # part of the deployment a query, a lock or a backend's CPU belongs to. compose.yaml and the
+    # Kubernetes manifests name each service (gpupool-web, gpupool-agent-web, gpupool-worker-...);
+    # an application_name in DATABASE_URL's query string wins.
+    DATABASES["default"].setdefault("OPTIONS", {}).setdefault(
+        "application_name", env.str("DB_APPLICATION_NAME", default="gpupool")
+    )
     if env.bool("DB_PREPARED_STATEMENTS", default=True):
         DATABASES["default"].setdefault("OPTIONS", {}).update(server_side_binding=True, prepare_threshold=5)
     # A connection pool per process (psycopg_pool), shared by the WEB_THREADS threads and the

@@ -239,3 +239,13 @@ def test_dockerfile_is_slim_non_root_and_collects_static():
     for source in re.findall(r"^COPY (.+) \S+$", text, re.M):
         for path in source.split():
             assert (ROOT / path).exists(), path
+
+
+def test_each_app_service_names_its_database_connections(services):
+    """pg_stat_activity (and the server's log, %a) tells which service a backend works for."""
+    names = {
+        name: service["environment"]["DB_APPLICATION_NAME"]
+        for name, service in services.items()
+        if is_app(service)
+    }
+    assert names == {name: f"gpupool-{name}" for name in names}

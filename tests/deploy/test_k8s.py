@@ -309,3 +309,17 @@ def test_every_variable_set_is_a_setting_the_code_reads(manifests):
             for ref in c.get("envFrom", []):
                 name = (ref.get("configMapRef") or ref.get("secretRef"))["name"]
                 assert name in configmaps or name in secrets, name
+
+
+def test_each_workload_names_its_database_connections(manifests):
+    """Every container of web, agent-web, the workers, beat and the migration Job gives PostgreSQL
+    its Deployment's (or Job's) name as application_name."""
+    named = 0
+    for m, spec in pod_specs(manifests):
+        if m["kind"] not in ("Deployment", "Job"):
+            continue
+        for c in containers(spec):
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            assert env.get("DB_APPLICATION_NAME") == m["metadata"]["name"], (m["metadata"]["name"], c["name"])
+            named += 1
+    assert named >= 8
