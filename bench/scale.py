@@ -252,6 +252,8 @@ def stack_env(db_url: str, redis_url: str, var_dir: Path, pool_size: int) -> dic
         # Under ASGI every request in flight holds a connection: a pool per process keeps a burst
         # (500 agents registering) within the server's max_connections.
         DB_POOL_MAX_SIZE=str(pool_size),
+        # This process's own connections (seeding, counting); start() names each part's.
+        DB_APPLICATION_NAME="gpupool-bench",
     )
     return env
 
@@ -315,6 +317,41 @@ def seed(args, port: int) -> tuple[list[str], list[dict], dict[str, int]]:
     return tokens, nodes, per_node
 
 
+def role_of(name: str) -> str:
+    """The part of the stack a process started here belongs to: ``agents-3`` is ``agents``."""
+    return name.rstrip("0123456789").rstrip("-")
+
+
+def _stat(pid: int | str, tick: int) -> tuple[int, float] | None:
+    """A process's parent and the CPU seconds (user + system) it has used, from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
+
+
+def postgres_backends_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds used so far by each PostgreSQL backend serving this database, with the part of
+    the stack it serves (its application_name, ``gpupool-<role>``, less the prefix): who PostgreSQL's
+    CPU is spent for. Only when the server runs on this machine (its pids are in /proc)."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pid, application_name FROM pg_stat_activity WHERE datname = current_database()"
+        )
+        rows = cursor.fetchall()
+    connection.close()
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid, name in rows:
+        stat = _stat(pid, tick)
+        if stat is not None:
+            out[pid] = (name.removeprefix("gpupool-") or "unnamed", stat[1])
+    return out
+
+
 def cpu_by_role(procs: dict[str, subprocess.Popen]) -> dict[str, float]:
     """CPU seconds used so far by each part of the stack (Linux /proc): the processes started here
     with their children (by the name they were started under, ``agents-3`` counting as ``agents``),
@@ -324,15 +361,16 @@ def cpu_by_role(procs: dict[str, subprocess.Popen]) -> dict[str, float]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
+        stat = _stat(entry, tick)
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
             cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        fields = stat.rsplit(")", 1)[1].split()
+        if stat is None:
+            continue
         pid = int(entry)
-        parent[pid], used[pid], command[pid] = int(fields[1]), (int(fields[11]) + int(fields[12])) / tick, cmd
-    roots = {p.pid: name.rstrip("0123456789").rstrip("-") for name, p in procs.items()}
+        (parent[pid], used[pid]), command[pid] = stat, cmd
+    roots = {p.pid: role_of(name) for name, p in procs.items()}
     roots[os.getpid()] = "load generator"
     out: dict[str, float] = defaultdict(float)
     for pid, seconds in used.items():
@@ -466,8 +504,10 @@ def main() -> int:
     def start(name: str, cmd: list[str]) -> None:
         log = open(work / f"{name}.log", "w")  # noqa: SIM115  (closed with the process)
         # A session (process group) of its own: the teardown can reach its children too.
+        # Its database connections are named as deploy/'s services name theirs: gpupool-<role>.
+        role_env = {**env, "DB_APPLICATION_NAME": f"gpupool-{role_of(name)}"}
         procs[name] = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, cwd=ROOT, env=role_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
     # Separate processes for the agents' heartbeats, long polls and reports, below the web's
@@ -532,6 +572,7 @@ def main() -> int:
         window = (time.time(), None)
         load_avg = os.getloadavg()
         cpu_before = cpu_by_role(procs)
+        pg_before = postgres_backends_cpu()
         # With --timeline: CPU by role at each step, read from /proc by a thread of its own.
         cpu_steps: list[dict[str, float]] = [cpu_before]
         load_done = threading.Event()
@@ -550,6 +591,7 @@ def main() -> int:
         window = (window[0], time.time())
         load_after = os.getloadavg()
         cpu_after = cpu_by_role(procs)
+        pg_after = postgres_backends_cpu()
         print(f"load: {len(results)} tenant requests in {elapsed:.1f} s; load average {load_after[0]:.2f} "
               f"(before {load_avg[0]:.2f}) on {os.cpu_count()} CPUs")  # fmt: skip
 
@@ -713,6 +755,18 @@ def main() -> int:
         + ", ".join(f"{role} {share:.2f}" for role, share in cpu.items())
         + f"; total {sum(cpu.values()):.2f}"
     )
+    # A backend that started during the load counts whole; one that ended during it is missed.
+    pg_by_client: dict[str, float] = defaultdict(float)
+    for pid, (client, seconds) in pg_after.items():
+        pg_by_client[client] += (seconds - pg_before.get(pid, (client, 0.0))[1]) / span
+    pg_by_client = {
+        c: share for c, share in sorted(pg_by_client.items(), key=lambda kv: -kv[1]) if share >= 0.005
+    }
+    if pg_by_client:
+        print(
+            "PostgreSQL's backends during the load, in cores, by the part of the stack they served: "
+            + ", ".join(f"{client} {share:.2f}" for client, share in pg_by_client.items())
+        )
     figures = {
         # Requests answered per second; "offered" counts the load generator's requests not sent
         # (all connections busy) or not answered in time too.
@@ -736,6 +790,7 @@ def main() -> int:
         "machine_speed_ms": speed_ms,
         "metrics_scrape_ms": round(metrics_after.get("scrape_s", 0) * 1000),
         "cpu_cores_by_role": {role: round(share, 2) for role, share in cpu.items()},
+        "postgres_cores_by_client": {client: round(share, 2) for client, share in pg_by_client.items()},
         "endpoints": report,
     }
     print(json.dumps(figures))
