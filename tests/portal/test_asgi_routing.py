@@ -115,3 +115,25 @@ def test_a_web_process_freezes_what_it_loaded_before_serving():
     assert views_loaded
     assert int(out[3]) >= 10_000  # young collections far rarer than the default 700
     assert frozen > 50_000 and tracked < frozen / 10, (frozen, tracked)
+
+
+def _switch_interval_after_import(**env) -> subprocess.CompletedProcess:
+    code = "import sys; import portal.asgi; print(sys.getswitchinterval())"
+    clean = {k: v for k, v in os.environ.items() if k != "WEB_GIL_SWITCH_INTERVAL_MS"}
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**clean, "DJANGO_SETTINGS_MODULE": "tests.settings", **env},
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_a_web_process_hands_the_gil_over_after_web_gil_switch_interval_ms():
+    default = _switch_interval_after_import()
+    assert default.returncode == 0, default.stderr
+    assert float(default.stdout) == pytest.approx(0.001)  # Python's own default is 0.005
+    set_ = _switch_interval_after_import(WEB_GIL_SWITCH_INTERVAL_MS="2.5")
+    assert float(set_.stdout) == pytest.approx(0.0025)
+    refused = _switch_interval_after_import(WEB_GIL_SWITCH_INTERVAL_MS="0")
+    assert refused.returncode != 0 and "WEB_GIL_SWITCH_INTERVAL_MS" in refused.stderr
