@@ -120,12 +120,6 @@ else:
     DATABASES["default"]["ENGINE"] = "portal.postgresql"
     DATABASES["default"]["CONN_MAX_AGE"] = env.int("DB_CONN_MAX_AGE", default=60)
     DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
-    # Queries bind their parameters on the server (psycopg's server-side binding) and each is
-    # prepared on a connection after 5 uses: PostgreSQL parses and plans it once per connection
-    # instead of every time (planning cost it more than running most of the API's and the
-    # heartbeat's statements), and psycopg quotes no literal in Python: PostgreSQL's time per API
-    # read halved on bench/scale.py's database. Off: client-side binding, nothing prepared (Django's
-    # default; for a PgBouncer in transaction mode older than 1.21).
     # The name each connection gives PostgreSQL (pg_stat_activity, the server's log with %a): which
     # part of the deployment a query, a lock or a backend's CPU belongs to. compose.yaml and the
     # Kubernetes manifests name each service (gpupool-web, gpupool-agent-web, gpupool-worker-...);
@@ -133,6 +127,12 @@ else:
     DATABASES["default"].setdefault("OPTIONS", {}).setdefault(
         "application_name", env.str("DB_APPLICATION_NAME", default="gpupool")
     )
+    # Queries bind their parameters on the server (psycopg's server-side binding) and each is
+    # prepared on a connection after 5 uses: PostgreSQL parses and plans it once per connection
+    # instead of every time (planning cost it more than running most of the API's and the
+    # heartbeat's statements), and psycopg quotes no literal in Python: PostgreSQL's time per API
+    # read halved on bench/scale.py's database. Off: client-side binding, nothing prepared (Django's
+    # default; for a PgBouncer in transaction mode older than 1.21).
     if env.bool("DB_PREPARED_STATEMENTS", default=True):
         DATABASES["default"].setdefault("OPTIONS", {}).update(server_side_binding=True, prepare_threshold=5)
     # A connection pool per process (psycopg_pool), shared by the WEB_THREADS threads and the
