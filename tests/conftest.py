@@ -4,7 +4,9 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -105,6 +107,22 @@ def postgres_only(reason: str) -> None:
 
     if connection.vendor != "postgresql":
         pytest.skip(f"needs PostgreSQL: {reason}")
+
+
+def python_run(code: str, *, timeout: float = 60, **env: str | None) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter at the repository's root, with this process's environment
+    changed by ``env`` (a None value removes the variable): settings and start-up as a new process
+    reads them. Not checked: the caller asserts on the return code, the output and the errors."""
+    environ = {**os.environ, **env}
+    environ = {k: v for k, v in environ.items() if v is not None}
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=environ,
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def free_port() -> int:

@@ -4,12 +4,9 @@ working), past the grace days into SUSPENDED (new workloads refused; running one
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from datetime import date
 from decimal import Decimal
-from pathlib import Path
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
@@ -25,10 +22,10 @@ from portal.services import tenant_set_status
 from scheduling.admission import AdmissionRefused
 from scheduling.models import Workload, WorkloadEvent, WorkloadState
 from scheduling.services.submission import workload_submit
+from tests.conftest import python_run
 from tests.metering.conftest import H100, utc
 
 MARCH, APRIL = date(2024, 3, 1), date(2024, 4, 1)
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -219,10 +216,10 @@ def test_an_unknown_suspend_running_value_is_refused(march, settings):
     assert Tenant.objects.get(pk=march.tenant_id).status == Tenant.Status.ACTIVE
 
     def start(value: str) -> subprocess.CompletedProcess:
-        env = {**os.environ, "DJANGO_SETTINGS_MODULE": "portal.settings", "DEBUG": "1"}
-        env["METERING_SUSPEND_RUNNING"] = value
         code = "import django; django.setup(); from django.conf import settings; print(settings.METERING_SUSPEND_RUNNING)"
-        return subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True)
+        return python_run(
+            code, DJANGO_SETTINGS_MODULE="portal.settings", DEBUG="1", METERING_SUSPEND_RUNNING=value
+        )
 
     refused = start("pause")
     assert refused.returncode != 0 and "METERING_SUSPEND_RUNNING must be keep or stop" in refused.stderr

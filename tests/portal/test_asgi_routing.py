@@ -5,16 +5,14 @@ Django's ASGI handler, websockets through Channels."""
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import httpx
 import pytest
 
 from portal import asgi
+from tests.conftest import python_run
 
 
 def _get(path: str, headers: dict | None = None) -> httpx.Response:
@@ -102,38 +100,25 @@ def test_a_web_process_freezes_what_it_loaded_before_serving():
         "print(gc.get_freeze_count(), len(gc.get_objects()), 'scheduling.api' in sys.modules, "
         "gc.get_threshold()[0])"
     )
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings"}
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        cwd=Path(__file__).resolve().parents[2],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
+    done = python_run(code, DJANGO_SETTINGS_MODULE="tests.settings")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.split()
     frozen, tracked, views_loaded = int(out[0]), int(out[1]), out[2] == "True"
     assert views_loaded
     assert int(out[3]) >= 10_000  # young collections far rarer than the default 700
     assert frozen > 50_000 and tracked < frozen / 10, (frozen, tracked)
 
 
-def _switch_interval_after_import(**env) -> subprocess.CompletedProcess:
+def _switch_interval_after_import(value: str | None = None) -> subprocess.CompletedProcess:
     code = "import sys; import portal.asgi; print(sys.getswitchinterval())"
-    clean = {k: v for k, v in os.environ.items() if k != "WEB_GIL_SWITCH_INTERVAL_MS"}
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        env={**clean, "DJANGO_SETTINGS_MODULE": "tests.settings", **env},
-        cwd=Path(__file__).resolve().parents[2],
-        capture_output=True,
-        text=True,
-    )
+    return python_run(code, DJANGO_SETTINGS_MODULE="tests.settings", WEB_GIL_SWITCH_INTERVAL_MS=value)
 
 
 def test_a_web_process_hands_the_gil_over_after_web_gil_switch_interval_ms():
     default = _switch_interval_after_import()
     assert default.returncode == 0, default.stderr
     assert float(default.stdout) == pytest.approx(0.001)  # Python's own default is 0.005
-    set_ = _switch_interval_after_import(WEB_GIL_SWITCH_INTERVAL_MS="2.5")
+    set_ = _switch_interval_after_import("2.5")
     assert float(set_.stdout) == pytest.approx(0.0025)
-    refused = _switch_interval_after_import(WEB_GIL_SWITCH_INTERVAL_MS="0")
+    refused = _switch_interval_after_import("0")
     assert refused.returncode != 0 and "WEB_GIL_SWITCH_INTERVAL_MS" in refused.stderr

@@ -2,41 +2,25 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 from django.db import connection
 
-from tests.conftest import postgres_only
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.conftest import postgres_only, python_run
 
 
-def application_name(**env) -> str:
-    """The application_name portal/settings.py gives the default database under ``env``."""
+def application_name(database_url: str, name: str | None = None) -> str:
+    """The application_name portal/settings.py gives the default database."""
     code = "from portal import settings as s; print(s.DATABASES['default']['OPTIONS']['application_name'])"
-    clean = {k: v for k, v in os.environ.items() if k not in ("DB_APPLICATION_NAME", "DATABASE_URL")}
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env={**clean, "DEBUG": "1", **env},
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    done = python_run(code, DEBUG="1", DATABASE_URL=database_url, DB_APPLICATION_NAME=name)
+    assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
 
 def test_default_setting_and_url_precedence():
     url = "postgres://u@db.example:5432/gpupool"
-    assert application_name(DATABASE_URL=url) == "gpupool"
-    assert application_name(DATABASE_URL=url, DB_APPLICATION_NAME="gpupool-web") == "gpupool-web"
-    assert (
-        application_name(DATABASE_URL=url + "?application_name=from-url", DB_APPLICATION_NAME="gpupool-web")
-        == "from-url"
-    )
+    assert application_name(url) == "gpupool"
+    assert application_name(url, "gpupool-web") == "gpupool-web"
+    assert application_name(url + "?application_name=from-url", "gpupool-web") == "from-url"
 
 
 @pytest.mark.django_db

@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 from django.db import connection
 
-from tests.conftest import postgres_only
+from tests.conftest import postgres_only, python_run
 
-ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
 import threading, django
 django.setup()
@@ -36,15 +30,12 @@ def run_with_pool(code: str, pool_size: int) -> str:
     """``code`` in a process of its own with DB_POOL_MAX_SIZE=``pool_size`` on the test database;
     what it printed."""
     db = connection.settings_dict
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "portal.settings",
-        "DEBUG": "1",
-        "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
-        "DB_POOL_MAX_SIZE": str(pool_size),
-    }
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60
+    out = python_run(
+        code,
+        DJANGO_SETTINGS_MODULE="portal.settings",
+        DEBUG="1",
+        DATABASE_URL=f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
+        DB_POOL_MAX_SIZE=str(pool_size),
     )
     assert out.returncode == 0, out.stderr
     return out.stdout
