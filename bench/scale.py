@@ -19,10 +19,12 @@ instances.
 Prints request rate and p50/p95/p99 latency per endpoint (tenant API, and the agents' heartbeats
 and command polls as the agents saw them), errors, submit -> SCHEDULED latency (from the workload
 events), whether every submitted workload is scheduled or waiting with a reason, a few figures
-from /metrics, the CPU each part of the stack used during the load (in cores: web, agent-web, agents,
-workers, PostgreSQL, Redis, the load generator), and ends with one JSON line (``rps``, ``read_p99_ms``, ``errors``,
-``submit_to_scheduled_p95_ms`` and more). ``rps`` counts the requests answered; ``offered_rps`` the
-requests due, with those not sent (every connection busy) or not answered in time, which are errors.
+from /metrics, the CPU each part of the stack used during the load (in cores: web, agent-web,
+agents, workers, PostgreSQL, Redis, the load generator), the machine's speed before and after the
+run and the CPU the hypervisor took during the load (``steal_cores``), and ends with one JSON line
+(``rps``, ``read_p99_ms``, ``errors``, ``submit_to_scheduled_p95_ms`` and more). ``rps`` counts the
+requests answered; ``offered_rps`` the requests due, with those not sent (every connection busy)
+or not answered in time, which are errors.
 """
 
 from __future__ import annotations
@@ -88,6 +90,13 @@ def machine_speed_ms() -> float:
             total += i
         best = min(best, time.process_time() - started)
     return round(best * 1000, 1)
+
+
+def steal_s() -> float:
+    """CPU seconds the hypervisor has given to others while this machine wanted them (/proc/stat's
+    steal, all CPUs), so far. Some hypervisors report none of it; the yardstick then tells more."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
 
 
 def pct(values: list[float], p: float) -> float:
@@ -476,6 +485,7 @@ def main() -> int:
     import redis
 
     from bench.pgdb import drop_database, recreate_database
+    from nodes.agent.cli import run_event_loop
 
     redis.Redis.from_url(args.redis_url).flushdb()
     db_url = recreate_database(base_db, args.db_name)
@@ -573,6 +583,7 @@ def main() -> int:
         load_avg = os.getloadavg()
         cpu_before = cpu_by_role(procs)
         pg_before = postgres_backends_cpu()
+        steal_before = steal_s()
         # With --timeline: CPU by role at each step, read from /proc by a thread of its own.
         cpu_steps: list[dict[str, float]] = [cpu_before]
         load_done = threading.Event()
@@ -584,7 +595,8 @@ def main() -> int:
         sampler = threading.Thread(target=sample_cpu, daemon=True)
         if args.timeline:
             sampler.start()
-        results, created, sample_errors, elapsed = asyncio.run(
+        # On uvloop, as the web processes and the agents run.
+        results, created, sample_errors, elapsed = run_event_loop(
             tenant_load(base, tokens, args.rate, args.duration, models)
         )
         load_done.set()
@@ -592,6 +604,7 @@ def main() -> int:
         load_after = os.getloadavg()
         cpu_after = cpu_by_role(procs)
         pg_after = postgres_backends_cpu()
+        steal = steal_s() - steal_before
         print(f"load: {len(results)} tenant requests in {elapsed:.1f} s; load average {load_after[0]:.2f} "
               f"(before {load_avg[0]:.2f}) on {os.cpu_count()} CPUs")  # fmt: skip
 
@@ -623,6 +636,8 @@ def main() -> int:
                 os.killpg(p.pid, signal.SIGKILL)
 
     # --- figures ----------------------------------------------------------------------------------------
+    # Again with the stack gone: a machine whose speed changed during the run shows it here.
+    speed_after_ms = machine_speed_ms()
     report: dict[str, dict] = {}
     by_endpoint: dict[str, list] = defaultdict(list)
     for endpoint, seconds, status, *_ in results:
@@ -767,6 +782,10 @@ def main() -> int:
             "PostgreSQL's backends during the load, in cores, by the part of the stack they served: "
             + ", ".join(f"{client} {share:.2f}" for client, share in pg_by_client.items())
         )
+    print(
+        f"machine speed: {speed_ms} ms before the run, {speed_after_ms} ms after it; "
+        f"stolen by the hypervisor during the load: {steal / span:.2f} cores"
+    )
     figures = {
         # Requests answered per second; "offered" counts the load generator's requests not sent
         # (all connections busy) or not answered in time too.
@@ -788,6 +807,8 @@ def main() -> int:
         "load_avg_1m": round(load_after[0], 2),
         "cpus": os.cpu_count(),
         "machine_speed_ms": speed_ms,
+        "machine_speed_after_ms": speed_after_ms,
+        "steal_cores": round(steal / span, 2),
         "metrics_scrape_ms": round(metrics_after.get("scrape_s", 0) * 1000),
         "cpu_cores_by_role": {role: round(share, 2) for role, share in cpu.items()},
         "postgres_cores_by_client": {client: round(share, 2) for client, share in pg_by_client.items()},
