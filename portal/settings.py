@@ -243,6 +243,8 @@ CELERY_TASK_DEFAULT_QUEUE = "default"
 CELERY_TASK_QUEUES = tuple(Queue(name) for name in ("default", "scheduling", "commands", "metering"))
 CELERY_TASK_ROUTES = {
     "scheduling.tasks.*": {"queue": "scheduling"},
+    # A read model for the API, kept off the queue whose worker runs the cycles.
+    "scheduling.tasks.refresh_gpu_types": {"queue": "default"},
     "nodes.tasks.expire_commands": {"queue": "commands"},
     "nodes.tasks.reconcile_node_health": {"queue": "commands"},
     "metering.tasks.*": {"queue": "metering"},
@@ -458,8 +460,9 @@ SCHEDULING_DEFAULT_QUOTA = {
 }
 SCHEDULING_LOG_TAIL_CHARS = 16_000
 # /api/v1/gpu-types/ (unfiltered) is the same for every tenant: answered from the cache, fresh for
-# this many seconds; after that one request computes the next answer while the others get the
-# previous one (its availability is then at most about twice that old). 0: computed for each request.
+# this many seconds; after that a worker computes the next answer (default queue) while requests get
+# the previous one (its availability is then at most about twice that old, plus the queue's wait).
+# 0: computed for each request.
 SCHEDULING_GPU_TYPES_CACHE_S = env.int("SCHEDULING_GPU_TYPES_CACHE_S", default=2)
 # A submission checks that some node could hold it against the fleet's node shapes per GPU model,
 # kept this many seconds in each process (a request is refused only on a fresh read; one accepted

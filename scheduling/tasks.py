@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from celery import shared_task
+from django.core.cache import cache
 
+from scheduling.api import GpuTypeViewSet, gpu_types_cache_fill
 from scheduling.metrics import cycle_recorded
 from scheduling.services.cycle import scheduling_cycle_run
 from scheduling.services.lifecycle import scheduling_reconcile
@@ -31,3 +33,13 @@ def reconcile() -> dict:
 def warm_pools() -> dict:
     r = warm_pools_reconcile()
     return {"ran": r.ran, "targets": r.targets, "prewarmed": r.prewarmed, "ended": r.ended}
+
+
+@shared_task(name="scheduling.tasks.refresh_gpu_types", ignore_result=True)
+def refresh_gpu_types() -> None:
+    """The GPU catalog's next cached answer (asked for by the request that found it old; see
+    ``scheduling.api.GpuTypeViewSet.list``), then the way clear for the next refresh."""
+    try:
+        gpu_types_cache_fill()
+    finally:
+        cache.delete(GpuTypeViewSet.REFRESH_KEY)

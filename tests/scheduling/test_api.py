@@ -214,9 +214,10 @@ def test_gpu_availability_counts_schedulable_free_and_shared_capacity(tenant, ma
 
 
 def test_the_unfiltered_gpu_catalog_is_served_from_the_cache_for_a_moment(
-    client, tenant, make_node, settings
+    client, tenant, make_node, settings, monkeypatch
 ):
     from django.core.cache import cache
+    from kombu.exceptions import OperationalError
 
     from scheduling.api import GpuTypeViewSet
 
@@ -232,19 +233,79 @@ def test_the_unfiltered_gpu_catalog_is_served_from_the_cache_for_a_moment(
     assert free_h100() == 8  # the cached answer, at most SCHEDULING_GPU_TYPES_CACHE_S old
     assert free_h100(vendor="nvidia") == 16  # a filtered list is computed for each request
 
-    # Older than the setting: served as it is while another request refreshes it (the lock is
-    # taken), then computed again by the next request once the lock is free.
-    computed_at, data = cache.get(GpuTypeViewSet.CACHE_KEY)
-    cache.set(GpuTypeViewSet.CACHE_KEY, (computed_at - 61, data), 600)
+    # Older than the setting: served as it is while the refresh another request asked for is on its
+    # way (the lock is taken); the first request to find the lock free asks a worker for the next
+    # answer and is served the old one too. The worker's task fills the cache and frees the lock.
+    from scheduling.tasks import refresh_gpu_types
+
+    def make_old():
+        computed_at, data = cache.get(GpuTypeViewSet.CACHE_KEY)
+        cache.set(GpuTypeViewSet.CACHE_KEY, (computed_at - 61, data), 600)
+
+    make_old()
     assert cache.add(GpuTypeViewSet.REFRESH_KEY, 1, 60)
     assert free_h100() == 8
     cache.delete(GpuTypeViewSet.REFRESH_KEY)
-    assert free_h100() == 16
-    assert cache.get(GpuTypeViewSet.REFRESH_KEY) is None  # the refreshing request let it go
+    sent = []
+    monkeypatch.setattr(refresh_gpu_types, "apply_async", lambda **kw: sent.append(kw))
+    assert free_h100() == 8
+    assert sent == [{"expires": 600, "retry": False}]  # not run once older than an answer is kept
+    assert cache.get(GpuTypeViewSet.REFRESH_KEY) == 1  # no second refresh while this one is on its way
+    assert free_h100() == 8 and len(sent) == 1
+    refresh_gpu_types()
+    assert cache.get(GpuTypeViewSet.REFRESH_KEY) is None
+    assert free_h100() == 16 and len(sent) == 1  # fresh again
+
+    # The task cannot be sent (the broker is away): the request computes the answer itself.
+    def broker_away(**kw):
+        raise OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+    monkeypatch.setattr(refresh_gpu_types, "apply_async", broker_away)
     make_node(gpus=8)
-    assert free_h100() == 16  # fresh again
-    settings.SCHEDULING_GPU_TYPES_CACHE_S = 0
+    make_old()
     assert free_h100() == 24
+    assert cache.get(GpuTypeViewSet.REFRESH_KEY) is None
+    # No answer in the cache (a cold start, a lost cache): computed by the request.
+    make_node(gpus=8)
+    cache.delete(GpuTypeViewSet.CACHE_KEY)
+    assert free_h100() == 32
+    settings.SCHEDULING_GPU_TYPES_CACHE_S = 0
+    make_node(gpus=8)
+    assert free_h100() == 40
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_real_worker_refreshes_the_gpu_catalog_a_request_found_old(client, tenant, make_node, settings):
+    """The refresh goes through the broker to a worker (on the default queue, not the one whose
+    worker runs the cycles) and the next request gets its answer."""
+    import time
+
+    from celery.contrib.testing.worker import start_worker
+    from django.core.cache import cache
+
+    from portal.celery import app
+    from scheduling.api import GpuTypeViewSet
+    from tests.conftest import postgres_only
+
+    postgres_only("the worker runs in its own connection")
+    assert app.amqp.router.route({}, "scheduling.tasks.refresh_gpu_types")["queue"].name == "default"
+    settings.SCHEDULING_GPU_TYPES_CACHE_S = 1
+
+    def free_h100():
+        types = {t["name"]: t for t in client.get("/api/v1/gpu-types/").json()}
+        return sum(a["free_gpus"] for a in types.get(H100, {"availability": []})["availability"])
+
+    make_node(gpus=8)
+    assert free_h100() == 8
+    make_node(gpus=8)
+    time.sleep(1.1)
+    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
+        assert free_h100() == 8  # old, served while the worker computes the next
+        deadline = time.monotonic() + 30
+        while cache.get(GpuTypeViewSet.REFRESH_KEY) is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert cache.get(GpuTypeViewSet.REFRESH_KEY) is None
+    assert free_h100() == 16
 
 
 def test_workload_read_plan_renders_what_drf_renders(client, tenant, make_node, cycle, submit):
