@@ -38,8 +38,8 @@ def warm_pools() -> dict:
 @shared_task(name="scheduling.tasks.refresh_gpu_types", ignore_result=True)
 def refresh_gpu_types() -> None:
     """The GPU catalog's next cached answer (asked for by the request that found it old; see
-    ``scheduling.api.GpuTypeViewSet.list``), then the way clear for the next refresh."""
-    try:
-        gpu_types_cache_fill()
-    finally:
-        cache.delete(GpuTypeViewSet.REFRESH_KEY)
+    ``scheduling.api.GpuTypeViewSet.list``), then the way clear for the next refresh. One that
+    fails leaves the way closed until the lock expires: one try per SCHEDULING_GPU_TYPES_CACHE_S,
+    not one per request."""
+    gpu_types_cache_fill()
+    cache.delete(GpuTypeViewSet.REFRESH_KEY)

@@ -265,6 +265,17 @@ def test_the_unfiltered_gpu_catalog_is_served_from_the_cache_for_a_moment(
     make_old()
     assert free_h100() == 24
     assert cache.get(GpuTypeViewSet.REFRESH_KEY) is None
+
+    # A refresh that fails leaves the lock until it expires: one try per period, not per request.
+    def fill_fails():
+        raise RuntimeError("the database went away")
+
+    monkeypatch.setattr("scheduling.tasks.gpu_types_cache_fill", fill_fails)
+    assert cache.add(GpuTypeViewSet.REFRESH_KEY, 1, 60)
+    with pytest.raises(RuntimeError):
+        refresh_gpu_types()
+    assert cache.get(GpuTypeViewSet.REFRESH_KEY) == 1
+    cache.delete(GpuTypeViewSet.REFRESH_KEY)
     # No answer in the cache (a cold start, a lost cache): computed by the request.
     make_node(gpus=8)
     cache.delete(GpuTypeViewSet.CACHE_KEY)
