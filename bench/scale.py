@@ -20,11 +20,11 @@ Prints request rate and p50/p95/p99 latency per endpoint (tenant API, and the ag
 and command polls as the agents saw them), errors, submit -> SCHEDULED latency (from the workload
 events), whether every submitted workload is scheduled or waiting with a reason, a few figures
 from /metrics, the CPU each part of the stack used during the load (in cores: web, agent-web,
-agents, workers, PostgreSQL, Redis, the load generator), the machine's speed before and after the
-run and the CPU the hypervisor took during the load (``steal_cores``), and ends with one JSON line
-(``rps``, ``read_p99_ms``, ``errors``, ``submit_to_scheduled_p95_ms`` and more). ``rps`` counts the
-requests answered; ``offered_rps`` the requests due, with those not sent (every connection busy)
-or not answered in time, which are errors.
+agents, workers, PostgreSQL, Redis, the load generator), the machine's speed before, during (a
+probe process) and after the run and the CPU the hypervisor took during the load (``steal_cores``),
+and ends with one JSON line (``rps``, ``read_p99_ms``, ``errors``, ``submit_to_scheduled_p95_ms``
+and more). ``rps`` counts the requests answered; ``offered_rps`` the requests due, with those not
+sent (every connection busy) or not answered in time, which are errors.
 """
 
 from __future__ import annotations
@@ -78,18 +78,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _loop_s(n: int) -> float:
+    """CPU seconds (a wait for the CPU does not count) a fixed piece of pure Python of n steps took."""
+    started = time.process_time()
+    total = 0
+    for i in range(n):
+        total += i
+    return time.process_time() - started
+
+
 def machine_speed_ms() -> float:
     """A fixed piece of pure Python, best of five, in ms: how fast this machine runs Python now.
     A virtual machine's speed drifts (the same code used 1.13 cores at --rate 30 one day and 1.70
     on another); runs compare fairly only at a similar speed."""
-    best = float("inf")
-    for _ in range(5):
-        started = time.process_time()
-        total = 0
-        for i in range(2_000_000):
-            total += i
-        best = min(best, time.process_time() - started)
-    return round(best * 1000, 1)
+    return round(min(_loop_s(2_000_000) for _ in range(5)) * 1000, 1)
+
+
+def speed_probe(duration: float) -> int:
+    """In a process of its own during the load: a tenth of the yardstick once a second, printed
+    scaled to the whole one (ms). Its CPU time is what the CPU took to run it, whatever the wait
+    for the CPU: it shows whether the machine itself ran slower while the stack was loaded."""
+    end = time.monotonic() + duration
+    while time.monotonic() < end:
+        print(f"{_loop_s(200_000) * 10_000:.1f}", flush=True)
+        time.sleep(1)
+    return 0
 
 
 def steal_s() -> float:
@@ -471,9 +484,12 @@ def main() -> int:
     parser.add_argument(
         "--agents-child", nargs=4, metavar=("FLEET", "URL", "STATE", "OUT"), help=argparse.SUPPRESS
     )
+    parser.add_argument("--speed-probe", type=float, metavar="S", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.agents_child:
         return agents_child(*args.agents_child)
+    if args.speed_probe:
+        return speed_probe(args.speed_probe)
 
     base_db = os.environ.get("DATABASE_URL", "")
     if not base_db.startswith(("postgres://", "postgresql://")):
@@ -595,11 +611,17 @@ def main() -> int:
         sampler = threading.Thread(target=sample_cpu, daemon=True)
         if args.timeline:
             sampler.start()
+        probe = subprocess.Popen(
+            [PY, str(Path(__file__).resolve()), "--speed-probe", str(args.duration)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         # On uvloop, as the web processes and the agents run.
         results, created, sample_errors, elapsed = run_event_loop(
             tenant_load(base, tokens, args.rate, args.duration, models)
         )
         load_done.set()
+        probe_ms = [float(x) for x in probe.communicate(timeout=30)[0].split()]
         window = (window[0], time.time())
         load_after = os.getloadavg()
         cpu_after = cpu_by_role(procs)
@@ -783,8 +805,9 @@ def main() -> int:
             + ", ".join(f"{client} {share:.2f}" for client, share in pg_by_client.items())
         )
     print(
-        f"machine speed: {speed_ms} ms before the run, {speed_after_ms} ms after it; "
-        f"stolen by the hypervisor during the load: {steal / span:.2f} cores"
+        f"machine speed: {speed_ms} ms before the run, {speed_after_ms} ms after it, during the load "
+        f"(the same loop in CPU time, once a second) median {pct(probe_ms, 50):.1f} ms, "
+        f"p90 {pct(probe_ms, 90):.1f} ms; stolen by the hypervisor during the load: {steal / span:.2f} cores"
     )
     figures = {
         # Requests answered per second; "offered" counts the load generator's requests not sent
@@ -808,6 +831,7 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "machine_speed_ms": speed_ms,
         "machine_speed_after_ms": speed_after_ms,
+        "machine_speed_during_ms": round(pct(probe_ms, 50), 1),
         "steal_cores": round(steal / span, 2),
         "metrics_scrape_ms": round(metrics_after.get("scrape_s", 0) * 1000),
         "cpu_cores_by_role": {role: round(share, 2) for role, share in cpu.items()},
