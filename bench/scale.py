@@ -107,7 +107,7 @@ def speed_probe(duration: float) -> int:
 
 def steal_s() -> float:
     """CPU seconds the hypervisor has given to others while this machine wanted them (/proc/stat's
-    steal, all CPUs), so far. Some hypervisors report none of it; the yardstick then tells more."""
+    steal, all CPUs), so far. Some hypervisors report none of it (this one); the probe tells more."""
     fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
     return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
 

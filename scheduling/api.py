@@ -385,8 +385,7 @@ class GpuTypeViewSet(viewsets.ReadOnlyModelViewSet):
                 logger.warning(
                     "Could not enqueue the GPU catalog's refresh; computing it here", exc_info=True
                 )
-                data = gpu_types_cache_fill()
-                cache.delete(self.REFRESH_KEY)
+                data = gpu_types_refresh()
         return Response(data)
 
     @staticmethod
@@ -413,6 +412,15 @@ def gpu_types_cache_fill() -> list:
     view = GpuTypeViewSet
     data = list(GpuTypeSerializer(view.queryset.all(), many=True, context=view.catalog_context()).data)
     cache.set(view.CACHE_KEY, (now, data), settings.SCHEDULING_GPU_TYPES_CACHE_S * view.STALE_FACTOR)
+    return data
+
+
+def gpu_types_refresh() -> list:
+    """A refresh asked for under ``GpuTypeViewSet.REFRESH_KEY``: the answer filled, then the way clear
+    for the next. One that fails leaves the way closed until the lock expires: one try per
+    SCHEDULING_GPU_TYPES_CACHE_S, not one per request."""
+    data = gpu_types_cache_fill()
+    cache.delete(GpuTypeViewSet.REFRESH_KEY)
     return data
 
 

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from celery import shared_task
-from django.core.cache import cache
 
-from scheduling.api import GpuTypeViewSet, gpu_types_cache_fill
+from scheduling.api import gpu_types_refresh
 from scheduling.metrics import cycle_recorded
 from scheduling.services.cycle import scheduling_cycle_run
 from scheduling.services.lifecycle import scheduling_reconcile
@@ -37,9 +36,6 @@ def warm_pools() -> dict:
 
 @shared_task(name="scheduling.tasks.refresh_gpu_types", ignore_result=True)
 def refresh_gpu_types() -> None:
-    """The GPU catalog's next cached answer (asked for by the request that found it old; see
-    ``scheduling.api.GpuTypeViewSet.list``), then the way clear for the next refresh. One that
-    fails leaves the way closed until the lock expires: one try per SCHEDULING_GPU_TYPES_CACHE_S,
-    not one per request."""
-    gpu_types_cache_fill()
-    cache.delete(GpuTypeViewSet.REFRESH_KEY)
+    """The GPU catalog's next cached answer, asked for by the request that found it old (see
+    ``scheduling.api.GpuTypeViewSet.list`` and ``gpu_types_refresh``)."""
+    gpu_types_refresh()

@@ -270,9 +270,9 @@ def test_the_unfiltered_gpu_catalog_is_served_from_the_cache_for_a_moment(
     def fill_fails():
         raise RuntimeError("the database went away")
 
-    monkeypatch.setattr("scheduling.tasks.gpu_types_cache_fill", fill_fails)
     assert cache.add(GpuTypeViewSet.REFRESH_KEY, 1, 60)
-    with pytest.raises(RuntimeError):
+    with monkeypatch.context() as patched, pytest.raises(RuntimeError):
+        patched.setattr("scheduling.api.gpu_types_cache_fill", fill_fails)
         refresh_gpu_types()
     assert cache.get(GpuTypeViewSet.REFRESH_KEY) == 1
     cache.delete(GpuTypeViewSet.REFRESH_KEY)
