@@ -15,7 +15,6 @@
   (``portal.cache.RedisCache``).
 """
 
-import gc
 import os
 import sys
 
@@ -32,6 +31,7 @@ from django.core.handlers.wsgi import WSGIHandler  # noqa: E402
 from django.urls import get_resolver  # noqa: E402
 from django.utils.module_loading import import_string  # noqa: E402
 
+from portal.heap import heap_freeze_loaded  # noqa: E402
 from portal.routing import websocket_urlpatterns  # noqa: E402
 from portal.threaded_wsgi import ThreadedWSGI  # noqa: E402
 
@@ -77,19 +77,8 @@ application = ProtocolTypeRouter(
     }
 )
 
-# What is loaded by now (Django, every app, the URL conf and the views behind it, the middleware
-# chains: about 133,000 objects) lives as long as the process: keep the cyclic garbage collector off
-# it. A full collection traverses every tracked object and stops every request in the process while
-# it runs. Under bench/scale.py a web process made 7 full collections, 1.35 s in all and up to 280 ms
-# each, before; 6-7, 0.6-0.9 s in all and up to 160-230 ms each, frozen. What is still traversed is
-# the live state: the open connections and the requests in flight (about 40,000 objects with 500
-# agents' long polls on each process).
-get_resolver().url_patterns  # noqa: B018  (imports the URL conf: views, serializers, filters)
-gc.freeze()
-# A request allocates thousands of objects (querysets, rows, instances, serialized dicts), nearly
-# all freed by reference counting when it ends; at the default threshold (700) the collector ran
-# about three times per workload list page. At 20,000 it runs a few times less often: 3.5 % less
-# CPU for a list, a detail and the GPU catalog (in one process, alternating, median of 8 rounds).
-gc.set_threshold(20_000, 20, 10)
+# Imports the URL conf (views, serializers, filters) before the heap is frozen.
+get_resolver().url_patterns  # noqa: B018
+heap_freeze_loaded()
 # Threads that wait for the GIL get it after 1 ms instead of 5 (WEB_GIL_SWITCH_INTERVAL_MS).
 sys.setswitchinterval(settings.WEB_GIL_SWITCH_INTERVAL_MS / 1000)
