@@ -116,12 +116,23 @@ def test_agent_web_is_the_web_app_with_fewer_cpu_shares(services):
     # against the simulated fleet.
     assert "cpu_shares" not in web or cpu_shares(web) == DEFAULT_CPU_SHARES
     assert cpu_shares(agent) < cpu_shares(web)
-    assert cpu_shares(services["fleet"]) < cpu_shares(web)
     # Published on a host port of its own, to the port uvicorn listens on.
     published = {str(p).rsplit(":", 1)[0]: str(p).rsplit(":", 1)[1] for p in agent["ports"]}
     web_published = {str(p).rsplit(":", 1)[0] for p in web["ports"]}
     assert set(published.values()) == {option(cmd, "--port")}
     assert not set(published) & web_published
+
+
+def test_every_background_service_has_fewer_cpu_shares_than_web(services):
+    """Each container is one group to the kernel's scheduler, weighed against the others whatever
+    its processes: the agent ingress, the workers, beat and the simulated fleet must each weigh
+    less than web, or tenants' requests wait behind them on a contended host."""
+    web = cpu_shares(services["web"])
+    background = {name for name, service in services.items() if is_app(service)} - {"web", "migrate"}
+    assert background >= {"agent-web", "beat", "fleet"} | {f"worker-{q}" for q in QUEUES}
+    assert {
+        name: cpu_shares(services[name]) for name in background if cpu_shares(services[name]) >= web
+    } == {}
 
 
 def test_migrate_runs_once_before_everything_of_ours(services):
