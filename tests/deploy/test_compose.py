@@ -103,7 +103,7 @@ def test_web_is_uvicorn_with_several_workers(services):
     assert "--host=0.0.0.0" in cmd
 
 
-def test_agent_web_is_the_web_app_with_fewer_cpu_shares(services):
+def test_agent_web_is_the_web_app_on_a_port_of_its_own(services):
     web, agent = services["web"], services["agent-web"]
     cmd = command(agent)
     assert cmd[:2] == ["uvicorn", "portal.asgi:application"]
@@ -112,10 +112,6 @@ def test_agent_web_is_the_web_app_with_fewer_cpu_shares(services):
         a for a in command(web) if not a.startswith("--workers=")
     ]
     assert int(option(cmd, "--workers")) >= 1
-    # Under CPU contention on the host, tenants' requests (web) get the CPU first; so does web
-    # against the simulated fleet.
-    assert "cpu_shares" not in web or cpu_shares(web) == DEFAULT_CPU_SHARES
-    assert cpu_shares(agent) < cpu_shares(web)
     # Published on a host port of its own, to the port uvicorn listens on.
     published = {str(p).rsplit(":", 1)[0]: str(p).rsplit(":", 1)[1] for p in agent["ports"]}
     web_published = {str(p).rsplit(":", 1)[0] for p in web["ports"]}
@@ -127,6 +123,7 @@ def test_every_background_service_has_fewer_cpu_shares_than_web(services):
     """Each container is one group to the kernel's scheduler, weighed against the others whatever
     its processes: the agent ingress, the workers, beat and the simulated fleet must each weigh
     less than web, or tenants' requests wait behind them on a contended host."""
+    assert "cpu_shares" not in services["web"] or cpu_shares(services["web"]) == DEFAULT_CPU_SHARES
     web = cpu_shares(services["web"])
     background = {name for name, service in services.items() if is_app(service)} - {"web", "migrate"}
     assert background >= {"agent-web", "beat", "fleet"} | {f"worker-{q}" for q in QUEUES}

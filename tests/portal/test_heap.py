@@ -13,7 +13,7 @@ def test_a_celery_worker_and_beat_freeze_what_they_loaded_once_ready(signal):
     starts; after it the loaded heap is frozen and young collections run far less often than at
     the default threshold. Before it nothing is frozen."""
     code = (
-        "import gc, sys; import portal.celery; from celery import signals; "
+        "import gc; import portal.celery; from celery import signals; "
         "print(gc.get_freeze_count(), gc.get_threshold()[0]); "
         f"signals.{signal}.send(sender=None); "
         "print(gc.get_freeze_count(), len(gc.get_objects()), gc.get_threshold()[0])"
