@@ -11,11 +11,10 @@ fleet of 500 nodes (real ``gpupool-agent`` code, simulated GPUs and runtime, 100
 the processes started one after another) that registers, heartbeats every 10 s and long-polls for
 commands. The background (agent ingress, workers, beat and the fleet) runs at ``--background-nice``,
 each part's session set to it (``session_nice``): on a shared machine the tenants' requests get the
-CPU first, as deploy/compose.yaml's CPU shares (for agent-web and the fleet) and Kubernetes'
-separate pods give them. Then, for ``--duration`` seconds, a load generator
-(asyncio + aiohttp, open loop at a fixed arrival rate) plays tenants: listing instances, jobs, GPU
-types and usage, reading a job, creating jobs (which run for 30 s on the simulated fleet) and
-instances.
+CPU first, as deploy/compose.yaml's CPU shares and Kubernetes' separate pods give them. Then, for
+``--duration`` seconds, a load generator (asyncio + aiohttp, open loop at a fixed arrival rate)
+plays tenants: listing instances, jobs, GPU types and usage, reading a job, creating jobs (which run
+for 30 s on the simulated fleet) and instances.
 
 Prints request rate and p50/p95/p99 latency per endpoint (tenant API, and the agents' heartbeats
 and command polls as the agents saw them), errors, submit -> SCHEDULED latency (from the workload
@@ -590,7 +589,7 @@ def main() -> int:
     # each part had an autogroup of its own, and the web's two processes together got the same
     # share of a contended CPU as any one of the nine background ones. Interleaved at the default
     # --rate, read p99 105 and 159 ms at --background-nice 0 (as it was), 33 and 27 ms at 10.
-    background = args.background_nice
+    background = args.background_nice  # start()'s nice for every part but the web
     celery = [PY, "-m", "celery", "-A", "portal"]
 
     def uvicorn(port: int, workers: int) -> list[str]:
