@@ -1,0 +1,318 @@
+"""The rules every tenant-given field of a workload obeys, checked twice: by the portal when the
+workload is submitted (a 400 naming the field) and by the agent before it starts anything (a
+``start_workload`` that breaks them is refused and reported ``start_failed`` with the reason).
+
+Plain Python, no Django: the agent imports it, and so does the portal.
+
+The rules, once:
+
+- ``image``: an OCI image reference as the distribution/reference grammar writes it,
+  ``[host[:port]/]path[:tag][@algorithm:hex]``: path components of lowercase letters and digits
+  joined by ``.``, ``_``, ``__`` or dashes; a tag of at most 128 of ``[A-Za-z0-9_.-]`` not starting
+  with ``.`` or ``-``; a digest such as ``sha256:`` and 64 hex digits. The name is at most 255
+  characters and so is the whole reference (the portal's column). Nothing else: no leading ``-``
+  (it would be read as an option of ``docker``), no whitespace, no control characters.
+- ``env``: an object of at most 256 names, at most 64 KiB of names and values together (UTF-8).
+  Names match ``[A-Za-z_][A-Za-z0-9_]*``; values are any text without NUL and reach the workload
+  exactly as given. Names the platform sets or that steer the GPU stack or the loader are refused
+  (``RESERVED_ENV_NAMES`` and ``RESERVED_ENV_PREFIXES``), except the two simulation settings of
+  ``TENANT_GPUPOOL_ENV``.
+- ``command``: a list of at most 1024 strings without NUL, at most 128 KiB together.
+- ``ports``: a list of container ports, integers 1-65535, at most 64; duplicates are dropped and
+  the list is sorted. The tenant never chooses a host port: the runtime publishes each container
+  port on a port the host picks.
+- What else a start payload carries that reaches a path or an argv: ``workload_id``,
+  ``gpu_uuids``, ``mig_profile``, ``gpu_vendor``, ``template``, ``ssh_public_key`` and the numbers
+  (``cpu_millicores``, ``ram_mib``, ...), each with its own rule below.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+MAX_IMAGE_LENGTH = 255
+MAX_IMAGE_NAME_LENGTH = 255  # distribution/reference's NameTotalLengthMax
+MAX_ENV_COUNT = 256
+MAX_ENV_BYTES = 64 * 1024
+MAX_COMMAND_COUNT = 1024
+MAX_COMMAND_BYTES = 128 * 1024
+MAX_PORTS = 64
+MAX_GPUS = 64
+MAX_WORKLOAD_ID_LENGTH = 64
+MAX_TEMPLATE_LENGTH = 100
+MAX_SSH_KEY_LENGTH = 16_000
+
+# Environment names the platform sets, or that choose the GPUs, the MPS limits or the code the
+# loader runs; a tenant may set none of them. Exact names first, then prefixes.
+RESERVED_ENV_NAMES = frozenset(
+    {
+        "CUDA_VISIBLE_DEVICES",  # the workload's GPUs (process runtime)
+        "ROCR_VISIBLE_DEVICES",  # AMD: the ROCm runtime's device list
+        "HIP_VISIBLE_DEVICES",
+        "GPU_DEVICE_ORDINAL",  # AMD OpenCL
+        "AMD_VISIBLE_DEVICES",  # the AMD container toolkit's device list
+        "ZE_AFFINITY_MASK",  # Intel Level Zero
+        "ONEAPI_DEVICE_SELECTOR",
+    }
+)
+RESERVED_ENV_PREFIXES = (
+    "GPUPOOL_",  # the platform's own: workload id, preemption notice, GPU share, the agent's settings
+    "NVIDIA_",  # read by the NVIDIA container toolkit (NVIDIA_VISIBLE_DEVICES=all: every GPU)
+    "CUDA_MPS_",  # the MPS share's memory and SM limits and the daemon's pipes
+    "LD_",  # the dynamic loader (LD_PRELOAD, LD_LIBRARY_PATH, LD_AUDIT)
+    "DOCKER_",  # the docker client's settings
+)
+# GPUPOOL_ names a tenant may set: the simulated runtime reads them from the workload's own env
+# (how long it runs, its exit code); no real runtime reads them.
+TENANT_GPUPOOL_ENV = frozenset({"GPUPOOL_SIM_DURATION_S", "GPUPOOL_SIM_EXIT_CODE"})
+
+GPU_VENDORS = ("", "nvidia", "amd", "intel")
+
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
+
+# distribution/reference (reference/regexp.go), written out.
+_ALNUM = r"[a-z0-9]+"
+_SEPARATOR = r"(?:[._]|__|[-]+)"
+_PATH_COMPONENT = rf"{_ALNUM}(?:{_SEPARATOR}{_ALNUM})*"
+_DOMAIN_COMPONENT = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
+_HOST = rf"(?:{_DOMAIN_COMPONENT}(?:\.{_DOMAIN_COMPONENT})*|\[[a-fA-F0-9:]+\])"
+_DOMAIN = rf"{_HOST}(?::[0-9]+)?"
+_NAME_RE = re.compile(rf"(?:{_DOMAIN}/)?{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*", re.ASCII)
+_TAG_RE = re.compile(r"[\w][\w.-]{0,127}", re.ASCII)
+_DIGEST_RE = re.compile(r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}", re.ASCII)
+_DIGEST_HEX_LENGTHS = {"sha256": 64, "sha384": 96, "sha512": 128}  # the algorithms registries use
+
+_WORKLOAD_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*", re.ASCII)
+# GPU and MIG UUIDs (GPU-..., MIG-...) and AMD's hex UUIDs; never a comma, quote or space, which
+# would change docker's --gpus device list.
+_GPU_UUID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}", re.ASCII)
+_MIG_PROFILE_RE = re.compile(r"[1-7]g\.[0-9]{1,4}gb", re.ASCII)
+_TEMPLATE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]*", re.ASCII)
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class WorkloadRuleError(ValueError):
+    """A field breaks its rule; ``field`` names it, ``message`` says why."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def check_image(value: Any) -> str:
+    """An OCI image reference (see the module's docstring), returned as given."""
+    if not isinstance(value, str):
+        raise WorkloadRuleError("image", "Must be a string.")
+    if not value:
+        raise WorkloadRuleError("image", "Must not be empty.")
+    if len(value) > MAX_IMAGE_LENGTH:
+        raise WorkloadRuleError("image", f"At most {MAX_IMAGE_LENGTH} characters.")
+    if value.startswith("-"):
+        raise WorkloadRuleError("image", "Must not start with '-' (an image reference is not an option).")
+    if any(ch.isspace() for ch in value) or _CONTROL_RE.search(value):
+        raise WorkloadRuleError("image", "Must not contain whitespace or control characters.")
+    rest, _, digest = value.partition("@")
+    # A tag follows the last ':' that comes after the last '/' (an earlier one is the registry's port).
+    slash = rest.rfind("/")
+    colon = rest.rfind(":")
+    name, tag = (rest[:colon], rest[colon + 1 :]) if colon > slash else (rest, None)
+    if not name or not _NAME_RE.fullmatch(name):
+        raise WorkloadRuleError(
+            "image",
+            f"{name!r} is not an image name: [registry[:port]/]path, the path in lowercase letters, "
+            "digits and the separators . _ __ -.",
+        )
+    if len(name) > MAX_IMAGE_NAME_LENGTH:
+        raise WorkloadRuleError("image", f"The name is at most {MAX_IMAGE_NAME_LENGTH} characters.")
+    if tag is not None and not _TAG_RE.fullmatch(tag):
+        raise WorkloadRuleError(
+            "image", f"{tag!r} is not a tag: up to 128 of A-Z a-z 0-9 _ . -, not starting with . or -."
+        )
+    if "@" in value:
+        if not _DIGEST_RE.fullmatch(digest):
+            raise WorkloadRuleError("image", f"{digest!r} is not a digest (like sha256:<64 hex digits>).")
+        algorithm, _, hex_digits = digest.partition(":")
+        expected = _DIGEST_HEX_LENGTHS.get(algorithm)
+        if expected is not None and len(hex_digits) != expected:
+            raise WorkloadRuleError("image", f"A {algorithm} digest has {expected} hex digits.")
+    return value
+
+
+def _reserved(name: str) -> bool:
+    if name in TENANT_GPUPOOL_ENV:
+        return False
+    return name in RESERVED_ENV_NAMES or name.startswith(RESERVED_ENV_PREFIXES)
+
+
+def check_env(mapping: Any) -> dict[str, str]:
+    """The workload's environment (see the module's docstring), as a new dict."""
+    if not isinstance(mapping, Mapping):
+        raise WorkloadRuleError("env", "Must be an object of strings.")
+    if len(mapping) > MAX_ENV_COUNT:
+        raise WorkloadRuleError("env", f"At most {MAX_ENV_COUNT} variables.")
+    env: dict[str, str] = {}
+    size = 0
+    for key, value in mapping.items():
+        if not isinstance(key, str) or not _ENV_NAME_RE.fullmatch(key):
+            raise WorkloadRuleError(
+                "env", f"{key!r} is not a variable name: letters, digits and _, not starting with a digit."
+            )
+        if not isinstance(value, str):
+            raise WorkloadRuleError("env", f"{key}: the value must be a string.")
+        if "\x00" in value:
+            raise WorkloadRuleError("env", f"{key}: the value must not contain NUL.")
+        if _reserved(key):
+            raise WorkloadRuleError("env", f"{key} is set by the platform; a workload cannot set it.")
+        size += len(key.encode()) + len(value.encode("utf-8", "surrogatepass"))
+        env[key] = value
+    if size > MAX_ENV_BYTES:
+        raise WorkloadRuleError("env", f"At most {MAX_ENV_BYTES // 1024} KiB of names and values together.")
+    return env
+
+
+def check_command(value: Any) -> list[str]:
+    """The workload's argv (see the module's docstring), as a new list."""
+    if not isinstance(value, list | tuple) or not all(isinstance(part, str) for part in value):
+        raise WorkloadRuleError("command", "Must be a list of strings.")
+    if len(value) > MAX_COMMAND_COUNT:
+        raise WorkloadRuleError("command", f"At most {MAX_COMMAND_COUNT} arguments.")
+    if any("\x00" in part for part in value):
+        raise WorkloadRuleError("command", "An argument must not contain NUL.")
+    if sum(len(part.encode("utf-8", "surrogatepass")) for part in value) > MAX_COMMAND_BYTES:
+        raise WorkloadRuleError("command", f"At most {MAX_COMMAND_BYTES // 1024} KiB together.")
+    return list(value)
+
+
+def check_ports(value: Any) -> list[int]:
+    """Container ports to publish: a sorted list of distinct integers 1-65535. Each is published on
+    a host port the host picks (``docker run -p <port>``); there is no way to name a host port."""
+    if not isinstance(value, list | tuple):
+        raise WorkloadRuleError("ports", "Must be a list of port numbers (1-65535).")
+    for port in value:
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise WorkloadRuleError("ports", f"{port!r} is not a port number (1-65535).")
+    ports = sorted(set(value))
+    if len(ports) > MAX_PORTS:
+        raise WorkloadRuleError("ports", f"At most {MAX_PORTS} ports.")
+    return ports
+
+
+def check_workload_id(value: Any) -> str:
+    """The workload's id (the portal sends its primary key as a string): it names files and
+    containers, so letters, digits and ``_.-`` only, at most 64."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not _WORKLOAD_ID_RE.fullmatch(value):
+        raise WorkloadRuleError(
+            "workload_id", "Letters, digits and _ . - only, starting with a letter or digit."
+        )
+    if len(value) > MAX_WORKLOAD_ID_LENGTH:
+        raise WorkloadRuleError("workload_id", f"At most {MAX_WORKLOAD_ID_LENGTH} characters.")
+    return value
+
+
+def check_gpu_uuids(value: Any) -> list[str]:
+    """The GPUs (or MIG devices) to give the workload: at most 64 distinct UUIDs."""
+    if not isinstance(value, list | tuple):
+        raise WorkloadRuleError("gpu_uuids", "Must be a list of GPU UUIDs.")
+    if len(value) > MAX_GPUS:
+        raise WorkloadRuleError("gpu_uuids", f"At most {MAX_GPUS} GPUs.")
+    for uuid in value:
+        if not isinstance(uuid, str) or not _GPU_UUID_RE.fullmatch(uuid):
+            raise WorkloadRuleError("gpu_uuids", f"{uuid!r} is not a GPU UUID.")
+    if len(set(value)) != len(value):
+        raise WorkloadRuleError("gpu_uuids", "A GPU is named twice.")
+    return list(value)
+
+
+def check_mig_profile(value: Any) -> str:
+    """A MIG profile such as ``1g.10gb``, or empty."""
+    if value in (None, ""):
+        return ""
+    if not isinstance(value, str) or not _MIG_PROFILE_RE.fullmatch(value):
+        raise WorkloadRuleError("mig_profile", "A MIG profile like 1g.10gb.")
+    return value
+
+
+def check_gpu_vendor(value: Any) -> str:
+    if value is None:
+        return ""
+    if value not in GPU_VENDORS:
+        raise WorkloadRuleError("gpu_vendor", f"One of {', '.join(v for v in GPU_VENDORS if v)}, or empty.")
+    return value
+
+
+def check_template(value: Any) -> str:
+    """An instance template's name, or empty."""
+    if value in (None, ""):
+        return ""
+    if not isinstance(value, str) or len(value) > MAX_TEMPLATE_LENGTH or not _TEMPLATE_RE.fullmatch(value):
+        raise WorkloadRuleError(
+            "template", f"A template name: letters, digits and _ . : / -, at most {MAX_TEMPLATE_LENGTH}."
+        )
+    return value
+
+
+def check_ssh_public_key(value: Any) -> str:
+    """One OpenSSH public key on one line (a newline would add another key, with options)."""
+    if value in (None, ""):
+        return ""
+    if not isinstance(value, str) or _CONTROL_RE.search(value):
+        raise WorkloadRuleError("ssh_public_key", "One line without control characters.")
+    if len(value) > MAX_SSH_KEY_LENGTH:
+        raise WorkloadRuleError("ssh_public_key", f"At most {MAX_SSH_KEY_LENGTH} characters.")
+    return value
+
+
+def _check_number(payload: Mapping[str, Any], key: str, lo: float, hi: float, *, real: bool = False) -> Any:
+    value = payload.get(key)
+    if value is None:
+        return None
+    kinds = (int, float) if real else (int,)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not lo <= value <= hi:
+        kind = "A number" if real else "An integer"
+        raise WorkloadRuleError(key, f"{kind} between {lo} and {hi}.")
+    return value
+
+
+# The numbers of a start payload and their bounds; they reach docker's --cpus and --memory.
+_NUMBERS: dict[str, tuple[float, float, bool]] = {
+    "gpu_fraction_milli": (1, 1000, False),
+    "cpu_millicores": (0, 10_000_000, False),
+    "ram_mib": (0, 1 << 40, False),
+    "max_runtime_s": (0, 366 * 86400, False),
+    "gpu_memory_limit_mib": (0, 1 << 30, False),
+    "sim_duration_s": (0, 366 * 86400, True),
+}
+
+
+def check_start_payload(payload: Any) -> dict[str, Any]:
+    """A ``start_workload`` payload with every field checked; fields this module does not know pass
+    through unchanged (the protocol ignores unknown fields). Raises :class:`WorkloadRuleError`."""
+    if not isinstance(payload, Mapping):
+        raise WorkloadRuleError("payload", "Must be an object.")
+    if payload.get("workload_id") in (None, ""):
+        raise WorkloadRuleError("workload_id", "Required.")
+    checked = dict(payload)
+    checked["workload_id"] = check_workload_id(payload["workload_id"])
+    if payload.get("image") not in (None, ""):
+        checked["image"] = check_image(payload["image"])
+    checked["command"] = check_command(payload.get("command") or [])
+    checked["env"] = check_env(payload.get("env") or {})
+    checked["ports"] = check_ports(payload.get("ports") or [])
+    checked["gpu_uuids"] = check_gpu_uuids(payload.get("gpu_uuids") or [])
+    for key, check in (
+        ("mig_profile", check_mig_profile),
+        ("gpu_vendor", check_gpu_vendor),
+        ("template", check_template),
+        ("ssh_public_key", check_ssh_public_key),
+    ):
+        if key in payload:
+            checked[key] = check(payload[key])
+    for key, (lo, hi, real) in _NUMBERS.items():
+        if key in payload:
+            checked[key] = _check_number(payload, key, lo, hi, real=real)
+    return checked
