@@ -174,8 +174,14 @@ class InstanceCreateSerializer(_SpecSerializer):
 
 
 class JobCreateSerializer(_SpecSerializer):
-    command = serializers.ListField(child=serializers.CharField(allow_blank=True), required=False)
-    env = serializers.DictField(child=serializers.CharField(allow_blank=True), required=False)
+    # Arguments and values reach the workload exactly as given: no trimming (the service applies
+    # the workload rules).
+    command = serializers.ListField(
+        child=serializers.CharField(allow_blank=True, trim_whitespace=False), required=False
+    )
+    env = serializers.DictField(
+        child=serializers.CharField(allow_blank=True, trim_whitespace=False), required=False
+    )
     estimated_runtime_s = serializers.IntegerField(required=False, allow_null=True)
     requeue_on_preemption = serializers.BooleanField(required=False)
     checkpoint_resume = serializers.BooleanField(required=False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -20,6 +20,16 @@ from django.db import transaction
 from django.db.models import Count
 from django.utils import timezone
 
+from nodes.agent.workload_rules import (
+    WorkloadRuleError,
+    check_command,
+    check_env,
+    check_image,
+    check_mig_profile,
+    check_ports,
+    check_ssh_public_key,
+    check_template,
+)
 from nodes.models import Gpu, GpuModel, NodeState, Region
 from portal.actors import Actor
 from portal.errors import DomainError, ValidationFailed
@@ -230,6 +240,31 @@ def _check_fleet(f: dict[str, Any], region: Region | None, nodes: list[dict[str,
         raise _fail("ram_mib", "More RAM than any node with these GPUs has.")
 
 
+def _rule(check: Callable[[Any], Any], value: Any) -> Any:
+    """One of the workload rules the agent applies again (nodes.agent.workload_rules), as a 400."""
+    try:
+        return check(value)
+    except WorkloadRuleError as exc:
+        raise _fail(exc.field, exc.message) from None
+
+
+def _validate_what_runs(spec: dict) -> dict[str, Any]:
+    """Image, template, command, env, ports and SSH key: every string here reaches a node's argv, env
+    or files, so each obeys the workload rules. Values are kept exactly as given (no trimming)."""
+    f: dict[str, Any] = {}
+    f["image"] = _str(spec, "image", 255)
+    if f["image"]:
+        _rule(check_image, f["image"])
+    f["template"] = _rule(check_template, _str(spec, "template", 100))
+    f["command"] = _rule(check_command, spec.get("command", []))
+    f["env"] = _rule(check_env, spec.get("env", {}))
+    f["ports"] = _rule(check_ports, spec.get("ports", []))
+    f["ssh_public_key"] = _rule(check_ssh_public_key, _str(spec, "ssh_public_key", 16_000))
+    if f["ssh_public_key"] and not SSH_KEY_RE.match(f["ssh_public_key"]):
+        raise _fail("ssh_public_key", "Not an OpenSSH public key.")
+    return f
+
+
 def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolved]:
     if not isinstance(spec, dict):
         raise ValidationFailed("The spec must be an object.")
@@ -319,7 +354,7 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
     # Count, gang, fraction, MIG.
     f["gang"] = _bool(spec, "gang", False)
     f["gpu_count"] = _int(spec, "gpu_count", 1, 1, 4096)
-    f["mig_profile"] = _str(spec, "mig_profile", 32)
+    f["mig_profile"] = _rule(check_mig_profile, _str(spec, "mig_profile", 32))
     fraction = _int(spec, "gpu_fraction_milli", None, 1, MILLI)
     if f["mig_profile"]:
         match = MIG_PROFILE_RE.match(f["mig_profile"])
@@ -360,28 +395,7 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
         if f["spot_max_price"].as_tuple().exponent < -10:
             raise _fail("spot_max_price", "At most 10 decimal places.")
 
-    # What runs.
-    f["image"] = _str(spec, "image", 255)
-    f["template"] = _str(spec, "template", 100)
-    command = spec.get("command", [])
-    if not isinstance(command, list) or not all(isinstance(c, str) for c in command):
-        raise _fail("command", "Must be a list of strings.")
-    f["command"] = command
-    env = spec.get("env", {})
-    if not isinstance(env, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
-    ):
-        raise _fail("env", "Must be an object of strings.")
-    f["env"] = env
-    ports = spec.get("ports", [])
-    if not isinstance(ports, list) or not all(
-        isinstance(p, int) and not isinstance(p, bool) and 1 <= p <= 65535 for p in ports
-    ):
-        raise _fail("ports", "Must be a list of port numbers (1-65535).")
-    f["ports"] = sorted(set(ports))
-    f["ssh_public_key"] = _str(spec, "ssh_public_key", 16_000)
-    if f["ssh_public_key"] and not SSH_KEY_RE.match(f["ssh_public_key"]):
-        raise _fail("ssh_public_key", "Not an OpenSSH public key.")
+    f.update(_validate_what_runs(spec))
     f["max_runtime_s"] = _int(spec, "max_runtime_s", None, 60, 366 * 86400)
     f["estimated_runtime_s"] = _int(spec, "estimated_runtime_s", None, 1, 366 * 86400)
     f["requeue_on_preemption"] = _bool(spec, "requeue_on_preemption", True)
