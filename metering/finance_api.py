@@ -1,15 +1,15 @@
 """The staff finance API: ``/api/staff/v1/finance/revenue/``, ``.../gpu-hours/``, ``.../receivables/``.
 
 The same reports as the staff pages, as JSON; money as strings at the currency's places. Only staff
-may read them: a signed-in staff person, or a token created by one. Everyone else gets 403 (401
-without credentials). It lives outside the tenant API (``/api/v1/``), whose every route answers a
-tenant's token.
+may read them: a signed-in staff person, or a staff token (``gps_...``) with the ``finance:read``
+scope. A tenant's token gets 403 whoever made it; no credentials, 401. It lives outside the tenant
+API (``/api/v1/``), which never accepts a staff token.
 """
 
 from __future__ import annotations
 
 from drf_spectacular.utils import OpenApiParameter, extend_schema
-from rest_framework import exceptions, permissions
+from rest_framework.authentication import SessionAuthentication
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -17,16 +17,10 @@ from metering import reports
 from metering.models import InvoiceStatus
 from metering.money import quantize_money
 from metering.views import ReportFilterForm
+from portal.api.authentication import BearerTokenAuthentication, StaffTokenAuthentication
+from portal.api.permissions import StaffPermission
 from portal.errors import ValidationFailed
-
-
-class IsStaff(permissions.BasePermission):
-    message = "The finance API is for gpupool staff."
-
-    def has_permission(self, request, view) -> bool:
-        if not request.user or not request.user.is_authenticated:
-            raise exceptions.NotAuthenticated()
-        return bool(request.user.is_staff)
+from portal.models import StaffScope
 
 
 def _filters(request, groups: dict[str, str]) -> dict:
@@ -53,7 +47,10 @@ FILTERS = [
 
 
 class FinanceBase(APIView):
-    permission_classes = [IsStaff]
+    # Tenant tokens are authenticated only so that StaffPermission can refuse them with a reason.
+    authentication_classes = [StaffTokenAuthentication, BearerTokenAuthentication, SessionAuthentication]
+    permission_classes = [StaffPermission]
+    staff_scope = StaffScope.FINANCE_READ
 
 
 class RevenueApi(FinanceBase):

@@ -1,12 +1,28 @@
 from django import forms
 from django.contrib import admin
 from django.contrib.auth.admin import UserAdmin as BaseUserAdmin
+from django.core.exceptions import PermissionDenied
+from django.template.response import TemplateResponse
 from django.utils import timezone
+from django.utils.cache import add_never_cache_headers
 
 from portal import services
 from portal.actors import Actor
-from portal.admin_actions import RecordAdmin
-from portal.models import ApiToken, AuditEvent, Invitation, Membership, MetricValue, Tenant, User
+from portal.admin_actions import RecordAdmin, run_each
+from portal.errors import DomainError
+from portal.forms import apply_domain_error
+from portal.models import (
+    ApiToken,
+    AuditEvent,
+    Invitation,
+    Membership,
+    MetricValue,
+    StaffScope,
+    StaffToken,
+    Tenant,
+    User,
+)
+from portal.staff_tokens import staff_token_create, staff_token_revoke
 
 
 class MembershipInline(admin.TabularInline):
@@ -122,6 +138,80 @@ class ApiTokenAdmin(admin.ModelAdmin):
         for token in queryset.filter(revoked_at__isnull=True):
             services.api_token_revoke(token=token, actor=Actor(user=request.user))
         self.message_user(request, f"Revoked at {timezone.now():%Y-%m-%d %H:%M} UTC.")
+
+
+class StaffTokenCreateForm(forms.Form):
+    name = forms.CharField(max_length=100)
+    scopes = forms.MultipleChoiceField(choices=StaffScope.choices, widget=forms.CheckboxSelectMultiple)
+    expires_at = forms.DateTimeField(
+        required=False, help_text="UTC, e.g. 2030-01-31 00:00. Empty: no expiry."
+    )
+
+
+@admin.register(StaffToken)
+class StaffTokenAdmin(admin.ModelAdmin):
+    """Staff make their own staff tokens here (shown once) and revoke them; superusers see everyone's."""
+
+    list_display = [
+        "name",
+        "display_prefix",
+        "user",
+        "scopes",
+        "status",
+        "created",
+        "expires_at",
+        "last_used_at",
+    ]
+    search_fields = ["name", "key_id", "user__email"]
+    actions = ["revoke"]
+
+    def get_queryset(self, request):
+        qs = super().get_queryset(request).select_related("user")
+        return qs if request.user.is_superuser else qs.filter(user=request.user)
+
+    def has_view_permission(self, request, obj=None):
+        return request.user.is_active and request.user.is_staff
+
+    def has_add_permission(self, request):
+        return request.user.is_active and request.user.is_staff
+
+    def has_change_permission(self, request, obj=None):
+        return False  # a token's scopes and person are fixed; revoke and make another
+
+    def has_delete_permission(self, request, obj=None):
+        return False  # revoked, not deleted, so the audit trail keeps its target
+
+    def add_view(self, request, form_url="", extra_context=None):
+        if not self.has_add_permission(request):
+            raise PermissionDenied
+        form = StaffTokenCreateForm(request.POST or None)
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.model._meta,
+            "title": "Add staff token",
+        }
+        if request.method == "POST" and form.is_valid():
+            try:
+                token, plaintext = staff_token_create(
+                    user=request.user, actor=Actor(user=request.user), **form.cleaned_data
+                )
+            except DomainError as exc:
+                apply_domain_error(form, exc)
+            else:  # the secret exists only in this response
+                response = TemplateResponse(
+                    request,
+                    "admin/portal/stafftoken/add.html",
+                    {**context, "token": token, "plaintext": plaintext},
+                )
+                add_never_cache_headers(response)
+                return response
+        return TemplateResponse(request, "admin/portal/stafftoken/add.html", {**context, "form": form})
+
+    @admin.action(description="Revoke selected staff tokens")
+    def revoke(self, request, queryset):
+        run_each(
+            self, request, queryset, lambda t, actor: staff_token_revoke(token=t, actor=actor), "Revoked"
+        )
 
 
 @admin.register(AuditEvent)

@@ -243,6 +243,74 @@ class ApiToken(TenantOwnedModel):
         return key_id, plaintext, hash_secret(plaintext)
 
 
+class StaffScope(models.TextChoices):
+    """What a staff token may open; staff APIs name the scope each route needs."""
+
+    FINANCE_READ = "finance:read", "Read finance reports"
+
+
+class StaffTokenQuerySet(models.QuerySet):
+    def usable(self, now: datetime | None = None):
+        now = now or timezone.now()
+        return self.filter(revoked_at__isnull=True).filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+
+
+class StaffToken(QuickLoad, models.Model):
+    """A staff person's token for the staff APIs (``/api/staff/v1/``): ``gps_<prefix>_<secret>``.
+
+    Tied to no tenant and never accepted by the tenant API (nor a tenant's token by the staff APIs).
+    It acts for the staff person it was made for and works only while that person is active staff;
+    only SHA-256 of the whole token is stored."""
+
+    PREFIX = "gps"
+
+    name = models.CharField(max_length=100)
+    key_id = models.CharField(max_length=16, unique=True, editable=False)
+    token_hash = models.CharField(max_length=64, editable=False)
+    scopes = models.JSONField(default=list)
+    # The staff person who made it and for whom it acts; it goes with their account.
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="staff_tokens")
+    created = models.DateTimeField(default=timezone.now, editable=False)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+
+    objects = StaffTokenQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.display_prefix})"
+
+    @property
+    def display_prefix(self) -> str:
+        return f"{self.PREFIX}_{self.key_id}_…"
+
+    @property
+    def is_expired(self) -> bool:
+        return self.expires_at is not None and self.expires_at <= timezone.now()
+
+    @property
+    def is_revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    @property
+    def status(self) -> str:
+        if self.is_revoked:
+            return "revoked"
+        if self.is_expired:
+            return "expired"
+        return "active"
+
+    @classmethod
+    def generate(cls) -> tuple[str, str, str]:
+        """A new (key_id, plaintext token, hash of the token)."""
+        key_id = secrets.token_hex(6)
+        plaintext = f"{cls.PREFIX}_{key_id}_{_new_secret(32)}"
+        return key_id, plaintext, hash_secret(plaintext)
+
+
 class AuditEvent(TenantOwnedModel):
     """Who did what to which object, written by the services for every change a person makes."""
 

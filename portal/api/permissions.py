@@ -3,7 +3,7 @@ from __future__ import annotations
 from rest_framework import exceptions, permissions
 
 from portal.api.context import request_context
-from portal.models import ApiToken, Scope
+from portal.models import ApiToken, Scope, StaffToken
 
 
 class TenantScopePermission(permissions.BasePermission):
@@ -14,6 +14,8 @@ class TenantScopePermission(permissions.BasePermission):
     """
 
     def has_permission(self, request, view) -> bool:
+        if isinstance(request.auth, StaffToken):
+            raise exceptions.PermissionDenied("A staff token never opens the tenant API.")
         if not (isinstance(request.auth, ApiToken) or request.user.is_authenticated):
             raise exceptions.NotAuthenticated()
         ctx = request_context(request)
@@ -36,3 +38,24 @@ def required_scope(request, view) -> str:
     if request.method in permissions.SAFE_METHODS:
         return getattr(view, "read_scope", Scope.READ)
     return getattr(view, "write_scope", Scope.WRITE)
+
+
+class StaffPermission(permissions.BasePermission):
+    """The staff APIs: a signed-in, active staff person, or a staff token holding the view's
+    ``staff_scope``. A tenant's token never opens them, whoever made it."""
+
+    def has_permission(self, request, view) -> bool:
+        if isinstance(request.auth, ApiToken):
+            raise exceptions.PermissionDenied(
+                "A tenant token never opens the staff API: use a staff token (gps_...) or a staff session."
+            )
+        user = request.user
+        if not (user and user.is_authenticated):
+            raise exceptions.NotAuthenticated()
+        if not (user.is_active and user.is_staff):
+            raise exceptions.PermissionDenied("The staff API is for gpupool staff.")
+        if isinstance(request.auth, StaffToken):
+            needed = view.staff_scope
+            if needed not in request.auth.scopes:
+                raise exceptions.PermissionDenied(f"This needs the '{needed}' staff scope.")
+        return True
