@@ -25,12 +25,34 @@ from portal.models import (
 from portal.staff_tokens import staff_token_create, staff_token_revoke
 
 
+class ServiceOwnedAdmin(admin.ModelAdmin):
+    """Rows only the services change (they revoke what a change takes away, and audit it): staff
+    look here and act through the admin actions, which call those services."""
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
 class MembershipInline(admin.TabularInline):
     model = Membership
     extra = 0
-    autocomplete_fields = ["user"]
     fields = ["user", "role", "created"]
-    readonly_fields = ["created"]
+    readonly_fields = ["user", "role", "created"]
+
+    def has_add_permission(self, request, obj=None):
+        return False  # people join by invitation; roles change on the team page or the API
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
 
 
 @admin.register(User)
@@ -98,23 +120,44 @@ class TenantAdmin(admin.ModelAdmin):
 
 
 @admin.register(Membership)
-class MembershipAdmin(admin.ModelAdmin):
+class MembershipAdmin(ServiceOwnedAdmin):
     list_display = ["user", "tenant", "role", "created"]
     list_filter = ["role", "tenant"]
     search_fields = ["user__email", "tenant__slug", "tenant__name"]
-    autocomplete_fields = ["user", "tenant"]
+    actions = ["remove_members"]
+
+    @admin.action(description="Remove selected members (revokes their tokens and invitations)")
+    def remove_members(self, request, queryset):
+        run_each(
+            self,
+            request,
+            queryset.select_related("tenant", "user"),
+            lambda m, actor: services.membership_remove(membership=m, actor=actor),
+            "Removed",
+        )
 
 
 @admin.register(Invitation)
-class InvitationAdmin(admin.ModelAdmin):
+class InvitationAdmin(ServiceOwnedAdmin):
     list_display = ["email", "tenant", "role", "invited_by", "created", "expires_at", "accepted_at"]
     list_filter = ["role", "tenant"]
     search_fields = ["email", "tenant__slug"]
-    readonly_fields = ["token_hash", "created", "accepted_at", "accepted_by"]
+    exclude = ["token_hash"]
+    actions = ["revoke_invitations"]
+
+    @admin.action(description="Revoke selected open invitations")
+    def revoke_invitations(self, request, queryset):
+        run_each(
+            self,
+            request,
+            queryset.filter(accepted_at__isnull=True).select_related("tenant"),
+            lambda i, actor: services.invitation_revoke(invitation=i, actor=actor),
+            "Revoked",
+        )
 
 
 @admin.register(ApiToken)
-class ApiTokenAdmin(admin.ModelAdmin):
+class ApiTokenAdmin(ServiceOwnedAdmin):
     list_display = [
         "name",
         "display_prefix",
@@ -127,11 +170,8 @@ class ApiTokenAdmin(admin.ModelAdmin):
     ]
     list_filter = ["tenant"]
     search_fields = ["name", "key_id", "tenant__slug"]
-    readonly_fields = ["key_id", "token_hash", "created_by", "created", "last_used_at", "revoked_at"]
-    actions = ["revoke"]
-
-    def has_add_permission(self, request):
-        return False  # tokens are made by their tenant (UI, API or `createapitoken`) and shown once
+    exclude = ["token_hash"]
+    actions = ["revoke"]  # tokens are made by their tenant (UI, API or `createapitoken`), shown once
 
     @admin.action(description="Revoke selected tokens")
     def revoke(self, request, queryset):

@@ -154,8 +154,9 @@ class Invitation(TenantOwnedModel):
     email = models.EmailField()
     role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
     token_hash = models.CharField(max_length=64, unique=True, editable=False)
+    # Its sender's authority, now, is checked at acceptance; it goes with their account.
     invited_by = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="+"
     )
     created = models.DateTimeField(default=timezone.now, editable=False)
     expires_at = models.DateTimeField()
@@ -199,8 +200,10 @@ class ApiToken(TenantOwnedModel):
     key_id = models.CharField(max_length=16, unique=True, editable=False)
     token_hash = models.CharField(max_length=64, editable=False)
     scopes = models.JSONField(default=list)
+    # The person the token acts for: its authority is theirs, now (``effective_scopes``), and it
+    # goes with their account. Empty only for a token the system made (``createapitoken``).
     created_by = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="+"
     )
     created = models.DateTimeField(default=timezone.now, editable=False)
     expires_at = models.DateTimeField(null=True, blank=True)
@@ -208,6 +211,11 @@ class ApiToken(TenantOwnedModel):
     last_used_at = models.DateTimeField(null=True, blank=True)
 
     objects = ApiTokenQuerySet.as_manager()
+
+    # What the token may do on this request: its scopes within what its creator's current role in
+    # the tenant allows, set when it authenticates (``api_token_authenticate``); None when the
+    # creator is inactive or no longer a member. Nothing until it has authenticated.
+    effective_scopes: frozenset[str] | None = frozenset()
 
     class Meta:
         ordering = ["-created"]

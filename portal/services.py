@@ -246,7 +246,28 @@ def membership_change_role(*, membership: Membership, role: str, actor: Actor) -
         target=membership,
         data={"from": old, "to": role},
     )
+    _revoke_beyond_role(tenant=tenant, user=membership.user, role=role, actor=actor)
     return membership
+
+
+def _revoke_beyond_role(*, tenant: Tenant, user: User, role: str | None, actor: Actor) -> None:
+    """What a person made that their role (None: removed) no longer allows: tokens with a scope
+    beyond it and open invitations they could not send now. Each revocation is audited."""
+    allowed = ROLE_SCOPES.get(role, frozenset()) if role else frozenset()
+    tokens = ApiToken.objects.filter(tenant=tenant, created_by=user, revoked_at__isnull=True)
+    for token in tokens:
+        if not set(token.scopes) <= allowed:
+            api_token_revoke(token=token, actor=actor)
+    for invitation in Invitation.objects.filter(tenant=tenant, invited_by=user, accepted_at__isnull=True):
+        if not _role_may_invite(role, invitation.role):
+            invitation_revoke(invitation=invitation, actor=actor)
+
+
+def _role_may_invite(role: str | None, invited_role: str) -> bool:
+    """Inviting needs the admin scope; inviting an owner needs the owner role."""
+    if role is None or Scope.ADMIN not in ROLE_SCOPES.get(role, frozenset()):
+        return False
+    return invited_role != Role.OWNER or role == Role.OWNER
 
 
 @transaction.atomic
@@ -265,10 +286,8 @@ def membership_remove(*, membership: Membership, actor: Actor) -> None:
         target=membership,
         data={"email": membership.user.email, "role": membership.role},
     )
-    # Tokens the member made stop working with their membership.
-    ApiToken.objects.filter(tenant=tenant, created_by=membership.user, revoked_at__isnull=True).update(
-        revoked_at=timezone.now()
-    )
+    # Tokens the member made and invitations they sent end with their membership.
+    _revoke_beyond_role(tenant=tenant, user=membership.user, role=None, actor=actor)
     membership.delete()
 
 
@@ -319,11 +338,27 @@ def invitation_create(*, tenant: Tenant, email: str, role: str, actor: Actor) ->
 
 def invitation_lookup(*, token: str) -> Invitation:
     invitation = (
-        Invitation.objects.select_related("tenant").filter(token_hash=hash_secret(token or "")).first()
+        Invitation.objects.select_related("tenant", "invited_by")
+        .filter(token_hash=hash_secret(token or ""))
+        .first()
     )
     if invitation is None or not invitation.is_open:
         raise NotFound("This invitation does not exist, was already used or has expired.")
+    if not _inviter_may_still_invite(invitation):
+        raise NotFound("This invitation is no longer valid: whoever sent it can no longer invite.")
     return invitation
+
+
+def _inviter_may_still_invite(invitation: Invitation) -> bool:
+    """An invitation carries its sender's authority, now: an active person who may still grant its
+    role in the tenant (staff outside it act as owners). One the system sent has no sender."""
+    inviter = invitation.invited_by
+    if inviter is None:
+        return True
+    if not inviter.is_active:
+        return False
+    role = _actor_role(Actor(user=inviter), invitation.tenant)
+    return _role_may_invite(role, invitation.role)
 
 
 @transaction.atomic
@@ -443,7 +478,7 @@ def api_token_create(
 
 def _actor_scopes(actor: Actor, tenant: Tenant) -> frozenset[str]:
     if actor.token is not None:
-        return frozenset(actor.token.scopes)
+        return actor.token.effective_scopes or frozenset()
     if actor.kind == "system":
         return frozenset(Scope.values)
     role = _actor_role(actor, tenant)
@@ -472,19 +507,29 @@ def api_token_authenticate(*, plaintext: str) -> ApiToken | None:
 
 _TOKEN_COLUMNS = ModelColumns(ApiToken, "t")
 _TENANT_COLUMNS = ModelColumns(Tenant, "n")
+_ROLE_COLUMNS = ModelColumns(Membership, "m", ["role"])
+_ACTIVE_COLUMNS = ModelColumns(User, "u", ["is_active"])
 
 
 @Statement
 def _token_sql(connection) -> str:
-    t = _TOKEN_COLUMNS
-    return f"{t.select_joined(connection, _TENANT_COLUMNS, 'tenant')} WHERE {t.column(connection, 'key_id')} = %s"
+    t, m, u = _TOKEN_COLUMNS, _ROLE_COLUMNS, _ACTIVE_COLUMNS
+    head = t.select_joined(connection, _TENANT_COLUMNS, "tenant")
+    head = head.replace(" FROM ", f", {m.select(connection)}, {u.select(connection)} FROM ", 1)
+    return (
+        f"{head} LEFT JOIN {m.table(connection)} ON {m.column(connection, 'tenant')} = "
+        f"{t.column(connection, 'tenant')} AND {m.column(connection, 'user')} = {t.column(connection, 'created_by')}"
+        f" LEFT JOIN {u.table(connection)} ON {u.column(connection, 'id')} = {t.column(connection, 'created_by')}"
+        f" WHERE {t.column(connection, 'key_id')} = %s"
+    )
 
 
 def _token_with_tenant(key_id: str) -> ApiToken | None:
-    """The token of ``key_id`` with its tenant (every request needs it), in one statement written
-    here: on every API request, compiling the equivalent QuerySet (``select_related("tenant")``)
-    cost more than running it (``portal.rows``). The creator (``created_by``), which only writes and
-    a few views ask for, is loaded when first asked."""
+    """The token of ``key_id`` with its tenant (every request needs it) and its effective scopes
+    (its creator's current role and state), in one statement written here: on every API request,
+    compiling the equivalent QuerySet (``select_related("tenant")``) cost more than running it
+    (``portal.rows``). The creator (``created_by``), which only writes and a few views ask for, is
+    loaded when first asked."""
     connection = connections[ApiToken.objects.db]
     with connection.cursor() as cursor:
         cursor.execute(_token_sql.sql(connection), [key_id])
@@ -492,9 +537,22 @@ def _token_with_tenant(key_id: str) -> ApiToken | None:
     if row is None:
         return None
     split = len(_TOKEN_COLUMNS)
+    end = split + len(_TENANT_COLUMNS)
     token = _TOKEN_COLUMNS.instance(connection, row[:split])
-    ApiToken.tenant.field.set_cached_value(token, _TENANT_COLUMNS.instance(connection, row[split:]))
+    ApiToken.tenant.field.set_cached_value(token, _TENANT_COLUMNS.instance(connection, row[split:end]))
+    role, is_active = row[end], row[end + 1]
+    token.effective_scopes = _effective_scopes(token, role=role, creator_active=bool(is_active))
     return token
+
+
+def _effective_scopes(token: ApiToken, *, role: str | None, creator_active: bool) -> frozenset[str] | None:
+    """A token's scopes within what its creator's current role allows; None (no authority) when the
+    creator is inactive or not a member. A token the system made (no creator) has its own scopes."""
+    if token.created_by_id is None:
+        return frozenset(token.scopes)
+    if not creator_active or role is None:
+        return None
+    return frozenset(token.scopes) & ROLE_SCOPES.get(role, frozenset())
 
 
 def api_token_touch(*, token: ApiToken, now: datetime | None = None) -> None:

@@ -30,6 +30,10 @@ class BearerTokenAuthentication(authentication.BaseAuthentication):
             raise exceptions.AuthenticationFailed("This token has been revoked.")
         if token.is_expired:
             raise exceptions.AuthenticationFailed("This token has expired.")
+        if token.effective_scopes is None:
+            raise exceptions.AuthenticationFailed(
+                "The person this token acts for is no longer an active member of its tenant."
+            )
         api_token_touch(token=token)
         log_context_bind(tenant_id=token.tenant_id, user_id=token.created_by_id)
         # The person the token acts for, loaded only if something asks (most reads never do).

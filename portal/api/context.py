@@ -1,6 +1,7 @@
 """The tenant and scopes a request acts with, resolved once per request.
 
-A bearer token acts for its own tenant with its own scopes. A signed-in person acts for the tenant
+A bearer token acts for its own tenant with its scopes, within what its creator's current role there
+allows (``ApiToken.effective_scopes``). A signed-in person acts for the tenant
 chosen in the session (see ``portal.middleware.TenantMiddleware``) with the scopes of their role.
 """
 
@@ -29,7 +30,7 @@ def request_context(request) -> RequestContext:
         return cached
     auth = getattr(request, "auth", None)
     if isinstance(auth, ApiToken):
-        ctx = RequestContext(tenant=auth.tenant, scopes=frozenset(auth.scopes), token=auth)
+        ctx = RequestContext(tenant=auth.tenant, scopes=auth.effective_scopes or frozenset(), token=auth)
     else:
         membership = getattr(django_request, "membership", None)
         ctx = (
