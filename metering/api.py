@@ -26,6 +26,7 @@ from metering.services.rates import rate_card_for_tenant
 from nodes.models import GpuModel
 from portal.actors import actor_from_request
 from portal.api.context import request_context
+from portal.api.filters import TenantFilterSet
 from portal.api.pagination import CursorPagination
 from portal.api.routers import extra_urlpatterns, router
 from portal.api.viewsets import TenantReadOnlyViewSet
@@ -64,7 +65,7 @@ class UsageRecordSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class UsageFilter(django_filters.FilterSet):
+class UsageFilter(TenantFilterSet):
     period = django_filters.DateFilter(
         field_name="period_start", help_text="First day of the month, e.g. 2024-03-01."
     )

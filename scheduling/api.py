@@ -19,7 +19,7 @@ from rest_framework.decorators import action
 from rest_framework.response import Response
 
 from nodes.models import GpuModel
-from portal.api.filters import UTCDateTimeFilter
+from portal.api.filters import TenantFilterSet, UTCDateTimeFilter
 from portal.api.routers import router
 from portal.api.serializers import ReadPlanSerializer
 from portal.api.viewsets import TenantReadOnlyViewSet, TenantScopedViewSet
@@ -199,7 +199,7 @@ class WorkloadEventSerializer(serializers.Serializer):
 # --- instances and jobs ----------------------------------------------------------------------------
 
 
-class WorkloadFilter(django_filters.FilterSet):
+class WorkloadFilter(TenantFilterSet):
     state = django_filters.MultipleChoiceFilter(choices=WorkloadState.choices)
     plan = django_filters.ChoiceFilter(choices=Plan.choices)
     region = django_filters.CharFilter(field_name="region__code")

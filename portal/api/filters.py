@@ -5,7 +5,11 @@ from __future__ import annotations
 from datetime import UTC
 
 import django_filters
-from django_filters.rest_framework import DjangoFilterBackend
+from django_filters.filters import QuerySetRequestMixin
+from django_filters.rest_framework import DjangoFilterBackend, FilterSet
+
+from portal.api.context import request_context
+from portal.tenancy import TenantOwnedModel
 
 
 class UTCDateTimeFilter(django_filters.IsoDateTimeFilter):
@@ -18,6 +22,21 @@ class UTCDateTimeFilter(django_filters.IsoDateTimeFilter):
         return super().filter(qs, value)
 
 
+class TenantFilterSet(FilterSet):
+    """The base of every filter set of the tenant API (declared, and those the backend makes from
+    ``filterset_fields``): a filter whose choices are rows of a tenant-owned model (``?workload=``,
+    ``?invoice=``) chooses among the request's tenant's rows only, so another tenant's id is refused
+    exactly as an id that does not exist (400), instead of answering an empty 200."""
+
+    def __init__(self, data=None, queryset=None, *, request=None, prefix=None):
+        super().__init__(data, queryset, request=request, prefix=prefix)
+        tenant = request_context(request).tenant if request is not None else None
+        for f in self.filters.values():
+            choices = getattr(f, "queryset", None) if isinstance(f, QuerySetRequestMixin) else None
+            if choices is not None and not callable(choices) and issubclass(choices.model, TenantOwnedModel):
+                f.queryset = choices.filter(tenant=tenant) if tenant is not None else choices.none()
+
+
 class FilterBackend(DjangoFilterBackend):
     """django-filter's backend, not run for a request that names none of the view's filters.
 
@@ -26,7 +45,9 @@ class FilterBackend(DjangoFilterBackend):
     (django-filter's ``Filter.filter`` returns it for an empty value), so a request without any of
     their parameters gets the queryset unchanged, as it would from the FilterSet. A parameter that
     begins with a filter's name (``submitted_after`` for a range's ``submitted``, say) takes the
-    whole path."""
+    whole path. Filter sets made from ``filterset_fields`` are ``TenantFilterSet``s too."""
+
+    filterset_base = TenantFilterSet
 
     def filter_queryset(self, request, queryset, view):
         filterset_class = self.get_filterset_class(view, queryset)

@@ -9,6 +9,7 @@ from rest_framework.views import APIView
 
 from portal import services
 from portal.api.context import request_context
+from portal.api.filters import TenantFilterSet
 from portal.api.serializers import (
     ApiTokenCreatedSerializer,
     ApiTokenSerializer,
@@ -77,7 +78,7 @@ class InvitationViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin, mixins.D
         services.invitation_revoke(invitation=instance, actor=self.actor)
 
 
-class ApiTokenFilter(django_filters.FilterSet):
+class ApiTokenFilter(TenantFilterSet):
     status = django_filters.ChoiceFilter(
         choices=[("active", "active"), ("revoked", "revoked")], method="filter_status"
     )
