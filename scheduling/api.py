@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import timedelta
 from decimal import Decimal
 
 import django_filters
 from django.conf import settings
 from django.core.cache import cache
+from django.utils import timezone
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
@@ -453,6 +455,12 @@ class ReservationSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
+# How far ahead a reservation may start and how long it may run: bounded so that every date a
+# reservation makes (billing periods, term months) stays well inside what datetimes can hold.
+RESERVATION_MAX_LEAD = timedelta(days=5 * 366)
+RESERVATION_MAX_TERM = timedelta(days=3 * 366)
+
+
 class ReservationCreateSerializer(serializers.Serializer):
     gpu_model = serializers.CharField(max_length=80)
     region = serializers.CharField(max_length=32)
@@ -461,6 +469,16 @@ class ReservationCreateSerializer(serializers.Serializer):
     ends_at = serializers.DateTimeField()
     note = serializers.CharField(required=False, allow_blank=True, max_length=255)
 
+    def validate_starts_at(self, value):
+        if value > timezone.now() + RESERVATION_MAX_LEAD:
+            raise serializers.ValidationError("Must start within 5 years from now.")
+        return value
+
+    def validate(self, attrs):
+        if attrs["ends_at"] > attrs["starts_at"] + RESERVATION_MAX_TERM:
+            raise serializers.ValidationError({"ends_at": "Must be at most 3 years after starts_at."})
+        return attrs
+
 
 class ReservationViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
     """Reserved capacity. POST asks for one (staff confirm it); ``{id}/cancel/`` withdraws a request."""
@@ -468,6 +486,8 @@ class ReservationViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
     queryset = Reservation.objects.select_related("gpu_model", "region")
     serializer_class = ReservationSerializer
     filterset_fields = ["status"]
+    read_scope = Scope.BILLING  # as the reservations page: reserved capacity is a billing matter
+    write_scope = Scope.BILLING
 
     def get_serializer_class(self):
         return ReservationCreateSerializer if self.action == "create" else ReservationSerializer

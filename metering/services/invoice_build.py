@@ -71,7 +71,9 @@ def reserved_days(reservation: Reservation, period_start: date) -> int:
     """Calendar days of the month on which the reservation is in force for any part of the day."""
     p_end = next_period(period_start)
     first = max(period_start, reservation.starts_at.date())
-    last_excl = min(p_end, (reservation.ends_at - timedelta(microseconds=1)).date() + timedelta(days=1))
+    last_day = (reservation.ends_at - timedelta(microseconds=1)).date()
+    # Compared before adding the day, so that an end at the edge of the calendar cannot overflow.
+    last_excl = p_end if last_day >= p_end else last_day + timedelta(days=1)
     return max((last_excl - first).days, 0)
 
 
