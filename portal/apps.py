@@ -7,6 +7,6 @@ class PortalConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from portal import checks, metrics  # noqa: F401  (checks: registers system checks)
+        from portal import checks, metrics, receivers  # noqa: F401  (checks, receivers: register)
 
         metrics.register_collector()

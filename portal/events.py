@@ -1,4 +1,12 @@
-"""Live events: pushed after commit to the browsers and API clients of one tenant (or to staff)."""
+"""Live events: pushed after commit to the browsers of one tenant (or to staff).
+
+A tenant's events go to one group per scope (``tenant.<id>.<scope>``): an event is published with
+the scope a person needs to see it (``read`` for workloads, ``billing`` for budget alerts with their
+amounts), and each socket is in the groups of the scopes its person's role holds. A change to a
+person's memberships or account sends a note to their own group (``user.<id>``); their sockets then
+look again and follow it (leave a scope's group, or close when they are no longer a member). Each
+message names its group, so a socket also drops what was queued for a group it has just left.
+"""
 
 from __future__ import annotations
 
@@ -18,8 +26,12 @@ STAFF_GROUP = "staff"
 SEND_TIMEOUT_S = 5.0
 
 
-def tenant_group(tenant_id: int) -> str:
-    return f"tenant.{tenant_id}"
+def tenant_group(tenant_id: int, scope: str = "read") -> str:
+    return f"tenant.{tenant_id}.{scope}"
+
+
+def user_group(user_id: int) -> str:
+    return f"user.{user_id}"
 
 
 class _SenderLoop:
@@ -58,27 +70,47 @@ def _send(group: str, event: dict[str, Any]) -> None:
     if layer is None:
         return
     try:
-        _SenderLoop.run(layer.group_send, group, {"type": "gpupool.event", "event": event})
+        _SenderLoop.run(layer.group_send, group, {"type": "gpupool.event", "event": event, "group": group})
     except Exception:  # a lost live update must never break the change that caused it
         logger.warning("Could not push event %s to %s", event.get("type"), group, exc_info=True)
 
 
-def publish(*, tenant_id: int | None, event: dict[str, Any], staff: bool = False) -> None:
-    """Push ``event`` to the tenant's group (and the staff group) once the transaction commits."""
+def publish(
+    *, tenant_id: int | None, event: dict[str, Any], staff: bool = False, scope: str = "read"
+) -> None:
+    """Push ``event`` to the tenant's members whose role holds ``scope`` (and to the staff group)
+    once the transaction commits."""
 
     def send() -> None:
         if tenant_id is not None:
-            _send(tenant_group(tenant_id), event)
+            _send(tenant_group(tenant_id, scope), event)
         if staff:
             _send(STAFF_GROUP, event)
 
     transaction.on_commit(send)
 
 
+def membership_changed(*, user_id: int) -> None:
+    """Once the transaction commits, tell the person's open sockets to look at their memberships
+    and account again (a role changed, a membership ended, the account was deactivated)."""
+
+    def send() -> None:
+        layer = get_channel_layer()
+        if layer is None:
+            return
+        try:
+            _SenderLoop.run(layer.group_send, user_group(user_id), {"type": "gpupool.membership"})
+        except Exception:  # as in _send: the socket then follows at its next connect
+            logger.warning("Could not tell user %s's sockets of a membership change", user_id, exc_info=True)
+
+    transaction.on_commit(send)
+
+
 def publish_many(*, events: list[tuple[int | None, dict[str, Any]]]) -> None:
     """``publish`` for many tenant events at once (a scheduling cycle changes thousands of
-    workloads): once the transaction commits, one message per tenant group carries its events in
-    order (the websocket consumer sends them one by one, as if published one at a time)."""
+    workloads), each for the ``read`` scope: once the transaction commits, one message per tenant
+    group carries its events in order (the websocket consumer sends them one by one, as if
+    published one at a time)."""
     if not events:
         return
     by_group: dict[str, list[dict[str, Any]]] = {}
@@ -89,7 +121,7 @@ def publish_many(*, events: list[tuple[int | None, dict[str, Any]]]) -> None:
     async def send_all(layer: Any) -> None:
         for group, batch in by_group.items():
             try:
-                await layer.group_send(group, {"type": "gpupool.events", "events": batch})
+                await layer.group_send(group, {"type": "gpupool.events", "events": batch, "group": group})
             except Exception:  # as in _send: a lost live update never breaks the change
                 logger.warning("Could not push %d events to %s", len(batch), group, exc_info=True)
 

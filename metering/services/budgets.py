@@ -31,7 +31,7 @@ from metering.services.usage import costs_to_date, usage_build
 from portal.actors import Actor
 from portal.errors import ValidationFailed
 from portal.events import publish
-from portal.models import Tenant
+from portal.models import Scope, Tenant
 from portal.services import audit_record
 
 logger = logging.getLogger(__name__)
@@ -264,6 +264,7 @@ def budget_alert_fire(
             )
             publish(
                 tenant_id=tenant.pk,
+                scope=Scope.BILLING,  # amounts: only roles that see billing
                 event={
                     "type": "budget.alert",
                     "threshold": threshold,

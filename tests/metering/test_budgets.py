@@ -70,7 +70,7 @@ def test_alerts_fire_once_per_month_and_threshold_audited_mailed_and_live(
     run(tenant, utc(2024, 3, 1, 0), None)  # 2.00 per hour
     layer = get_channel_layer()
     channel = async_to_sync(layer.new_channel)()
-    async_to_sync(layer.group_add)(tenant_group(tenant.pk), channel)
+    async_to_sync(layer.group_add)(tenant_group(tenant.pk, "billing"), channel)  # amounts: billing only
 
     with django_capture_on_commit_callbacks(execute=True):
         costs_to_date_update(now=utc(2024, 3, 1, 2))  # 4.00: 40 %, nothing

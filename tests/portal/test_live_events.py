@@ -149,3 +149,104 @@ def test_sends_from_sync_code_share_one_loop_and_the_layers_connections(db):
     # (each receive here runs on a new loop of async_to_sync's, with a connection of its own)
     got = [async_to_sync(layer.receive)(channel)["event"]["i"] for _ in range(31)]
     assert got == list(range(31))
+
+
+def _member(tenant, role: str, email: str) -> Membership:
+    user = User.objects.create_user(email=email, password="pw-for-tests-1")
+    return Membership.objects.create(tenant=tenant, user=user, role=role)
+
+
+@database_sync_to_async
+def _as_system(fn, **kwargs):
+    from portal.actors import Actor
+
+    return fn(**kwargs, actor=Actor.system())
+
+
+def test_a_member_removed_while_connected_is_cut_off(make_tenant):
+    from portal.services import membership_remove
+
+    tenant = make_tenant("alpha")
+    owner = Membership.objects.get(tenant=tenant, role=Role.OWNER).user
+    leaving = _member(tenant, Role.MEMBER, "leaving@alpha.test")
+    cookie_owner, cookie_leaving = _session_cookie(owner), _session_cookie(leaving.user)
+    event = {"type": "workload.state", "id": 1}
+
+    async def scenario():
+        sock_owner, sock_leaving = _socket(cookie_owner), _socket(cookie_leaving)
+        assert (await sock_owner.connect())[0] and (await sock_leaving.connect())[0]
+        await publish_from_thread(tenant_id=tenant.pk, event=event)
+        assert await sock_owner.receive_json_from(timeout=5) == event  # both get it (control)
+        assert await sock_leaving.receive_json_from(timeout=5) == event
+        await _as_system(membership_remove, membership=leaving)
+        closed = await sock_leaving.receive_output(timeout=5)
+        assert closed == {"type": "websocket.close", "code": 4403}
+        await publish_from_thread(tenant_id=tenant.pk, event={**event, "id": 2})
+        assert (await sock_owner.receive_json_from(timeout=5))["id"] == 2
+        assert await sock_leaving.receive_nothing(timeout=0.5)
+        await sock_owner.disconnect()
+
+    async_to_sync(scenario)()
+
+
+def test_budget_alerts_reach_only_the_roles_that_see_billing(make_tenant):
+    from decimal import Decimal
+
+    from django.utils import timezone
+
+    from metering.models import Budget
+    from metering.services.budgets import budget_alert_fire
+
+    tenant = make_tenant("alpha")
+    owner = Membership.objects.get(tenant=tenant, role=Role.OWNER).user
+    people = {
+        "owner": owner,
+        "billing": _member(tenant, Role.BILLING, "pay@alpha.test").user,
+        "member": _member(tenant, Role.MEMBER, "dev@alpha.test").user,
+        "viewer": _member(tenant, Role.VIEWER, "look@alpha.test").user,
+    }
+    cookies = {name: _session_cookie(user) for name, user in people.items()}
+    budget = Budget.objects.create(tenant=tenant, monthly_limit=Decimal("100"))
+
+    async def scenario():
+        socks = {name: _socket(cookie) for name, cookie in cookies.items()}
+        for sock in socks.values():
+            assert (await sock.connect())[0]
+        await publish_from_thread(tenant_id=tenant.pk, event={"type": "workload.state", "id": 1})
+        for sock in socks.values():  # every role sees workloads (control)
+            assert (await sock.receive_json_from(timeout=5))["id"] == 1
+        await database_sync_to_async(budget_alert_fire)(
+            budget=budget, threshold=80, amount=Decimal("81.5"), currency="USD", now=timezone.now()
+        )
+        for name in ("owner", "billing"):
+            alert = await socks[name].receive_json_from(timeout=5)
+            assert alert["type"] == "budget.alert" and alert["amount"] == "81.50"
+        for name in ("member", "viewer"):
+            assert await socks[name].receive_nothing(timeout=0.5), name
+        for sock in socks.values():
+            await sock.disconnect()
+
+    async_to_sync(scenario)()
+
+
+def test_a_demoted_member_stops_receiving_billing_events_at_once(make_tenant):
+    from portal.services import membership_change_role
+
+    tenant = make_tenant("alpha")
+    payer = _member(tenant, Role.BILLING, "pay@alpha.test")
+    cookie = _session_cookie(payer.user)
+    alert = {"type": "budget.alert", "amount": "1.00"}
+
+    async def scenario():
+        sock = _socket(cookie)
+        assert (await sock.connect())[0]
+        await publish_from_thread(tenant_id=tenant.pk, event=alert, scope="billing")
+        assert await sock.receive_json_from(timeout=5) == alert
+        await _as_system(membership_change_role, membership=payer, role=Role.VIEWER)
+        await publish_from_thread(tenant_id=tenant.pk, event=alert, scope="billing")
+        await publish_from_thread(tenant_id=tenant.pk, event={"type": "workload.state", "id": 3})
+        assert (await sock.receive_json_from(timeout=5))["id"] == 3  # still connected, as a viewer
+        assert await sock.receive_nothing(timeout=0.5)
+        await sock.disconnect()
+
+    async_to_sync(scenario)()
