@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from django import forms
+from django.conf import settings
 from django.contrib import admin, messages
 from django.db.models import Count, Q
 from django.shortcuts import render
@@ -27,7 +28,12 @@ from nodes.models import (
     UnknownGpuReport,
 )
 from nodes.services import health
-from nodes.services.registration import bootstrap_token_create, gpu_models_rematch
+from nodes.services.registration import (
+    bootstrap_token_create,
+    gpu_conflict_alert_resolve,
+    gpu_models_rematch,
+    node_rekey_token_create,
+)
 from portal.actors import Actor
 from portal.admin_actions import run_each
 
@@ -118,7 +124,7 @@ class NodeAdmin(admin.ModelAdmin):
         "status",
     ]
     inlines = [GpuInline]
-    actions = ["cordon", "drain", "uncordon", "maintenance"]
+    actions = ["cordon", "drain", "uncordon", "maintenance", "make_rekey_token"]
 
     def get_queryset(self, request):
         return (
@@ -169,6 +175,17 @@ class NodeAdmin(admin.ModelAdmin):
                 "opts": self.model._meta,
             },
         )
+
+    @admin.action(description="Re-key: make a token that replaces the node's credential (shown once)")
+    def make_rekey_token(self, request, queryset):
+        for node in queryset:
+            token, plaintext = node_rekey_token_create(node=node, actor=Actor(user=request.user))
+            self.message_user(
+                request,
+                f"Re-key token for {node.hostname} (expires {token.expires_at:%Y-%m-%d %H:%M} UTC, shown "
+                f"once): {plaintext}",
+                messages.WARNING,
+            )
 
 
 @admin.register(Gpu)
@@ -246,21 +263,50 @@ class UnknownGpuReportAdmin(admin.ModelAdmin):
 
 
 class BootstrapTokenForm(forms.ModelForm):
-    expires_in_hours = forms.FloatField(required=False, min_value=0.1, initial=24)
+    expires_in_hours = forms.FloatField(
+        required=False,
+        min_value=0.1,
+        initial=settings.NODE_BOOTSTRAP_TOKEN_TTL_H,
+        help_text=f"Empty: {settings.NODE_BOOTSTRAP_TOKEN_TTL_H} h (NODE_BOOTSTRAP_TOKEN_TTL_H).",
+    )
+    never_expires = forms.BooleanField(
+        required=False,
+        help_text="A token that never expires: until it is used, whoever reads it can register a node.",
+    )
 
     class Meta:
         model = NodeBootstrapToken
         fields = ["region", "note"]
 
+    def clean(self):
+        data = super().clean()
+        if data.get("never_expires") and data.get("expires_in_hours"):
+            self.add_error("expires_in_hours", "Leave this empty for a token that never expires.")
+        return data
+
 
 @admin.register(NodeBootstrapToken)
 class NodeBootstrapTokenAdmin(admin.ModelAdmin):
-    """Adding a token here mints one and shows its plaintext once, in the success message."""
+    """Adding a token here mints one and shows its plaintext once, in the success message. Re-key
+    tokens are made from the node (its admin action or its fleet page)."""
 
     form = BootstrapTokenForm
-    list_display = ["__str__", "region", "note", "created_at", "expires_at", "used_at", "used_by_node"]
-    list_filter = ["region", ("used_at", admin.EmptyFieldListFilter)]
-    search_fields = ["key_id", "note", "intended_hostname"]
+    list_display = [
+        "__str__",
+        "region",
+        "rekey_node",
+        "note",
+        "created_at",
+        "expires_at",
+        "used_at",
+        "used_by_node",
+    ]
+    list_filter = [
+        "region",
+        ("used_at", admin.EmptyFieldListFilter),
+        ("rekey_node", admin.EmptyFieldListFilter),
+    ]
+    search_fields = ["key_id", "note", "intended_hostname", "rekey_node__hostname"]
     actions = ["make_token_like_these"]
 
     def has_change_permission(self, request, obj=None):
@@ -268,24 +314,32 @@ class NodeBootstrapTokenAdmin(admin.ModelAdmin):
 
     def save_model(self, request, obj, form, change):
         hours = form.cleaned_data.get("expires_in_hours")
+        never = bool(form.cleaned_data.get("never_expires"))
         token, plaintext = bootstrap_token_create(
             region=form.cleaned_data.get("region"),
             actor=Actor(user=request.user),
             expires_in=timedelta(hours=hours) if hours else None,
+            never_expires=never,
             note=form.cleaned_data.get("note") or "",
         )
         obj.pk = token.pk
         self.message_user(request, f"Bootstrap token (shown once): {plaintext}", messages.WARNING)
+        if never:
+            self.message_user(
+                request,
+                "This token never expires: until it is used, whoever reads it can register a node.",
+                messages.WARNING,
+            )
 
-    @admin.action(description="Make a new bootstrap token for the same region (24 h)")
+    @admin.action(description="Make a new bootstrap token like these (a new node; default expiry)")
     def make_token_like_these(self, request, queryset):
         for old in queryset:
-            _, plaintext = bootstrap_token_create(
-                region=old.region,
-                actor=Actor(user=request.user),
-                expires_in=timedelta(hours=24),
-                note=old.note,
-            )
+            if old.rekey_node_id is not None:
+                _, plaintext = node_rekey_token_create(node=old.rekey_node, actor=Actor(user=request.user))
+            else:
+                _, plaintext = bootstrap_token_create(
+                    region=old.region, actor=Actor(user=request.user), note=old.note
+                )
             self.message_user(request, f"Bootstrap token (shown once): {plaintext}", messages.WARNING)
 
 
@@ -384,6 +438,17 @@ class GpuMinuteRollupAdmin(admin.ModelAdmin):
 
 @admin.register(FleetAlert)
 class FleetAlertAdmin(admin.ModelAdmin):
-    list_display = ["kind", "opened_at", "last_seen_at", "resolved_at", "message"]
+    list_display = ["kind", "subject", "opened_at", "last_seen_at", "resolved_at", "message"]
     list_filter = ["kind", ("resolved_at", admin.EmptyFieldListFilter)]
-    search_fields = ["message"]
+    search_fields = ["message", "subject"]
+    actions = ["resolve"]
+
+    @admin.action(description="Resolve a GPU UUID conflict: staff have dealt with it")
+    def resolve(self, request, queryset):
+        run_each(
+            self,
+            request,
+            queryset,
+            lambda alert, a: gpu_conflict_alert_resolve(alert=alert, actor=a),
+            "Resolved",
+        )

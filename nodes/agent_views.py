@@ -7,12 +7,13 @@ The long poll is an async view that holds no database connection while it waits.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import re
+import tempfile
 import time
 from datetime import UTC, datetime
 
+import orjson
 from asgiref.sync import markcoroutinefunction, sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestAborted
@@ -89,11 +90,13 @@ def authenticate_for(request: HttpRequest | str, node_id: int) -> AuthenticatedN
     return node
 
 
-def _json_body(request: HttpRequest) -> dict:
+def _json_body(body: bytes) -> dict:
+    """The body as a JSON object. orjson refuses nesting deeper than 1024 levels (json.loads would
+    raise RecursionError at about 1000, a 500): 400 naming the body either way."""
     try:
-        data = json.loads(request.body)
-    except (ValueError, UnicodeDecodeError):
-        raise fail("body", "Not valid JSON.") from None
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise fail("body", "Not valid JSON (or nested more than 1024 levels deep).") from None
     return require_object(data, "body")
 
 
@@ -158,7 +161,7 @@ def _parse_registration(data: dict) -> tuple[str, NodeInfo]:
 @require_POST
 @agent_endpoint
 def register(request):
-    token, info = _parse_registration(_json_body(request))
+    token, info = _parse_registration(_json_body(request.body))
     node, credential = node_register(bootstrap_token=token, info=info)
     return JsonResponse(
         {
@@ -300,10 +303,7 @@ async def commands(request, node_id: int):
 def _report_sync(authorization: str, body: bytes, node_id: int, command_id: str) -> JsonResponse:
     try:
         authenticate_for(authorization, node_id)
-        try:
-            data = require_object(json.loads(body), "body")
-        except (ValueError, UnicodeDecodeError):
-            raise fail("body", "Not valid JSON.") from None
+        data = _json_body(body)
         status = get_str(data, "status", "status", required=True, max_length=16)
         result = data.get("result") or {}
         if not isinstance(result, dict):
@@ -422,27 +422,24 @@ class AgentProtocolHandler(ASGIHandler):
         root = scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root) :]
+        # Every agent request's body is read here, up to the limit, the rest too (register)
+        # before Django's handler, which would spool any size to disk first.
+        try:
+            body_file, refused = await read_body_limited(scope, receive)
+        except RequestAborted:
+            return
+        if refused is not None:
+            return await self.send_response(refused, send)
         # Whether it came over HTTPS is the request's to say (proxy headers): checked below, once
         # it is built, so route it here as if it had.
         view, kwargs = fast_route(path, scope["method"], secure=True)
         if view is None:
-            return await self.fallback(scope, receive, send)
-        try:
-            body_file = await self.read_body(receive)
-        except RequestAborted:
-            return
+            return await self.fallback(scope, _replay(body_file, receive), send)
         try:
             request, response = self.create_request(scope, body_file)
             if request is not None and settings.SECURE_SSL_REDIRECT and not request.is_secure():
-                # Django's chain redirects it: replay the body that was read, then the client's
-                # own messages (a disconnect).
-                body_file.seek(0)
-                replayed = [{"type": "http.request", "body": body_file.read(), "more_body": False}]
-
-                async def replay():
-                    return replayed.pop() if replayed else await receive()
-
-                return await self.fallback(scope, replay, send)
+                # Django's chain redirects it.
+                return await self.fallback(scope, _replay(body_file, receive), send)
             if request is not None:
                 token, started = RequestIdMiddleware.start(request)
                 try:
@@ -454,3 +451,50 @@ class AgentProtocolHandler(ASGIHandler):
             await self.send_response(response, send)
         finally:
             body_file.close()
+
+
+def _replay(body_file, receive):
+    """An ASGI ``receive`` that gives the body already read, then the client's own messages (a
+    disconnect)."""
+    body_file.seek(0)
+    replayed = [{"type": "http.request", "body": body_file.read(), "more_body": False}]
+    body_file.close()
+
+    async def replay():
+        return replayed.pop() if replayed else await receive()
+
+    return replay
+
+
+async def read_body_limited(scope, receive):
+    """``(body_file, None)``, or ``(None, response)``: 400 for a Content-Length that is not a number,
+    413 for a declared length over DATA_UPLOAD_MAX_MEMORY_SIZE (nothing read) or for a body that
+    passes it while it arrives (chunked bodies have no declared length; reading stops there).
+    RequestAborted when the client goes away."""
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    too_big = f"The request body is larger than {limit} bytes."
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"content-length":
+            try:
+                declared = int(value)
+            except ValueError:
+                return None, error_response(400, "Content-Length is not a number.")
+            if limit is not None and declared > limit:
+                return None, error_response(413, too_big)
+    body_file = tempfile.SpooledTemporaryFile(max_size=settings.FILE_UPLOAD_MAX_MEMORY_SIZE, mode="w+b")  # noqa: SIM115
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            body_file.close()
+            raise RequestAborted()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if limit is not None and size > limit:
+            body_file.close()
+            return None, error_response(413, too_big)
+        body_file.write(chunk)
+        if not message.get("more_body", False):
+            break
+    body_file.seek(0)
+    return body_file, None

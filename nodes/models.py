@@ -260,7 +260,9 @@ class UnknownGpuReport(models.Model):
 
 
 class NodeBootstrapToken(models.Model):
-    """``gpb_<key_id>_<secret>``: one use, optional region and expiry; only its SHA-256 is stored."""
+    """``gpb_<key_id>_<secret>``: one use, optional region, an expiry unless staff asked for none; only
+    its SHA-256 is stored. A token registers a new hostname; only a re-key token (``rekey_node``, made
+    by staff for that node) registers an existing node's hostname, replacing its credential."""
 
     PREFIX = "gpb"
 
@@ -277,6 +279,14 @@ class NodeBootstrapToken(models.Model):
     expires_at = models.DateTimeField(null=True, blank=True)
     used_at = models.DateTimeField(null=True, blank=True)
     used_by_node = models.ForeignKey(Node, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    rekey_node = models.ForeignKey(
+        Node,
+        null=True,
+        blank=True,
+        on_delete=models.CASCADE,
+        related_name="+",
+        help_text="A re-key token: it registers this node's hostname only, and replaces its credential.",
+    )
 
     class Meta:
         ordering = ["-created_at"]
@@ -540,10 +550,15 @@ class GpuMinuteRollup(models.Model):
 
 
 class FleetAlert(models.Model):
+    """Something staff must look at. At most one is open per kind and subject (for a GPU UUID
+    conflict, the hostname that claimed another node's GPUs); a repeat updates the open one."""
+
     class Kind(models.TextChoices):
         MASS_SILENCE = "mass_silence", "A large share of the fleet went silent"
+        GPU_UUID_CONFLICT = "gpu_uuid_conflict", "A registration claimed another node's GPUs"
 
     kind = models.CharField(max_length=32, choices=Kind.choices)
+    subject = models.CharField(max_length=253, blank=True)
     message = models.TextField()
     data = models.JSONField(default=dict, blank=True)
     opened_at = models.DateTimeField()
@@ -554,7 +569,9 @@ class FleetAlert(models.Model):
         ordering = ["-opened_at"]
         constraints = [
             models.UniqueConstraint(
-                fields=["kind"], condition=Q(resolved_at__isnull=True), name="fleetalert_one_open_per_kind"
+                fields=["kind", "subject"],
+                condition=Q(resolved_at__isnull=True),
+                name="fleetalert_one_open_per_subject",
             )
         ]
 

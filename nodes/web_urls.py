@@ -9,5 +9,6 @@ urlpatterns = [
     path("", fleet.FleetOverviewView.as_view(), name="fleet"),
     path("nodes/<int:pk>/", node.NodeDetailView.as_view(), name="node"),
     path("nodes/<int:pk>/actions/<str:action>/", node.NodeActionView.as_view(), name="node-action"),
+    path("nodes/<int:pk>/rekey/", node.NodeRekeyView.as_view(), name="node-rekey"),
     path("gpus/<int:pk>/return/", node.GpuReturnView.as_view(), name="gpu-return"),
 ]

@@ -39,6 +39,13 @@ T = TypeVar("T")
 def _agent_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML config file (default: $GPUPOOL_AGENT_CONFIG)")
     parser.add_argument("--portal-url", dest="portal_url")
+    parser.add_argument(
+        "--allow-insecure-http",
+        dest="allow_insecure_http",
+        action="store_const",
+        const=True,
+        help="accept an http:// portal URL (clear text; for a portal on loopback or a test network)",
+    )
     parser.add_argument("--bootstrap-token", dest="bootstrap_token")
     parser.add_argument("--state-dir", dest="state_dir")
     parser.add_argument("--collector", choices=COLLECTOR_KINDS)
@@ -66,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     fleet = commands.add_parser("fleet", help="run a simulated fleet from a fleet file")
     fleet.add_argument("--fleet-file", required=True)
     fleet.add_argument("--portal-url", dest="portal_url")
+    fleet.add_argument(
+        "--allow-insecure-http",
+        dest="allow_insecure_http",
+        action="store_true",
+        help="accept an http:// portal URL that is not on loopback (GPUPOOL_ALLOW_INSECURE_HTTP=1)",
+    )
     fleet.add_argument("--state-root", default="var/agents")
     fleet.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float)
     fleet.add_argument("--log-level", default="INFO")
@@ -140,13 +153,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         from nodes.agent.fleet import Fleet
 
         _setup_logging(args.log_level)
+        try:
+            allow_insecure_http = (
+                args.allow_insecure_http
+                or load_config(
+                    env={"GPUPOOL_ALLOW_INSECURE_HTTP": os.environ.get("GPUPOOL_ALLOW_INSECURE_HTTP", "")}
+                ).allow_insecure_http
+            )
+        except ConfigError as exc:
+            print(f"gpupool-agent: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
         fleet = Fleet(
             args.fleet_file,
             portal_url=args.portal_url,
+            allow_insecure_http=allow_insecure_http,
             state_root=args.state_root,
             heartbeat_interval_s=args.heartbeat_interval_s,
         )
-        failed = run_event_loop(_run_with_signals(fleet))
+        try:
+            failed = run_event_loop(_run_with_signals(fleet))
+        except ConfigError as exc:
+            print(f"gpupool-agent: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
         return EXIT_ERROR if failed else EXIT_OK
 
     try:

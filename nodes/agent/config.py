@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from nodes.agent.collectors import COLLECTOR_KINDS
 from nodes.agent.runtimes import DEFAULT_MPS_PIPE_DIR, GPU_SHARING_MODES, RUNTIME_KINDS
@@ -27,6 +28,9 @@ class ConfigError(ValueError):
 @dataclass
 class AgentConfig:
     portal_url: str = ""
+    # Plain http:// sends the bootstrap token, the node credential and tenants' start commands in
+    # clear text: refused unless allowed here (a portal on loopback, a private test network).
+    allow_insecure_http: bool = False
     bootstrap_token: str = ""
     state_dir: str = "/var/lib/gpupool-agent"
     collector: str = "auto"
@@ -63,7 +67,9 @@ class AgentConfig:
     def validate(self) -> AgentConfig:
         if not self.portal_url:
             raise ConfigError("portal_url is required (--portal-url or GPUPOOL_PORTAL_URL)")
-        if not self.portal_url.startswith(("http://", "https://")):
+        parts = urlsplit(self.portal_url)
+        scheme = parts.scheme.lower()
+        if scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(f"portal_url must start with http:// or https://, not {self.portal_url!r}")
         if self.collector not in COLLECTOR_KINDS:
             raise ConfigError(
@@ -81,6 +87,12 @@ class AgentConfig:
             raise ConfigError("heartbeat_phase must be at least 0 and below 1")
         if self.sample_interval_s <= 0:
             raise ConfigError("sample_interval_s must be positive")
+        if scheme == "http" and not self.allow_insecure_http:
+            raise ConfigError(
+                f"portal_url {self.portal_url!r} is plain HTTP: the node credential and tenants' start "
+                "commands would cross the network unencrypted. Use https://, or allow it explicitly "
+                "(allow_insecure_http = true, --allow-insecure-http or GPUPOOL_ALLOW_INSECURE_HTTP=1)"
+            )
         if not self.hostname:
             self.hostname = socket.gethostname()
         return self
@@ -92,6 +104,7 @@ class AgentConfig:
 
 ENV = {
     "GPUPOOL_PORTAL_URL": "portal_url",
+    "GPUPOOL_ALLOW_INSECURE_HTTP": "allow_insecure_http",
     "GPUPOOL_BOOTSTRAP_TOKEN": "bootstrap_token",
     "GPUPOOL_STATE_DIR": "state_dir",
     "GPUPOOL_COLLECTOR": "collector",
@@ -131,12 +144,25 @@ def parse_labels(text: str) -> dict[str, str]:
 _FIELDS = {f.name: f for f in dataclasses.fields(AgentConfig)}
 
 
+def _bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"{name}: {value!r} is not true or false (1/0, true/false, yes/no)")
+
+
 def _coerce(name: str, value: Any) -> Any:
     if name not in _FIELDS:
         raise ConfigError(f"unknown setting {name!r}")
     if value is None:
         return None
     kind = _FIELDS[name].type
+    if kind == "bool":
+        return _bool(name, value)
     try:
         if name == "labels":
             return (

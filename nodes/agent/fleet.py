@@ -16,17 +16,30 @@ registration until the portal answers.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import random
 import zlib
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from nodes.agent.agent import Agent, FatalAgentError
 from nodes.agent.config import AgentConfig, ConfigError
 
 log = logging.getLogger(__name__)
+
+
+def is_loopback(url: str) -> bool:
+    """Whether ``url`` names this machine by a loopback name or address."""
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def node_config(
@@ -36,12 +49,16 @@ def node_config(
     state_root: Path,
     heartbeat_interval_s: float | None = None,
     backoff_max_s: float = 5.0,
+    allow_insecure_http: bool = False,
 ) -> AgentConfig:
+    """One node's settings. Plain http:// is accepted for a portal on loopback (the simulated fleet
+    beside a local portal), anywhere else only when ``allow_insecure_http`` says so."""
     hostname = str(node.get("hostname") or "")
     if not hostname:
         raise ConfigError("a fleet node has no hostname")
     return AgentConfig(
         portal_url=portal_url,
+        allow_insecure_http=allow_insecure_http or is_loopback(portal_url),
         bootstrap_token=str(node.get("bootstrap_token") or ""),
         state_dir=str(state_root / hostname),
         collector="simulated",
@@ -72,9 +89,11 @@ class Fleet:
         state_root: str | Path = "var/agents",
         heartbeat_interval_s: float | None = None,
         file_poll_s: float = 1.0,
+        allow_insecure_http: bool = False,
     ) -> None:
         self.fleet_file = Path(fleet_file)
         self.portal_url = portal_url
+        self.allow_insecure_http = allow_insecure_http
         self.state_root = Path(state_root)
         self.heartbeat_interval_s = heartbeat_interval_s
         self.file_poll_s = file_poll_s
@@ -121,6 +140,14 @@ class Fleet:
         if data is None:
             return 0
         portal_url = self.portal_url or str(data.get("portal_url") or "")
+        # The portal URL and its transport are every node's: a refusal stops the fleet (ConfigError).
+        AgentConfig(
+            portal_url=portal_url,
+            allow_insecure_http=self.allow_insecure_http or is_loopback(portal_url),
+            collector="simulated",
+            runtime="simulated",
+            hostname="fleet",
+        ).validate()
         for node in data["nodes"]:
             try:
                 config = node_config(
@@ -128,6 +155,7 @@ class Fleet:
                     portal_url=portal_url,
                     state_root=self.state_root,
                     heartbeat_interval_s=self.heartbeat_interval_s,
+                    allow_insecure_http=self.allow_insecure_http,
                 )
                 self.agents.append(Agent(config))
             except (ConfigError, KeyError, TypeError, ValueError) as exc:

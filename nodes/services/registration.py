@@ -1,4 +1,14 @@
-"""Bootstrap tokens, node registration (token -> per-node credential), credential checks, GPU matching."""
+"""Bootstrap tokens, node registration (token -> per-node credential), credential checks, GPU matching.
+
+Only a node is that node. A bootstrap token registers a hostname that has no node yet. Every node
+that exists is live, whatever its state (DOWN and MAINTENANCE nodes come back with their
+credential; there is no retired state: staff delete a node to free its name), so a registration
+naming an existing node's hostname is refused (409) and that node's credential keeps working;
+only a re-key token, made by staff for that node (``node_rekey_token_create``, audited), replaces
+its credential. A GPU UUID present on another node is refused (409) and opens a fleet alert: GPU
+rows never move between nodes on an agent's word. Tokens expire (``NODE_BOOTSTRAP_TOKEN_TTL_H``)
+unless staff ask for "never".
+"""
 
 from __future__ import annotations
 
@@ -6,12 +16,15 @@ import hmac
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from django.db import connection, transaction
-from django.db.models import F
+from django.conf import settings
+from django.db import IntegrityError, connection, transaction
+from django.db.models import F, Q
 from django.utils import timezone
 
+from nodes import metrics as node_metrics
 from nodes.catalog import normalize_gpu_name
 from nodes.models import (
+    FleetAlert,
     Gpu,
     GpuModel,
     Interconnect,
@@ -25,7 +38,7 @@ from nodes.models import (
 )
 from nodes.validation import fail
 from portal.actors import Actor
-from portal.errors import DomainError
+from portal.errors import Conflict, DomainError
 from portal.rows import ModelColumns, Statement
 from portal.services import audit_record
 
@@ -33,6 +46,21 @@ from portal.services import audit_record
 class NotAuthenticated(DomainError):
     status_code = 401
     code = "not_authenticated"
+
+
+class NodeExists(Conflict):
+    code = "node_exists"
+
+
+class GpuConflict(Conflict):
+    """GPUs a registration listed that are present on another node: ``conflicts`` holds each
+    ``{"uuid", "node"}`` (the owner's hostname)."""
+
+    code = "gpu_conflict"
+
+    def __init__(self, message: str, *, conflicts: list[dict[str, str]]):
+        super().__init__(message, fields={"gpus": [message]})
+        self.conflicts = conflicts
 
 
 @dataclass(frozen=True)
@@ -72,12 +100,21 @@ def bootstrap_token_create(
     region: Region | None,
     actor: Actor,
     expires_in: timedelta | None = None,
+    never_expires: bool = False,
     note: str = "",
     intended_hostname: str = "",
+    rekey_node: Node | None = None,
     now: datetime | None = None,
 ) -> tuple[NodeBootstrapToken, str]:
-    """A one-use token for registering a node. Returns the row and the plaintext (shown once)."""
+    """A one-use token for registering a node. Returns the row and the plaintext (shown once).
+
+    It expires after ``expires_in``, by default ``NODE_BOOTSTRAP_TOKEN_TTL_H`` hours; never only
+    with ``never_expires``. ``rekey_node``: see ``node_rekey_token_create``."""
+    if never_expires and expires_in is not None:
+        raise ValueError("expires_in and never_expires exclude each other")
     now = now or timezone.now()
+    if expires_in is None and not never_expires:
+        expires_in = timedelta(hours=settings.NODE_BOOTSTRAP_TOKEN_TTL_H)
     key_id, plaintext, token_hash = NodeBootstrapToken.generate()
     token = NodeBootstrapToken.objects.create(
         key_id=key_id,
@@ -85,16 +122,43 @@ def bootstrap_token_create(
         region=region,
         note=note[:200],
         intended_hostname=intended_hostname,
+        rekey_node=rekey_node,
         created_by=actor.user,
         created_at=now,
-        expires_at=now + expires_in if expires_in else None,
+        expires_at=None if never_expires else now + expires_in,
+    )
+    data = {"region": region.code if region else None, "expires_at": str(token.expires_at or "never")}
+    if rekey_node is not None:
+        data["rekey_node"] = rekey_node.hostname
+    audit_record(tenant=None, actor=actor, action="node.bootstrap_token.create", target=token, data=data)
+    return token, plaintext
+
+
+@transaction.atomic
+def node_rekey_token_create(
+    *, node: Node, actor: Actor, expires_in: timedelta | None = None, now: datetime | None = None
+) -> tuple[NodeBootstrapToken, str]:
+    """Staff's "re-key node X" (a reinstalled server that lost its credential): a token that
+    registers ``node``'s hostname only and replaces its credential. Earlier unused re-key tokens of
+    the node stop working. Audited on the node."""
+    now = now or timezone.now()
+    NodeBootstrapToken.objects.filter(rekey_node=node, used_at__isnull=True).filter(
+        Q(expires_at__isnull=True) | Q(expires_at__gt=now)
+    ).update(expires_at=now)
+    token, plaintext = bootstrap_token_create(
+        region=node.region,
+        actor=actor,
+        expires_in=expires_in,
+        note=f"re-key {node.hostname}",
+        rekey_node=node,
+        now=now,
     )
     audit_record(
         tenant=None,
         actor=actor,
-        action="node.bootstrap_token.create",
-        target=token,
-        data={"region": region.code if region else None, "expires_at": str(token.expires_at or "")},
+        action="node.rekey_token.create",
+        target=node,
+        data={"bootstrap_token": token.key_id, "expires_at": str(token.expires_at)},
     )
     return token, plaintext
 
@@ -140,16 +204,27 @@ def _flag_unknown(name: str, node: Node, count: int, now: datetime) -> None:
 REGISTER_RETRY_WINDOW = timedelta(minutes=10)
 
 
-@transaction.atomic
 def node_register(*, bootstrap_token: str, info: NodeInfo, now: datetime | None = None) -> tuple[Node, str]:
-    """Spend a bootstrap token; create the node (or re-key an existing hostname) and its GPUs.
+    """Spend a bootstrap token; create the node (or, with a staff re-key token, re-key it) and its GPUs.
 
     Returns the node and its new credential ``gpn_<node_id>_<secret>`` (only the hash is stored).
     A wrong, used or expired token raises NotAuthenticated (401) and changes nothing; except that a
     spent token sent again by the machine it registered, shortly after, before that node sent a
     heartbeat (see ``_registration_retried``), answers the same node with a new credential.
+    A hostname that has a node, without that node's re-key token, raises NodeExists (409); GPUs
+    present on another node raise GpuConflict (409) and open a fleet alert. Neither spends the token.
     """
     now = now or timezone.now()
+    try:
+        return _node_register(bootstrap_token=bootstrap_token, info=info, now=now)
+    except GpuConflict as exc:
+        # After the registration's rollback, in a transaction of its own: the alert stays.
+        _gpu_conflict_alert(info=info, conflicts=exc.conflicts, now=now)
+        raise
+
+
+@transaction.atomic
+def _node_register(*, bootstrap_token: str, info: NodeInfo, now: datetime) -> tuple[Node, str]:
     parts = _split_token(bootstrap_token, NodeBootstrapToken.PREFIX)
     token = None
     if parts is not None:
@@ -174,6 +249,8 @@ def node_register(*, bootstrap_token: str, info: NodeInfo, now: datetime | None 
     if region is None:
         raise fail("region", "This field is required: the bootstrap token names no region.")
 
+    node = retry_of or _node_to_register(token, info.hostname)
+    _check_gpus_are_free(node, info.gpus)
     fields = {
         "region": region,
         "labels": info.labels,
@@ -188,10 +265,16 @@ def node_register(*, bootstrap_token: str, info: NodeInfo, now: datetime | None 
         "last_seq": 0,
         "simulated": info.simulated or bool(token.intended_hostname),
     }
-    node = retry_of or Node.objects.select_for_update().filter(hostname=info.hostname).first()
     rekey = node is not None and retry_of is None
     if node is None:
-        node = Node.objects.create(hostname=info.hostname, state_changed_at=now, **fields)
+        try:
+            with transaction.atomic():
+                node = Node.objects.create(hostname=info.hostname, state_changed_at=now, **fields)
+        except IntegrityError:  # registered at the same moment by another request
+            raise NodeExists(
+                f"A node named {info.hostname!r} is already registered.",
+                fields={"hostname": ["A node with this hostname is already registered."]},
+            ) from None
     else:
         if retry_of is not None:
             fields.pop("registered_at")  # the same registration, answered again
@@ -210,15 +293,81 @@ def node_register(*, bootstrap_token: str, info: NodeInfo, now: datetime | None 
         token.used_by_node = node
         token.save(update_fields=["used_at", "used_by_node"])
 
-    _sync_gpus(node, info.gpus, now)
+    moved = _sync_gpus(node, info.gpus, now)
+    data = {"bootstrap_token": token.key_id, "gpus": len(info.gpus), "region": region.code}
+    if moved:
+        data["gpus_moved"] = moved  # retired from another node earlier: the hardware moved
     audit_record(
         tenant=None,
         actor=Actor.system(),
         action="node.register.retry" if retry_of else "node.rekey" if rekey else "node.register",
         target=node,
-        data={"bootstrap_token": token.key_id, "gpus": len(info.gpus), "region": region.code},
+        data=data,
     )
     return node, secret_plain
+
+
+def _node_to_register(token: NodeBootstrapToken, hostname: str) -> Node | None:
+    """The existing node a (not yet spent) token may register: the node of a re-key token, when the
+    hostname is that node's; None for a new hostname and a plain token. NodeExists otherwise."""
+    node = Node.objects.select_for_update().filter(hostname=hostname).first()
+    if token.rekey_node_id is not None:
+        if node is None or node.pk != token.rekey_node_id:
+            target = Node.objects.filter(pk=token.rekey_node_id).values_list("hostname", flat=True).first()
+            raise NodeExists(
+                f"This bootstrap token re-keys node {target!r} only, not {hostname!r}.",
+                fields={"hostname": [f"This token is for node {target!r}."]},
+            )
+        return node
+    if node is not None:
+        message = (
+            f"A node named {hostname!r} is already registered (node {node.pk}, {node.state}); its "
+            "credential keeps working. To register a reinstalled server under this name, staff make "
+            f"a re-key token for it: 'manage.py createnodetoken --rekey {hostname}', or Re-key on "
+            "the node's fleet page."
+        )
+        raise NodeExists(message, fields={"hostname": ["A node with this hostname is already registered."]})
+    return None
+
+
+def _check_gpus_are_free(node: Node | None, gpus: tuple[GpuInfo, ...]) -> None:
+    """GpuConflict when a listed GPU UUID is present (not removed) on a node other than ``node``."""
+    taken = (
+        Gpu.objects.filter(uuid__in=[g.uuid for g in gpus], removed_at__isnull=True)
+        .exclude(node_id=node.pk if node is not None else None)
+        .order_by("uuid")
+        .values_list("uuid", "node__hostname")
+    )
+    conflicts = [{"uuid": uuid, "node": owner} for uuid, owner in taken]
+    if conflicts:
+        listed = ", ".join(f"{c['uuid']} (node {c['node']!r})" for c in conflicts)
+        raise GpuConflict(
+            f"GPUs already registered to another node: {listed}. A GPU belongs to one node; staff "
+            "have been alerted.",
+            conflicts=conflicts,
+        )
+
+
+@transaction.atomic
+def _gpu_conflict_alert(*, info: NodeInfo, conflicts: list[dict[str, str]], now: datetime) -> None:
+    """Open (or refresh) the fleet alert for ``info.hostname`` claiming other nodes' GPUs."""
+    listed = ", ".join(f"{c['uuid']} (on {c['node']})" for c in conflicts)
+    message = (
+        f"A registration as {info.hostname!r} was refused: it listed GPUs of other nodes: {listed}. "
+        "A cloned or forged agent, or hardware moved without re-registering the server it left."
+    )
+    data = {"hostname": info.hostname, "gpus": conflicts}
+    subject = info.hostname[:253]
+    kind = FleetAlert.Kind.GPU_UUID_CONFLICT
+    updated = FleetAlert.objects.filter(kind=kind, subject=subject, resolved_at__isnull=True).update(
+        message=message, data=data, last_seen_at=now
+    )
+    if not updated:
+        FleetAlert.objects.create(
+            kind=kind, subject=subject, message=message, data=data, opened_at=now, last_seen_at=now
+        )
+    node_metrics.ALERTS.labels(kind=kind).inc()
+    audit_record(tenant=None, actor=Actor.system(), action="node.register.gpu_conflict", data=data)
 
 
 def _registration_retried(token: NodeBootstrapToken, info: NodeInfo, now: datetime) -> Node | None:
@@ -238,9 +387,12 @@ def _registration_retried(token: NodeBootstrapToken, info: NodeInfo, now: dateti
     return node
 
 
-def _sync_gpus(node: Node, gpus: tuple[GpuInfo, ...], now: datetime) -> None:
+def _sync_gpus(node: Node, gpus: tuple[GpuInfo, ...], now: datetime) -> list[str]:
+    """Make the node's GPUs the listed ones. ``_check_gpus_are_free`` ran first: a listed UUID on
+    another node is a row retired there (removed_at); it moves here. Returns those UUIDs."""
     index = gpu_model_index()
     existing = {g.uuid: g for g in Gpu.objects.filter(uuid__in=[g.uuid for g in gpus])}
+    moved = sorted(uuid for uuid, gpu in existing.items() if gpu.node_id != node.pk)
     seen: set[str] = set()
     unknown: dict[str, int] = {}
     # Mark every GPU of the node removed first: the ones still listed come back below, and the
@@ -272,6 +424,22 @@ def _sync_gpus(node: Node, gpus: tuple[GpuInfo, ...], now: datetime) -> None:
         seen.add(info.uuid)
     for name, count in unknown.items():
         _flag_unknown(name, node, count, now)
+    return moved
+
+
+@transaction.atomic
+def gpu_conflict_alert_resolve(*, alert: FleetAlert, actor: Actor) -> FleetAlert:
+    """Staff close a GPU UUID conflict alert (after looking at both machines). Other kinds of alert
+    are resolved by the code that raised them. Audited."""
+    alert = FleetAlert.objects.select_for_update().get(pk=alert.pk)
+    if alert.kind != FleetAlert.Kind.GPU_UUID_CONFLICT:
+        raise Conflict(f"A {alert.get_kind_display().lower()} alert resolves itself.")
+    if alert.resolved_at is not None:
+        raise Conflict("This alert is already resolved.")
+    alert.resolved_at = timezone.now()
+    alert.save(update_fields=["resolved_at"])
+    audit_record(tenant=None, actor=actor, action="fleet_alert.resolve", target=alert, data=alert.data)
+    return alert
 
 
 # --- credentials --------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """A node: facts, GPUs, live telemetry charts, command history, and the staff actions (cordon,
-drain, uncordon, maintenance; return a GPU to service), each through the nodes services (audited)."""
+drain, uncordon, maintenance; return a GPU to service; make a re-key token), each through the nodes
+services (audited)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ from django.contrib import messages
 from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect
 from django.utils import timezone
+from django.utils.cache import add_never_cache_headers
 from django.views.generic import View
 
 from nodes import selectors
 from nodes.models import Gpu, GpuHealth, Node, NodeState
 from nodes.services import health as health_services
+from nodes.services import registration
 from nodes.views.base import StaffRequiredMixin
 from portal.errors import DomainError
 from portal.views.base import htmx_partial, render_page
@@ -125,6 +128,24 @@ class NodeActionView(StaffRequiredMixin, View):
             context = _page_context(self.request, node, **state)
             template = TEMPLATE
         return render_page(self.request, template, context, status=status)
+
+
+class NodeRekeyView(StaffRequiredMixin, View):
+    """POST: a re-key token for the node (audited), shown once in the answer and never stored; the
+    answer is not cached."""
+
+    http_method_names = ["post"]
+
+    def post(self, request, pk: int):
+        node = _node(pk)
+        token, plaintext = registration.node_rekey_token_create(node=node, actor=self.actor)
+        context = {"node": node, "rekey_token": token, "rekey_plaintext": plaintext}
+        if htmx_partial(request):
+            response = render_page(request, "nodes/_node_rekey.html", context, status=201)
+        else:
+            response = render_page(request, TEMPLATE, {**_page_context(request, node), **context}, status=201)
+        add_never_cache_headers(response)
+        return response
 
 
 class GpuReturnView(StaffRequiredMixin, View):

@@ -38,6 +38,7 @@ def make_config(tmp_path: Path, portal: FakePortal) -> Callable[..., AgentConfig
     def make(**overrides: Any) -> AgentConfig:
         values: dict[str, Any] = {
             "portal_url": portal.url,
+            "allow_insecure_http": True,  # the fake portal listens on loopback
             "bootstrap_token": portal.add_token(),
             "state_dir": str(tmp_path / "state"),
             "collector": "simulated",

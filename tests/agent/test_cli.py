@@ -22,11 +22,13 @@ from tests.agent.conftest import H100, wait_for
 from tests.agent.fakeportal import FakePortal
 
 REPO = Path(__file__).resolve().parents[2]
+LOOPBACK = "http://127.0.0.1:9"
 
 
 def agent_process(portal: FakePortal, state_dir: Path, token: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPOOL_")}
     env["GPUPOOL_BOOTSTRAP_TOKEN"] = token
+    env["GPUPOOL_ALLOW_INSECURE_HTTP"] = "1"  # the fake portal listens on loopback
     argv = [
         sys.executable,
         "-m",
@@ -121,7 +123,7 @@ def test_config_precedence(tmp_path: Path) -> None:
     assert load_config(env={}).portal_url == ""
 
     with pytest.raises(ConfigError, match="collector must be one of"):
-        AgentConfig(portal_url="http://x", collector="cuda").validate()
+        AgentConfig(portal_url="https://x", collector="cuda").validate()
     with pytest.raises(ConfigError, match="portal_url is required"):
         AgentConfig().validate()
     with pytest.raises(ConfigError, match="labels: 'oops' is not key=value"):
@@ -133,12 +135,12 @@ def test_config_precedence(tmp_path: Path) -> None:
 
 
 def test_show_config_and_errors(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GPUPOOL_PORTAL_URL", "http://env:8000")
+    monkeypatch.setenv("GPUPOOL_PORTAL_URL", "https://env:8000")
     monkeypatch.setenv("GPUPOOL_BOOTSTRAP_TOKEN", "gpb_1_abcdefghijklmnop")
     assert main(["show-config", "--label", "a=1", "--label", "b=2", "--hostname", "h1"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["labels"] == {"a": "1", "b": "2"}
-    assert shown["portal_url"] == "http://env:8000"
+    assert shown["portal_url"] == "https://env:8000"
     assert shown["bootstrap_token"] == "gpb_1_ab..."  # never printed whole
     assert main(["--collector", "nvml", "--portal-url", "http:/bad"]) == 2
     assert "portal_url must start with http://" in capsys.readouterr().err
@@ -191,16 +193,16 @@ def test_a_fleet_spreads_its_agents_over_the_heartbeat_interval(tmp_path: Path) 
     from nodes.agent.fleet import node_config
 
     phases = [
-        node_config({"hostname": f"sim-{i:03d}"}, portal_url="http://p", state_root=tmp_path).heartbeat_phase
+        node_config({"hostname": f"sim-{i:03d}"}, portal_url=LOOPBACK, state_root=tmp_path).heartbeat_phase
         for i in range(200)
     ]
     assert all(0 <= p < 1 for p in phases)
     assert len(set(phases)) == 200 and min(phases) < 0.1 and max(phases) > 0.9  # spread, not bunched
-    again = node_config({"hostname": "sim-007"}, portal_url="http://p", state_root=tmp_path)
+    again = node_config({"hostname": "sim-007"}, portal_url=LOOPBACK, state_root=tmp_path)
     assert again.heartbeat_phase == phases[7]  # the same host keeps its phase across restarts
     assert AgentConfig().heartbeat_phase == 0  # a real agent starts at once
     with pytest.raises(ConfigError, match="heartbeat_phase"):
-        AgentConfig(portal_url="http://p", heartbeat_phase=1.0).validate()
+        AgentConfig(portal_url="https://p", heartbeat_phase=1.0).validate()
 
 
 def _loop_module() -> str:
@@ -228,3 +230,66 @@ def test_without_uvloop_the_agent_runs_on_asyncio(monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv("GPUPOOL_EVENT_LOOP", raising=False)
     monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop raises ImportError
     assert _loop_module().startswith("asyncio")
+
+
+def test_plain_http_is_refused_unless_allowed_explicitly(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The attack: over http:// the bootstrap token, the node credential and tenants' start commands
+    (env, SSH keys) cross the network in clear text. The agent refuses it (exit 2, as any setting)."""
+    for name in [k for k in os.environ if k.startswith("GPUPOOL_")]:
+        monkeypatch.delenv(name)
+    flags = ["--collector", "simulated", "--runtime", "simulated", "--state-dir", str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPOOL_")}
+    argv = [sys.executable, "-m", "nodes.agent.cli", "run", "--bootstrap-token", "gpb_1_x", *flags]
+    run = subprocess.run(
+        [*argv, "--portal-url", "http://127.0.0.1:9"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2, run.stderr
+    assert "GPUPOOL_ALLOW_INSECURE_HTTP" in run.stderr
+    for url in ("http://portal.example.com", "http://127.0.0.1:8000", "HTTP://portal.example.com"):
+        assert main(["show-config", "--portal-url", url, *flags]) == 2
+        err = capsys.readouterr().err
+        assert "portal_url" in err and "GPUPOOL_ALLOW_INSECURE_HTTP" in err and "https://" in err
+    with pytest.raises(ConfigError, match="allow_insecure_http"):
+        load_config(env={"GPUPOOL_PORTAL_URL": "http://p", "GPUPOOL_ALLOW_INSECURE_HTTP": "0"}).validate()
+    with pytest.raises(ConfigError, match="allow_insecure_http: 'maybe' is not"):
+        load_config(env={"GPUPOOL_ALLOW_INSECURE_HTTP": "maybe"})
+    # Allowed explicitly: the variable, the flag, the config file; https:// needs nothing.
+    assert load_config(env={"GPUPOOL_PORTAL_URL": "http://p", "GPUPOOL_ALLOW_INSECURE_HTTP": "1"}).validate()
+    config_file = tmp_path / "agent.toml"
+    config_file.write_text('portal_url = "http://p"\nallow_insecure_http = true\n')
+    assert load_config(env={}, config_file=config_file).validate().allow_insecure_http is True
+    assert main(["show-config", "--portal-url", "http://p", "--allow-insecure-http"]) == 0
+    assert json.loads(capsys.readouterr().out)["allow_insecure_http"] is True
+    assert AgentConfig(portal_url="https://portal.example.com").validate().allow_insecure_http is False
+
+
+def test_the_simulated_fleet_allows_plain_http_on_loopback_only(tmp_path: Path) -> None:
+    from nodes.agent.fleet import node_config
+
+    node = {"hostname": "sim-001"}
+    for url in ("http://127.0.0.1:8000", "http://localhost:8000", "http://[::1]:8000"):
+        assert node_config(node, portal_url=url, state_root=tmp_path).allow_insecure_http
+    with pytest.raises(ConfigError, match="allow_insecure_http"):
+        node_config(node, portal_url="http://agent-web:8000", state_root=tmp_path)
+    # The compose fleet reaches agent-web over its private network: allowed there explicitly.
+    assert node_config(
+        node, portal_url="http://agent-web:8000", state_root=tmp_path, allow_insecure_http=True
+    )
+
+
+def test_a_fleet_refuses_plain_http_off_loopback_with_exit_2(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.delenv("GPUPOOL_ALLOW_INSECURE_HTTP", raising=False)
+    fleet_file = tmp_path / "fleet.json"
+    fleet_file.write_text(
+        json.dumps({"portal_url": "http://agent-web:8000", "nodes": [{"hostname": "sim-1"}]})
+    )
+    argv = ["fleet", "--fleet-file", str(fleet_file), "--state-root", str(tmp_path / "agents")]
+    assert main(argv) == 2
+    assert "GPUPOOL_ALLOW_INSECURE_HTTP" in capsys.readouterr().err

@@ -214,6 +214,8 @@ def test_fleet_agents_reach_agent_web_and_it_serves_them(services):
     assert "${ALLOWED_HOSTS" in env["ALLOWED_HOSTS"]  # and still the public names of deploy/.env
     if url.scheme == "http":
         assert str(env.get("SECURE_SSL_REDIRECT")).lower() in ("0", "false", "no", "off")
+        # agent-web is not loopback: the agents refuse plain HTTP unless allowed explicitly.
+        assert "--allow-insecure-http" in shlex.split(command(fleet)[2])
 
 
 def test_named_volumes_are_declared(compose, services):

@@ -6,6 +6,7 @@ check is this: known apiVersion/kind pairs and the fields below."""
 from __future__ import annotations
 
 import re
+import subprocess
 from collections import Counter
 
 import pytest
@@ -28,6 +29,7 @@ AGENT_HOST_PATHS = {
     "/var/lib/gpupool-agent": "DirectoryOrCreate",
     "/var/run/docker.sock": "Socket",
     "/usr/bin/docker": "File",
+    "/etc/gpupool-agent": "DirectoryOrCreate",
 }
 # Read by the NVIDIA container runtime (not by gpupool) to expose the GPUs and NVML.
 RUNTIME_ENV = {"NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"}
@@ -323,3 +325,56 @@ def test_each_workload_names_its_database_connections(manifests):
             assert env.get("DB_APPLICATION_NAME") == m["metadata"]["name"], (m["metadata"]["name"], c["name"])
             named += 1
     assert named >= 8
+
+
+def test_each_agent_pod_reads_only_its_own_node_s_bootstrap_token(manifests):
+    """The hole: every node's bootstrap token sat in one Secret that every agent pod mounted whole,
+    so the pod of any node (root next to the docker socket) could register as any other. Now no
+    Secret holds bootstrap tokens: the node's provisioning leaves its own token on the node, and
+    only the init container mounts that host directory, read-only."""
+    secrets = by_kind(manifests, "Secret")
+    assert set(secrets) == {"gpupool-secrets"}
+    assert not any("gpb_" in str(v) for s in secrets.values() for v in s["stringData"].values())
+    ds = by_kind(manifests, "DaemonSet")["gpupool-agent"]
+    spec = ds["spec"]["template"]["spec"]
+    assert spec["automountServiceAccountToken"] is False  # no API token: it cannot read any Secret
+    for volume in spec["volumes"]:
+        assert "secret" not in volume and "projected" not in volume, volume["name"]
+    for c in containers(spec):
+        for env in c.get("env", []):
+            assert "secretKeyRef" not in env.get("valueFrom", {}), (c["name"], env["name"])
+        assert not any("secretRef" in ref for ref in c.get("envFrom", [])), c["name"]
+    bootstrap = next(
+        v["name"] for v in spec["volumes"] if v.get("hostPath", {}).get("path") == "/etc/gpupool-agent"
+    )
+    users = {
+        c["name"]: m for c in containers(spec) for m in c.get("volumeMounts", []) if m["name"] == bootstrap
+    }
+    assert list(users) == ["bootstrap-token"] and users["bootstrap-token"]["readOnly"] is True
+    readme = (K8S.parent / "README.md").read_text()
+    assert "/etc/gpupool-agent/bootstrap-token" in readme and "gpupool-agent-bootstrap" not in readme
+
+
+@pytest.mark.parametrize(
+    ("file_text", "expected"),
+    [
+        ("gpb_0123abcd_s3cr-et_x\n", 'bootstrap_token = "gpb_0123abcd_s3cr-et_x"\n'),
+        (None, ""),  # no token left on the node: the agent uses its credential
+        ('gpb_x"\nportal_url = "http://evil', ""),  # not a token: nothing reaches the config file
+    ],
+)
+def test_the_bootstrap_init_container_copies_a_token_and_nothing_else(
+    manifests, tmp_path, file_text, expected
+):
+    spec = by_kind(manifests, "DaemonSet")["gpupool-agent"]["spec"]["template"]["spec"]
+    init = next(c for c in spec["initContainers"] if c["name"] == "bootstrap-token")
+    host = tmp_path / "etc-gpupool-agent"
+    host.mkdir()
+    if file_text is not None:
+        (host / "bootstrap-token").write_text(file_text)
+    script = init["command"][2].replace("/etc/gpupool-agent", str(host))
+    config = tmp_path / "agent.toml"
+    env = {"PATH": "/usr/bin:/bin", "GPUPOOL_AGENT_CONFIG": str(config)}
+    subprocess.run([*init["command"][:2], script], env=env, check=True, timeout=30)
+    assert config.read_text() == expected
+    assert config.stat().st_mode & 0o077 == 0

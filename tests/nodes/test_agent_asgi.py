@@ -98,3 +98,108 @@ def test_plain_http_goes_to_django_s_handler_when_https_is_required(settings, ca
         )
     assert len(started) == 1  # the body read for the fast path was replayed to Django's handler
     assert response.status_code == 401 and response.json()["error"]["code"]
+
+
+def raw_post(path: str, chunks, *, headers: list[tuple[bytes, bytes]] = ()) -> tuple[int, dict, int]:
+    """POST ``chunks`` to the ASGI app as the server hands them over (one ``http.request`` message
+    each, ``more_body`` until the last). Returns the status, the JSON answer and how many body bytes
+    the app pulled before it answered."""
+    pulled = 0
+    sent: list[dict] = []
+    source = iter(chunks)
+    ended = False
+
+    async def receive():
+        nonlocal pulled, ended
+        if ended:  # as a server: nothing more until the client goes away (it does not, here)
+            await asyncio.Event().wait()
+        chunk = next(source, None)
+        if chunk is None:
+            ended = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        pulled += len(chunk)
+        return {"type": "http.request", "body": chunk, "more_body": True}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"host", b"localhost"), (b"content-type", b"application/json"), *headers],
+        "client": ("127.0.0.1", 50000),
+        "server": ("localhost", 80),
+    }
+    asyncio.run(asgi.application(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], json.loads(body), pulled
+
+
+CHUNK = 64 * 1024
+
+
+@pytest.mark.parametrize("path", ["/agent/v1/register", "/agent/v1/nodes/1/heartbeat"])
+def test_a_chunked_body_over_the_limit_is_413_before_it_is_read(path):
+    """The attack: a chunked body (no Content-Length) of any size was read to the end and spooled to
+    disk before any check, on the unauthenticated register too. Now reading stops at the limit."""
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    twenty_mb = (b" " * CHUNK for _ in range(20 * 1024 * 1024 // CHUNK))
+    status, answer, pulled = raw_post(path, twenty_mb, headers=[(b"transfer-encoding", b"chunked")])
+    assert status == 413 and "larger than" in answer["error"]["message"]
+    assert pulled <= limit + CHUNK  # stopped at the limit, not 20 MB
+
+
+def test_a_declared_length_over_the_limit_is_413_without_reading_the_body():
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    status, _, pulled = raw_post(
+        "/agent/v1/register",
+        (b" " * CHUNK for _ in range(100)),
+        headers=[(b"content-length", str(limit + 1).encode())],
+    )
+    assert status == 413 and pulled == 0
+
+
+def test_a_body_within_the_limit_still_registers(make_bootstrap_token):
+    body = json.dumps(registration_body(make_bootstrap_token(), "asgi-chunked")).encode()
+    status, answer, pulled = raw_post(
+        "/agent/v1/register", [body[:100], body[100:]], headers=[(b"transfer-encoding", b"chunked")]
+    )
+    assert status == 201, answer
+    assert pulled == len(body) and Node.objects.get(pk=answer["node_id"]).hostname == "asgi-chunked"
+
+
+def test_deeply_nested_json_is_400_on_register_and_report(register_node_asgi):
+    """``[[[[...]]]]`` 10,000 deep made json.loads raise RecursionError: a 500 on the unauthenticated
+    register. Now a 400 naming the body, on every agent endpoint that parses JSON."""
+    deep = b"[" * 10_000 + b"]" * 10_000
+    deep_object = b'{"a":' * 10_000 + b"1" + b"}" * 10_000
+    node_id, credential = register_node_asgi
+    auth = {"Authorization": f"Node {credential}", "Content-Type": "application/json"}
+    report = f"/agent/v1/nodes/{node_id}/commands/00000000-0000-0000-0000-000000000000/report"
+    responses = call(
+        [
+            ("POST", "/agent/v1/register", deep, {"Content-Type": "application/json"}),
+            ("POST", "/agent/v1/register", deep_object, {"Content-Type": "application/json"}),
+            ("POST", report, deep_object, auth),
+            ("POST", f"/agent/v1/nodes/{node_id}/heartbeat", deep_object, auth),
+        ]
+    )
+    for response in responses:
+        assert response.status_code == 400, response.text
+        assert "body" in response.json()["error"]["fields"]
+
+
+@pytest.fixture
+def register_node_asgi(make_bootstrap_token) -> tuple[int, str]:
+    (registered,) = call(
+        [("POST", "/agent/v1/register", registration_body(make_bootstrap_token(), "asgi-d"), {})]
+    )
+    return registered.json()["node_id"], registered.json()["credential"]

@@ -213,7 +213,7 @@ class AgentProcess:
     def start(self) -> AgentProcess:
         assert self.proc is None
         self._log = open(self.log_path, "ab")  # noqa: SIM115  (closed in stop())
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "GPUPOOL_ALLOW_INSECURE_HTTP": "1"}  # loopback
         env.pop("DJANGO_SETTINGS_MODULE", None)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "nodes.agent.cli", "run", "--config", str(self.config),

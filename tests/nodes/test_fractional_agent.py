@@ -148,6 +148,7 @@ def test_subprocess_share_sees_its_gpu_and_limits(tmp_path: Path):
 def agent(tmp_path: Path) -> Agent:
     config = AgentConfig(
         portal_url="http://127.0.0.1:9",
+        allow_insecure_http=True,
         state_dir=str(tmp_path / "state"),
         collector="simulated",
         runtime="simulated",

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 from datetime import timedelta
 
 import pytest
@@ -9,6 +10,14 @@ from django.core.management import call_command
 from nodes.models import Gpu, Node, NodeBootstrapToken, UnknownGpuReport
 from portal.models import AuditEvent
 from tests.nodes.conftest import Agent, registration_body
+
+
+@pytest.fixture
+def staff_actor(db):
+    from portal.actors import Actor
+    from portal.models import User
+
+    return Actor(user=User.objects.create_user(email="ops@gpupool.test", password="pw-1", is_staff=True))
 
 
 def post_register(client, body):
@@ -184,19 +193,127 @@ def test_wrong_credential_is_401_and_other_nodes_url_is_404(register_node):
     assert not Node.objects.get(pk=b.node_id).heartbeats.exists()
 
 
-def test_reregistering_a_hostname_rekeys_the_node(register_node, client, make_bootstrap_token):
-    first = register_node("gpu-reinstalled")
+@pytest.mark.parametrize("state", ["ready", "down", "maintenance"])
+def test_a_fresh_token_cannot_take_over_a_registered_hostname(
+    register_node, client, make_bootstrap_token, state
+):
+    """The attack: any unused bootstrap token, sent with a registered node's hostname, re-keyed that
+    node (its agent locked out, its GPUs removed, its commands delivered to the sender). Every node
+    that exists is live, whatever its state: the answer is 409 and nothing changes."""
+    victim = register_node("gpu-victim")
+    assert victim.heartbeat(victim.batch()).json()["status"] == "accepted"
+    Node.objects.filter(pk=victim.node_id).update(state=state)
+    epoch = victim.node.seq_epoch
+    token = make_bootstrap_token()
+    for gpus in (registration_body(token, "gpu-victim")["gpus"], []):  # its GPUs, or none
+        response = post_register(client, registration_body(token, "gpu-victim") | {"gpus": gpus})
+        assert response.status_code == 409, response.content
+        error = response.json()["error"]
+        assert error["code"] == "node_exists" and "hostname" in error["fields"]
+        assert "re-key" in error["message"] and "credential" not in response.json()
+    assert victim.poll(wait=0).status_code == 200  # the node's own credential keeps working
+    assert victim.heartbeat(victim.batch()).json()["status"] == "accepted"
+    assert victim.node.seq_epoch == epoch
+    assert Gpu.objects.filter(node_id=victim.node_id, removed_at__isnull=True).count() == 2
+    assert NodeBootstrapToken.objects.get(used_at__isnull=True).used_by_node is None  # not spent
+    assert not AuditEvent.objects.filter(action="node.rekey").exists()
+
+
+def test_a_staff_rekey_token_rekeys_that_node_and_no_other(register_node, client, staff_actor):
+    """A reinstalled server: staff make a token bound to its node; only that token re-keys, and only
+    that node. The old credential stops working and batches count from 1 again."""
+    from nodes.services.registration import node_rekey_token_create
+
+    first, other = register_node("gpu-reinstalled"), register_node("gpu-bystander")
     assert first.heartbeat(first.batch()).json()["status"] == "accepted"
-    response = post_register(client, registration_body(make_bootstrap_token(), "gpu-reinstalled"))
-    assert response.status_code == 201
+    token, plaintext = node_rekey_token_create(node=first.node, actor=staff_actor)
+    assert token.rekey_node_id == first.node_id and token.expires_at is not None
+    assert AuditEvent.objects.filter(action="node.rekey_token.create", target_id=str(first.node_id)).exists()
+    wrong = post_register(client, registration_body(plaintext, "gpu-bystander"))
+    assert wrong.status_code == 409 and "hostname" in wrong.json()["error"]["fields"]
+    fresh = post_register(client, registration_body(plaintext, "gpu-brand-new"))
+    assert fresh.status_code == 409 and not Node.objects.filter(hostname="gpu-brand-new").exists()
+    assert (
+        other.poll(wait=0).status_code == 200 and NodeBootstrapToken.objects.get(pk=token.pk).used_at is None
+    )
+    response = post_register(client, registration_body(plaintext, "gpu-reinstalled"))
+    assert response.status_code == 201, response.content
     assert response.json()["node_id"] == first.node_id
     assert first.heartbeat(first.batch()).status_code == 401  # the old credential stopped working
-    from tests.nodes.conftest import Agent
-
     second = Agent(first.node_id, response.json()["credential"], first.uuids)
     # The reinstalled server numbers its batches from 1 again: not a duplicate.
     assert second.heartbeat(second.batch(1)).json()["status"] == "accepted"
     assert Gpu.objects.filter(node_id=first.node_id, removed_at__isnull=True).count() == 2
+    assert AuditEvent.objects.filter(action="node.rekey", target_id=str(first.node_id)).count() == 1
+    again = post_register(client, registration_body(plaintext, "gpu-reinstalled"))
+    assert again.status_code == 401  # one use; the retry window closed with the first heartbeat
+
+
+def test_a_lost_answer_to_a_rekey_is_retried(register_node, client, staff_actor):
+    from nodes.services.registration import node_rekey_token_create
+
+    node = register_node("gpu-rk-retry")
+    _, plaintext = node_rekey_token_create(node=node.node, actor=staff_actor)
+    body = registration_body(plaintext, "gpu-rk-retry")
+    first, again = post_register(client, body), post_register(client, body)
+    assert first.status_code == again.status_code == 201, again.content
+    assert again.json()["node_id"] == node.node_id
+    assert AuditEvent.objects.filter(action="node.register.retry", target_id=str(node.node_id)).count() == 1
+
+
+def test_a_gpu_uuid_of_another_node_is_refused_and_alerts_staff(
+    register_node, client, make_bootstrap_token, staff_actor
+):
+    """The attack: a registration listing another node's GPU UUIDs moved those GPU rows (and their
+    history) to the new node. Now: 409 naming ``gpus``, nothing moves, and staff see an alert."""
+    from nodes.models import FleetAlert
+
+    owner = register_node("gpu-owner")
+    body = registration_body(make_bootstrap_token(), "gpu-thief", gpus=1)
+    body["gpus"][0]["uuid"] = owner.uuids[1]
+    response = post_register(client, body)
+    assert response.status_code == 409, response.content
+    error = response.json()["error"]
+    assert error["code"] == "gpu_conflict" and list(error["fields"]) == ["gpus"]
+    assert owner.uuids[1] in error["fields"]["gpus"][0]
+    assert not Node.objects.filter(hostname="gpu-thief").exists()
+    assert set(
+        Gpu.objects.filter(node_id=owner.node_id, removed_at=None).values_list("uuid", flat=True)
+    ) == set(owner.uuids)
+    alert = FleetAlert.objects.get(kind=FleetAlert.Kind.GPU_UUID_CONFLICT, resolved_at=None)
+    assert "gpu-thief" in alert.message and "gpu-owner" in alert.message and owner.uuids[1] in alert.message
+    assert alert.data["gpus"] == [{"uuid": owner.uuids[1], "node": "gpu-owner"}]
+    # A re-key of another node that lists the owner's GPU is refused the same way.
+    from nodes.services.registration import node_rekey_token_create
+
+    other = register_node("gpu-other")
+    _, plaintext = node_rekey_token_create(node=other.node, actor=staff_actor)
+    body = registration_body(plaintext, "gpu-other")
+    body["gpus"][0]["uuid"] = owner.uuids[0]
+    assert post_register(client, body).status_code == 409
+    assert Gpu.objects.get(uuid=owner.uuids[0]).node_id == owner.node_id
+    assert other.poll(wait=0).status_code == 200
+    assert FleetAlert.objects.filter(kind=FleetAlert.Kind.GPU_UUID_CONFLICT, resolved_at=None).count() == 2
+
+
+def test_bootstrap_tokens_expire_in_72_hours_unless_never_is_asked(region, settings):
+    from django.utils import timezone
+
+    from nodes.services.registration import bootstrap_token_create
+    from portal.actors import Actor
+
+    now = timezone.now()
+    token, _ = bootstrap_token_create(region=region, actor=Actor.system(), now=now)
+    assert settings.NODE_BOOTSTRAP_TOKEN_TTL_H == 72
+    assert token.expires_at == now + timedelta(hours=72)
+    forever, _ = bootstrap_token_create(region=region, actor=Actor.system(), never_expires=True, now=now)
+    assert forever.expires_at is None
+    assert (
+        AuditEvent.objects.get(action="node.bootstrap_token.create", target_id=str(forever.pk)).data[
+            "expires_at"
+        ]
+        == "never"
+    )
 
 
 def test_unknown_gpu_model_is_flagged_not_crashed(register_node):
@@ -249,3 +366,98 @@ def test_createnodetoken_unknown_region(db):
 
     with pytest.raises(CommandError, match="Unknown region"):
         call_command("createnodetoken", "--region", "mars-1")
+
+
+def test_createnodetoken_expires_in_72_hours_by_default_and_never_only_when_asked(region, capsys):
+    from django.utils import timezone
+
+    call_command("createnodetoken", "--region", "us-east-1")
+    capsys.readouterr()
+    row = NodeBootstrapToken.objects.get()
+    assert abs(row.expires_at - (timezone.now() + timedelta(hours=72))) < timedelta(minutes=1)
+    call_command("createnodetoken", "--region", "us-east-1", "--expires", "never")
+    _, err = capsys.readouterr()
+    assert "WARNING" in err and "never expires" in err
+    assert NodeBootstrapToken.objects.filter(expires_at=None).count() == 1
+
+
+def test_createnodetoken_rekey_makes_a_token_for_that_node_only(register_node, client, capsys):
+    node = register_node("gpu-cli-rekey")
+    call_command("createnodetoken", "--rekey", "gpu-cli-rekey")
+    out, err = capsys.readouterr()
+    token = out.strip()
+    assert "re-keys node gpu-cli-rekey" in err
+    assert NodeBootstrapToken.objects.get(rekey_node_id=node.node_id).region_id == node.node.region_id
+    assert post_register(client, registration_body(token, "gpu-cli-rekey")).status_code == 201
+    from django.core.management.base import CommandError
+
+    with pytest.raises(CommandError, match="No node"):
+        call_command("createnodetoken", "--rekey", "gpu-nowhere")
+
+
+def test_staff_make_a_rekey_token_on_the_node_page_and_see_conflict_alerts(
+    register_node, client, make_bootstrap_token, staff_actor
+):
+    from django.test import Client
+
+    from nodes.models import FleetAlert
+
+    node = register_node("gpu-page-rekey")
+    staff = Client()
+    staff.force_login(staff_actor.user)
+    page = staff.get(f"/fleet/nodes/{node.node_id}/")
+    assert page.status_code == 200 and "Make a re-key token" in page.content.decode()
+    tenant_user = Client()
+    from portal.models import User
+
+    tenant_user.force_login(User.objects.create_user(email="t@gpupool.test", password="pw-2"))
+    assert tenant_user.post(f"/fleet/nodes/{node.node_id}/rekey/").status_code == 403
+    assert not NodeBootstrapToken.objects.filter(rekey_node_id=node.node_id).exists()
+    made = staff.post(f"/fleet/nodes/{node.node_id}/rekey/", HTTP_HX_REQUEST="true")
+    assert made.status_code == 201 and "no-cache" in made["Cache-Control"]
+    plaintext = re.search(r"data-rekey-token>(gpb_[^<]+)<", made.content.decode())[1]
+    assert NodeBootstrapToken.objects.get(rekey_node_id=node.node_id).created_by == staff_actor.user
+    assert AuditEvent.objects.filter(action="node.rekey_token.create", actor_user=staff_actor.user).exists()
+    assert post_register(client, registration_body(plaintext, "gpu-page-rekey")).status_code == 201
+    # A GPU UUID conflict shows on the fleet page until staff resolve it.
+    body = registration_body(make_bootstrap_token(), "gpu-clone", gpus=1)
+    body["gpus"][0]["uuid"] = node.uuids[0]
+    assert post_register(client, body).status_code == 409
+    fleet = staff.get("/fleet/").content.decode()
+    assert "A registration claimed another node&#x27;s GPUs" in fleet and "gpu-clone" in fleet
+    from nodes.services.registration import gpu_conflict_alert_resolve
+
+    gpu_conflict_alert_resolve(alert=FleetAlert.objects.get(subject="gpu-clone"), actor=staff_actor)
+    assert "gpu-clone" not in staff.get("/fleet/").content.decode()
+
+
+def test_the_admin_makes_expiring_tokens_never_only_when_ticked_and_rekey_tokens(
+    client, region, register_node
+):
+    from django.utils import timezone
+
+    from portal.models import User
+
+    node = register_node("gpu-admin-rekey")
+    admin = type(client)()
+    admin.force_login(User.objects.create_superuser(email="root@gpupool.test", password="pw-root-1"))
+    add = "/admin/nodes/nodebootstraptoken/add/"
+    assert admin.post(add, {"region": region.pk, "note": "a", "expires_in_hours": ""}).status_code == 302
+    assert abs(NodeBootstrapToken.objects.get(note="a").expires_at - timezone.now() - timedelta(hours=72)) < (
+        timedelta(minutes=1)
+    )
+    both = admin.post(add, {"region": region.pk, "note": "b", "expires_in_hours": "5", "never_expires": "on"})
+    assert both.status_code == 200 and not NodeBootstrapToken.objects.filter(note="b").exists()
+    never = admin.post(add, {"region": region.pk, "note": "c", "never_expires": "on"}, follow=True)
+    assert NodeBootstrapToken.objects.get(note="c").expires_at is None
+    assert "never expires" in never.content.decode()
+    made = admin.post(
+        "/admin/nodes/node/",
+        {"action": "make_rekey_token", "_selected_action": [node.node_id]},
+        follow=True,
+    )
+    token = re.search(
+        r"(gpb_[A-Za-z0-9_-]+)", made.content.decode().split("Re-key token for gpu-admin-rekey")[1]
+    )[1]
+    assert NodeBootstrapToken.objects.get(rekey_node_id=node.node_id).created_by.email == "root@gpupool.test"
+    assert post_register(client, registration_body(token, "gpu-admin-rekey")).status_code == 201

@@ -195,6 +195,7 @@ class Stack:
         self.wait("uvicorn to answer /healthz", healthy, 90)
         agent_env = {k: v for k, v in self.env.items() if k != "DJANGO_SETTINGS_MODULE"}
         agent_env["PYTHONPATH"] = str(settings.BASE_DIR)
+        agent_env["GPUPOOL_ALLOW_INSECURE_HTTP"] = "1"  # the portal listens on loopback
         config = self.tmp / "agent.toml"
         config.write_text(
             "backoff_initial_s = 0.2\nbackoff_max_s = 2.0\nrequest_timeout_s = 10.0\nstop_grace_s = 1.0\n"
