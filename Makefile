@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PORT ?= 8000
 STAMP := $(VENV)/.gpupool-installed
 
-.PHONY: run test lint fmt venv system-deps migrate seed clean
+.PHONY: run test lint fmt venv system-deps docker-up migrate seed clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ venv: $(STAMP)
 system-deps:
 	@scripts/install-system-deps
 
+# The Docker Engine and the local busybox image of the docker runtime's tests. When it cannot (not
+# root, no docker), it says why and those tests skip with that reason (CI makes them fail instead).
+docker-up: system-deps
+	-@scripts/docker-up
+
 migrate: venv
 	DEBUG=1 $(BIN)/python manage.py migrate --noinput
 
@@ -32,7 +37,7 @@ run: seed
 	@echo ""
 	DEBUG=1 GPUPOOL_PORT=$(PORT) GPUPOOL_PYTHON=$(BIN)/python exec $(BIN)/honcho -f Procfile start
 
-test: venv system-deps
+test: venv system-deps docker-up
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: venv

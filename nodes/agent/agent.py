@@ -136,7 +136,11 @@ class Agent(CommandHandlers):
             os.chmod(self.state_dir, 0o700)
         self.credential_path = self.state_dir / "credential.json"
         self.runtime = runtime or make_runtime(
-            config.runtime, self.state_dir, gpu_sharing=config.gpu_sharing, mps_pipe_dir=config.mps_pipe_dir
+            config.runtime,
+            self.state_dir,
+            gpu_sharing=config.gpu_sharing,
+            mps_pipe_dir=config.mps_pipe_dir,
+            **config.runtime_options(),
         )
         self.collector = collector or make_collector(
             config.collector,
@@ -195,6 +199,7 @@ class Agent(CommandHandlers):
         tasks: list[asyncio.Task[None]] = []
         try:
             self.inventory = await asyncio.to_thread(self.collector.discover)
+            self.runtime.node_gpus = len(self.inventory.gpus)
             self.log.info(
                 "collector %s found %d GPU(s); runtime %s",
                 self.collector.name,

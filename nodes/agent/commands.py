@@ -115,7 +115,9 @@ class CommandHandlers:
             deadlines = self._deadlines()
             deadlines[spec.workload_id] = time.time() + spec.max_runtime_s
             self.buffer.set("deadlines", json.dumps(deadlines))
-        result = {"workload_id": spec.workload_id, "ref": handle.ref}
+        result: dict[str, Any] = {"workload_id": spec.workload_id, "ref": handle.ref}
+        if handle.ports:
+            result["ports"] = handle.ports
         if mig:
             result["mig_uuid"] = spec.gpu_uuids[0]
         return result

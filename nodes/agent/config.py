@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 from nodes.agent.collectors import COLLECTOR_KINDS
 from nodes.agent.runtimes import DEFAULT_MPS_PIPE_DIR, GPU_SHARING_MODES, RUNTIME_KINDS
+from nodes.agent.runtimes.docker import DEFAULT_PIDS_LIMIT
 
 
 class ConfigError(ValueError):
@@ -39,6 +40,10 @@ class AgentConfig:
     # "mps" (the host runs nvidia-cuda-mps-control; SM share and memory limit enforced).
     gpu_sharing: str = "time-slicing"
     mps_pipe_dir: str = DEFAULT_MPS_PIPE_DIR
+    # The docker runtime: the Engine API's address (empty: $DOCKER_HOST, else the local socket) and
+    # the most processes a workload's container may run.
+    docker_host: str = ""
+    docker_pids_limit: int = DEFAULT_PIDS_LIMIT
     region: str = ""
     labels: dict[str, str] = field(default_factory=dict)
     hostname: str = ""
@@ -87,6 +92,8 @@ class AgentConfig:
             raise ConfigError("heartbeat_phase must be at least 0 and below 1")
         if self.sample_interval_s <= 0:
             raise ConfigError("sample_interval_s must be positive")
+        if self.docker_pids_limit < 1:
+            raise ConfigError("docker_pids_limit must be positive")
         if scheme == "http" and not self.allow_insecure_http:
             raise ConfigError(
                 f"portal_url {self.portal_url!r} is plain HTTP: the node credential and tenants' start "
@@ -96,6 +103,12 @@ class AgentConfig:
         if not self.hostname:
             self.hostname = socket.gethostname()
         return self
+
+    def runtime_options(self) -> dict[str, Any]:
+        """The chosen runtime's own settings, as ``make_runtime`` takes them."""
+        if self.runtime == "docker":
+            return {"docker_host": self.docker_host, "pids_limit": self.docker_pids_limit}
+        return {}
 
     @property
     def state_path(self) -> Path:
@@ -111,6 +124,8 @@ ENV = {
     "GPUPOOL_RUNTIME": "runtime",
     "GPUPOOL_GPU_SHARING": "gpu_sharing",
     "GPUPOOL_MPS_PIPE_DIR": "mps_pipe_dir",
+    "GPUPOOL_DOCKER_HOST": "docker_host",
+    "GPUPOOL_DOCKER_PIDS_LIMIT": "docker_pids_limit",
     "GPUPOOL_REGION": "region",
     "GPUPOOL_LABELS": "labels",
     "GPUPOOL_HOSTNAME": "hostname",

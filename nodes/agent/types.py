@@ -165,6 +165,7 @@ class WorkloadSpec:
 class WorkloadHandle:
     workload_id: str
     ref: str  # container id, process id, or timer name
+    ports: dict[str, int] = field(default_factory=dict)  # container port -> the host port published
 
 
 @dataclass

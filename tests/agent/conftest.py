@@ -13,6 +13,7 @@ import pytest
 from nodes.agent.agent import Agent
 from nodes.agent.config import AgentConfig
 from tests.agent.fakeportal import FakePortal
+from tests.docker_engine import docker_engine  # noqa: F401  (the real engine, for the docker runtime)
 
 H100 = "NVIDIA H100 80GB HBM3"
 

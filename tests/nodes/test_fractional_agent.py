@@ -8,6 +8,7 @@ import asyncio
 import json
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +20,13 @@ from nodes.agent.collectors import CollectorError
 from nodes.agent.collectors.nvml import NvmlCollector
 from nodes.agent.collectors.simulated import SimulatedCollector
 from nodes.agent.config import AgentConfig, ConfigError, load_config
-from nodes.agent.runtimes import gpu_sharing_env, make_runtime
+from nodes.agent.runtimes import RuntimeFailure, gpu_sharing_env, make_runtime
 from nodes.agent.runtimes.docker import DockerRuntime
 from nodes.agent.runtimes.process import SubprocessRuntime
 from nodes.agent.runtimes.simulated import SimulatedRuntime
 from nodes.agent.types import WorkloadSpec
-from tests.agent.test_docker_runtime import calls, docker_home  # noqa: F401  (a fixture)
 from tests.agent.test_nvml_collector import FakeGpu, _Struct, fake_pynvml
+from tests.docker_engine import TEST_IMAGE, docker_engine  # noqa: F401  (a fixture)
 
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -33,7 +34,7 @@ H100 = "NVIDIA H100 80GB HBM3"
 def share(milli: int = 250, **fields: Any) -> WorkloadSpec:
     values: dict[str, Any] = {
         "workload_id": "w1",
-        "image": "nvcr.io/nvidia/pytorch:24.08-py3",
+        "image": TEST_IMAGE,  # local: the docker tests pull nothing
         "command": [sys.executable, "-c", "import json, os; print(json.dumps(dict(os.environ)))"],
         "gpu_uuids": ["GPU-aaaa"],
         "gpu_fraction_milli": milli,
@@ -97,34 +98,61 @@ def test_the_sharing_mode_is_an_agent_setting(tmp_path):
     assert (runtime.gpu_sharing, runtime.mps_pipe_dir) == ("mps", "/run/mps")
 
 
+def docker_share(runtime: DockerRuntime, spec: WorkloadSpec, engine: Any) -> dict[str, Any]:
+    """Start ``spec`` on the real engine (tests/docker_engine.py) and answer what its container was
+    made with. This machine has no NVIDIA runtime: docker refuses to start a GPU container, after
+    making it."""
+    try:
+        with pytest.raises(RuntimeFailure, match="could not select device driver"):
+            runtime.start(spec)
+        return engine.api.inspect_container(f"gpupool-{spec.workload_id}")
+    finally:
+        runtime.forget(spec.workload_id)
+        runtime.close()
+
+
 def test_docker_share_under_mps_reaches_the_daemon_and_cannot_override_its_limits(
     tmp_path: Path,
-    docker_home: Path,  # noqa: F811
+    docker_engine: Any,  # noqa: F811
 ):
-    runtime = DockerRuntime(tmp_path / "state", gpu_sharing="mps", mps_pipe_dir="/run/mps")
-    runtime.start(share(300, env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100", "FOO": "bar"}))
-    run = next(argv for argv in calls(docker_home) if argv[0] == "run")
-    assert run[run.index("--gpus") + 1] == '"device=GPU-aaaa"'
-    assert run[run.index("--ipc") + 1] == "host"
-    assert "/run/mps:/run/mps" in run
-    env = dict(line.split("=", 1) for line in (tmp_path / "state/workloads/w1/env").read_text().splitlines())
+    pipes = tmp_path / "mps"
+    pipes.mkdir()
+    runtime = DockerRuntime(tmp_path / "state", node_gpus=8, gpu_sharing="mps", mps_pipe_dir=str(pipes))
+    with pytest.raises(RuntimeFailure, match="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is set by the platform"):
+        runtime.start(share(300, env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100"}))
+    info = docker_share(
+        runtime, share(300, workload_id=f"w{uuid.uuid4().hex[:8]}", env={"FOO": "bar"}), docker_engine
+    )
+    assert info["HostConfig"]["DeviceRequests"][0]["DeviceIDs"] == ["GPU-aaaa"]
+    assert info["HostConfig"]["IpcMode"] == "host"
+    assert (str(pipes), str(pipes), False) in [
+        (m["Source"], m["Destination"], m["RW"]) for m in info["Mounts"]
+    ]
+    env = dict(line.split("=", 1) for line in info["Config"]["Env"])
     assert env["FOO"] == "bar"
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=24576M"
-    assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/run/mps"
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(pipes)
 
 
 def test_docker_time_slicing_and_whole_gpus_keep_their_own_ipc(
     tmp_path: Path,
-    docker_home: Path,  # noqa: F811
+    docker_engine: Any,  # noqa: F811
 ):
-    DockerRuntime(tmp_path / "a").start(share(300))
-    DockerRuntime(tmp_path / "b", gpu_sharing="mps").start(share(1000, workload_id="w2"))
-    runs = [argv for argv in calls(docker_home) if argv[0] == "run"]
-    assert len(runs) == 2 and all("--ipc" not in argv for argv in runs)
-    env = (tmp_path / "a/workloads/w1/env").read_text()
-    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=24576M" in env and "ACTIVE_THREAD" not in env
-    assert "CUDA_MPS" not in (tmp_path / "b/workloads/w2/env").read_text()
+    sliced = docker_share(
+        DockerRuntime(tmp_path / "a", node_gpus=8),
+        share(300, workload_id=f"w{uuid.uuid4().hex[:8]}"),
+        docker_engine,
+    )
+    whole = docker_share(
+        DockerRuntime(tmp_path / "b", node_gpus=8, gpu_sharing="mps"),
+        share(1000, workload_id=f"w{uuid.uuid4().hex[:8]}"),
+        docker_engine,
+    )
+    assert sliced["HostConfig"]["IpcMode"] != "host" and whole["HostConfig"]["IpcMode"] != "host"
+    env = sliced["Config"]["Env"]
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=24576M" in env and not any("ACTIVE_THREAD" in e for e in env)
+    assert not any(e.startswith("CUDA_MPS") for e in whole["Config"]["Env"])
 
 
 def test_subprocess_share_sees_its_gpu_and_limits(tmp_path: Path):

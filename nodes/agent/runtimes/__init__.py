@@ -101,6 +101,9 @@ class Runtime(ABC):
     # False for a runtime whose ``status`` answers from memory (the simulated one), which the agent
     # then calls on its event loop instead of a thread (Docker and processes are asked on a thread).
     status_blocks: bool = True
+    # The node's GPUs, set by the agent once it has found them (the docker runtime sizes the CPU
+    # and memory of a workload that names none from its share of them).
+    node_gpus: int = 0
 
     def __init__(
         self,

@@ -1,24 +1,53 @@
-"""Workloads as docker containers, through the ``docker`` command line (argv lists, no shell).
+"""Workloads as docker containers, through the Docker Engine API (the ``docker`` SDK for Python).
 
-``docker run -d --gpus '"device=UUID1,UUID2"'`` with the workload's image, command, environment
-(an env file, 0600, so secrets stay out of ``ps``), ``--cpus`` and ``--memory``; each container is
-labelled with its workload id and named ``gpupool-<id>``, which makes a second start of the same
-workload find the first container instead of making another. The preemption notice file is mounted
-read-only at ``/run/gpupool/preempt``.
+There is no ``docker`` command line: the image, the command and the environment are fields of the
+create request, so no tenant string can become an option, and each env value reaches the process
+byte for byte (newlines included). Every start payload is checked again here with
+:mod:`nodes.agent.workload_rules` (the portal checked it once); a break is a :class:`RuntimeFailure`.
+
+Each container is named ``gpupool-<id>`` and labelled with its workload id, so a second start of the
+same workload finds the first container (and starts it, if an earlier try made it but did not)
+instead of making another. A container runs hardened, whatever its image asks for:
+
+- ``privileged`` off, every capability dropped (none added back: the NVIDIA hooks that give a
+  container its GPUs run on the host, not in it), ``no-new-privileges`` (setuid binaries gain
+  nothing), the engine's default seccomp profile;
+- a pids limit (``pids_limit``, the agent's ``docker_pids_limit``), the CPU (``NanoCpus``) and
+  memory (swap included) the request names; a request that names none gets the node's share for
+  its GPUs (the engine's CPUs and memory x the workload's GPUs / the node's GPUs), and a workload
+  without GPUs must name both;
+- no host namespace (pid, network, uts, user); host IPC only in MPS mode, where an MPS client
+  shares memory with the host's MPS daemon (NVIDIA's MPS-in-containers setup);
+- two read-only bind mounts, both the platform's: the workload's notice directory at
+  ``/run/gpupool`` (the preemption notice ``/run/gpupool/preempt``) and, in MPS mode, the MPS pipe
+  directory at its own path; nothing else of the host;
+- no network (``network_mode: none``) unless the workload asks for ports; then a bridge network of
+  its own, ``gpupool-<id>`` (inter-container traffic off; the engine's iptables rules keep bridges
+  apart), removed when the workload is forgotten, and each port published on a host port the
+  engine picks, read back from the container and answered by :meth:`DockerRuntime.start`;
+- ``NVIDIA_VISIBLE_DEVICES`` set to the workload's GPUs (``void`` for none), so a CUDA image's own
+  ``NVIDIA_VISIBLE_DEVICES=all`` cannot reach every GPU on a node whose default runtime is NVIDIA's;
+- json-file logs capped (``LOG_MAX_SIZE`` x ``LOG_MAX_FILES``): a workload cannot fill the disk with
+  its output.
+
+GPUs are device requests (``--gpus device=...``): the UUIDs of the workload's GPUs or MIG slices.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shutil
-import subprocess
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import docker
+from docker.errors import APIError, DockerException, ImageNotFound, NotFound
+from docker.types import DeviceRequest, LogConfig, Mount
+
+from nodes.agent import workload_rules
 from nodes.agent.runtimes import Runtime, RuntimeFailure, safe_name
 from nodes.agent.types import (
     EXITED,
@@ -35,6 +64,9 @@ log = logging.getLogger(__name__)
 
 LABEL = "gpupool.workload_id"
 NOTICE_DIR_IN_CONTAINER = "/run/gpupool"
+DEFAULT_PIDS_LIMIT = 4096
+LOG_MAX_SIZE = "100m"
+LOG_MAX_FILES = "3"
 
 
 def parse_docker_time(value: str | None) -> float | None:
@@ -54,114 +86,251 @@ def parse_docker_time(value: str | None) -> float | None:
         return None
 
 
+def _explain(exc: DockerException) -> str:
+    """Docker's own words for a failure (the engine's message, not the HTTP wrapping)."""
+    if isinstance(exc, APIError) and exc.explanation:
+        return str(exc.explanation)
+    return str(exc)
+
+
+def published_ports(info: dict[str, Any]) -> dict[str, int]:
+    """``{"8888": 49153}``: each published container port and the host port the engine gave it."""
+    ports: dict[str, int] = {}
+    for key, bindings in ((info.get("NetworkSettings") or {}).get("Ports") or {}).items():
+        port, _, _protocol = key.partition("/")
+        host_ports = [int(b["HostPort"]) for b in bindings or [] if b.get("HostPort")]
+        if host_ports:
+            ports[port] = host_ports[0]
+    return ports
+
+
 class DockerRuntime(Runtime):
     name = "docker"
 
     def __init__(
         self,
         state_dir: str | Path,
-        docker_bin: str = "docker",
+        docker_host: str = "",
+        pids_limit: int = DEFAULT_PIDS_LIMIT,
         command_timeout_s: float = 120,
+        node_gpus: int = 0,
         **sharing: str,
     ) -> None:
         super().__init__(state_dir, **sharing)
-        self.docker_bin = docker_bin
+        if pids_limit < 1:
+            raise ValueError("pids_limit must be positive")
+        self.docker_host = docker_host  # empty: $DOCKER_HOST, else the local socket
+        self.pids_limit = pids_limit
         self.command_timeout_s = command_timeout_s
+        self.node_gpus = node_gpus  # the agent sets it from its inventory
+        self._client: docker.DockerClient | None = None
+        self._client_lock = threading.Lock()
+        self._engine: dict[str, Any] | None = None
 
-    def _docker(self, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
-        binary = shutil.which(self.docker_bin)
-        if binary is None:
-            raise RuntimeFailure(f"the docker command ({self.docker_bin}) is not on PATH")
-        try:
-            return subprocess.run(
-                [binary, *args],
-                capture_output=True,
-                text=True,
-                timeout=timeout or self.command_timeout_s,
-                check=False,
-            )
-        except subprocess.TimeoutExpired as exc:
-            raise RuntimeFailure(f"docker {args[0]} did not answer within {exc.timeout:.0f} s") from exc
+    @property
+    def client(self) -> docker.DockerClient:
+        with self._client_lock:
+            if self._client is None:
+                timeout = int(self.command_timeout_s)
+                try:
+                    if self.docker_host:
+                        self._client = docker.DockerClient(
+                            base_url=self.docker_host, version="auto", timeout=timeout
+                        )
+                    else:
+                        self._client = docker.from_env(timeout=timeout)
+                except DockerException as exc:
+                    where = self.docker_host or os.environ.get("DOCKER_HOST") or "the local socket"
+                    raise RuntimeFailure(f"the Docker Engine at {where} does not answer: {exc}") from exc
+            return self._client
+
+    def close(self) -> None:
+        """Close the connections to the engine (a later call opens new ones)."""
+        with self._client_lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
 
     @staticmethod
     def container_name(workload_id: str) -> str:
         return f"gpupool-{safe_name(workload_id)}"
 
-    def run_argv(self, spec: WorkloadSpec, env_file: Path, notice_dir: Path) -> list[str]:
-        argv = [
-            "run",
-            "-d",
-            "--name",
-            self.container_name(spec.workload_id),
-            "--label",
-            f"{LABEL}={spec.workload_id}",
-        ]
-        if spec.gpu_uuids:
-            # The quotes are part of the value: docker reads --gpus as CSV, and the device list has commas.
-            argv += ["--gpus", f'"device={",".join(spec.gpu_uuids)}"']
-        if spec.cpu_millicores:
-            argv += ["--cpus", f"{spec.cpu_millicores / 1000:g}"]
-        if spec.ram_mib:
-            argv += ["--memory", f"{int(spec.ram_mib)}m"]
-        argv += ["--env-file", str(env_file)]
-        argv += ["-v", f"{notice_dir}:{NOTICE_DIR_IN_CONTAINER}:ro"]
-        if self.uses_mps(spec):
-            # An MPS client in a container reaches the host's MPS daemon through its pipe directory
-            # and shared memory (NVIDIA's MPS-in-containers setup).
-            argv += ["--ipc", "host", "-v", f"{self.mps_pipe_dir}:{self.mps_pipe_dir}"]
-        for port in spec.ports:
-            if isinstance(port, dict):
-                container = port.get("container") or port.get("container_port") or port.get("port")
-                host = port.get("host") or port.get("host_port")
-                argv += ["-p", f"{host}:{container}" if host else str(container)]
-            else:
-                argv += ["-p", str(port)]
-        argv.append(spec.image)
-        argv += spec.command
-        return argv
+    # -- what a container runs with ---------------------------------------------------------------
 
-    def start(self, spec: WorkloadSpec) -> WorkloadHandle:
+    def _checked(self, spec: WorkloadSpec) -> tuple[dict[str, str], list[int]]:
         if not spec.image:
             raise RuntimeFailure("the docker runtime needs an image")
+        try:
+            workload_rules.check_image(spec.image)
+            workload_rules.check_command(spec.command)
+            workload_rules.check_gpu_uuids(spec.gpu_uuids)
+            return workload_rules.check_env(spec.env), workload_rules.check_ports(spec.ports)
+        except workload_rules.WorkloadRuleError as exc:
+            raise RuntimeFailure(str(exc)) from exc
+
+    def _limits(self, spec: WorkloadSpec) -> tuple[int, int]:
+        """(nano CPUs, memory bytes): the request's, or the node's share for the workload's GPUs."""
+        cpu_milli, ram_mib = spec.cpu_millicores or 0, spec.ram_mib or 0
+        if cpu_milli and ram_mib:
+            return cpu_milli * 1_000_000, ram_mib * 1024 * 1024
+        gpu_milli = len(spec.gpu_uuids) * min(1000, spec.gpu_fraction_milli or 1000)
+        if not gpu_milli:
+            raise RuntimeFailure("a workload without GPUs must name its cpu_millicores and ram_mib")
+        if self.node_gpus < 1:
+            raise RuntimeFailure("the node's GPU count is not known: cannot size the workload's share")
+        if self._engine is None:
+            try:
+                self._engine = self.client.info()
+            except DockerException as exc:
+                raise RuntimeFailure(f"docker info failed: {_explain(exc)}") from exc
+        share = min(1.0, gpu_milli / (self.node_gpus * 1000))
+        nano = cpu_milli * 1_000_000 or max(10_000_000, int(self._engine["NCPU"] * share * 1e9))
+        memory = ram_mib * 1024 * 1024 or max(64 << 20, int(self._engine["MemTotal"] * share))
+        return nano, memory
+
+    def _environment(self, spec: WorkloadSpec, env: dict[str, str]) -> list[str]:
+        env = dict(env)
+        env["GPUPOOL_WORKLOAD_ID"] = spec.workload_id
+        env["GPUPOOL_PREEMPT_NOTICE_FILE"] = f"{NOTICE_DIR_IN_CONTAINER}/preempt"
+        env["NVIDIA_VISIBLE_DEVICES"] = ",".join(spec.gpu_uuids) or "void"
+        env.update(self.sharing_env(spec))
+        return [f"{key}={value}" for key, value in env.items()]
+
+    def _create_options(self, spec: WorkloadSpec, env: dict[str, str], ports: list[int]) -> dict[str, Any]:
+        name = self.container_name(spec.workload_id)
+        nano_cpus, memory = self._limits(spec)
+        mounts = [
+            Mount(
+                NOTICE_DIR_IN_CONTAINER,
+                str(self.workload_dir(spec.workload_id)),
+                type="bind",
+                read_only=True,
+            )
+        ]
+        options: dict[str, Any] = {
+            "name": name,
+            "labels": {LABEL: spec.workload_id},
+            "environment": self._environment(spec, env),
+            "detach": True,
+            "privileged": False,
+            "cap_drop": ["ALL"],
+            "security_opt": ["no-new-privileges"],
+            "pids_limit": self.pids_limit,
+            "nano_cpus": nano_cpus,
+            "mem_limit": memory,
+            "memswap_limit": memory,
+            "mounts": mounts,
+            "log_config": LogConfig(
+                type="json-file", config={"max-size": LOG_MAX_SIZE, "max-file": LOG_MAX_FILES}
+            ),
+        }
+        if spec.gpu_uuids:
+            options["device_requests"] = [
+                DeviceRequest(device_ids=list(spec.gpu_uuids), capabilities=[["gpu"]])
+            ]
+        if self.uses_mps(spec):
+            # An MPS client reaches the host's MPS daemon through its pipe directory and shared memory.
+            options["ipc_mode"] = "host"
+            mounts.append(Mount(self.mps_pipe_dir, self.mps_pipe_dir, type="bind", read_only=True))
+        if ports:
+            options["network"] = name
+            options["ports"] = {f"{port}/tcp": None for port in ports}  # None: the engine picks
+        else:
+            options["network_mode"] = "none"
+        return options
+
+    def _ensure_network(self, spec: WorkloadSpec) -> None:
+        name = self.container_name(spec.workload_id)
+        try:
+            self.client.networks.get(name)
+        except NotFound:
+            self.client.networks.create(
+                name,
+                driver="bridge",
+                options={"com.docker.network.bridge.enable_icc": "false"},
+                labels={LABEL: spec.workload_id},
+            )
+
+    # -- the interface ----------------------------------------------------------------------------
+
+    def start(self, spec: WorkloadSpec) -> WorkloadHandle:
+        env, ports = self._checked(spec)
+        if spec.workload_id not in self.store.records:
+            self._ensure_image(spec.image)  # outside the lock: a pull may take minutes
         with self.store.lock:
             record = self.store.records.get(spec.workload_id)
-            if record is not None:
-                return WorkloadHandle(spec.workload_id, record["container_id"])
+            if record is not None and not record.get("start_error"):
+                ports_now = dict(record.get("ports") or {})
+                return WorkloadHandle(spec.workload_id, record["container_id"], ports_now)
             name = self.container_name(spec.workload_id)
-            existing = self._docker("inspect", "--type", "container", "--format", "{{.Id}}", name)
-            if existing.returncode == 0 and existing.stdout.strip():
-                container_id = existing.stdout.strip()  # made by an earlier try that lost its record
-            else:
-                workdir = self.workload_dir(spec.workload_id)
-                env_file = workdir / "env"
-                env = {**spec.env, "GPUPOOL_WORKLOAD_ID": spec.workload_id}
-                env["GPUPOOL_PREEMPT_NOTICE_FILE"] = f"{NOTICE_DIR_IN_CONTAINER}/preempt"
-                env.update(self.sharing_env(spec))
-                fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                with os.fdopen(fd, "w") as handle:
-                    for key, value in sorted(env.items()):
-                        handle.write(f"{key}={value.replace(chr(10), ' ')}\n")
-                result = self._docker(
-                    *self.run_argv(spec, env_file, workdir), timeout=max(self.command_timeout_s, 1800)
-                )
-                if result.returncode != 0:
-                    raise RuntimeFailure(
-                        f"docker run failed: {result.stderr.strip() or result.stdout.strip()}"
-                    )
-                container_id = result.stdout.strip().splitlines()[-1]
-            self.store.records[spec.workload_id] = {
-                "container_id": container_id,
-                "name": name,
-                "gpu_uuids": spec.gpu_uuids,
-                "final_state": None,
-                "status": None,
-            }
+            try:
+                if record is not None:  # an earlier start failed: try again from nothing
+                    self._remove(record)
+                container = self._find(name)
+                if container is None:
+                    options = self._create_options(spec, env, ports)
+                    if ports:
+                        self._ensure_network(spec)
+                    container = self.client.containers.create(spec.image, spec.command or None, **options)
+                record = {
+                    "container_id": container.id,
+                    "name": name,
+                    "gpu_uuids": spec.gpu_uuids,
+                    "network": name if ports else None,
+                    "final_state": None,
+                    "status": None,
+                }
+                self.store.records[spec.workload_id] = record
+                self.store.save()
+                if container.attrs["State"]["Status"] == "created":
+                    container.start()
+                info = self.client.api.inspect_container(container.id)
+            except DockerException as exc:
+                message = f"docker could not start {spec.image}: {_explain(exc)}"
+                record = self.store.records.get(spec.workload_id) or {}
+                if record:
+                    # Kept (and reported failed) until forgotten; `docker inspect` shows what was asked.
+                    record["start_error"] = message
+                    self.store.save()
+                else:
+                    self._remove({"container_id": name, "name": name, "network": name if ports else None})
+                raise RuntimeFailure(message) from exc
+            record["ports"] = published_ports(info)
             self.store.save()
-            return WorkloadHandle(spec.workload_id, container_id)
+            return WorkloadHandle(spec.workload_id, container.id, dict(record["ports"]))
+
+    def _find(self, name: str) -> Any:
+        """The container of an earlier try that lost its record, if any."""
+        try:
+            return self.client.containers.get(name)
+        except NotFound:
+            return None
+
+    def _ensure_image(self, image: str) -> None:
+        try:
+            self.client.images.get(image)
+        except ImageNotFound:
+            self._pull(image)
+        except DockerException as exc:
+            raise RuntimeFailure(f"docker could not look up {image}: {_explain(exc)}") from exc
+
+    def _pull(self, image: str) -> None:
+        try:
+            self.client.images.pull(image)
+        except DockerException as exc:
+            raise RuntimeFailure(f"docker could not pull {image}: {_explain(exc)}") from exc
 
     def _from_inspect(
         self, workload_id: str, record: dict[str, Any], info: dict[str, Any] | None
     ) -> WorkloadStatus:
+        if record.get("start_error"):
+            return WorkloadStatus(
+                workload_id=workload_id,
+                state=FAILED,
+                gpu_uuids=record["gpu_uuids"],
+                message=record["start_error"],
+                finished_at=time.time(),
+            )
         if info is None:
             return WorkloadStatus(
                 workload_id=workload_id,
@@ -189,28 +358,22 @@ class DockerRuntime(Runtime):
             **common,
         )
 
+    def _inspect(self, ref: str) -> dict[str, Any] | None:
+        try:
+            return self.client.api.inspect_container(ref)
+        except NotFound:
+            return None
+        except DockerException as exc:
+            raise RuntimeFailure(f"docker inspect {ref} failed: {_explain(exc)}") from exc
+
     def status(self) -> list[WorkloadStatus]:
-        records = self.store.items()
-        pending = [(wid, record) for wid, record in records if record.get("status") is None]
-        inspected: dict[str, dict[str, Any]] = {}
-        if pending:
-            result = self._docker(
-                "inspect", "--type", "container", *[record["container_id"] for _, record in pending]
-            )
-            try:
-                for info in json.loads(result.stdout or "[]"):
-                    inspected[info.get("Id", "")] = info
-            except ValueError as exc:
-                raise RuntimeFailure(
-                    f"docker inspect answered something that is not JSON: {result.stderr.strip()}"
-                ) from exc
         statuses = []
         changed = False
-        for wid, record in records:
+        for wid, record in self.store.items():
             if record.get("status") is not None:
                 statuses.append(WorkloadStatus(**record["status"]))
                 continue
-            info = next((i for cid, i in inspected.items() if cid.startswith(record["container_id"])), None)
+            info = None if record.get("start_error") else self._inspect(record["container_id"])
             status = self._from_inspect(wid, record, info)
             if status.terminal:
                 record["status"] = dict(vars(status))
@@ -232,11 +395,12 @@ class DockerRuntime(Runtime):
                 return current
             record["final_state"] = final_state
             self.store.save()
-        result = self._docker(
-            "stop", "-t", str(int(grace_s)), record["name"], timeout=grace_s + self.command_timeout_s
-        )
-        if result.returncode != 0:
-            log.warning("docker stop %s: %s", record["name"], result.stderr.strip())
+        try:
+            self.client.api.stop(record["container_id"], timeout=int(grace_s))
+        except NotFound:
+            pass
+        except DockerException as exc:
+            log.warning("docker stop %s: %s", record["name"], _explain(exc))
         status = self.get_status(workload_id)
         return status or WorkloadStatus(workload_id=workload_id, state=final_state)
 
@@ -244,24 +408,41 @@ class DockerRuntime(Runtime):
         record = self.store.records.get(workload_id)
         if record is None:
             raise RuntimeFailure(f"no workload {workload_id} on this node")
-        result = self._docker("logs", "--tail", str(tail), record["name"])
-        if result.returncode != 0:
-            raise RuntimeFailure(f"docker logs failed: {result.stderr.strip()}")
-        return result.stdout + result.stderr
+        try:
+            output = self.client.api.logs(record["container_id"], stdout=True, stderr=True, tail=int(tail))
+        except DockerException as exc:
+            raise RuntimeFailure(f"docker logs failed: {_explain(exc)}") from exc
+        return output.decode("utf-8", "replace")
 
     def prewarm(self, image: str) -> dict[str, Any]:
-        result = self._docker("pull", image, timeout=max(self.command_timeout_s, 1800))
-        if result.returncode != 0:
-            raise RuntimeFailure(f"docker pull {image} failed: {result.stderr.strip()}")
+        try:
+            workload_rules.check_image(image)
+        except workload_rules.WorkloadRuleError as exc:
+            raise RuntimeFailure(str(exc)) from exc
+        self._pull(image)
         return {"image": image, "pulled": True}
+
+    def _remove(self, record: dict[str, Any]) -> None:
+        """The container and its network, whatever is left of them."""
+        try:
+            self.client.api.remove_container(record["container_id"], force=True)
+        except NotFound:
+            pass
+        except DockerException as exc:
+            log.warning("docker rm %s: %s", record["name"], _explain(exc))
+        if record.get("network"):
+            try:
+                self.client.networks.get(record["network"]).remove()
+            except NotFound:
+                pass
+            except DockerException as exc:
+                log.warning("docker network rm %s: %s", record["network"], _explain(exc))
 
     def forget(self, workload_id: str) -> None:
         record = self.store.records.get(workload_id)
         if record is None:
             return
-        result = self._docker("rm", "-f", record["name"])
-        if result.returncode != 0:
-            log.warning("docker rm %s: %s", record["name"], result.stderr.strip())
+        self._remove(record)
         super().forget(workload_id)
 
     def workload_for_pid(self, pid: int) -> str | None:
