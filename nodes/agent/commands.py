@@ -20,6 +20,14 @@ from nodes.agent.types import (
     WorkloadSpec,
     rfc3339,
 )
+from nodes.agent.workload_rules import check_image
+
+
+def start_failed(payload: dict[str, Any], reason: str) -> dict[str, Any]:
+    """The result of a start that failed, the workload rules' refusals included: the portal shows
+    ``reason`` on the workload."""
+    workload_id = payload.get("workload_id") if isinstance(payload, dict) else None
+    return {"workload_id": str(workload_id or ""), "error": "start_failed", "reason": reason}
 
 
 class CommandHandlers:
@@ -73,6 +81,8 @@ class CommandHandlers:
         except Exception as exc:
             self.log.exception("command %s (%s) failed unexpectedly", command_id, kind)
             state, result, message = "failed", {}, f"agent error: {exc!r}"
+        if state == "failed" and kind == "start_workload":
+            result = start_failed(payload, message)
         self.log.info("command %s %s %s", command_id, state, message)
         self.buffer.command_finished(
             command_id, state, result, message, self._report_body(state, result, message)
@@ -152,7 +162,7 @@ class CommandHandlers:
         return {"workload_id": workload_id, "state": status.state, "exit_code": status.exit_code}
 
     async def _prewarm(self, payload: dict[str, Any]) -> dict[str, Any]:
-        return await asyncio.to_thread(self.runtime.prewarm, str(payload["image"]))
+        return await asyncio.to_thread(self.runtime.prewarm, check_image(payload.get("image")))
 
     async def _configure_mig(self, payload: dict[str, Any]) -> dict[str, Any]:
         uuid = str(payload["gpu_uuid"])

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from nodes.agent.workload_rules import check_start_payload
+
 
 def rfc3339(ts: float | datetime) -> str:
     """RFC 3339 UTC with milliseconds, as the protocol writes times: ``2026-12-02T12:00:00.000Z``."""
@@ -150,15 +152,11 @@ class WorkloadSpec:
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> WorkloadSpec:
-        if not payload.get("workload_id"):
-            raise ValueError("start_workload payload needs a workload_id")
+        """The spec of a payload that obeys the workload rules; raises ``WorkloadRuleError`` (a
+        ValueError naming the field) for one that does not, before any runtime sees it."""
+        checked = check_start_payload(payload)
         known = {f.name for f in dataclasses.fields(cls)}
-        values = {key: value for key, value in payload.items() if key in known}
-        values["workload_id"] = str(values["workload_id"])
-        values["command"] = [str(part) for part in values.get("command") or []]
-        values["env"] = {str(k): str(v) for k, v in (values.get("env") or {}).items()}
-        values["gpu_uuids"] = [str(uuid) for uuid in values.get("gpu_uuids") or []]
-        return cls(**values)
+        return cls(**{key: value for key, value in checked.items() if key in known})
 
 
 @dataclass

@@ -298,8 +298,8 @@ def check_start_payload(payload: Any) -> dict[str, Any]:
         raise WorkloadRuleError("workload_id", "Required.")
     checked = dict(payload)
     checked["workload_id"] = check_workload_id(payload["workload_id"])
-    if payload.get("image") not in (None, ""):
-        checked["image"] = check_image(payload["image"])
+    image = payload.get("image")
+    checked["image"] = "" if image in (None, "") else check_image(image)
     checked["command"] = check_command(payload.get("command") or [])
     checked["env"] = check_env(payload.get("env") or {})
     checked["ports"] = check_ports(payload.get("ports") or [])

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from nodes.agent.workload_rules import MAX_ENV_BYTES, MAX_ENV_COUNT
+from nodes.agent.commands import start_failed
+from nodes.agent.types import WorkloadSpec
+from nodes.agent.workload_rules import MAX_ENV_BYTES, MAX_ENV_COUNT, WorkloadRuleError
+from nodes.models import CommandKind, NodeCommand
+from nodes.services.commands import node_command_report
 from portal.errors import ValidationFailed
 from scheduling.models import Workload, WorkloadEvent
 from tests.portal.conftest import signed_in  # noqa: F401  (fixture)
-from tests.scheduling.conftest import H100
+from tests.scheduling.conftest import H100, reload
 
 pytestmark = pytest.mark.django_db
 
@@ -156,3 +160,31 @@ def test_the_launch_form_refuses_an_option_as_image(signed_in, owner, tenant, ma
     assert "start with" in error[:400], error[:400]
     assert not Workload.objects.exists()
     assert client.post("/launch/", {**data, "image": "alpine:3", "command": "sh -c true"}).status_code == 302
+
+
+def test_the_agent_refusing_a_start_shows_its_reason_on_the_workload(
+    client, tenant, make_node, submit, cycle, django_capture_on_commit_callbacks
+):
+    """A row stored before these rules reaches the agent, which refuses it (tests/agent/
+    test_workload_rules.py); its ``start_failed`` result puts the reason on the workload."""
+    make_node()
+    w = submit(tenant)
+    Workload.objects.filter(pk=w.pk).update(image="--privileged", command=["-v", "/:/host", "alpine", "sh"])
+    cycle()
+    command = NodeCommand.objects.get(kind=CommandKind.START_WORKLOAD)
+    with pytest.raises(WorkloadRuleError) as refused:
+        WorkloadSpec.from_payload(command.payload)
+    reason = str(refused.value)
+    with django_capture_on_commit_callbacks(execute=True):
+        node_command_report(
+            node_id=command.node_id,
+            command_id=command.pk,
+            status="failed",
+            result=start_failed(command.payload, reason),
+            message=reason,
+        )
+    assert reload(w).state == "queued"
+    detail = client.get(f"/api/v1/jobs/{w.pk}/").json()
+    assert detail["state_reason"] == "image: Must not start with '-' (an image reference is not an option)."
+    events = client.get(f"/api/v1/jobs/{w.pk}/events/").json()
+    assert (events[-1]["reason"], events[-1]["message"]) == ("start_failed", reason)
