@@ -250,3 +250,23 @@ def test_a_demoted_member_stops_receiving_billing_events_at_once(make_tenant):
         await sock.disconnect()
 
     async_to_sync(scenario)()
+
+
+def test_a_deactivated_account_loses_its_socket(make_tenant):
+    tenant = make_tenant("alpha")
+    person = _member(tenant, Role.ADMIN, "gone@alpha.test").user
+    cookie = _session_cookie(person)
+
+    def deactivate():
+        person.is_active = False
+        person.save()  # as the Django admin's user form saves it
+
+    async def scenario():
+        sock = _socket(cookie)
+        assert (await sock.connect())[0]
+        await publish_from_thread(tenant_id=tenant.pk, event={"type": "workload.state", "id": 1})
+        assert (await sock.receive_json_from(timeout=5))["id"] == 1  # control
+        await database_sync_to_async(deactivate)()
+        assert await sock.receive_output(timeout=5) == {"type": "websocket.close", "code": 4403}
+
+    async_to_sync(scenario)()
