@@ -15,7 +15,7 @@ from nodes.agent import __version__
 
 # What to do with an answer.
 OK = "ok"  # 2xx: done, drop it from the buffer
-RETRY = "retry"  # portal unreachable, 5xx, timeout, 408/425/429: keep it, try again later
+RETRY = "retry"  # portal unreachable, 5xx, 3xx, timeout, 408/425/429: keep it, try again later
 REAUTH = "reauth"  # 401: the credential is not (or no longer) valid
 BAD = "bad"  # other 4xx: the portal will never take this; dead-letter it
 
@@ -27,6 +27,8 @@ def classify(status_code: int) -> str:
         return OK
     if status_code == 401:
         return REAUTH
+    if 300 <= status_code < 400:
+        return RETRY  # never followed (see PortalClient.request): nothing was delivered
     if status_code >= 500 or status_code in TRANSIENT_4XX:
         return RETRY
     return BAD
@@ -153,6 +155,9 @@ class PortalClient:
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=timeout_s or self.timeout_s),
                 proxy=self.proxy,
+                # A redirect could lead a node's credential and tenants' payloads to plain HTTP or
+                # to another host: the agent goes only where its portal URL says.
+                allow_redirects=False,
             ) as response:
                 return PortalResponse(response.status, await response.read())
         except (aiohttp.ClientError, TimeoutError) as exc:

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from nodes.agent import __version__
-from nodes.agent.client import PortalClient, PortalUnreachable, error_text, proxy_for
+from nodes.agent.client import RETRY, PortalClient, PortalUnreachable, classify, error_text, proxy_for
 from tests.conftest import free_port
 
 
@@ -27,6 +27,12 @@ class _Recorder(BaseHTTPRequestHandler):
         )
         if self.path.startswith("/gpupool/slow"):
             time.sleep(1.0)
+        if self.path.startswith("/gpupool/moved"):
+            self.send_response(307)
+            self.send_header("Location", f"http://127.0.0.1:{self.server.server_address[1]}/stolen")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         status = 502 if "fail" in self.path else 200
         data = b"<html>bad gateway</html>" if status == 502 else json.dumps({"ok": True}).encode()
         try:
@@ -118,3 +124,20 @@ def test_the_proxy_comes_from_the_environment_once(monkeypatch):
     assert proxy_for("https://portal.example.com/gpupool") == "http://proxy.internal:3128"
     assert proxy_for("https://portal.corp.example") is None
     assert proxy_for("http://portal.example.com") is None  # HTTP_PROXY is not set
+
+
+def test_a_redirect_is_never_followed(server):
+    """A portal (or something in front of it) answering 3xx must not lead the node's credential and
+    the tenants' payloads elsewhere, to plain HTTP included: the agent keeps the batch and retries."""
+
+    async def call():
+        client = PortalClient(server + "/gpupool/", timeout_s=5)
+        try:
+            return await client.request("POST", "/moved", credential="gpn_1_secret", json={"seq": 1})
+        finally:
+            await client.close()
+
+    response = asyncio.run(call())
+    assert response.status_code == 307
+    assert classify(response.status_code) == RETRY
+    assert [seen["path"] for seen in _Recorder.seen] == ["/gpupool/moved"]
