@@ -18,8 +18,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from nodes.agent.collectors import COLLECTOR_KINDS
-from nodes.agent.runtimes import DEFAULT_MPS_PIPE_DIR, GPU_SHARING_MODES, RUNTIME_KINDS
+from nodes.agent.runtimes import DEFAULT_MPS_PIPE_DIR, GPU_SHARING_MODES, RUNTIME_KINDS, RuntimeFailure
 from nodes.agent.runtimes.docker import DEFAULT_PIDS_LIMIT
+from nodes.agent.runtimes.process import process_user
 
 
 class ConfigError(ValueError):
@@ -44,6 +45,12 @@ class AgentConfig:
     # the most processes a workload's container may run.
     docker_host: str = ""
     docker_pids_limit: int = DEFAULT_PIDS_LIMIT
+    # The subprocess runtime runs tenants' commands on the host: only on a node that serves one
+    # tenant, said here explicitly, and never as root (process_user when the agent is root). Their
+    # working directories go under process_work_dir (empty: "<state_dir>-workloads").
+    single_tenant: bool = False
+    process_user: str = ""
+    process_work_dir: str = ""
     region: str = ""
     labels: dict[str, str] = field(default_factory=dict)
     hostname: str = ""
@@ -100,6 +107,11 @@ class AgentConfig:
                 "commands would cross the network unencrypted. Use https://, or allow it explicitly "
                 "(allow_insecure_http = true, --allow-insecure-http or GPUPOOL_ALLOW_INSECURE_HTTP=1)"
             )
+        if self.runtime == "subprocess":
+            try:
+                process_user(single_tenant=self.single_tenant, user=self.process_user)
+            except RuntimeFailure as exc:
+                raise ConfigError(str(exc)) from None
         if not self.hostname:
             self.hostname = socket.gethostname()
         return self
@@ -108,6 +120,12 @@ class AgentConfig:
         """The chosen runtime's own settings, as ``make_runtime`` takes them."""
         if self.runtime == "docker":
             return {"docker_host": self.docker_host, "pids_limit": self.docker_pids_limit}
+        if self.runtime == "subprocess":
+            return {
+                "single_tenant": self.single_tenant,
+                "process_user": self.process_user,
+                "process_work_dir": self.process_work_dir,
+            }
         return {}
 
     @property
@@ -126,6 +144,9 @@ ENV = {
     "GPUPOOL_MPS_PIPE_DIR": "mps_pipe_dir",
     "GPUPOOL_DOCKER_HOST": "docker_host",
     "GPUPOOL_DOCKER_PIDS_LIMIT": "docker_pids_limit",
+    "GPUPOOL_SINGLE_TENANT": "single_tenant",
+    "GPUPOOL_PROCESS_USER": "process_user",
+    "GPUPOOL_PROCESS_WORK_DIR": "process_work_dir",
     "GPUPOOL_REGION": "region",
     "GPUPOOL_LABELS": "labels",
     "GPUPOOL_HOSTNAME": "hostname",

@@ -2,6 +2,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -96,3 +99,18 @@ def run_agent() -> Iterator[Callable[[Agent], AgentThread]]:
     for thread in running:
         with contextlib.suppress(AssertionError):
             thread.stop()
+
+
+@pytest.fixture
+def process_options() -> Iterator[dict[str, Any]]:
+    """Settings that let the subprocess runtime run: a single-tenant node, and when the tests run as
+    root, workloads as ``nobody``. Their directories are outside pytest's (0700) temporary tree,
+    which ``nobody`` could not enter; their commands are /bin/sh and coreutils for the same reason
+    (this interpreter may live under /root)."""
+    work_dir = tempfile.mkdtemp(prefix="gpupool-process-")
+    yield {
+        "single_tenant": True,
+        "process_user": "nobody" if os.geteuid() == 0 else "",
+        "process_work_dir": work_dir,
+    }
+    shutil.rmtree(work_dir, ignore_errors=True)

@@ -5,7 +5,6 @@ it ends (the agent with the simulated collector and runtime; NVML at the ``pynvm
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import time
 import uuid
@@ -25,6 +24,7 @@ from nodes.agent.runtimes.docker import DockerRuntime
 from nodes.agent.runtimes.process import SubprocessRuntime
 from nodes.agent.runtimes.simulated import SimulatedRuntime
 from nodes.agent.types import WorkloadSpec
+from tests.agent.conftest import process_options  # noqa: F401  (a fixture)
 from tests.agent.test_nvml_collector import FakeGpu, _Struct, fake_pynvml
 from tests.docker_engine import TEST_IMAGE, docker_engine  # noqa: F401  (a fixture)
 
@@ -88,13 +88,15 @@ def test_amd_shares_are_time_sliced_with_the_advisory_limit_only():
     }
 
 
-def test_the_sharing_mode_is_an_agent_setting(tmp_path):
+def test_the_sharing_mode_is_an_agent_setting(tmp_path, process_options):  # noqa: F811
     config = load_config(env={"GPUPOOL_GPU_SHARING": "mps", "GPUPOOL_MPS_PIPE_DIR": "/run/mps"})
     assert (config.gpu_sharing, config.mps_pipe_dir) == ("mps", "/run/mps")
     assert load_config(env={}).gpu_sharing == "time-slicing"
     with pytest.raises(ConfigError, match="gpu_sharing must be one of time-slicing, mps"):
         AgentConfig(portal_url="http://portal", gpu_sharing="vgpu").validate()
-    runtime = make_runtime("subprocess", tmp_path, gpu_sharing="mps", mps_pipe_dir="/run/mps")
+    runtime = make_runtime(
+        "subprocess", tmp_path, gpu_sharing="mps", mps_pipe_dir="/run/mps", **process_options
+    )
     assert (runtime.gpu_sharing, runtime.mps_pipe_dir) == ("mps", "/run/mps")
 
 
@@ -155,14 +157,19 @@ def test_docker_time_slicing_and_whole_gpus_keep_their_own_ipc(
     assert not any(e.startswith("CUDA_MPS") for e in whole["Config"]["Env"])
 
 
-def test_subprocess_share_sees_its_gpu_and_limits(tmp_path: Path):
-    runtime = SubprocessRuntime(tmp_path, gpu_sharing="mps")
-    runtime.start(share(500, env={"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=999999M"}))
+def test_subprocess_share_sees_its_gpu_and_limits(
+    tmp_path: Path,
+    process_options: dict[str, Any],  # noqa: F811
+):
+    runtime = SubprocessRuntime(tmp_path, gpu_sharing="mps", **process_options)
+    with pytest.raises(RuntimeFailure, match="CUDA_MPS_PINNED_DEVICE_MEM_LIMIT is set by the platform"):
+        runtime.start(share(500, env={"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=999999M"}))
+    runtime.start(share(500, command=["/usr/bin/env", "-0"]))  # runnable by the unprivileged user
     deadline = time.monotonic() + 30
     while not runtime.get_status("w1").terminal and time.monotonic() < deadline:
         time.sleep(0.05)
     assert runtime.get_status("w1").exit_code == 0
-    env = json.loads(runtime.logs("w1").strip().splitlines()[-1])
+    env = dict(item.split("=", 1) for item in runtime.logs("w1").split("\0") if item)
     assert env["CUDA_VISIBLE_DEVICES"] == "GPU-aaaa"
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=40960M"
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"

@@ -185,7 +185,8 @@ def make_runtime(
     mps_pipe_dir: str = DEFAULT_MPS_PIPE_DIR,
     **options: Any,
 ) -> Runtime:
-    """``options`` go to the docker runtime only; the GPU sharing settings to every runtime."""
+    """``options`` go to the docker or subprocess runtime (``AgentConfig.runtime_options``); the GPU
+    sharing settings to every runtime."""
     sharing = {"gpu_sharing": gpu_sharing, "mps_pipe_dir": mps_pipe_dir}
     if kind == "docker":
         from nodes.agent.runtimes.docker import DockerRuntime
@@ -194,7 +195,7 @@ def make_runtime(
     if kind == "subprocess":
         from nodes.agent.runtimes.process import SubprocessRuntime
 
-        return SubprocessRuntime(state_dir, **sharing)
+        return SubprocessRuntime(state_dir, **options, **sharing)
     if kind == "simulated":
         from nodes.agent.runtimes.simulated import SimulatedRuntime
 

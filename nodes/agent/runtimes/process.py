@@ -1,26 +1,85 @@
 """Bare-metal workloads: the command runs as a process group on the host.
 
-``CUDA_VISIBLE_DEVICES`` is set to the workload's GPU UUIDs; stdout and stderr go to
-``<state dir>/workloads/<id>/output.log``; stop sends SIGTERM to the group and SIGKILL after the
-grace period. The image field is ignored (there is nothing to pull) and CPU and memory limits are
-not enforced by this runtime: use the docker runtime where they matter.
+The host is not a boundary between tenants, so this runtime runs only on a node configured
+single-tenant (``single_tenant``, ``GPUPOOL_SINGLE_TENANT=1``): without it the agent does not start,
+and no workload starts. It never runs a workload as root: an agent running as root runs them as
+``process_user`` (``GPUPOOL_PROCESS_USER``; uid and gid not 0, no supplementary groups) and refuses
+to start without one; an agent running as another user runs them as itself.
+
+The argv is executed as given (never through a shell). The environment is exactly: ``PATH`` (and
+``LANG`` when set) of the agent, ``HOME``, ``USER`` and ``LOGNAME`` of the workload's user, the
+workload's own env byte for byte, and the platform's variables (``CUDA_VISIBLE_DEVICES`` = its GPU
+UUIDs, ``GPUPOOL_WORKLOAD_ID``, ``GPUPOOL_PREEMPT_NOTICE_FILE``, the GPU share's); nothing else of
+the agent's environment (its bootstrap token) reaches it.
+
+Files: ``<process_work_dir>/<id>/`` (root's, readable) holds the preemption notice the agent
+writes; ``<id>/home/`` (the user's, 0700) is the working directory and ``HOME``. stdout and stderr
+go to ``<state dir>/process-logs/<id>.log``, which the workload cannot reach (the state directory is
+the agent's alone), so it cannot swap the log for a link to a file the agent would read out. Stop
+sends SIGTERM to the group and SIGKILL after the grace period. The image field is ignored (there is
+nothing to pull) and CPU and memory limits are not enforced: use the docker runtime where they
+matter.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import signal
 import subprocess
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nodes.agent.runtimes import Runtime, RuntimeFailure
+from nodes.agent.runtimes import Runtime, RuntimeFailure, safe_name
 from nodes.agent.types import EXITED, FAILED, RUNNING, STOPPED, WorkloadHandle, WorkloadSpec, WorkloadStatus
+from nodes.agent.workload_rules import WorkloadRuleError, check_command, check_env, check_gpu_uuids
 
-AGENT_ENV_PREFIX = "GPUPOOL_"  # the agent's own settings (its bootstrap token) never reach a workload
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+@dataclass(frozen=True)
+class ProcessUser:
+    """Whom workloads run as; ``switch``: the agent is root and changes to this user for them."""
+
+    name: str
+    uid: int
+    gid: int
+    switch: bool
+
+
+def process_user(*, single_tenant: bool, user: str) -> ProcessUser:
+    """The user workloads run as, or :class:`RuntimeFailure` saying why none may run."""
+    if not single_tenant:
+        raise RuntimeFailure(
+            "the subprocess runtime runs tenants' commands on the host, which isolates nothing: it "
+            "runs only on a node configured single-tenant (single_tenant = true or "
+            "GPUPOOL_SINGLE_TENANT=1); use the docker runtime otherwise"
+        )
+    agent_uid = os.geteuid()
+    if not user:
+        if agent_uid == 0:
+            raise RuntimeFailure(
+                "the agent runs as root and workloads never do: set process_user "
+                "(GPUPOOL_PROCESS_USER) to an unprivileged user"
+            )
+        entry = pwd.getpwuid(agent_uid)
+        return ProcessUser(entry.pw_name, agent_uid, os.getegid(), switch=False)
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError:
+        raise RuntimeFailure(f"process_user: there is no user {user!r} on this node") from None
+    if entry.pw_uid == 0 or entry.pw_gid == 0:
+        raise RuntimeFailure(f"process_user: {user!r} is root (uid or gid 0); name an unprivileged user")
+    if agent_uid != 0 and entry.pw_uid != agent_uid:
+        raise RuntimeFailure(
+            f"process_user: the agent runs as uid {agent_uid} and cannot run workloads as {user!r}; "
+            "leave process_user unset to run them as the agent's own user"
+        )
+    return ProcessUser(entry.pw_name, entry.pw_uid, entry.pw_gid, switch=agent_uid == 0)
 
 
 def _exit_code(returncode: int) -> int:
@@ -46,25 +105,78 @@ def _alive(pid: int) -> bool:
 class SubprocessRuntime(Runtime):
     name = "subprocess"
 
-    def __init__(self, state_dir: str | Path, **sharing: str) -> None:
+    def __init__(
+        self,
+        state_dir: str | Path,
+        *,
+        single_tenant: bool = False,
+        process_user: str = "",
+        process_work_dir: str | Path = "",
+        **sharing: str,
+    ) -> None:
         super().__init__(state_dir, **sharing)
+        self.single_tenant = single_tenant
+        self.process_user = process_user
+        self.user = self._user()  # refused here: the agent does not start
+        # Beside the state directory, not in it: the state directory is the agent's alone (0700).
+        self.work_dir = Path(process_work_dir or f"{self.state_dir}-workloads")
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        if self.work_dir.stat().st_uid == os.geteuid():
+            os.chmod(self.work_dir, 0o711)  # the user reaches its own directory, lists nobody's
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def _user(self) -> ProcessUser:
+        return process_user(single_tenant=self.single_tenant, user=self.process_user)
+
+    def workload_dir(self, workload_id: str) -> Path:
+        """``<work dir>/<id>``: root's (the preemption notice); the workload only reads it."""
+        path = self.work_dir / safe_name(workload_id)
+        path.mkdir(exist_ok=True)
+        os.chmod(path, 0o755)
+        return path
+
+    def _home(self, workload_id: str, user: ProcessUser) -> Path:
+        """``<work dir>/<id>/home``: the user's working directory, 0700."""
+        home = self.workload_dir(workload_id) / "home"
+        home.mkdir(exist_ok=True)
+        if user.switch:
+            os.chown(home, user.uid, user.gid, follow_symlinks=False)
+        os.chmod(home, 0o700)
+        return home
+
+    def _environment(self, spec: WorkloadSpec, user: ProcessUser, home: Path) -> dict[str, str]:
+        env = {"PATH": os.environ.get("PATH") or DEFAULT_PATH}
+        if os.environ.get("LANG"):
+            env["LANG"] = os.environ["LANG"]
+        env.update({"HOME": str(home), "USER": user.name, "LOGNAME": user.name})
+        env.update(spec.env)  # checked by the workload rules: no platform name among them
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpu_uuids)
+        env["GPUPOOL_WORKLOAD_ID"] = spec.workload_id
+        env["GPUPOOL_PREEMPT_NOTICE_FILE"] = str(self.workload_dir(spec.workload_id) / "preempt")
+        env.update(self.sharing_env(spec))
+        return env
 
     def start(self, spec: WorkloadSpec) -> WorkloadHandle:
         with self.store.lock:
             record = self.store.records.get(spec.workload_id)
             if record is not None:
                 return WorkloadHandle(spec.workload_id, str(record["pid"]))
+            user = self._user()  # again at each start: the setting and the user as they are now
+            try:  # the agent checked the payload; a runtime called directly checks it here
+                check_command(spec.command)
+                check_env(spec.env)
+                check_gpu_uuids(spec.gpu_uuids)
+            except WorkloadRuleError as exc:
+                raise RuntimeFailure(str(exc)) from exc
             if not spec.command:
                 raise RuntimeFailure("the subprocess runtime needs a command")
-            workdir = self.workload_dir(spec.workload_id)
-            log_path = workdir / "output.log"
-            env = {key: value for key, value in os.environ.items() if not key.startswith(AGENT_ENV_PREFIX)}
-            env.update(spec.env)
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpu_uuids)
-            env["GPUPOOL_WORKLOAD_ID"] = spec.workload_id
-            env["GPUPOOL_PREEMPT_NOTICE_FILE"] = str(workdir / "preempt")
-            env.update(self.sharing_env(spec))
+            home = self._home(spec.workload_id, user)
+            log_dir = self.state_dir / "process-logs"
+            log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            log_path = log_dir / f"{safe_name(spec.workload_id)}.log"
+            identity: dict[str, Any] = (
+                {"user": user.uid, "group": user.gid, "extra_groups": []} if user.switch else {}
+            )
             with open(log_path, "ab") as log_file:
                 try:
                     proc = subprocess.Popen(
@@ -72,9 +184,11 @@ class SubprocessRuntime(Runtime):
                         stdin=subprocess.DEVNULL,
                         stdout=log_file,
                         stderr=subprocess.STDOUT,
-                        env=env,
-                        cwd=workdir,
+                        env=self._environment(spec, user, home),
+                        cwd=home,
                         start_new_session=True,
+                        umask=0o077,
+                        **identity,
                     )
                 except OSError as exc:
                     raise RuntimeFailure(f"cannot run {spec.command[0]!r}: {exc}") from exc
