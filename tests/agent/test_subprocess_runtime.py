@@ -206,11 +206,18 @@ def test_stop_reaches_the_whole_process_group(runtime: SubprocessRuntime) -> Non
 
 
 def test_preempt_gives_notice_then_stops(runtime: SubprocessRuntime) -> None:
-    script = 'while [ ! -e "$GPUPOOL_PREEMPT_NOTICE_FILE" ]; do sleep 0.05; done; cat "$GPUPOOL_PREEMPT_NOTICE_FILE"; echo; echo noticed; sleep 60'
+    script = (
+        'while [ ! -e "$GPUPOOL_PREEMPT_NOTICE_FILE" ]; do sleep 0.05; done; '
+        'cat "$GPUPOOL_PREEMPT_NOTICE_FILE"; echo; echo noticed; sleep 60'
+    )
     runtime.start(WorkloadSpec("spot", command=sh(script)))
-    status = runtime.preempt("spot", notice_s=0.5, grace_s=1)
+    previous = os.umask(0o077)  # the systemd unit's: the notice must be readable all the same
+    try:
+        status = runtime.preempt("spot", notice_s=0.5, grace_s=1)
+    finally:
+        os.umask(previous)
     assert status.state == "preempted"
-    assert "noticed" in runtime.logs("spot") and "deadline" in runtime.logs("spot")
+    assert "noticed" in runtime.logs("spot") and '"deadline"' in runtime.logs("spot")
 
 
 def test_records_survive_an_agent_restart(

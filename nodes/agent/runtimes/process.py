@@ -135,6 +135,11 @@ class SubprocessRuntime(Runtime):
         os.chmod(path, 0o755)
         return path
 
+    def notify_preempt(self, workload_id: str, notice_s: float) -> None:
+        super().notify_preempt(workload_id, notice_s)
+        # Readable by the workload's user whatever the agent's umask (systemd's unit sets 0077).
+        os.chmod(self.workload_dir(workload_id) / "preempt", 0o644)
+
     def _home(self, workload_id: str, user: ProcessUser) -> Path:
         """``<work dir>/<id>/home``: the user's working directory, 0700."""
         home = self.workload_dir(workload_id) / "home"
