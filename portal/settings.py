@@ -105,8 +105,6 @@ TEMPLATES = [
 # Celery worker, beat and the simulated agents can share it on one laptop.
 DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{VAR_DIR / 'gpupool.sqlite3'}")}
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
-    # Django's SQLite backend, compiling SELECTs through portal.compiler (DB_COMPILE_CACHE, below).
-    DATABASES["default"]["ENGINE"] = "portal.sqlite3"
     DATABASES["default"].setdefault("OPTIONS", {}).update(
         {
             "timeout": 20,
@@ -147,14 +145,6 @@ else:
             "max_size": DB_POOL_MAX_SIZE,
             "timeout": 10,
         }
-# SELECT statements keep the part of their compilation that does not depend on the query's values
-# (the column list, the ordering, the FROM clause) per query shape, in each process
-# (portal/compiler.py): half of a workload list page's CPU was compiling its statement. "off":
-# Django's compiler only; "verify": compile each statement both ways and raise on a difference
-# (the test suite's setting).
-DB_COMPILE_CACHE = env.str("DB_COMPILE_CACHE", default="on")
-if DB_COMPILE_CACHE not in ("on", "off", "verify"):
-    raise ImproperlyConfigured(f"DB_COMPILE_CACHE: on, off or verify, not {DB_COMPILE_CACHE!r}")
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 # Threads per web process that serve pages and the API (portal/asgi.py); the agent protocol runs on
 # the event loop and its worker threads. Each may hold a database connection while it serves a request.

@@ -12,10 +12,6 @@ from portal.settings import *  # noqa: F403
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
-# Every statement compiled from a kept SELECT shape (portal/compiler.py) is compiled again by
-# Django's own compiler and compared: the whole suite checks the shapes its queries make.
-DB_COMPILE_CACHE = "verify"
-
 # Several people (or agents) may share one PostgreSQL server: each can pick its own test database.
 if os.environ.get("TEST_DB_NAME"):
     DATABASES["default"]["TEST"] = {"NAME": os.environ["TEST_DB_NAME"]}  # noqa: F405

@@ -1,2 +1,1 @@
-"""Django's PostgreSQL backend, with the connection pool's check of ``base.check_connection`` and
-the SELECT shapes of ``portal.compiler``."""
+"""Django's PostgreSQL backend, with the connection pool's check of ``base.check_connection``."""

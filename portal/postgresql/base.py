@@ -1,6 +1,5 @@
 """Django's PostgreSQL backend (``ENGINE = "portal.postgresql"``), except for the check the
-connection pool (``DB_POOL_MAX_SIZE``) makes on each connection it lends, and SELECT shapes kept
-between queries (``portal.postgresql.compiler``, ``portal.compiler``).
+connection pool (``DB_POOL_MAX_SIZE``) makes on each connection it lends.
 
 With ``CONN_HEALTH_CHECKS`` Django gives psycopg_pool its own check, ``ConnectionPool.check_connection``,
 which sends an empty query: a round trip for every request and every agent heartbeat, 0.17 ms of
@@ -34,7 +33,7 @@ import psycopg
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.db.backends.base.base import NO_DB_ALIAS
-from django.db.backends.postgresql import base, operations
+from django.db.backends.postgresql import base
 from django.db.backends.postgresql.psycopg_any import BaseTzLoader, get_adapters_template
 from psycopg.adapt import AdaptersMap
 from psycopg.pq import Format
@@ -80,13 +79,7 @@ def adapters(use_tz: bool, timezone: tzinfo | None) -> AdaptersMap:
     return ctx
 
 
-class DatabaseOperations(operations.DatabaseOperations):
-    compiler_module = "portal.postgresql.compiler"
-
-
 class DatabaseWrapper(base.DatabaseWrapper):
-    ops_class = DatabaseOperations
-
     def get_connection_params(self):
         params = super().get_connection_params()
         params["context"] = adapters(settings.USE_TZ, self.timezone)

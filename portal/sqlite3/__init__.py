@@ -1,1 +1,0 @@
-"""Django's SQLite backend, with SELECT shapes kept between queries (``portal.compiler``)."""
