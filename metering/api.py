@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from decimal import Decimal
 
-import django_filters
 import orjson
 from django.db import connections, models
 from django.db.models import Func
@@ -26,7 +25,7 @@ from metering.services.rates import rate_card_for_tenant
 from nodes.models import GpuModel
 from portal.actors import actor_from_request
 from portal.api.context import request_context
-from portal.api.filters import TenantFilterSet
+from portal.api.filters import BoundedDateFilter, TenantFilterSet
 from portal.api.pagination import CursorPagination
 from portal.api.routers import extra_urlpatterns, router
 from portal.api.viewsets import TenantReadOnlyViewSet
@@ -66,7 +65,7 @@ class UsageRecordSerializer(serializers.ModelSerializer):
 
 
 class UsageFilter(TenantFilterSet):
-    period = django_filters.DateFilter(
+    period = BoundedDateFilter(
         field_name="period_start", help_text="First day of the month, e.g. 2024-03-01."
     )
 
@@ -223,8 +222,9 @@ class CostEstimateInput(serializers.Serializer):
     gpu_model = serializers.CharField(max_length=80, help_text="A model's name or short name.")
     gpu_count = serializers.IntegerField(min_value=1, max_value=1024, default=1)
     gpu_fraction_milli = serializers.IntegerField(min_value=1, max_value=MILLI, default=MILLI)
-    cpu_millicores = serializers.IntegerField(min_value=0, default=0)
-    ram_mib = serializers.IntegerField(min_value=0, default=0)
+    # The bounds of a submission (scheduling.services.submission): no larger figure can be priced.
+    cpu_millicores = serializers.IntegerField(min_value=0, max_value=10_000_000, default=0)
+    ram_mib = serializers.IntegerField(min_value=0, max_value=1 << 40, default=0)
 
     def validate_gpu_model(self, value):
         model = (

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import io
-import re
 from datetime import date
 
 from django import forms
@@ -31,6 +30,7 @@ from metering.documents import (
 from metering.models import CreditEntry, CreditKind, Invoice, InvoiceStatus
 from metering.periods import period_of
 from portal.dashboard import register_nav
+from portal.inputs import parse_month
 from portal.models import Scope
 from portal.views.base import TenantScopedMixin, forbidden, render_page
 
@@ -43,7 +43,6 @@ register_nav(
 register_nav("budget", "Budget", "metering:budget", order=64, scope=Scope.BILLING, icon="settings")
 register_nav("finance", "Finance", "metering:finance-revenue", order=25, icon="chart", staff_only=True)
 
-MONTH_RE = re.compile(r"^(\d{4})-(\d{2})$")
 INVOICES_PER_PAGE = 24
 CREDITS_PER_PAGE = 20
 CHART_SERIES = 6  # the largest groups get a bar colour each; the rest is "Other"
@@ -137,13 +136,6 @@ class FinanceStaffMixin(AccessMixin):
         return super().dispatch(request, *args, **kwargs)
 
 
-def _parse_month(value: str) -> date:
-    m = MONTH_RE.match(value.strip())
-    if not m or not 1 <= int(m.group(2)) <= 12 or int(m.group(1)) < 1970:
-        raise forms.ValidationError("Use a month as YYYY-MM, e.g. 2024-03.")
-    return date(int(m.group(1)), int(m.group(2)), 1)
-
-
 def _months_back(month: date, n: int) -> date:
     index = month.year * 12 + month.month - 1 - n
     return date(index // 12, index % 12 + 1, 1)
@@ -165,11 +157,11 @@ class ReportFilterForm(forms.Form):
 
     def clean_start(self) -> date | None:
         value = self.cleaned_data.get("start") or ""
-        return _parse_month(value) if value else None
+        return parse_month(value) if value else None
 
     def clean_end(self) -> date | None:
         value = self.cleaned_data.get("end") or ""
-        return _parse_month(value) if value else None
+        return parse_month(value) if value else None
 
     def clean(self):
         data = super().clean()

@@ -30,9 +30,10 @@ from metering.money import quantize_money
 from metering.periods import period_of
 from metering.services.budgets import budget_set, budget_status
 from metering.services.rates import rate_card_for_tenant
-from metering.views import CHART_SERIES, _parse_month
+from metering.views import CHART_SERIES
 from nodes.models import GpuModel, Region
 from portal.errors import DomainError
+from portal.inputs import parse_month
 from portal.models import Scope
 from portal.views.base import TenantScopedMixin, render_page
 from scheduling.models import Reservation
@@ -67,7 +68,7 @@ class UsageView(BillingMixin, View):
         month = this_month
         if value:
             try:
-                month = _parse_month(value)
+                month = parse_month(value)
             except forms.ValidationError as exc:
                 month_error = exc.messages[0]
         months = web_selectors.usage_months(tenant=self.tenant)

@@ -326,6 +326,11 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "portal.api.pagination.CursorPagination",
     "PAGE_SIZE": 50,
     "DEFAULT_FILTER_BACKENDS": ["portal.api.filters.FilterBackend"],
+    "DEFAULT_PARSER_CLASSES": [
+        "portal.api.parsers.JSONParser",  # orjson, nesting at most 1,024 levels deep
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
     "DEFAULT_THROTTLE_CLASSES": ["portal.api.throttling.TokenRateThrottle"],
     "DEFAULT_THROTTLE_RATES": {"token": API_RATE_LIMIT},
     "EXCEPTION_HANDLER": "portal.api.errors.exception_handler",

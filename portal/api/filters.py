@@ -2,31 +2,54 @@
 
 from __future__ import annotations
 
-from datetime import UTC
-
 import django_filters
+from django import forms
+from django.db import models
+from django_filters.fields import IsoDateTimeField
 from django_filters.filters import QuerySetRequestMixin
 from django_filters.rest_framework import DjangoFilterBackend, FilterSet
 
 from portal.api.context import request_context
+from portal.inputs import bounded_date, bounded_datetime
 from portal.tenancy import TenantOwnedModel
 
 
-class UTCDateTimeFilter(django_filters.IsoDateTimeFilter):
-    """An ISO 8601 time, compared in UTC. Offsets Python accepts but the database does not (over
-    ±15:59 on PostgreSQL) are normalised away instead of failing the query."""
+class UTCDateTimeField(IsoDateTimeField):
+    """An ISO 8601 time in UTC, within ``portal.inputs``' bounds: an offset Python accepts but the
+    database does not (over ±15:59 on PostgreSQL) is normalised away, and one that takes the time
+    off the calendar (``0001-01-01T00:00+23:59``) is a 400 naming the filter."""
 
-    def filter(self, qs, value):
-        if value is not None and value.tzinfo is not None:
-            value = value.astimezone(UTC)
-        return super().filter(qs, value)
+    def to_python(self, value):
+        value = super().to_python(value)
+        return None if value is None else bounded_datetime(value)
+
+
+class BoundedDateField(forms.DateField):
+    def to_python(self, value):
+        value = super().to_python(value)
+        return None if value is None else bounded_date(value)
+
+
+class UTCDateTimeFilter(django_filters.IsoDateTimeFilter):
+    field_class = UTCDateTimeField
+
+
+class BoundedDateFilter(django_filters.DateFilter):
+    field_class = BoundedDateField
 
 
 class TenantFilterSet(FilterSet):
     """The base of every filter set of the tenant API (declared, and those the backend makes from
     ``filterset_fields``): a filter whose choices are rows of a tenant-owned model (``?workload=``,
     ``?invoice=``) chooses among the request's tenant's rows only, so another tenant's id is refused
-    exactly as an id that does not exist (400), instead of answering an empty 200."""
+    exactly as an id that does not exist (400), instead of answering an empty 200. Filters made
+    from date and time fields are bounded (``portal.inputs``), as the declared ones must be."""
+
+    FILTER_DEFAULTS = {
+        **FilterSet.FILTER_DEFAULTS,
+        models.DateTimeField: {"filter_class": UTCDateTimeFilter},
+        models.DateField: {"filter_class": BoundedDateFilter},
+    }
 
     def __init__(self, data=None, queryset=None, *, request=None, prefix=None):
         super().__init__(data, queryset, request=request, prefix=prefix)
