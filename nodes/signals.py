@@ -15,6 +15,10 @@ nodes knows nothing about scheduling: receivers connect in their own ``AppConfig
   runs). ``started_at`` is the agent's time, or the report's when the agent gave none.
 - ``node_ready(sender=Node, node)``: a node became READY (schedulable) again: staff uncordoned it
   or took it out of maintenance, or its heartbeats resumed after SUSPECT or DOWN.
+- ``workloads_reported(sender=Node, node_id, workload_ids)``: the node's newest heartbeat lists
+  these workloads (ids as the node reports them) ``starting`` or ``running``. Sent for every such
+  heartbeat, changed or not, so that a receiver can check the node runs only what it was given
+  (scheduling's reaper); keep receivers to one set-based query.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ node_down = Signal()
 gpu_unhealthy = Signal()
 workload_running = Signal()
 node_ready = Signal()
+workloads_reported = Signal()
 
 
 def send_on_commit(signal: Signal, sender: Any, **kwargs: Any) -> None:

@@ -167,6 +167,23 @@ class WorkloadAdmin(admin.ModelAdmin):
         run_each(self, request, queryset, lambda w, a: workload_stop(workload=w, actor=a), "Stopping")
 
 
+class StopConfirmationFilter(admin.SimpleListFilter):
+    """Allocations released without the node's report, and whether the node has confirmed since."""
+
+    title = "forced stop"
+    parameter_name = "stop"
+
+    def lookups(self, request, model_admin):
+        return [("unconfirmed", "Unconfirmed"), ("confirmed", "Confirmed")]
+
+    def queryset(self, request, queryset):
+        if self.value() == "unconfirmed":
+            return queryset.filter(stop_forced_at__isnull=False, stop_confirmed_at__isnull=True)
+        if self.value() == "confirmed":
+            return queryset.filter(stop_confirmed_at__isnull=False)
+        return queryset
+
+
 @admin.register(Allocation)
 class AllocationAdmin(admin.ModelAdmin):
     list_display = [
@@ -179,8 +196,10 @@ class AllocationAdmin(admin.ModelAdmin):
         "fraction_milli",
         "started_at",
         "ended_at",
+        "stop_forced_at",
+        "stop_confirmed_at",
     ]
-    list_filter = ["plan", "gpu_model"]
+    list_filter = ["plan", "gpu_model", StopConfirmationFilter]
     search_fields = ["=workload__id", "node__hostname"]
 
     def get_readonly_fields(self, request, obj=None):

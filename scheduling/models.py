@@ -248,6 +248,10 @@ class Allocation(TenantOwnedModel):
     started_at = models.DateTimeField(default=timezone.now)
     ended_at = models.DateTimeField(null=True, blank=True)
     end_reason = models.CharField(max_length=64, blank=True)
+    # Released without the node's word (stop timeout, forced preemption, node DOWN): the node may
+    # still run it, so its GPU takes no new work until the node reports it gone (confirmed).
+    stop_forced_at = models.DateTimeField(null=True, blank=True)
+    stop_confirmed_at = models.DateTimeField(null=True, blank=True)
 
     objects = AllocationQuerySet.as_manager()
 
@@ -284,10 +288,19 @@ class Allocation(TenantOwnedModel):
             models.Index(fields=["gpu"], condition=Q(ended_at__isnull=True), name="allocation_active_gpu"),
             models.Index(fields=["tenant", "started_at"], name="allocation_tenant_started"),
             models.Index(fields=["ended_at"], name="allocation_ended"),
+            models.Index(
+                fields=["node", "gpu"],
+                condition=Q(stop_forced_at__isnull=False, stop_confirmed_at__isnull=True),
+                name="allocation_stop_unconfirmed",
+            ),
         ]
 
     def __str__(self) -> str:
         return f"workload {self.workload_id} on gpu {self.gpu_id} ({self.fraction_milli}/1000)"
+
+    @property
+    def stop_unconfirmed(self) -> bool:
+        return self.stop_forced_at is not None and self.stop_confirmed_at is None
 
     @property
     def span(self) -> int:

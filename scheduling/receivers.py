@@ -46,8 +46,14 @@ def on_node_ready(sender, node, **kwargs) -> None:
 
 
 def on_node_down(sender, node, last_heartbeat_at=None, **kwargs) -> None:
-    lifecycle.workloads_on_node_down(node_id=node.pk, reason=node.state_reason)
+    lifecycle.workloads_on_node_down(
+        node_id=node.pk, reason=node.state_reason, last_heartbeat_at=last_heartbeat_at
+    )
     cycle_request(reason="node_down")
+
+
+def on_workloads_reported(sender, node_id, workload_ids, **kwargs) -> None:
+    lifecycle.workloads_reap(node_id=node_id, workload_ids=workload_ids)
 
 
 def on_gpu_unhealthy(sender, gpu, node, reason, **kwargs) -> None:
@@ -62,3 +68,4 @@ def connect() -> None:
     signals.gpu_unhealthy.connect(on_gpu_unhealthy, dispatch_uid="scheduling.gpu_unhealthy")
     signals.workload_running.connect(on_workload_running, dispatch_uid="scheduling.workload_running")
     signals.node_ready.connect(on_node_ready, dispatch_uid="scheduling.node_ready")
+    signals.workloads_reported.connect(on_workloads_reported, dispatch_uid="scheduling.workloads_reported")

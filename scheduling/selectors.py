@@ -184,6 +184,19 @@ def workload_placement(*, workload: Workload) -> list[dict]:
     )
 
 
+def workload_unconfirmed_stops(*, workload: Workload) -> list[str]:
+    """Hostnames of the nodes where the workload was released without their word (stop timeout,
+    forced preemption, node down) and that have not yet reported it gone."""
+    return list(
+        Allocation.objects.filter(
+            workload=workload, stop_forced_at__isnull=False, stop_confirmed_at__isnull=True
+        )
+        .order_by("node__hostname")
+        .values_list("node__hostname", flat=True)
+        .distinct()
+    )
+
+
 def reservations_for_tenant(*, tenant) -> QuerySet[Reservation]:
     return Reservation.objects.for_tenant(tenant).select_related("gpu_model", "region")
 

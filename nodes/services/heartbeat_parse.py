@@ -21,6 +21,17 @@ TERMINAL_WORKLOAD_STATES = frozenset({"exited", "failed", "stopped", "preempted"
 MAX_FUTURE = timedelta(minutes=10)
 
 
+def workloads_digest(raw_workloads: list) -> str:
+    """A batch's ``workloads`` as one fingerprint: an unchanged list is not written again."""
+    return hashlib.md5(
+        orjson.dumps(raw_workloads, option=orjson.OPT_SORT_KEYS), usedforsecurity=False
+    ).hexdigest()
+
+
+# An empty list's (and a new node's) fingerprint: no workload status to keep.
+NO_WORKLOADS_DIGESTS = frozenset({"", workloads_digest([])})
+
+
 @dataclass(slots=True)
 class Sample:
     """One reading of one GPU. A gauge is None when the GPU could not report it (stored as NULL)."""
@@ -278,9 +289,7 @@ def heartbeat_parse(raw: bytes, *, now: datetime | None = None) -> HeartbeatData
     if len(raw_workloads) > 1000:
         raise fail("workloads", "At most 1000 workloads in one batch.")
     workloads = []
-    digest = hashlib.md5(
-        orjson.dumps(raw_workloads, option=orjson.OPT_SORT_KEYS), usedforsecurity=False
-    ).hexdigest()
+    digest = workloads_digest(raw_workloads)
     for i, w in enumerate(raw_workloads):
         require_object(w, f"workloads[{i}]")
         state = get_str(w, "state", f"workloads[{i}].state", required=True, max_length=16)

@@ -9,6 +9,8 @@ commits on its own). Rows go to PostgreSQL as one JSON document per statement
 (``json_to_recordset``); the statement texts do not depend on the batch size, so they are prepared
 (``DB_PREPARED_STATEMENTS``). No ORM object is built per sample. SQLite runs the same steps as
 plain statements. The batch arrives parsed and checked (``nodes.services.heartbeat_parse``).
+The newest batch's workloads that are starting or running are announced after the commit
+(``workloads_reported``): scheduling's reaper stops those the node was not given.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from nodes.models import (
 )
 from nodes.services.health import gpu_mark_unhealthy
 from nodes.services.heartbeat_parse import (
+    NO_WORKLOADS_DIGESTS,
     TERMINAL_WORKLOAD_STATES,
     HeartbeatData,
     IngestResult,
@@ -41,7 +44,7 @@ from nodes.services.heartbeat_parse import (
     WorkloadReport,
 )
 from nodes.services.registration import NotAuthenticated
-from nodes.signals import node_ready, send_on_commit, workload_exited, workload_running
+from nodes.signals import node_ready, send_on_commit, workload_exited, workload_running, workloads_reported
 
 logger = logging.getLogger(__name__)
 
@@ -213,17 +216,19 @@ def heartbeat_ingest(
             gap = _record_sequence(n.id, n.seq_epoch, seq, last_seq, now)
             written, ignored, newly_unhealthy, tail = _write_samples(n.id, gpus, batch.samples, pg)
             newest = seq > last_seq
+            # The workload list changed: statuses to write (or, for a list now empty, to clear).
+            relist = (
+                newest
+                and batch.workloads_digest != n.workloads_digest
+                and (bool(batch.workloads) or n.workloads_digest not in NO_WORKLOADS_DIGESTS)
+            )
             tail.append(_node_update(n, batch, newest, now, pg))
             if pg:
                 # A batch with nothing more to write after these statements (the common one: no
                 # workload change, no failing GPU, the node not coming back) sends its COMMIT in
                 # the same round trip; Django's commit at the end of the block then finds no
                 # transaction open and does nothing. Work added below must be counted in ``more``.
-                more = (
-                    (newest and batch.workloads and batch.workloads_digest != n.workloads_digest)
-                    or newly_unhealthy
-                    or n.state in (NodeState.SUSPECT, NodeState.DOWN)
-                )
+                more = relist or newly_unhealthy or n.state in (NodeState.SUSPECT, NodeState.DOWN)
                 with connection.connection.pipeline():
                     for sql, params in tail:
                         cur.execute(sql, params)
@@ -236,8 +241,12 @@ def heartbeat_ingest(
                     else:
                         cur.execute(sql, params)
         # Workload statuses from the newest batch only: a late batch's are out of date.
-        if newest and batch.workloads and batch.workloads_digest != n.workloads_digest:
+        if relist:
             _record_workloads(n.id, batch.workloads, now)
+        if newest and batch.workloads:
+            active = [w.workload_id for w in batch.workloads if w.state not in TERMINAL_WORKLOAD_STATES]
+            if active:
+                send_on_commit(workloads_reported, sender=Node, node_id=n.id, workload_ids=active)
         if n.state in (NodeState.SUSPECT, NodeState.DOWN) and not n.resume_state:  # back to READY
             send_on_commit(node_ready, sender=Node, node=Node.objects.get(pk=n.id))
         for gpu_id, reason in newly_unhealthy:
@@ -522,3 +531,5 @@ def _record_workloads(node_id: int, reports: list[WorkloadReport], now: datetime
         NodeWorkloadStatus.objects.bulk_update(
             update, ["state", "exit_code", "message", "started_at", "finished_at", "updated_at"]
         )
+    # What the node no longer lists is gone from it: a status row is what the node says now.
+    NodeWorkloadStatus.objects.filter(node_id=node_id).exclude(workload_id__in=ids).delete()

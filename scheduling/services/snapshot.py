@@ -250,6 +250,15 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
             )
         )
     node_by_id = {int(n.id): n for n in nodes}
+    # A GPU released without its node's word may still run that work: no new work on it until the
+    # node reports it gone (``scheduling.services.lifecycle``). Few rows, by a partial index.
+    unconfirmed = set(
+        Allocation.objects.filter(
+            stop_forced_at__isnull=False,
+            stop_confirmed_at__isnull=True,
+            node__state__in=SCHEDULABLE_NODE_STATES,
+        ).values_list("gpu_id", flat=True)
+    )
     for g in gpu_rows:
         en = node_by_id.get(g["node_id"])
         if en is None:
@@ -258,6 +267,7 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
             g["health"] == GpuHealth.HEALTHY
             and not g["isolated"]
             and g["model_id"] == node_model[g["node_id"]]
+            and g["id"] not in unconfirmed
         )
         island = g["nvlink_island"] if g["nvlink_island"] is not None else (g["numa_node"] or 0)
         en.gpus.append(

@@ -229,6 +229,7 @@ def detail_context(view: WorkloadsMixin, w: Workload) -> dict:
         "w": w,
         "events": list(selectors.workload_events(workload=w)),
         "placement": selectors.workload_placement(workload=w),
+        "unconfirmed_stops": selectors.workload_unconfirmed_stops(workload=w),
         "stages": stages_of(w),
         "waiting": w.state in WAITING_STATES,
         "holding": w.state in HOLDING_STATES,

@@ -191,3 +191,16 @@ def agent_views_in_test_thread(monkeypatch):
     from nodes import agent_views
 
     monkeypatch.setattr(agent_views, "DB_THREAD_SENSITIVE", True)
+
+
+@pytest.fixture(autouse=True)
+def _no_reaper():
+    """These tests drive agents with commands of workloads the portal never placed (the protocol
+    alone); scheduling's reaper would stop them. It has its own tests in tests/scheduling."""
+    from nodes.signals import workloads_reported
+    from scheduling import receivers
+
+    uid = "scheduling.workloads_reported"
+    workloads_reported.disconnect(dispatch_uid=uid)
+    yield
+    workloads_reported.connect(receivers.on_workloads_reported, dispatch_uid=uid)

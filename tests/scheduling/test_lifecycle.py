@@ -176,6 +176,7 @@ def test_the_reconciler_finishes_what_was_left(tenant, make_node, submit, cycle,
         "preempt_forced": [],
         "stop_forced": [],
         "over_runtime": [],
+        "stop_confirmed": [],
     }
 
 

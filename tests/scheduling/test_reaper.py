@@ -1,0 +1,359 @@
+"""The reaper: no orphans, no phantom RUNNING (issue 25 §3).
+
+Nodes register and heartbeat over HTTP (the real agent views and ingest), so the fleet's signals
+reach scheduling's receivers as in production; the health reconciler and the scheduling
+reconciler take a ``now``, which stands in for the clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from metering.models import RateCard, UsageRecord
+from metering.services.rates import rate_card_version_create
+from metering.services.usage import billable_interval, usage_build
+from nodes.models import OPEN_COMMAND_STATES, CommandKind, GpuModel, NodeCommand, NodeWorkloadStatus
+from nodes.services.commands import node_commands_deliver_due, node_commands_expire
+from nodes.services.health import node_health_reconcile
+from nodes.services.registration import bootstrap_token_create
+from portal.actors import Actor
+from scheduling.models import Allocation, Plan, WorkloadEvent
+from scheduling.models import WorkloadState as S
+from scheduling.services.lifecycle import (
+    scheduling_reconcile,
+    workload_on_command_finished,
+    workload_preempt,
+    workload_stop,
+)
+from tests.nodes.conftest import Agent, registration_body
+from tests.portal.conftest import signed_in  # noqa: F401  (fixture)
+from tests.scheduling.conftest import H100, reload
+
+pytestmark = pytest.mark.django_db
+_n = itertools.count(1)
+STARTED = datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+@pytest.fixture(autouse=True)
+def agent_views_in_test_thread(monkeypatch):
+    """The test client's agent requests use the test's database connection (its transaction)."""
+    from nodes import agent_views
+
+    monkeypatch.setattr(agent_views, "DB_THREAD_SENSITIVE", True)
+
+
+@pytest.fixture
+def register(client, regions):
+    """A node registered over HTTP with ``gpus`` H100s; returns its side of the protocol."""
+
+    def do(gpus: int = 1) -> Agent:
+        token = bootstrap_token_create(region=regions["us"], actor=Actor.system())[1]
+        hostname = f"reap-{next(_n):03d}"
+        response = client.post(
+            "/agent/v1/register",
+            data=json.dumps(registration_body(token, hostname, gpus=gpus)),
+            content_type="application/json",
+        )
+        assert response.status_code == 201, response.content
+        data = response.json()
+        return Agent(data["node_id"], data["credential"], [f"GPU-{hostname}-{i}" for i in range(gpus)])
+
+    return do
+
+
+@pytest.fixture
+def beat(django_capture_on_commit_callbacks):
+    """One heartbeat reporting ``workloads`` as [(workload or id, state)]; its signals delivered."""
+
+    def do(agent: Agent, *workloads) -> dict:
+        now = STARTED  # one time for all: a report repeated unchanged has the same fingerprint
+        reports = [
+            {"workload_id": str(getattr(w, "pk", w)), "state": state, "exit_code": None,
+             "started_at": now, "finished_at": now if state != "running" else None, "message": ""}
+            for w, state in workloads
+        ]  # fmt: skip
+        body = agent.batch(workloads=reports)
+        with django_capture_on_commit_callbacks(execute=True):
+            response = agent.heartbeat(body)
+        assert response.status_code == 200, response.content
+        return response.json()
+
+    return do
+
+
+@pytest.fixture
+def mark_down(django_capture_on_commit_callbacks, settings):
+    """The health reconciler, run as if the node had been silent past NODE_DOWN_AFTER_S."""
+
+    def do(agent: Agent) -> datetime:
+        last = agent.node.last_heartbeat_at
+        with django_capture_on_commit_callbacks(execute=True):
+            result = node_health_reconcile(now=last + timedelta(seconds=settings.NODE_DOWN_AFTER_S + 1))
+        assert agent.node_id in result.down
+        return last
+
+    return do
+
+
+def stops(agent: Agent, w) -> list[NodeCommand]:
+    return list(
+        NodeCommand.objects.filter(
+            node_id=agent.node_id,
+            kind=CommandKind.STOP_WORKLOAD,
+            payload__workload_id=str(getattr(w, "pk", w)),
+        )
+    )
+
+
+def holder(w) -> int:
+    (node_id,) = set(Allocation.objects.active().filter(workload=w).values_list("node_id", flat=True))
+    return node_id
+
+
+# --- 1. a DOWN node hears about its workloads when it comes back -----------------------------------
+
+
+def test_a_down_node_is_sent_a_stop_that_waits_for_its_return(
+    register, beat, mark_down, submit, tenant, cycle
+):
+    a = register()
+    w = submit(tenant)
+    cycle()
+    beat(a, (w, "running"))
+    assert reload(w).state == S.RUNNING
+    last = mark_down(a)
+    assert reload(w).state == S.QUEUED
+
+    (stop,) = stops(a, w)  # the DOWN node's own stop, queued for when it returns
+    assert stop.state in OPEN_COMMAND_STATES
+    # A partition of days: the stop neither expires nor runs out of attempts while it waits.
+    back = last + timedelta(days=3)
+    node_commands_expire(now=back)
+    delivered, _ = node_commands_deliver_due(node_id=a.node_id, now=back)
+    assert [c.pk for c in delivered] == [stop.pk]
+    assert reload(w).avoid_nodes == [a.node_id]  # placed elsewhere if it can be
+
+
+# --- 2. the reaper ---------------------------------------------------------------------------------
+
+
+def test_the_reaper_stops_work_the_portal_did_not_place_on_that_node(
+    register, beat, submit, tenant, cycle, django_capture_on_commit_callbacks
+):
+    a, b = register(), register()
+    w = submit(tenant)
+    cycle()
+    on, off = (a, b) if holder(w) == a.node_id else (b, a)
+    beat(on, (w, "running"))
+    assert reload(w).state == S.RUNNING
+    assert not NodeCommand.objects.filter(kind=CommandKind.STOP_WORKLOAD).exists()  # placed there: kept
+
+    # The other node reports it running too: it has no business running it.
+    beat(off, (w, "running"), ("900123", "running"), ("900124", "exited"))
+    (stop,) = stops(off, w)
+    assert stop.payload["workload_id"] == str(w.pk)
+    assert len(stops(off, "900123")) == 1  # no such workload at all: stopped as well
+    assert not stops(off, "900124")  # reported finished: nothing to stop
+    beat(off, (w, "running"), ("900123", "running"))  # every heartbeat until it is gone: one stop each
+    assert len(stops(off, w)) == 1 and len(stops(off, "900123")) == 1
+    assert not stops(on, w) and reload(w).state == S.RUNNING
+
+    # A workload that finished here, still reported running by the node: stopped.
+    j = submit(tenant)
+    cycle()
+    node = a if holder(j) == a.node_id else b
+    beat(node, (j, "running"))
+    workload_stop(workload=reload(j), actor=Actor.system())
+    (user_stop,) = stops(node, j)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert node.report(user_stop.pk, "succeeded").status_code == 200
+    assert reload(j).state == S.STOPPED
+    beat(node, (j, "running"))
+    assert len(stops(node, j)) == 2
+
+
+def test_the_reaper_asks_one_query_of_a_heartbeat_that_reports_work(register, beat, submit, tenant, cycle):
+    busy, idle = register(gpus=4), register(gpus=1)
+    ws = [submit(tenant) for _ in range(4)]
+    cycle()
+    running = [(w, "running") for w in ws if holder(w) == busy.node_id]
+    assert len(running) >= 3
+    beat(busy, *running)
+    beat(idle)
+
+    def queries(agent, *workloads) -> int:
+        beat(agent, *workloads)  # the same report as the last: nothing changes but the reaper's look
+        with CaptureQueriesContext(connection) as ctx:
+            beat(agent, *workloads)
+        return len(ctx.captured_queries)
+
+    assert queries(busy, *running) == queries(idle) + 1
+    assert queries(busy, *running[:1]) == queries(idle) + 1  # set-based: not one per workload
+    assert not NodeCommand.objects.filter(kind=CommandKind.STOP_WORKLOAD).exists()
+
+
+# --- 3. a forced stop is unconfirmed until the node reports it gone --------------------------------
+
+
+def test_a_forced_stop_is_unconfirmed_until_the_node_reports_it_gone(
+    register,
+    beat,
+    submit,
+    tenant,
+    owner,
+    cycle,
+    settings,
+    signed_in,  # noqa: F811
+):
+    a = register(gpus=1)
+    w = submit(tenant, kind="instance")
+    cycle()
+    beat(a, (w, "running"))
+    workload_stop(workload=reload(w), actor=Actor.system())
+    grace = settings.SCHEDULING_STOP_GRACE_S + settings.SCHEDULING_REPORT_GRACE_S
+    assert scheduling_reconcile(now=timezone.now() + timedelta(seconds=grace + 1)).stop_forced == [w.pk]
+    assert reload(w).state == S.STOPPED
+    (alloc,) = Allocation.objects.filter(workload=w)
+    assert alloc.ended_at is not None and alloc.stop_forced_at is not None and alloc.stop_confirmed_at is None
+    forced = WorkloadEvent.objects.get(workload=w, reason="stop_timeout")
+    assert "unconfirmed" in forced.message
+
+    # The tenant sees it on the workload's page.
+    page = signed_in(owner, tenant).get(f"/workloads/{w.pk}/").content.decode()
+    assert "not confirmed" in page and a.node.hostname in page
+
+    # Its GPU is not given to other work while the node may still run it.
+    other = submit(tenant)
+    cycle()
+    assert reload(other).state == S.QUEUED
+
+    beat(a, (w, "stopped"))  # the node reports it gone
+    alloc.refresh_from_db()
+    assert alloc.stop_confirmed_at is not None
+    assert WorkloadEvent.objects.filter(workload=w, reason="stop_confirmed").count() == 1
+    assert "not confirmed" not in signed_in(owner, tenant).get(f"/workloads/{w.pk}/").content.decode()
+    cycle()
+    assert reload(other).state == S.SCHEDULED and holder(other) == a.node_id
+
+
+def test_a_forced_preemption_is_confirmed_by_the_nodes_stop_report(
+    register, beat, submit, tenant, cycle, settings
+):
+    a = register(gpus=1)
+    w = submit(tenant, plan="spot")
+    cycle()
+    beat(a, (w, "running"))
+    workload_preempt(workload=reload(w), reason="spot_price", notice_s=0)
+    grace = settings.SCHEDULING_STOP_GRACE_S + settings.SCHEDULING_REPORT_GRACE_S
+    assert scheduling_reconcile(now=timezone.now() + timedelta(seconds=grace + 1)).preempt_forced == [w.pk]
+    (alloc,) = Allocation.objects.filter(workload=w)
+    assert alloc.stop_forced_at is not None and alloc.stop_confirmed_at is None
+    preempt = NodeCommand.objects.get(node_id=a.node_id, kind=CommandKind.PREEMPT_WORKLOAD)
+    workload_on_command_finished(
+        kind=preempt.kind, payload=preempt.payload, node_id=a.node_id, state="succeeded", result={}
+    )
+    alloc.refresh_from_db()
+    assert alloc.stop_confirmed_at is not None
+
+
+def test_a_node_that_no_longer_lists_the_workload_confirms_its_stop(
+    register, beat, submit, tenant, cycle, settings
+):
+    settings.SCHEDULING_STOP_GRACE_S = settings.SCHEDULING_REPORT_GRACE_S = 0  # forced at once
+    a = register(gpus=1)
+    w = submit(tenant, kind="instance")
+    cycle()
+    beat(a, (w, "running"))
+    workload_stop(workload=reload(w), actor=Actor.system())
+    assert scheduling_reconcile().stop_forced == [w.pk]
+    beat(a, (w, "running"))  # still there; the stop asked for is still on its way: no second one
+    assert len(stops(a, w)) == 1
+    assert scheduling_reconcile().stop_confirmed == []
+    assert Allocation.objects.get(workload=w).stop_unconfirmed
+    beat(a)  # the node lists it no more (e.g. it was reinstalled)
+    assert scheduling_reconcile().stop_confirmed == [w.pk]
+    assert not Allocation.objects.get(workload=w).stop_unconfirmed
+
+
+# --- 4. the reconciler trusts only the nodes that hold the workload --------------------------------
+
+
+def test_the_reconciler_marks_running_only_on_a_holding_nodes_report(make_node, submit, tenant, cycle):
+    first, second = make_node(gpus=1), make_node(gpus=1)
+    w = submit(tenant)
+    cycle()
+    on, off = (first, second) if holder(w) == first.pk else (second, first)
+    start = NodeCommand.objects.get(node=on, kind=CommandKind.START_WORKLOAD)
+    workload_on_command_finished(
+        kind=start.kind, payload=start.payload, node_id=on.pk, state="succeeded", result={"state": "starting"}
+    )
+    assert reload(w).state == S.STARTING
+    NodeWorkloadStatus.objects.create(node=off, workload_id=str(w.pk), state="running")
+    assert scheduling_reconcile().running == []
+    assert reload(w).state == S.STARTING
+    NodeWorkloadStatus.objects.create(node=on, workload_id=str(w.pk), state="running")
+    assert scheduling_reconcile().running == [w.pk]
+    assert reload(w).state == S.RUNNING
+
+
+# --- 5. billing ends at the DOWN mark, whatever the node reports later ------------------------------
+
+
+def test_billing_of_a_down_nodes_allocation_ends_at_its_last_heartbeat(
+    register, beat, mark_down, submit, tenant, cycle
+):
+    model = GpuModel.objects.get(name=H100)
+    card = RateCard.objects.create(name="Standard", currency="USD", is_default=True)
+    rate_card_version_create(
+        rate_card=card,
+        effective_from=datetime(2020, 1, 1, tzinfo=UTC),
+        gpu_prices={(model.pk, Plan.ON_DEMAND): "2.00"},
+        allow_past=True,
+    )
+    a = register()
+    w = submit(tenant)
+    cycle()
+    beat(a, (w, "running"))
+    beat(a, (w, "running"))  # the last heartbeat before the partition
+    started = WorkloadEvent.objects.get(workload=w, to_state=S.RUNNING).at
+    last = mark_down(a)
+    (alloc,) = Allocation.objects.filter(workload=w)
+    assert alloc.end_reason == "node_down" and alloc.ended_at == last
+
+    # The node comes back and still runs it: its reports neither reopen nor extend the allocation.
+    beat(a, (w, "running"))
+    beat(a, (w, "running"))
+    assert a.node.last_heartbeat_at > last
+    assert list(Allocation.objects.filter(workload=w).values_list("pk", "ended_at")) == [(alloc.pk, last)]
+    alloc = Allocation.objects.select_related("node").get(pk=alloc.pk)
+    assert billable_interval(alloc, started=started) == (started, last)
+    usage_build(now=timezone.now() + timedelta(minutes=5))
+    (record,) = UsageRecord.objects.filter(allocation=alloc)
+    assert (record.start, record.end) == (started, last)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_reaper_answers_a_heartbeat_committed_in_its_pipeline(
+    register, beat, submit, tenant, cycle, settings
+):
+    """A heartbeat that changes nothing commits inside its pipelined writes on PostgreSQL (no
+    test transaction around it here): the reaper still hears of it once it has committed."""
+    settings.SCHEDULING_STOP_GRACE_S = settings.SCHEDULING_REPORT_GRACE_S = 0
+    a = register()
+    w = submit(tenant, kind="instance")
+    cycle()
+    beat(a, (w, "running"))
+    workload_stop(workload=reload(w), actor=Actor.system())
+    (user_stop,) = stops(a, w)
+    assert a.report(user_stop.pk, "accepted").status_code == 200
+    assert scheduling_reconcile().stop_forced == [w.pk]  # the agent never finishes it
+    NodeCommand.objects.filter(pk=user_stop.pk).update(state="expired")
+    beat(a, (w, "running"))  # the same list as before: nothing to write but the samples
+    assert len(stops(a, w)) == 2
