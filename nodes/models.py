@@ -18,8 +18,6 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-from portal.rows import QuickLoad
-
 
 def hash_secret(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
@@ -48,7 +46,7 @@ MIN_OVERSUBSCRIPTION = Decimal("1.00")
 MAX_OVERSUBSCRIPTION = Decimal("4.00")
 
 
-class GpuModel(QuickLoad, models.Model):
+class GpuModel(models.Model):
     """One GPU product, from its public specification. ``compute_weight`` is relative to H100 SXM = 1.0
     (see ``nodes.catalog`` for the formula); staff may edit it and re-seeding keeps their value."""
 
@@ -106,7 +104,7 @@ class GpuModel(QuickLoad, models.Model):
         return int(major), int(minor or 0)
 
 
-class Region(QuickLoad, models.Model):
+class Region(models.Model):
     code = models.SlugField(max_length=32, unique=True)
     name = models.CharField(max_length=100)
     location = models.CharField(max_length=200, blank=True)
@@ -142,7 +140,7 @@ class Interconnect(models.TextChoices):
     PCIE = "pcie", "PCIe only"
 
 
-class Node(QuickLoad, models.Model):
+class Node(models.Model):
     hostname = models.CharField(max_length=253, unique=True)
     region = models.ForeignKey(Region, on_delete=models.PROTECT, related_name="nodes")
     labels = models.JSONField(default=dict, blank=True)
@@ -342,7 +340,7 @@ OPEN_COMMAND_STATES = (CommandState.PENDING, CommandState.DELIVERED)
 FINAL_COMMAND_STATES = frozenset({CommandState.SUCCEEDED, CommandState.FAILED, CommandState.EXPIRED})
 
 
-class NodeCommand(QuickLoad, models.Model):
+class NodeCommand(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="commands")
     kind = models.CharField(max_length=32, choices=CommandKind.choices)

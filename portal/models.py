@@ -11,7 +11,6 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-from portal.rows import QuickLoad
 from portal.tenancy import TenantOwnedModel, TenantQuerySet
 
 
@@ -68,7 +67,7 @@ slug_validator = RegexValidator(
 )
 
 
-class Tenant(QuickLoad, models.Model):
+class Tenant(models.Model):
     class Status(models.TextChoices):
         ACTIVE = "active", "Active"
         GRACE = "grace", "Payment overdue"
@@ -263,7 +262,7 @@ class StaffTokenQuerySet(models.QuerySet):
         return self.filter(revoked_at__isnull=True).filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
 
 
-class StaffToken(QuickLoad, models.Model):
+class StaffToken(models.Model):
     """A staff person's token for the staff APIs (``/api/staff/v1/``): ``gps_<prefix>_<secret>``.
 
     Tied to no tenant and never accepted by the tenant API (nor a tenant's token by the staff APIs).

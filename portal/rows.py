@@ -1,6 +1,5 @@
 """Model instances from a hand-written statement, for the few hot lookups where compiling a QuerySet
-costs more than running it (``ModelColumns``, ``Statement``); and ``QuickLoad``, models whose rows
-become instances without ``Model.__init__``.
+costs more than running it (``ModelColumns``, ``Statement``).
 
 Django compiles every QuerySet anew: for the API token lookup (a token and its tenant by key, one
 indexed row) the compilation was 0.5 ms of the 0.9 ms the ORM spent, against 0.18 ms for the same
@@ -12,61 +11,10 @@ way the ORM does: the backend's and the fields' converters (JSON, time zones, de
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 from django.db.models import Model
-from django.db.models.base import ModelState
-from django.db.models.fields.related_descriptors import ForeignKeyDeferredAttribute
-from django.db.models.query_utils import DeferredAttribute
-from django.db.models.signals import post_init, pre_init
-
-
-class QuickLoad:
-    """A model mixin: a row read from the database becomes an instance by filling its ``__dict__``,
-    as ``Model.__init__`` would with the same values, without running it.
-
-    ``Model.from_db`` calls ``__init__``, which sends ``pre_init`` and ``post_init`` and sets each
-    field through ``setattr``: for a page of 51 workloads, 1.3 ms of the 3.7 ms the ORM spent
-    reading it (2.4 ms now). The instance is the same: the fields' values under their attribute
-    names, deferred fields absent, ``_state`` not adding and from ``db``. Django's own path is taken
-    whenever this could differ: a receiver of ``pre_init`` or ``post_init`` for the model, an
-    ``__init__`` of its own, or a field whose attribute sets values through a descriptor of its own.
-    """
-
-    @classmethod
-    def from_db(cls, db, field_names, values):
-        attnames = _QUICK_ATTNAMES.get(cls, ())
-        if attnames == ():
-            attnames = _QUICK_ATTNAMES[cls] = _quick_attnames(cls)
-        if attnames is None or pre_init.has_listeners(cls) or post_init.has_listeners(cls):
-            return super().from_db(db, field_names, values)
-        new = cls.__new__(cls)
-        state = ModelState()
-        state.adding = False
-        state.db = db
-        fields = new.__dict__
-        fields["_state"] = state
-        # All the concrete fields in their order, or (deferred loading) the ones named.
-        fields.update(zip(attnames if len(values) == len(attnames) else field_names, values, strict=True))
-        return new
-
-
-_QUICK_ATTNAMES: dict[type, tuple[str, ...] | None] = {}
-
-
-def _quick_attnames(cls) -> tuple[str, ...] | None:
-    """The concrete fields' attribute names, or None where ``Model.__init__`` must build instances."""
-    if cls.__init__ is not Model.__init__:
-        return None
-    attnames = []
-    for field in cls._meta.concrete_fields:
-        descriptor = inspect.getattr_static(cls, field.attname, None)
-        if type(descriptor) not in (DeferredAttribute, ForeignKeyDeferredAttribute):
-            return None  # set through a descriptor of its own (files, custom fields)
-        attnames.append(field.attname)
-    return tuple(attnames)
 
 
 class ModelColumns:

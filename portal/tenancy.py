@@ -12,8 +12,6 @@ from typing import TYPE_CHECKING, Any, Self
 
 from django.db import models
 
-from portal.rows import QuickLoad
-
 if TYPE_CHECKING:
     from portal.models import Membership, Tenant
 
@@ -31,7 +29,7 @@ class TenantQuerySet(models.QuerySet):
         return self.for_tenant(membership.tenant)
 
 
-class TenantOwnedModel(QuickLoad, models.Model):
+class TenantOwnedModel(models.Model):
     tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="+")
 
     objects: Any = TenantQuerySet.as_manager()

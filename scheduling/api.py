@@ -23,7 +23,6 @@ from rest_framework.response import Response
 from nodes.models import GpuModel
 from portal.api.filters import TenantFilterSet, UTCDateTimeFilter
 from portal.api.routers import router
-from portal.api.serializers import ReadPlanSerializer
 from portal.api.viewsets import TenantReadOnlyViewSet, TenantScopedViewSet
 from portal.models import Scope
 from scheduling import selectors
@@ -46,7 +45,7 @@ logger = logging.getLogger(__name__)
 # --- serializers -----------------------------------------------------------------------------------
 
 
-class WorkloadSerializer(ReadPlanSerializer):
+class WorkloadSerializer(serializers.ModelSerializer):
     gpu_models = serializers.SerializerMethodField()
     region = serializers.SlugRelatedField(read_only=True, slug_field="code")
     pending = serializers.SerializerMethodField()

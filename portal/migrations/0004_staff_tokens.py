@@ -5,8 +5,6 @@ import django.utils.timezone
 from django.conf import settings
 from django.db import migrations, models
 
-import portal.rows
-
 
 class Migration(migrations.Migration):
     dependencies = [
@@ -43,6 +41,5 @@ class Migration(migrations.Migration):
             options={
                 "ordering": ["-created"],
             },
-            bases=(portal.rows.QuickLoad, models.Model),
         ),
     ]
