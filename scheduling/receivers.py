@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from nodes import signals
 from nodes.models import CommandKind
-from scheduling.services import lifecycle, warm_pools
+from scheduling.services import lifecycle, orphans, warm_pools
 from scheduling.services.triggers import cycle_request
 
 WORKLOAD_COMMANDS = (CommandKind.START_WORKLOAD, CommandKind.STOP_WORKLOAD, CommandKind.PREEMPT_WORKLOAD)
@@ -53,7 +53,7 @@ def on_node_down(sender, node, last_heartbeat_at=None, **kwargs) -> None:
 
 
 def on_workloads_reported(sender, node_id, workload_ids, **kwargs) -> None:
-    lifecycle.workloads_reap(node_id=node_id, workload_ids=workload_ids)
+    orphans.workloads_reap(node_id=node_id, workload_ids=workload_ids)
 
 
 def on_gpu_unhealthy(sender, gpu, node, reason, **kwargs) -> None:

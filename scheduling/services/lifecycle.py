@@ -10,9 +10,9 @@ a workload (its open allocations) move it; the reconciler trusts no other node's
 
 No orphans: a node runs only what the portal placed there.
 - A DOWN node's workloads are requeued or failed at once; the node itself gets a stop for each,
-  queued to wait for its return (``ORPHAN_STOP_TTL``: no expiry, nor attempts run out, in any
-  outage the fleet plausibly has), and a requeued job avoids that node.
-- The reaper (``workloads_reap``): a heartbeat that lists a workload starting or running on a node
+  queued to wait for its return (``orphans.ORPHAN_STOP_TTL``: no expiry, nor attempts run out, in
+  any outage the fleet plausibly has), and a requeued job avoids that node.
+- The reaper (``orphans.workloads_reap``): a heartbeat that lists a workload starting or running on a node
   that holds no open allocation of it (placed elsewhere, finished, or unknown) is answered with a
   stop, one per (workload, node, attempt), none while one is on its way.
 - A release without the node's word (stop timeout, forced preemption, node DOWN) marks the
@@ -26,7 +26,6 @@ No orphans: a node runs only what the portal placed there.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -38,7 +37,6 @@ from django.db.models.functions import Greatest
 from django.utils import timezone
 
 from nodes.models import (
-    OPEN_COMMAND_STATES,
     CommandKind,
     CommandState,
     Node,
@@ -46,7 +44,6 @@ from nodes.models import (
     NodeWorkloadStatus,
 )
 from nodes.services.commands import CommandRequest, node_command_enqueue, node_commands_enqueue_many
-from nodes.services.heartbeat_parse import TERMINAL_WORKLOAD_STATES
 from portal.actors import Actor
 from portal.errors import Conflict, ValidationFailed
 from portal.logging import log_context
@@ -62,6 +59,14 @@ from scheduling.models import (
     WorkloadKind,
 )
 from scheduling.models import WorkloadState as S
+from scheduling.services.orphans import (
+    allocations_held,
+    allocations_mark_forced,
+    orphan_stop,
+    stop_confirm,
+    stops_confirm_unlisted,
+    workload_id_of,
+)
 from scheduling.services.states import can_transition, workload_transition
 from scheduling.services.triggers import cycle_request
 
@@ -70,8 +75,6 @@ SYSTEM = Actor.system()
 # States whose work may be preempted (a workload already being stopped or preempted is leaving).
 PREEMPTIBLE_STATES = (S.SCHEDULED, S.STARTING, S.RUNNING)
 AVOID_NODES_KEPT = 16
-# How long a stop for a node that is gone (DOWN) or runs what it should not waits to be delivered.
-ORPHAN_STOP_TTL = timedelta(days=30)
 
 
 def _nodes_of(workload_id: int) -> list[int]:
@@ -93,58 +96,6 @@ def _send_stop(w: Workload, node_ids: list[int], *, now: datetime, why: str) -> 
             idempotency_key=f"stop:{w.pk}:{w.attempt}:{why}",
             now=now,
         )
-
-
-def _orphan_stop(node_id: int, workload_id: str, attempt: int, now: datetime) -> CommandRequest:
-    """A stop for work a node should not run, which waits for the node however long it is away:
-    the deadline is ORPHAN_STOP_TTL, and redeliveries at the longest backoff last as long."""
-    ttl_s = ORPHAN_STOP_TTL.total_seconds()
-    return CommandRequest(
-        node_id=node_id,
-        kind=CommandKind.STOP_WORKLOAD,
-        payload={"workload_id": workload_id, "grace_s": settings.SCHEDULING_STOP_GRACE_S},
-        idempotency_key=f"stop:{workload_id}:{attempt}:orphan",
-        deadline=now + ORPHAN_STOP_TTL,
-        max_attempts=max(
-            settings.NODE_COMMAND_DEFAULT_MAX_ATTEMPTS, math.ceil(ttl_s / settings.NODE_COMMAND_RETRY_MAX_S)
-        ),
-    )
-
-
-def _holding(workload_id: int) -> list[int]:
-    """Ids of the workload's open allocations (to mark them forced once a transition ends them)."""
-    return list(
-        Allocation.objects.filter(workload_id=workload_id, ended_at__isnull=True).values_list("pk", flat=True)
-    )
-
-
-def _mark_forced(allocation_ids: list[int], now: datetime) -> None:
-    if allocation_ids:
-        Allocation.objects.filter(pk__in=allocation_ids).update(stop_forced_at=now)
-
-
-def _confirm_stopped(*, workload_id: int, node_id: int, now: datetime, how: str) -> bool:
-    """The node reported the workload gone: its forced releases there are confirmed (once)."""
-    done = Allocation.objects.filter(
-        workload_id=workload_id, node_id=node_id, stop_forced_at__isnull=False, stop_confirmed_at__isnull=True
-    ).update(stop_confirmed_at=now)
-    if not done:
-        return False
-    w = Workload.objects.only("tenant_id", "state").get(pk=workload_id)
-    host = Node.objects.filter(pk=node_id).values_list("hostname", flat=True).first() or f"node {node_id}"
-    WorkloadEvent.objects.create(
-        tenant_id=w.tenant_id,
-        workload_id=workload_id,
-        at=now,
-        from_state=w.state,
-        to_state=w.state,
-        reason="stop_confirmed",
-        message=f"{host} reported it gone ({how}): the stop is confirmed.",
-        actor_repr=str(SYSTEM),
-        data={"node_id": node_id},
-    )
-    logger.info("workload %s: stop confirmed on node %s (%s)", workload_id, node_id, how)
-    return True
 
 
 def _requeue_or_fail(w: Workload, *, reason: str, message: str, now: datetime, count_retry: bool) -> None:
@@ -343,16 +294,9 @@ def workload_stop(
 # --- the fleet's reports ---------------------------------------------------------------------------
 
 
-def _workload_id(raw: Any) -> int | None:
-    try:
-        return int(str(raw))
-    except (TypeError, ValueError):
-        return None
-
-
 def workload_on_command_finished(*, kind: str, payload: dict, node_id: int, state: str, result: dict) -> None:
     """A start, stop or preempt command reached a final state."""
-    wid = _workload_id(payload.get("workload_id"))
+    wid = workload_id_of(payload.get("workload_id"))
     if wid is None:
         return
     now = timezone.now()
@@ -363,7 +307,7 @@ def workload_on_command_finished(*, kind: str, payload: dict, node_id: int, stat
             and state == CommandState.SUCCEEDED
             and kind in (CommandKind.STOP_WORKLOAD, CommandKind.PREEMPT_WORKLOAD)
         ):
-            _confirm_stopped(workload_id=w.pk, node_id=node_id, now=now, how=f"{kind} done")
+            stop_confirm(workload_id=w.pk, node_id=node_id, now=now, how=f"{kind} done")
         if w is None or node_id not in _nodes_of(w.pk):
             return  # an earlier placement's command, or the workload has moved on
         if kind == CommandKind.START_WORKLOAD:
@@ -424,7 +368,7 @@ def workload_on_running(*, node_id: int, workload_id: Any) -> Workload | None:
     """The agent reports the workload running: a STARTING one (or a SCHEDULED one whose start
     report is still on its way) is RUNNING now, without waiting for the reconciler. A report from a
     node the workload no longer holds changes nothing."""
-    wid = _workload_id(workload_id)
+    wid = workload_id_of(workload_id)
     if wid is None:
         return None
     now = timezone.now()
@@ -440,14 +384,14 @@ def workload_on_exited(
     *, node_id: int, workload_id: Any, state: str, exit_code: int | None, message: str = ""
 ) -> Workload | None:
     """The agent reported the workload in a terminal state (exited, failed, stopped, preempted)."""
-    wid = _workload_id(workload_id)
+    wid = workload_id_of(workload_id)
     if wid is None:
         return None
     now = timezone.now()
     with log_context(workload_id=wid), transaction.atomic():
         w = lock_workload_if_exists(workload_id=wid)
         if w is not None:
-            _confirm_stopped(workload_id=w.pk, node_id=node_id, now=now, how=f"reported {state}")
+            stop_confirm(workload_id=w.pk, node_id=node_id, now=now, how=f"reported {state}")
         if w is None or w.state not in HOLDING_STATES or node_id not in _nodes_of(w.pk):
             return w
         w.exit_code = exit_code
@@ -501,7 +445,7 @@ def workloads_on_node_down(
             _requeue_or_fail(w, reason="node_down", message=why, now=now, count_retry=False)
             _avoid(w, [node_id])
             _send_stop(w, others, now=now, why="node_down")
-            stops.append(_orphan_stop(node_id, str(w.pk), w.attempt, now))
+            stops.append(orphan_stop(node_id, str(w.pk), w.attempt, now))
             moved.append(w.pk)
         if moved:
             node_commands_enqueue_many(commands=stops, now=now)
@@ -510,50 +454,6 @@ def workloads_on_node_down(
                 ended["ended_at"] = Greatest(F("started_at"), Value(last_heartbeat_at, DateTimeField()))
             Allocation.objects.filter(workload_id__in=moved, node_id=node_id, ended_at=now).update(**ended)
     return moved
-
-
-def workloads_reap(*, node_id: int, workload_ids: list[str]) -> list[str]:
-    """The reaper: of the workloads a node's heartbeat lists starting or running, stop those it
-    holds no open allocation of (placed elsewhere, finished, requeued, or unknown to the portal).
-    One query when all are in place; for an orphan, one stop per (workload, node, attempt), and none
-    while a stop or preempt of it is still on its way to that node. Returns the ids stopped."""
-    numbers = {raw: _workload_id(raw) for raw in workload_ids}
-    placed = set(
-        Allocation.objects.filter(
-            node_id=node_id,
-            ended_at__isnull=True,
-            workload_id__in={n for n in numbers.values() if n is not None},
-        ).values_list("workload_id", flat=True)
-    )
-    orphans = [raw for raw, n in numbers.items() if n is None or n not in placed]
-    if not orphans:
-        return []
-    now = timezone.now()
-    with transaction.atomic():
-        attempts = dict(
-            Workload.objects.filter(
-                pk__in={numbers[r] for r in orphans if numbers[r] is not None}
-            ).values_list("pk", "attempt")
-        )
-        on_the_way = {
-            str(x)  # SQLite gives a numeric string back as a number
-            for x in NodeCommand.objects.filter(
-                node_id=node_id,
-                kind__in=(CommandKind.STOP_WORKLOAD, CommandKind.PREEMPT_WORKLOAD),
-                state__in=OPEN_COMMAND_STATES,
-                payload__workload_id__in=orphans,
-            ).values_list("payload__workload_id", flat=True)
-        }
-        stops = [
-            _orphan_stop(node_id, raw, attempts.get(numbers[raw], 0), now)
-            for raw in orphans
-            if raw not in on_the_way
-        ]
-        made = node_commands_enqueue_many(commands=stops, now=now)
-    fresh = [c.payload["workload_id"] for c in made if c.created_at == now]
-    if fresh:
-        logger.warning("Node %s runs workloads it was not given; stopping %s", node_id, ", ".join(fresh))
-    return fresh
 
 
 def workloads_on_gpu_unhealthy(*, gpu_id: int, node_id: int, reason: str) -> list[int]:
@@ -650,16 +550,16 @@ def scheduling_reconcile(*, now: datetime | None = None) -> ReconcileResult:
         for w in preempted:
             notice = notices.get(w.pk, preempt_notice_s(w.plan))
             if w.state_changed_at + timedelta(seconds=notice + grace) < now:
-                held = _holding(w.pk)
+                held = allocations_held(w.pk)
                 _finish_preempted(w, now=now, note=f"{unconfirmed} ")
-                _mark_forced(held, now)
+                allocations_mark_forced(held, now)
                 out.preempt_forced.append(w.pk)
         for w in lock_workloads_where(state=S.STOPPING, state_changed_at__lt=now - timedelta(seconds=grace)):
-            held = _holding(w.pk)
+            held = allocations_held(w.pk)
             workload_transition(
                 workload=w, to=S.STOPPED, reason="stop_timeout", actor=SYSTEM, message=unconfirmed, now=now
             )
-            _mark_forced(held, now)
+            allocations_mark_forced(held, now)
             out.stop_forced.append(w.pk)
 
         # Over the maximum runtime.
@@ -679,35 +579,7 @@ def scheduling_reconcile(*, now: datetime | None = None) -> ReconcileResult:
                 _send_stop(w, nodes, now=now, why="max_runtime")
                 out.over_runtime.append(w.pk)
 
-    out.stop_confirmed = _confirm_unlisted(now)
+    out.stop_confirmed = stops_confirm_unlisted(now)
     if out.start_timeouts or out.preempt_forced or out.stop_forced or out.stop_confirmed:
         cycle_request(reason="reconcile")
     return out
-
-
-def _confirm_unlisted(now: datetime) -> list[int]:
-    """Forced releases whose node has sent a heartbeat since and no longer lists the workload as
-    starting or running (its status rows are what its newest batch says): confirmed."""
-    pending = set(
-        Allocation.objects.filter(
-            stop_forced_at__isnull=False,
-            stop_confirmed_at__isnull=True,
-            node__last_heartbeat_at__gt=F("stop_forced_at"),
-        ).values_list("workload_id", "node_id")
-    )
-    if not pending:
-        return []
-    listed = set(
-        NodeWorkloadStatus.objects.filter(
-            node_id__in={n for _, n in pending}, workload_id__in={str(w) for w, _ in pending}
-        )
-        .exclude(state__in=TERMINAL_WORKLOAD_STATES)
-        .values_list("workload_id", "node_id")
-    )
-    confirmed = []
-    for wid, node_id in sorted(pending):
-        if (str(wid), node_id) not in listed:
-            with transaction.atomic():
-                if _confirm_stopped(workload_id=wid, node_id=node_id, now=now, how="no longer listed"):
-                    confirmed.append(wid)
-    return confirmed
