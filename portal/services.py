@@ -15,8 +15,8 @@ from django.conf import settings
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.core.mail import send_mail
 from django.core.validators import validate_email
-from django.db import IntegrityError, connections, transaction
-from django.db.models import Model, Q
+from django.db import IntegrityError, transaction
+from django.db.models import F, Model, OuterRef, Q, Subquery
 from django.template.loader import render_to_string
 from django.utils import timezone
 
@@ -35,7 +35,6 @@ from portal.models import (
     hash_secret,
     slug_validator,
 )
-from portal.rows import ModelColumns, Statement
 from portal.signals import tenant_suspended
 
 # --- audit ----------------------------------------------------------------------------------------
@@ -505,43 +504,25 @@ def api_token_authenticate(*, plaintext: str) -> ApiToken | None:
     return token
 
 
-_TOKEN_COLUMNS = ModelColumns(ApiToken, "t")
-_TENANT_COLUMNS = ModelColumns(Tenant, "n")
-_ROLE_COLUMNS = ModelColumns(Membership, "m", ["role"])
-_ACTIVE_COLUMNS = ModelColumns(User, "u", ["is_active"])
-
-
-@Statement
-def _token_sql(connection) -> str:
-    t, m, u = _TOKEN_COLUMNS, _ROLE_COLUMNS, _ACTIVE_COLUMNS
-    head = t.select_joined(connection, _TENANT_COLUMNS, "tenant")
-    head = head.replace(" FROM ", f", {m.select(connection)}, {u.select(connection)} FROM ", 1)
-    return (
-        f"{head} LEFT JOIN {m.table(connection)} ON {m.column(connection, 'tenant')} = "
-        f"{t.column(connection, 'tenant')} AND {m.column(connection, 'user')} = {t.column(connection, 'created_by')}"
-        f" LEFT JOIN {u.table(connection)} ON {u.column(connection, 'id')} = {t.column(connection, 'created_by')}"
-        f" WHERE {t.column(connection, 'key_id')} = %s"
-    )
-
-
 def _token_with_tenant(key_id: str) -> ApiToken | None:
     """The token of ``key_id`` with its tenant (every request needs it) and its effective scopes
-    (its creator's current role and state), in one statement written here: on every API request,
-    compiling the equivalent QuerySet (``select_related("tenant")``) cost more than running it
-    (``portal.rows``). The creator (``created_by``), which only writes and a few views ask for, is
-    loaded when first asked."""
-    connection = connections[ApiToken.objects.db]
-    with connection.cursor() as cursor:
-        cursor.execute(_token_sql.sql(connection), [key_id])
-        row = cursor.fetchone()
-    if row is None:
+    (its creator's current role and state), in one query. The creator (``created_by``), which only
+    writes and a few views ask for, is loaded when first asked."""
+    creator_role = Membership.objects.filter(tenant=OuterRef("tenant"), user=OuterRef("created_by"))
+    token = (
+        ApiToken.objects.select_related("tenant")
+        .annotate(
+            creator_role=Subquery(creator_role.values("role")[:1]),
+            creator_active=F("created_by__is_active"),
+        )
+        .filter(key_id=key_id)
+        .first()
+    )
+    if token is None:
         return None
-    split = len(_TOKEN_COLUMNS)
-    end = split + len(_TENANT_COLUMNS)
-    token = _TOKEN_COLUMNS.instance(connection, row[:split])
-    ApiToken.tenant.field.set_cached_value(token, _TENANT_COLUMNS.instance(connection, row[split:end]))
-    role, is_active = row[end], row[end + 1]
-    token.effective_scopes = _effective_scopes(token, role=role, creator_active=bool(is_active))
+    token.effective_scopes = _effective_scopes(
+        token, role=token.creator_role, creator_active=bool(token.creator_active)
+    )
     return token
 
 

@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
@@ -34,7 +34,6 @@ from nodes.services.wakeup import node_commands_notify, node_commands_notify_man
 from nodes.signals import command_finished, send_on_commit
 from portal.bulk import bulk_insert
 from portal.errors import NotFound, ValidationFailed
-from portal.rows import ModelColumns, Statement
 
 logger = logging.getLogger(__name__)
 
@@ -226,27 +225,13 @@ def node_commands_enqueue_many(
     return out
 
 
-_UPCOMING_COLUMNS = ModelColumns(NodeCommand, "c", ["id", "next_attempt_at"])
-
-
-@Statement
-def _upcoming_sql(connection) -> str:
-    c = _UPCOMING_COLUMNS
-    states = ", ".join(["%s"] * len(OPEN_COMMAND_STATES))
-    return (
-        f"SELECT {c.select(connection)} FROM {c.table(connection)}"
-        f" WHERE {c.column(connection, 'node')} = %s AND {c.column(connection, 'state')} IN ({states})"
-        f" ORDER BY {c.column(connection, 'next_attempt_at')} LIMIT %s"
+def _upcoming(node_id: int, limit: int) -> list[tuple[uuid.UUID, datetime]]:
+    """(id, next attempt) of the node's open commands, soonest first (every round of a long poll)."""
+    return list(
+        NodeCommand.objects.filter(node_id=node_id, state__in=OPEN_COMMAND_STATES)
+        .order_by("next_attempt_at")
+        .values_list("id", "next_attempt_at")[:limit]
     )
-
-
-def _upcoming(node_id: int, limit: int) -> list[list[Any]]:
-    """(id, next attempt) of the node's open commands, soonest first: the long poll asks this at
-    every round of every node's poll, so the statement is written here (``portal.rows``; the
-    QuerySet cost more to compile than to run)."""
-    with connection.cursor() as cursor:
-        cursor.execute(_upcoming_sql.sql(connection), [node_id, *OPEN_COMMAND_STATES, limit])
-        return [_UPCOMING_COLUMNS.values(connection, row) for row in cursor.fetchall()]
 
 
 def node_commands_deliver_due(

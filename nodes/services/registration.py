@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
@@ -39,7 +39,6 @@ from nodes.models import (
 from nodes.validation import fail
 from portal.actors import Actor
 from portal.errors import Conflict, DomainError
-from portal.rows import ModelColumns, Statement
 from portal.services import audit_record
 
 
@@ -462,26 +461,16 @@ def credential_node_id(credential: str) -> int | None:
     return int(parts[0])
 
 
-_CREDENTIAL_COLUMNS = ModelColumns(NodeCredential, "c", ["key_hash"])
-_NODE_COLUMNS = ModelColumns(Node, "n", ["seq_epoch", "hostname"])
-
-
-@Statement
-def _credential_sql(connection) -> str:
-    c = _CREDENTIAL_COLUMNS
-    return f"{c.select_joined(connection, _NODE_COLUMNS, 'node')} WHERE {c.column(connection, 'node')} = %s"
-
-
 def node_authenticate(*, credential: str) -> AuthenticatedNode:
     """Check a ``gpn_<node_id>_<secret>`` credential; raise NotAuthenticated (401) when wrong."""
     parts = _split_token(credential, NodeCredential.PREFIX)
     if parts is None or not parts[0].isdigit():
         raise NotAuthenticated("Invalid node credential.")
-    # Written here: every command poll and report asks it, and the QuerySet cost more to compile
-    # than to run (portal.rows).
-    with connection.cursor() as cursor:
-        cursor.execute(_credential_sql.sql(connection), [int(parts[0])])
-        row = cursor.fetchone()
+    row = (
+        NodeCredential.objects.filter(node_id=int(parts[0]))
+        .values_list("key_hash", "node__seq_epoch", "node__hostname")
+        .first()
+    )
     if row is None or not hmac.compare_digest(row[0], hash_secret(credential)):
         raise NotAuthenticated("Invalid node credential.")
     return AuthenticatedNode(id=int(parts[0]), seq_epoch=row[1], hostname=row[2])

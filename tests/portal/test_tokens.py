@@ -236,8 +236,8 @@ def test_createapitoken_rejects_unknown_tenant_and_bad_expiry(tenant):
 
 
 def test_the_token_lookup_loads_what_the_orm_loads_in_one_query(tenant, owner, django_assert_num_queries):
-    """``api_token_authenticate`` reads the token and its tenant with a statement of its own
-    (``portal.rows``): every field, converted as the ORM converts it (JSON scopes, aware times)."""
+    """``api_token_authenticate`` reads the token and its tenant in one query: every field, as the
+    ORM reads it for a plain ``select_related`` (JSON scopes, aware times)."""
     token, plaintext = services.api_token_create(
         tenant=tenant,
         name="ci",
