@@ -20,14 +20,20 @@ from nodes.agent.types import (
     WorkloadSpec,
     rfc3339,
 )
-from nodes.agent.workload_rules import check_image
+from nodes.agent.workload_rules import WorkloadRuleError, check_image
 
 
-def start_failed(payload: dict[str, Any], reason: str) -> dict[str, Any]:
-    """The result of a start that failed, the workload rules' refusals included: the portal shows
-    ``reason`` on the workload."""
+def start_failed(payload: dict[str, Any], reason: str, *, rejected: bool = False) -> dict[str, Any]:
+    """The result of a start that failed: the portal shows ``reason`` on the workload. ``rejected``:
+    the payload broke the workload rules, so no node would start it and the portal fails it at once
+    instead of trying again elsewhere."""
     workload_id = payload.get("workload_id") if isinstance(payload, dict) else None
-    return {"workload_id": str(workload_id or ""), "error": "start_failed", "reason": reason}
+    return {
+        "workload_id": str(workload_id or ""),
+        "error": "start_failed",
+        "reason": reason,
+        "rejected": rejected,
+    }
 
 
 class CommandHandlers:
@@ -76,13 +82,15 @@ class CommandHandlers:
                 raise ValueError(f"unknown command kind {kind!r}")
             result = await handler(payload)
             state, message = "succeeded", ""
+        except WorkloadRuleError as exc:
+            state, result, message = "failed", {"rejected": True}, str(exc)
         except (RuntimeFailure, CollectorError, ValueError, KeyError, TypeError) as exc:
             state, result, message = "failed", {}, str(exc) or type(exc).__name__
         except Exception as exc:
             self.log.exception("command %s (%s) failed unexpectedly", command_id, kind)
             state, result, message = "failed", {}, f"agent error: {exc!r}"
         if state == "failed" and kind == "start_workload":
-            result = start_failed(payload, message)
+            result = start_failed(payload, message, rejected=result.get("rejected") is True)
         self.log.info("command %s %s %s", command_id, state, message)
         self.buffer.command_finished(
             command_id, state, result, message, self._report_body(state, result, message)

@@ -320,7 +320,17 @@ def workload_on_command_finished(*, kind: str, payload: dict, node_id: int, stat
             elif w.state == S.SCHEDULED:
                 why = result.get("reason") or result.get("error") or state
                 _avoid(w, [node_id])
-                if w.attempt >= settings.SCHEDULING_MAX_START_ATTEMPTS:
+                if result.get("rejected") is True:
+                    # The agent refused the payload itself (the workload rules): every node would.
+                    workload_transition(
+                        workload=w,
+                        to=S.FAILED,
+                        reason="start_failed",
+                        actor=SYSTEM,
+                        message=f"Refused by the node: {why}",
+                        now=now,
+                    )
+                elif w.attempt >= settings.SCHEDULING_MAX_START_ATTEMPTS:
                     workload_transition(
                         workload=w,
                         to=S.FAILED,

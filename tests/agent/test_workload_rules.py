@@ -192,6 +192,7 @@ def test_a_start_that_breaks_the_rules_never_reaches_the_runtime(
     for i, (_, reason) in enumerate(REFUSED):
         result, message = failed[f"c-bad{i}"]
         assert result["error"] == "start_failed" and reason in result["reason"], result
+        assert result["rejected"] is True
         assert reason in message
     assert failed["c-bad0"][0]["workload_id"] == "bad0"
     assert not any(status.workload_id.startswith("bad") for status in agent.runtime.status())

@@ -180,11 +180,14 @@ def test_the_agent_refusing_a_start_shows_its_reason_on_the_workload(
             node_id=command.node_id,
             command_id=command.pk,
             status="failed",
-            result=start_failed(command.payload, reason),
+            result=start_failed(command.payload, reason, rejected=True),
             message=reason,
         )
-    assert reload(w).state == "queued"
+    # Every node would refuse it: failed at once, not placed again until the attempts run out.
+    assert reload(w).state == "failed"
     detail = client.get(f"/api/v1/jobs/{w.pk}/").json()
-    assert detail["state_reason"] == "image: Must not start with '-' (an image reference is not an option)."
+    assert detail["state_reason"] == (
+        "Refused by the node: image: Must not start with '-' (an image reference is not an option)."
+    )
     events = client.get(f"/api/v1/jobs/{w.pk}/events/").json()
-    assert (events[-1]["reason"], events[-1]["message"]) == ("start_failed", reason)
+    assert (events[-1]["reason"], events[-1]["message"]) == ("start_failed", f"Refused by the node: {reason}")
