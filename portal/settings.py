@@ -113,8 +113,7 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
         }
     )
 else:
-    # Django's PostgreSQL backend; the pool (below) checks the connections it lends without a round
-    # trip unless the server has closed or written to one (portal/postgresql/base.py).
+    # Django's PostgreSQL backend, reading timestamptz in C (portal/postgresql/base.py says until when).
     DATABASES["default"]["ENGINE"] = "portal.postgresql"
     DATABASES["default"]["CONN_MAX_AGE"] = env.int("DB_CONN_MAX_AGE", default=60)
     DATABASES["default"]["CONN_HEALTH_CHECKS"] = True

@@ -1,1 +1,1 @@
-"""Django's PostgreSQL backend, with the connection pool's check of ``base.check_connection``."""
+"""Django's PostgreSQL backend with a ``timestamptz`` loader in C (``portal.postgresql.base``)."""
