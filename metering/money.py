@@ -1,8 +1,9 @@
 """Money: ``Decimal`` everywhere, rounded once, in one function.
 
-Rounding rule: ROUND_HALF_UP at the currency's minor units (ISO 4217: USD, EUR, GBP 2 places; JPY,
-KRW 0; BHD, KWD 3). Unit prices keep 10 places (``UNIT_PRICE_FIELD``); amounts on usage records keep
-10 places unrounded; an invoice line is rounded once, by :func:`quantize_money`, and an invoice's
+Rounding rule: ROUND_HALF_UP at the currency's minor units, as CLDR gives them (Babel's
+``get_currency_precision``: USD, EUR, GBP 2 places; JPY, KRW 0; BHD, KWD 3; an unknown code 2).
+Unit prices keep 10 places (``UNIT_PRICE_FIELD``); amounts on usage records keep 10 places
+unrounded; an invoice line is rounded once, by :func:`quantize_money`, and an invoice's
 total is the sum of its (rounded) lines, so it equals that sum exactly.
 """
 
@@ -10,26 +11,13 @@ from __future__ import annotations
 
 from decimal import ROUND_HALF_UP, Decimal
 
-# Minor units per ISO 4217; a currency not listed here has 2.
-MINOR_UNITS: dict[str, int] = {
-    "USD": 2,
-    "EUR": 2,
-    "GBP": 2,
-    "CHF": 2,
-    "CAD": 2,
-    "AUD": 2,
-    "SEK": 2,
-    "JPY": 0,
-    "KRW": 0,
-    "BHD": 3,
-    "KWD": 3,
-}
+from babel.numbers import get_currency_precision
 
 UNIT_PRICE_MAX_DIGITS = 22
 UNIT_PRICE_PLACES = 10
 AMOUNT_MAX_DIGITS = 22
 AMOUNT_PLACES = 10
-# Rounded money (invoice lines and totals): the largest number of minor units any currency has.
+# Rounded money (invoice lines and totals): the most minor units a currency in circulation has.
 MONEY_MAX_DIGITS = 18
 MONEY_PLACES = 3
 
@@ -38,7 +26,12 @@ HOUR = Decimal(3600)
 
 
 def minor_units(currency: str) -> int:
-    return MINOR_UNITS.get(currency.upper(), 2)
+    """The currency's decimal places. More than the database keeps (CLF and UYW, units of account
+    with 4) is refused rather than rounded away."""
+    places = get_currency_precision(currency.upper())
+    if places > MONEY_PLACES:
+        raise ValueError(f"{currency.upper()} has {places} decimal places; amounts keep {MONEY_PLACES}.")
+    return places
 
 
 def quantize_money(amount: Decimal | int | str, currency: str) -> Decimal:

@@ -16,6 +16,7 @@ amounts = st.decimals(min_value=Decimal("-1e9"), max_value=Decimal("1e9"), allow
         ("1.004999", "USD", "1.00"),
         ("-1.005", "EUR", "-1.01"),
         ("2.5", "JPY", "3"),
+        ("2.5", "jpy", "3"),
         ("1.4999", "JPY", "1"),
         ("0.0005", "KWD", "0.001"),
         ("7", "XXX", "7.00"),  # ISO 4217 "no currency": unknown minor units fall back to 2
@@ -24,6 +25,12 @@ amounts = st.decimals(min_value=Decimal("-1e9"), max_value=Decimal("1e9"), allow
 def test_half_up_at_the_currency_places(amount, currency, expected):
     got = quantize_money(Decimal(amount), currency)
     assert got == Decimal(expected) and str(got) == expected
+
+
+def test_a_currency_with_more_places_than_amounts_keep_is_refused():
+    assert minor_units("BHD") == 3
+    with pytest.raises(ValueError, match="CLF has 4 decimal places"):
+        quantize_money(Decimal("1.00005"), "CLF")
 
 
 def test_floats_are_refused():
