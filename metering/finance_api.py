@@ -16,7 +16,7 @@ from rest_framework.views import APIView
 from metering import reports
 from metering.models import InvoiceStatus
 from metering.money import quantize_money
-from metering.views import ReportFilterForm
+from metering.views import ReportFilterForm, finance_export_audit
 from portal.api.authentication import BearerTokenAuthentication, StaffTokenAuthentication
 from portal.api.permissions import StaffPermission
 from portal.errors import ValidationFailed
@@ -52,9 +52,17 @@ class FinanceBase(APIView):
     permission_classes = [StaffPermission]
     staff_scope = StaffScope.FINANCE_READ
 
+    def finalize_response(self, request, response, *args, **kwargs):
+        """Every report a staff person takes away is audited: who, which report, which months."""
+        if response.status_code == 200:
+            finance_export_audit(request, report=self.report_name, fmt="json")
+        return super().finalize_response(request, response, *args, **kwargs)
+
 
 class RevenueApi(FinanceBase):
     """Invoiced revenue by month and by tenant, GPU model, plan or region."""
+
+    report_name = "revenue"
 
     @extend_schema(
         parameters=[
@@ -108,6 +116,8 @@ class RevenueApi(FinanceBase):
 class GpuHoursApi(FinanceBase):
     """Fleet capacity, used, billed and busy GPU-hours by month, for the fleet, a model or a region."""
 
+    report_name = "gpu-hours"
+
     @extend_schema(
         parameters=[*FILTERS, OpenApiParameter("group", str, enum=list(reports.GPU_HOUR_GROUPS))],
         responses={200: dict},
@@ -141,6 +151,8 @@ class GpuHoursApi(FinanceBase):
 
 class ReceivablesApi(FinanceBase):
     """What finalized, unpaid invoices still owe, by tenant and by age past the due date."""
+
+    report_name = "receivables"
 
     @extend_schema(responses={200: dict})
     def get(self, request):

@@ -29,9 +29,11 @@ from metering.documents import (
 )
 from metering.models import CreditEntry, CreditKind, Invoice, InvoiceStatus
 from metering.periods import period_of
+from portal.actors import Actor
 from portal.dashboard import register_nav
 from portal.inputs import parse_month
 from portal.models import Scope
+from portal.services import audit_record
 from portal.views.base import TenantScopedMixin, forbidden, render_page
 
 register_nav("invoices", "Invoices", "metering:invoices", order=60, scope=Scope.BILLING, icon="receipt")
@@ -177,7 +179,19 @@ class ReportFilterForm(forms.Form):
         return data
 
 
-def _csv_response(rows: list[list], filename: str) -> HttpResponse:
+def finance_export_audit(request, *, report: str, fmt: str) -> None:
+    """Audit a staff person taking a finance report away (a CSV file, or the staff API's JSON)."""
+    actor = Actor(user=request.user if request.user.is_authenticated else None)
+    audit_record(
+        tenant=None,
+        actor=actor,
+        action="finance.exported",
+        data={"report": report, "format": fmt, "query": {k: request.GET.get(k) for k in request.GET}},
+    )
+
+
+def _csv_response(request, report: str, rows: list[list], filename: str) -> HttpResponse:
+    finance_export_audit(request, report=report, fmt="csv")
     buf = io.StringIO()
     csv.writer(buf).writerows(rows)
     response = HttpResponse(buf.getvalue(), content_type="text/csv; charset=utf-8")
@@ -222,6 +236,8 @@ class RevenueView(_ReportView):
         )
         if _wants_csv(request):
             return _csv_response(
+                request,
+                self.tab,
                 reports_csv.revenue_csv_rows(report),
                 f"revenue-{f['start']:%Y-%m}-{f['end']:%Y-%m}-{f['group']}.csv",
             )
@@ -290,6 +306,8 @@ class GpuHoursView(_ReportView):
         rows = reports.gpu_hours_report(first=f["start"], last=f["end"], group_by=f["group"])
         if _wants_csv(request):
             return _csv_response(
+                request,
+                self.tab,
                 reports_csv.gpu_hours_csv_rows(rows),
                 f"gpu-hours-{f['start']:%Y-%m}-{f['end']:%Y-%m}-{f['group']}.csv",
             )
@@ -317,7 +335,10 @@ class ReceivablesView(_ReportView):
         report = reports.receivables_report()
         if _wants_csv(request):
             return _csv_response(
-                reports_csv.receivables_csv_rows(report), f"receivables-{report.at:%Y-%m-%d}.csv"
+                request,
+                self.tab,
+                reports_csv.receivables_csv_rows(report),
+                f"receivables-{report.at:%Y-%m-%d}.csv",
             )
         totals = report.totals()
         blocks = []

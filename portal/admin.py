@@ -10,7 +10,7 @@ from portal import services
 from portal.actors import Actor
 from portal.admin_actions import RecordAdmin, run_each
 from portal.errors import DomainError
-from portal.forms import apply_domain_error
+from portal.forms import AdminLoginForm, apply_domain_error
 from portal.models import (
     ApiToken,
     AuditEvent,
@@ -23,6 +23,9 @@ from portal.models import (
     User,
 )
 from portal.staff_tokens import staff_token_create, staff_token_revoke
+
+# The admin's sign-in goes through the same attempt limiter as the site's (portal.signin).
+admin.site.login_form = AdminLoginForm
 
 
 class ServiceOwnedAdmin(admin.ModelAdmin):

@@ -6,11 +6,13 @@ import datetime as dt
 from zoneinfo import available_timezones
 
 from django import forms
+from django.contrib.admin.forms import AdminAuthenticationForm
 from django.contrib.auth import forms as auth_forms
 from django.utils import timezone
 
 from portal.errors import DomainError
 from portal.models import ROLE_SCOPES, Role, Scope, User
+from portal.signin import LimitedLoginFormMixin
 
 SCOPE_HELP = {
     Scope.READ: "See instances, jobs, usage and the fleet.",
@@ -38,7 +40,7 @@ def apply_domain_error(form: forms.Form, exc: DomainError) -> None:
             form.add_error(field if field in form.fields else None, str(message))
 
 
-class LoginForm(auth_forms.AuthenticationForm):
+class LoginForm(LimitedLoginFormMixin, auth_forms.AuthenticationForm):
     username = forms.EmailField(
         label="Email",
         max_length=254,
@@ -54,6 +56,10 @@ class LoginForm(auth_forms.AuthenticationForm):
         **auth_forms.AuthenticationForm.error_messages,
         "invalid_login": "That email and password do not match an account. Check both and try again.",
     }
+
+
+class AdminLoginForm(LimitedLoginFormMixin, AdminAuthenticationForm):
+    """The Django admin's sign-in, behind the same attempt limiter as the site's."""
 
 
 class PasswordResetRequestForm(auth_forms.PasswordResetForm):

@@ -245,3 +245,46 @@ class RequestIdMiddleware(SyncAsyncMiddleware):
                     },
                 )
         return response
+
+
+class SignInLimitMiddleware:
+    """A sign-in the attempt limiter refused (``portal.signin``), on any password form, answers
+    429 with Retry-After; the form itself says why."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        from portal.signin import retry_after
+
+        response = self.get_response(request)
+        wait = retry_after(request)
+        if wait:
+            response.status_code = 429
+            response["Retry-After"] = str(wait)
+        return response
+
+
+STAFF_LAST_SEEN_KEY = "staff_last_seen"
+
+
+class StaffIdleTimeoutMiddleware:
+    """A staff person's session ends after ``STAFF_SESSION_IDLE_S`` seconds without a request; the
+    next request is then anonymous (sign in again). The time seen is written at most once a minute."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        idle = settings.STAFF_SESSION_IDLE_S
+        user = getattr(request, "user", None)
+        if idle and user is not None and user.is_authenticated and user.is_staff:
+            from django.contrib.auth import logout
+
+            now = int(time.time())
+            last = request.session.get(STAFF_LAST_SEEN_KEY)
+            if last is not None and now - last > idle:
+                logout(request)  # request.user is now anonymous
+            elif last is None or now - last >= 60:
+                request.session[STAFF_LAST_SEEN_KEY] = now
+        return self.get_response(request)

@@ -1,94 +1,121 @@
-"""Limits kept in the cache: failed attempts (sign-in, password reset) per key in a window, and
-request rates (the API throttle)."""
+"""Limits on how often a key may act, counted by the `limits` library: sign-in and password-reset
+attempts per address and per email (a moving window: exact), and the API's request rate per token
+(a sliding window counter: two numbers per key, however high the rate).
+
+Each count is one atomic step of the storage: on Redis (``REDIS_URL``) a script that every web
+process shares, otherwise this process's memory under a lock. The client's address is the peer's,
+or what the trusted proxies (``TRUSTED_PROXIES``) say it is, never what a client says of itself.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import time
+from functools import cache
 
-from django.core.cache import DEFAULT_CACHE_ALIAS, cache, caches
-from django.core.cache.backends.redis import RedisCache
-from redis.exceptions import NoScriptError
+from django.conf import settings
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+from limits import RateLimitItemPerSecond
+from limits.storage import Storage, storage_from_string
+from limits.strategies import MovingWindowRateLimiter, SlidingWindowCounterRateLimiter
+
+
+@cache
+def _storage() -> Storage:
+    uri = settings.RATELIMIT_STORAGE_URI
+    if uri.startswith(("redis://", "rediss://")):
+        return storage_from_string(uri, key_prefix=settings.RATELIMIT_KEY_PREFIX)
+    return storage_from_string(uri)
+
+
+@cache
+def _limiter() -> MovingWindowRateLimiter:
+    return MovingWindowRateLimiter(_storage())
+
+
+@cache
+def _rate_limiter() -> SlidingWindowCounterRateLimiter:
+    return SlidingWindowCounterRateLimiter(_storage())
+
+
+@receiver(setting_changed, dispatch_uid="portal.ratelimit.storage_setting")
+def _storage_setting_changed(setting: str, **kwargs) -> None:
+    if setting in ("RATELIMIT_STORAGE_URI", "RATELIMIT_KEY_PREFIX"):
+        _storage.cache_clear()
+        _limiter.cache_clear()
+        _rate_limiter.cache_clear()
+
+
+def reset_all() -> None:
+    """Forget every count (the test suite, between tests)."""
+    _storage().reset()
+
+
+def _hashed(key: str) -> str:
+    return hashlib.sha256(key.lower().encode()).hexdigest()[:32]
+
+
+def rate_take(key: str, *, limit: int, period_s: int) -> float:
+    """Count one request against ``key``'s ``limit`` per ``period_s``: 0 when it is allowed, else
+    the seconds until the next one would be."""
+    item = RateLimitItemPerSecond(limit, period_s, namespace="rate")
+    limiter = _rate_limiter()
+    if limiter.hit(item, key):
+        return 0.0
+    return max(0.001, limiter.get_window_stats(item, key).reset_time - time.time())
 
 
 class AttemptLimiter:
-    """At most ``limit`` attempts per key in ``window_s`` seconds; a key is blocked after that
-    until its window ends. Keys are hashed, so addresses and emails are not stored in clear."""
+    """At most ``limit`` attempts per key in any ``window_s`` seconds. An attempt is counted before
+    it is tried, so parallel attempts cannot get past the limit between a check and a count. Keys
+    are hashed, so addresses and emails are not stored in clear."""
 
     def __init__(self, scope: str, *, limit: int, window_s: int):
         self.scope, self.limit, self.window_s = scope, limit, window_s
 
-    def _key(self, key: str) -> str:
-        return f"attempts:{self.scope}:{hashlib.sha256(key.lower().encode()).hexdigest()[:32]}"
+    def _item(self) -> RateLimitItemPerSecond:
+        return RateLimitItemPerSecond(self.limit, self.window_s, namespace=f"attempts-{self.scope}")
 
-    def retry_after(self, *keys: str) -> int:
-        """Seconds until the first blocked key frees up; 0 when none is blocked."""
-        now = time.time()
-        waits = [
-            max(1, int(started + self.window_s - now))
-            for count, started in filter(None, cache.get_many([self._key(k) for k in keys if k]).values())
-            if count >= self.limit
-        ]
-        return max(waits, default=0)
+    def take(self, *keys: str) -> int:
+        """Count one attempt against each key: 0 when every key allows it, else the seconds until
+        the blocked ones free up (the attempt is then refused, and counted where it was allowed)."""
+        item, limiter = self._item(), _limiter()
+        blocked = [k for k in filter(None, keys) if not limiter.hit(item, _hashed(k))]
+        waits = [limiter.get_window_stats(item, _hashed(k)).reset_time - time.time() for k in blocked]
+        return max((max(1, int(w + 0.999)) for w in waits), default=0)
 
-    def hit(self, *keys: str) -> None:
-        for key in filter(None, keys):
-            cache_key = self._key(key)
-            count, started = cache.get(cache_key) or (0, time.time())
-            remaining = max(1, int(started + self.window_s - time.time()))
-            cache.set(cache_key, (count + 1, started), timeout=remaining)
+    def exhausted(self, key: str) -> bool:
+        """Whether ``key`` has no attempt left in its window (the last one was just taken)."""
+        return bool(key) and _limiter().get_window_stats(self._item(), _hashed(key)).remaining == 0
 
     def reset(self, *keys: str) -> None:
-        cache.delete_many([self._key(k) for k in keys if k])
+        for key in filter(None, keys):
+            _limiter().clear(self._item(), _hashed(key))
+
+
+def _trusted(address: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(ip in network for network in _trusted_networks())
+
+
+def _trusted_networks() -> tuple:
+    return tuple(ipaddress.ip_network(cidr.strip(), strict=False) for cidr in settings.TRUSTED_PROXIES)
 
 
 def client_ip(request) -> str:
-    return request.META.get("REMOTE_ADDR", "")
-
-
-# --- request rates: the generic cell rate algorithm ----------------------------------------------
-#
-# One number per key, the "theoretical arrival time" (TAT): when the key's allowance would be back
-# to full. A request at ``now`` is allowed when TAT - burst <= now, and moves TAT on by one
-# interval (period / limit); ``burst`` (period - interval) lets a quiet key send ``limit`` requests
-# at once. On Redis the step is one Lua script (atomic across processes, one round trip, the
-# server's clock); elsewhere (the embedded cache) a read and a write of the cache.
-
-_GCRA_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local interval, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
-local tat = tonumber(redis.call('GET', KEYS[1]) or now)
-if tat < now then tat = now end
-local wait = tat - burst - now
-if wait > 0 then return wait end
-tat = tat + interval
-redis.call('SET', KEYS[1], string.format('%d', tat), 'PX', math.floor((tat - now) / 1000) + 1)
-return 0
-"""
-_GCRA_SHA = hashlib.sha1(_GCRA_LUA.encode(), usedforsecurity=False).hexdigest()
-
-
-def rate_take(key: str, *, limit: int, period_s: float, using=None) -> float:
-    """Count one request against ``key``'s ``limit`` per ``period_s``: 0 when it is allowed, else
-    the seconds until the next would be. ``using``: a cache (the default cache when None)."""
-    store = using if using is not None else caches[DEFAULT_CACHE_ALIAS]  # the backend, not its proxy
-    interval_us = int(period_s * 1_000_000 / limit)
-    burst_us = int(period_s * 1_000_000) - interval_us
-    full_key = f"rate:{key}"
-    if isinstance(store, RedisCache):
-        cache_key = store.make_and_validate_key(full_key)
-        client = store._cache.get_client(cache_key, write=True)
-        try:
-            wait_us = client.evalsha(_GCRA_SHA, 1, cache_key, interval_us, burst_us)
-        except NoScriptError:  # the server's first use, or after a restart: EVAL loads it
-            wait_us = client.eval(_GCRA_LUA, 1, cache_key, interval_us, burst_us)
-        return wait_us / 1_000_000
-    now_us = int(time.time() * 1_000_000)
-    tat = max(store.get(full_key) or now_us, now_us)
-    wait_us = tat - burst_us - now_us
-    if wait_us > 0:
-        return wait_us / 1_000_000
-    tat += interval_us
-    store.set(full_key, tat, timeout=max(1, -(-(tat - now_us) // 1_000_000)))
-    return 0.0
+    """The client's address: the peer's, unless the peer is a trusted proxy; then the nearest
+    address in ``X-Forwarded-For`` that is not a trusted proxy (a client can prepend anything to
+    the header, but not past the proxies that appended to it)."""
+    peer = request.META.get("REMOTE_ADDR", "")
+    if not _trusted(peer):
+        return peer
+    hops = [h.strip() for h in request.META.get("HTTP_X_FORWARDED_FOR", "").split(",") if h.strip()]
+    for hop in reversed(hops):
+        if not _trusted(hop):
+            return hop[:64]
+    return hops[0][:64] if hops else peer

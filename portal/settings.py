@@ -73,6 +73,8 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "portal.middleware.StaffIdleTimeoutMiddleware",
+    "portal.middleware.SignInLimitMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
@@ -248,6 +250,8 @@ CELERY_BEAT_SCHEDULE: dict[str, dict] = {
 
 # --- Auth -----------------------------------------------------------------------------------------
 AUTH_USER_MODEL = "portal.User"
+# Django's model backend behind the sign-in attempt limiter (portal/signin.py).
+AUTHENTICATION_BACKENDS = ["portal.signin.LimitedModelBackend"]
 LOGIN_URL = "portal:login"
 LOGIN_REDIRECT_URL = "portal:dashboard"
 LOGOUT_REDIRECT_URL = "portal:login"
@@ -362,6 +366,16 @@ GPUPOOL_TOKEN_LAST_USED_RESOLUTION = timedelta(seconds=60)
 GPUPOOL_LOGIN_FAILURE_LIMIT = env.int("GPUPOOL_LOGIN_FAILURE_LIMIT", default=10)
 GPUPOOL_LOGIN_FAILURE_WINDOW_S = env.int("GPUPOOL_LOGIN_FAILURE_WINDOW_S", default=900)
 GPUPOOL_PASSWORD_RESET_LIMIT = env.int("GPUPOOL_PASSWORD_RESET_LIMIT", default=5)
+# Sign-in attempts per client address in the same window (successes count too: an address shared
+# by an office must still sign its people in; an attacker spraying many accounts is slowed).
+GPUPOOL_LOGIN_ADDRESS_LIMIT = env.int("GPUPOOL_LOGIN_ADDRESS_LIMIT", default=100)
+# A staff person's session ends after this many seconds without a request (0: never).
+STAFF_SESSION_IDLE_S = env.int("STAFF_SESSION_IDLE_S", default=1800)
+# Proxies (addresses or CIDRs) whose X-Forwarded-For names the client; nobody else's is believed.
+TRUSTED_PROXIES = env.list("TRUSTED_PROXIES", default=[])
+# Where the rate limits count (portal.ratelimit): Redis when there is one, else per process.
+RATELIMIT_STORAGE_URI = REDIS_URL or "memory://"
+RATELIMIT_KEY_PREFIX = env.str("RATELIMIT_KEY_PREFIX", default="gpupool-limits")
 
 # --- gpupool: nodes (the fleet) -------------------------------------------------------------------
 NODE_HEARTBEAT_INTERVAL_S = env.int("NODE_HEARTBEAT_INTERVAL_S", default=10)

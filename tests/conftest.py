@@ -28,9 +28,13 @@ def _empty_cache():
     """Throttle and sign-in counters must not leak from one test into the next."""
     from django.core.cache import cache
 
+    from portal.ratelimit import reset_all
+
     cache.clear()
+    reset_all()
     yield
     cache.clear()
+    reset_all()
 
 
 @pytest.fixture(autouse=True)

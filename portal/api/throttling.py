@@ -1,15 +1,15 @@
 from rest_framework.throttling import SimpleRateThrottle
 
 from portal.models import ApiToken
-from portal.ratelimit import rate_take
+from portal.ratelimit import client_ip, rate_take
 
 
 class TokenRateThrottle(SimpleRateThrottle):
-    """Per-token request rate (``API_RATE_LIMIT``); people are limited per user, others per address.
+    """Per-token request rate (``API_RATE_LIMIT``); people are limited per user, others per address
+    (the client's, as ``portal.ratelimit.client_ip`` decides: never a header the client sets).
 
-    Counted by ``portal.ratelimit.rate_take`` (one atomic step on Redis, a number per key) instead
-    of DRF's history of request times, which it reads and writes whole (two round trips, and a
-    list as long as the limit) on every request."""
+    Counted by ``portal.ratelimit.rate_take`` (one atomic step of the `limits` library's moving
+    window) instead of DRF's history of request times, which it reads and writes whole."""
 
     scope = "token"
     wait_s = 0.0
@@ -20,7 +20,7 @@ class TokenRateThrottle(SimpleRateThrottle):
         elif request.user and request.user.is_authenticated:
             ident = f"u{request.user.pk}"
         else:
-            ident = f"a{self.get_ident(request)}"
+            ident = f"a{client_ip(request)}"
         return self.cache_format % {"scope": self.scope, "ident": ident}
 
     def allow_request(self, request, view):

@@ -12,7 +12,8 @@ from django.urls import reverse, reverse_lazy
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views import View
 
-from portal import selectors, services
+from portal import selectors, services, signin
+from portal.actors import Actor
 from portal.errors import DomainError, NotFound
 from portal.forms import (
     InvitationSignupForm,
@@ -25,6 +26,7 @@ from portal.forms import (
 )
 from portal.middleware import SESSION_TENANT_KEY
 from portal.ratelimit import AttemptLimiter, client_ip
+from portal.signin import too_many_message
 from portal.views.base import bad_request, forbidden, not_found
 
 
@@ -37,9 +39,6 @@ class _BadRequestOnInvalid:
         return response
 
 
-login_limiter = AttemptLimiter(
-    "login", limit=settings.GPUPOOL_LOGIN_FAILURE_LIMIT, window_s=settings.GPUPOOL_LOGIN_FAILURE_WINDOW_S
-)
 reset_limiter = AttemptLimiter(
     "password-reset",
     limit=settings.GPUPOOL_PASSWORD_RESET_LIMIT,
@@ -48,33 +47,19 @@ reset_limiter = AttemptLimiter(
 
 
 def _too_many(request, template_name, form, retry_after: int):
-    minutes = max(1, round(retry_after / 60))
-    form.add_error(
-        None, f"Too many attempts. Try again in about {minutes} minute{'s' if minutes != 1 else ''}."
-    )
+    form.add_error(None, too_many_message(retry_after))
     response = render(request, template_name, {"form": form}, status=429)
     response["Retry-After"] = str(retry_after)
     return response
 
 
 class LoginView(_BadRequestOnInvalid, auth_views.LoginView):
-    """Failed sign-ins are counted per address and per email; past the limit: 429."""
+    """Sign-in attempts are limited per email and per address by the authentication backend
+    (``portal.signin``, as for every password form); past the limit: 429."""
 
     template_name = "registration/login.html"
     form_class = LoginForm
     redirect_authenticated_user = True
-
-    def post(self, request, *args, **kwargs):
-        keys = (client_ip(request), (request.POST.get("username") or "")[:254])
-        wait = login_limiter.retry_after(*keys)
-        if wait:
-            return _too_many(request, self.template_name, self.get_form(), wait)
-        response = super().post(request, *args, **kwargs)
-        if response.status_code == 400:
-            login_limiter.hit(*keys)
-        else:
-            login_limiter.reset(keys[1])
-        return response
 
 
 class LogoutView(auth_views.LogoutView):
@@ -92,11 +77,16 @@ class PasswordResetView(_BadRequestOnInvalid, auth_views.PasswordResetView):
     success_url = reverse_lazy("portal:password-reset-done")
 
     def post(self, request, *args, **kwargs):
-        keys = (client_ip(request), (request.POST.get("email") or "")[:254])
-        wait = reset_limiter.retry_after(*keys)
+        email = (request.POST.get("email") or "")[:254]
+        wait = reset_limiter.take(client_ip(request), email)
         if wait:
             return _too_many(request, self.template_name, self.get_form(), wait)
-        reset_limiter.hit(*keys)
+        services.audit_record(
+            tenant=None,
+            actor=Actor.system(),
+            action="account.password_reset_requested",
+            data={"email": email.lower(), "ip": client_ip(request)},
+        )
         return super().post(request, *args, **kwargs)
 
 
@@ -195,7 +185,7 @@ class InvitationAcceptView(View):
                 apply_domain_error(form, exc)
                 status = exc.status_code
             else:
-                login(request, membership.user, backend="django.contrib.auth.backends.ModelBackend")
+                login(request, membership.user, backend=signin.BACKEND)
                 return self._done(request, membership)
         return render(request, self.template_name, self._context(invitation, token, form=form), status=status)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from portal import signin
 from portal.views import accounts
 
 pytestmark = pytest.mark.django_db
@@ -11,7 +12,7 @@ pytestmark = pytest.mark.django_db
 
 @pytest.fixture
 def low_limits(monkeypatch):
-    monkeypatch.setattr(accounts.login_limiter, "limit", 3)
+    monkeypatch.setattr(signin.email_limiter, "limit", 3)
     monkeypatch.setattr(accounts.reset_limiter, "limit", 2)
 
 
