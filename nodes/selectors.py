@@ -14,7 +14,6 @@ from django.db.models import (
     Exists,
     ExpressionWrapper,
     OuterRef,
-    Prefetch,
     Q,
     QuerySet,
     Sum,
@@ -47,22 +46,6 @@ def gpus_schedulable(*, region: str | None = None, model: GpuModel | None = None
     if model is not None:
         qs = qs.filter(model=model)
     return qs
-
-
-def nodes_schedulable(*, region: str | None = None) -> QuerySet[Node]:
-    """READY nodes with their schedulable GPUs prefetched as ``node.schedulable_gpus``."""
-    qs = Node.objects.filter(state=NodeState.READY).select_related("region")
-    if region:
-        qs = qs.filter(region__code=region)
-    return qs.prefetch_related(
-        Prefetch(
-            "gpus",
-            queryset=Gpu.objects.filter(
-                health=GpuHealth.HEALTHY, isolated=False, removed_at__isnull=True
-            ).select_related("model"),
-            to_attr="schedulable_gpus",
-        )
-    )
 
 
 @dataclass(frozen=True)

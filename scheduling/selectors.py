@@ -146,10 +146,6 @@ def workloads_for_tenant(*, tenant, kind: str | None = None) -> QuerySet[Workloa
     return qs.filter(kind=kind) if kind else qs
 
 
-def workload_get(*, tenant, id: int) -> Workload | None:
-    return workloads_for_tenant(tenant=tenant).filter(pk=id).first()
-
-
 def workload_events(*, workload: Workload) -> QuerySet[WorkloadEvent]:
     return WorkloadEvent.objects.filter(workload=workload).order_by("at", "id")
 
@@ -254,9 +250,3 @@ def gpu_availability() -> dict[int, dict[str, RegionAvailability]]:
 
 def gpu_catalog() -> QuerySet[GpuModel]:
     return GpuModel.objects.all()
-
-
-def holding_workloads_on_node(*, node_id: int) -> QuerySet[Workload]:
-    return Workload.objects.filter(
-        state__in=HOLDING_STATES, allocations__node_id=node_id, allocations__ended_at__isnull=True
-    ).distinct()

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from datetime import date, datetime, timedelta
+from datetime import date, datetime
 from decimal import Decimal
 
-from django.conf import settings
 from django.db import transaction
 from django.db.models import Q, Sum
 from django.utils import timezone
@@ -31,7 +30,7 @@ from metering.models import (
     UsageRecord,
 )
 from metering.money import ZERO, quantize_money
-from metering.periods import next_period, period_bounds, period_of, previous_period
+from metering.periods import period_bounds, period_of, previous_period
 from metering.services.invoice_build import (  # noqa: F401  (re-exported: the building blocks)
     RunCache,
     invoices_build_batch,
@@ -40,7 +39,6 @@ from metering.services.invoice_build import (  # noqa: F401  (re-exported: the b
     term_discount_percent,
     term_months,
 )
-from metering.services.rates import rate_card_for_tenant
 from portal.actors import Actor
 from portal.errors import Conflict, ValidationFailed
 from portal.models import Tenant
@@ -59,35 +57,12 @@ def _check_period(period_start: date) -> None:
         )
 
 
-def invoice_get_or_create(*, tenant: Tenant, period_start: date) -> Invoice:
-    _check_period(period_start)
-    card = rate_card_for_tenant(tenant=tenant)
-    _, end = period_bounds(period_start)
-    invoice, _ = Invoice.objects.get_or_create(
-        tenant=tenant,
-        period_start=period_start,
-        defaults={
-            "period_end": next_period(period_start),
-            "currency": card.currency if card is not None else tenant.currency,
-            "grace_until": end + timedelta(days=settings.METERING_INVOICE_GRACE_DAYS),
-        },
-    )
-    return invoice
-
-
 def invoice_build(*, tenant: Tenant, period_start: date, now: datetime | None = None) -> Invoice:
     """Get or create the tenant's invoice for the month and, while it is a draft, (re)build its
     lines from usage and reservations. A finalized, paid or void invoice is returned unchanged."""
     _check_period(period_start)
     now = now or timezone.now()
     return invoices_build_batch(tenant_ids=[tenant.pk], period_start=period_start, now=now)[0]
-
-
-def credit_balance(*, tenant, kind: str | None = None) -> Decimal:
-    qs = CreditEntry.objects.filter(tenant=tenant)
-    if kind is not None:
-        qs = qs.filter(kind=kind)
-    return qs.aggregate(s=Sum("amount"))["s"] or ZERO
 
 
 def credit_grant(*, tenant, kind: str, amount, note: str = "", actor: Actor) -> CreditEntry:
@@ -319,11 +294,3 @@ def _finalize_due(*, now: datetime, cache: RunCache) -> tuple[int, dict[int, Exc
         done += sum(1 for i in invoices if i.finalized_at == now)
         failed |= errors
     return done, failed
-
-
-def invoices_finalize_due(*, now: datetime | None = None) -> int:
-    """Finalize every draft whose grace period is over; returns how many were finalized."""
-    done, failed = _finalize_due(now=now or timezone.now(), cache=RunCache.load())
-    if failed:
-        raise InvoiceRunFailed(failed)
-    return done

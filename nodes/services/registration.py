@@ -180,11 +180,6 @@ def gpu_model_index() -> dict[str, GpuModel]:
     return index
 
 
-def gpu_model_match(*, reported_name: str, index: dict[str, GpuModel] | None = None) -> GpuModel | None:
-    index = gpu_model_index() if index is None else index
-    return index.get(normalize_gpu_name(reported_name))
-
-
 def _flag_unknown(name: str, node: Node, count: int, now: datetime) -> None:
     report, created = UnknownGpuReport.objects.get_or_create(
         reported_name=name[:128],
