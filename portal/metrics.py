@@ -27,9 +27,11 @@ logger = logging.getLogger(__name__)
 
 
 def authorized(request) -> bool:
+    """The bearer token METRICS_TOKEN; with none set, /metrics is open only where METRICS_PUBLIC
+    says so (default: with DEBUG, as ``make run``): it shows revenue per plan."""
     token = settings.METRICS_TOKEN
     if not token:
-        return True
+        return settings.METRICS_PUBLIC
     sent = request.META.get("HTTP_AUTHORIZATION", "")
     return secrets.compare_digest(sent.encode(), f"Bearer {token}".encode())
 

@@ -305,7 +305,11 @@ SESSION_COOKIE_SECURE = env.bool("SESSION_COOKIE_SECURE", default=not DEBUG)
 CSRF_COOKIE_SECURE = env.bool("CSRF_COOKIE_SECURE", default=not DEBUG)
 SECURE_HSTS_SECONDS = env.int("SECURE_HSTS_SECONDS", default=0 if DEBUG else 31536000)
 SECURE_HSTS_INCLUDE_SUBDOMAINS = not DEBUG
-SECURE_HSTS_PRELOAD = env.bool("SECURE_HSTS_PRELOAD", default=not DEBUG)
+# Asking browsers' preload lists to pin HTTPS for the domain and its subdomains is hard to undo:
+# only when the operator asks for it.
+SECURE_HSTS_PRELOAD = env.bool("SECURE_HSTS_PRELOAD", default=False)
+# check --deploy warns while preload is off (W021): off is this setting's deliberate default.
+SILENCED_SYSTEM_CHECKS = [] if SECURE_HSTS_PRELOAD else ["security.W021"]
 SECURE_CONTENT_TYPE_NOSNIFF = True
 SECURE_REFERRER_POLICY = "same-origin"
 X_FRAME_OPTIONS = "DENY"
@@ -314,9 +318,10 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = env.int("DATA_UPLOAD_MAX_MEMORY_SIZE", default=2 *
 
 # --- REST framework ---------------------------------------------------------------------------------
 API_RATE_LIMIT = env.str("API_RATE_LIMIT", default="600/min")
-# Bearer token Prometheus must send for /metrics; unset, /metrics is open (keep it off the public
-# ingress then).
+# Bearer token Prometheus must send for /metrics; unset, /metrics is open only with METRICS_PUBLIC
+# (default: DEBUG) and refused otherwise.
 METRICS_TOKEN = env.str("METRICS_TOKEN", default="")
+METRICS_PUBLIC = env.bool("METRICS_PUBLIC", default=DEBUG)
 # Per-GPU gauges (DCGM names, ~6 series per GPU) on /metrics besides the per-model/region aggregates
 # that are always there. Default: on with DEBUG, off in production (large fleets).
 METRICS_PER_GPU = env.bool("METRICS_PER_GPU", default=DEBUG)

@@ -19,6 +19,7 @@ KINDS = {
     ("v1", "Namespace"), ("v1", "ConfigMap"), ("v1", "Secret"), ("v1", "Service"),
     ("apps/v1", "Deployment"), ("apps/v1", "DaemonSet"), ("batch/v1", "Job"),
     ("policy/v1", "PodDisruptionBudget"), ("autoscaling/v2", "HorizontalPodAutoscaler"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
     ("networking.k8s.io/v1", "Ingress"),
 }  # fmt: skip
 QUEUES = {"scheduling", "commands", "metering", "default"}

@@ -4,6 +4,7 @@ metrics the app exports."""
 from __future__ import annotations
 
 import re
+import shutil
 
 import yaml
 
@@ -33,12 +34,24 @@ def names_in(name: str) -> set[str]:
     return set().union(*(promql_metric_names(rule["expr"]) for rule in rules(name)))
 
 
-def test_promtool_accepts_the_configuration():
-    result = promtool("check", "config", PROM / "prometheus.yml")
+def test_promtool_accepts_the_configuration(tmp_path):
+    # As deployed: the metrics token's file beside the configuration (promtool checks it exists).
+    shutil.copytree(PROM, tmp_path / "prometheus")
+    (tmp_path / "prometheus" / "secrets").mkdir()
+    (tmp_path / "prometheus" / "secrets" / "gpupool-metrics-token").write_text("token\n")
+    result = promtool("check", "config", tmp_path / "prometheus" / "prometheus.yml")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "prometheus.yml is valid prometheus config file syntax" in result.stdout
     assert "SUCCESS: 1 rule files found" in result.stdout
     assert sorted(p.name for p in (PROM / "rules").glob("*.yml")) == ["gpupool.yml"]
+
+
+def test_every_gpupool_job_sends_the_metrics_token():
+    config = yaml.safe_load((PROM / "prometheus.yml").read_text())
+    jobs = [j for j in config["scrape_configs"] if j["job_name"].startswith("gpupool-")]
+    assert len(jobs) == 4
+    for job in jobs:
+        assert job["authorization"]["credentials_file"] == "secrets/gpupool-metrics-token", job["job_name"]
 
 
 def test_every_web_tier_is_scraped_by_a_job_the_rules_read():
