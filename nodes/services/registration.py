@@ -244,7 +244,6 @@ def _node_register(*, bootstrap_token: str, info: NodeInfo, now: datetime) -> tu
         raise fail("region", "This field is required: the bootstrap token names no region.")
 
     node = retry_of or _node_to_register(token, info.hostname)
-    _check_gpus_are_free(node, info.gpus)
     fields = {
         "region": region,
         "labels": info.labels,
@@ -324,22 +323,15 @@ def _node_to_register(token: NodeBootstrapToken, hostname: str) -> Node | None:
     return None
 
 
-def _check_gpus_are_free(node: Node | None, gpus: tuple[GpuInfo, ...]) -> None:
-    """GpuConflict when a listed GPU UUID is present (not removed) on a node other than ``node``."""
-    taken = (
-        Gpu.objects.filter(uuid__in=[g.uuid for g in gpus], removed_at__isnull=True)
-        .exclude(node_id=node.pk if node is not None else None)
-        .order_by("uuid")
-        .values_list("uuid", "node__hostname")
-    )
+def _gpus_taken(taken: list[tuple[str, str]]) -> GpuConflict:
+    """The 409 for GPUs (uuid, owner hostname) that are present on another node."""
     conflicts = [{"uuid": uuid, "node": owner} for uuid, owner in taken]
-    if conflicts:
-        listed = ", ".join(f"{c['uuid']} (node {c['node']!r})" for c in conflicts)
-        raise GpuConflict(
-            f"GPUs already registered to another node: {listed}. A GPU belongs to one node; staff "
-            "have been alerted.",
-            conflicts=conflicts,
-        )
+    listed = ", ".join(f"{c['uuid']} (node {c['node']!r})" for c in conflicts)
+    return GpuConflict(
+        f"GPUs already registered to another node: {listed}. A GPU belongs to one node; staff "
+        "have been alerted.",
+        conflicts=conflicts,
+    )
 
 
 @transaction.atomic
@@ -382,10 +374,15 @@ def _registration_retried(token: NodeBootstrapToken, info: NodeInfo, now: dateti
 
 
 def _sync_gpus(node: Node, gpus: tuple[GpuInfo, ...], now: datetime) -> list[str]:
-    """Make the node's GPUs the listed ones. ``_check_gpus_are_free`` ran first: a listed UUID on
-    another node is a row retired there (removed_at); it moves here. Returns those UUIDs."""
+    """Make the node's GPUs the listed ones. A listed UUID present (not removed) on another node is
+    GpuConflict, whichever registration wrote it first; one retired there (removed_at) moves here:
+    the hardware moved. Returns the UUIDs that moved."""
     index = gpu_model_index()
-    existing = {g.uuid: g for g in Gpu.objects.filter(uuid__in=[g.uuid for g in gpus])}
+    # Locked: a registration running beside this one cannot take them between the check and the write.
+    existing = {g.uuid: g for g in Gpu.objects.select_for_update().filter(uuid__in=[g.uuid for g in gpus])}
+    taken = [gpu for gpu in existing.values() if gpu.node_id != node.pk and gpu.removed_at is None]
+    if taken:
+        raise _gpus_taken([(gpu.uuid, gpu.node.hostname) for gpu in sorted(taken, key=lambda g: g.uuid)])
     moved = sorted(uuid for uuid, gpu in existing.items() if gpu.node_id != node.pk)
     seen: set[str] = set()
     unknown: dict[str, int] = {}
@@ -410,7 +407,12 @@ def _sync_gpus(node: Node, gpus: tuple[GpuInfo, ...], now: datetime) -> list[str
         }
         gpu = existing.get(info.uuid)
         if gpu is None:
-            Gpu.objects.create(uuid=info.uuid, **values)
+            try:
+                with transaction.atomic():
+                    Gpu.objects.create(uuid=info.uuid, **values)
+            except IntegrityError:  # written at the same moment by another registration
+                owner = Gpu.objects.filter(uuid=info.uuid).values_list("node__hostname", flat=True).first()
+                raise _gpus_taken([(info.uuid, owner or "?")]) from None
         else:
             for k, v in values.items():
                 setattr(gpu, k, v)

@@ -296,6 +296,61 @@ def test_a_gpu_uuid_of_another_node_is_refused_and_alerts_staff(
     assert FleetAlert.objects.filter(kind=FleetAlert.Kind.GPU_UUID_CONFLICT, resolved_at=None).count() == 2
 
 
+@pytest.mark.django_db(transaction=True)
+def test_two_registrations_racing_for_one_gpu_uuid_get_one_node_and_one_409(
+    make_bootstrap_token, monkeypatch
+):
+    """Both registrations are held by a barrier just before they look at the listed GPUs (in the
+    catalog lookup that precedes it), so both find them free. The second then took the GPU from the
+    first silently (its read came after the first's commit) or met the unique index (a 500). Now
+    the second is the same 409 as a GPU taken long before, and the first keeps its GPU."""
+    import threading
+
+    from django.db import connections
+
+    from nodes.services import registration
+    from tests.conftest import postgres_only
+
+    postgres_only("two transactions write at once")
+    tokens = [make_bootstrap_token(), make_bootstrap_token()]
+    uuid = "GPU-0000race-0000-0000-0000-000000000000"
+    both_there = threading.Barrier(2, timeout=10)
+    real_index = registration.gpu_model_index
+
+    def index_then_wait():
+        index = real_index()
+        both_there.wait()
+        return index
+
+    monkeypatch.setattr(registration, "gpu_model_index", index_then_wait)
+    results: dict[str, object] = {}
+
+    def register(i: int) -> None:
+        info = registration.NodeInfo(
+            hostname=f"race-{i}",
+            gpus=(registration.GpuInfo(index=0, uuid=uuid, name="NVIDIA H100 80GB HBM3"),),
+        )
+        try:
+            results[info.hostname] = registration.node_register(bootstrap_token=tokens[i], info=info)[0]
+        except Exception as exc:  # asserted below
+            results[info.hostname] = exc
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=register, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    outcomes = sorted(type(result).__name__ for result in results.values())
+    assert outcomes == ["GpuConflict", "Node"], results
+    refused = next(result for result in results.values() if isinstance(result, registration.GpuConflict))
+    assert refused.status_code == 409 and uuid in str(refused)
+    winner = next(result for result in results.values() if isinstance(result, Node))
+    assert list(Gpu.objects.filter(uuid=uuid).values_list("node_id", "removed_at")) == [(winner.pk, None)]
+    assert list(Node.objects.values_list("hostname", flat=True)) == [winner.hostname]  # nothing half-written
+
+
 def test_bootstrap_tokens_expire_in_72_hours_unless_never_is_asked(region, settings):
     from django.utils import timezone
 
