@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 from django.contrib.auth.signals import user_logged_in, user_login_failed
 from django.db.models.signals import post_delete, post_save, pre_save
 from django.dispatch import receiver
 
 from portal.actors import Actor
 from portal.events import membership_changed
+from portal.middleware import STAFF_LAST_SEEN_KEY
 from portal.models import Membership, User
 from portal.ratelimit import client_ip
 from portal.services import audit_record
@@ -41,6 +44,10 @@ def _signed_in(sender, request, user, **kwargs) -> None:
         target=user,
         data={"ip": client_ip(request) if request is not None else ""},
     )
+    if user.is_staff and request is not None and hasattr(request, "session"):
+        # The idle clock starts at sign-in, in the session write sign-in makes anyway, so the first
+        # page after it does not write the session again (StaffIdleTimeoutMiddleware).
+        request.session[STAFF_LAST_SEEN_KEY] = int(time.time())
 
 
 @receiver(user_login_failed, dispatch_uid="portal.sign_in_failed")
