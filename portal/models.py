@@ -182,32 +182,80 @@ class Invitation(TenantOwnedModel):
         return self.accepted_at is None and self.expires_at > timezone.now()
 
 
-class ApiTokenQuerySet(TenantQuerySet):
+class UsableTokens:
+    """``usable()`` for a token queryset: not revoked, not expired."""
+
     def usable(self, now: datetime | None = None):
         now = now or timezone.now()
         return self.filter(revoked_at__isnull=True).filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
 
 
-class ApiToken(TenantOwnedModel):
-    """A tenant's API token: ``gpp_<prefix>_<secret>``; only SHA-256 of the whole token is stored."""
+class HashedToken(models.Model):
+    """A bearer token ``<PREFIX>_<key_id>_<secret>`` of which only SHA-256 of the whole is stored:
+    the fields and behaviour tenant and staff tokens share."""
 
-    PREFIX = "gpp"
+    PREFIX: str
 
-    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_tokens")
     name = models.CharField(max_length=100)
     # The public, recognisable part (shown in lists, used for lookup); the secret is never stored.
     key_id = models.CharField(max_length=16, unique=True, editable=False)
     token_hash = models.CharField(max_length=64, editable=False)
     scopes = models.JSONField(default=list)
+    created = models.DateTimeField(default=timezone.now, editable=False)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        abstract = True
+        ordering = ["-created"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.display_prefix})"
+
+    @property
+    def display_prefix(self) -> str:
+        return f"{self.PREFIX}_{self.key_id}_…"
+
+    @property
+    def is_expired(self) -> bool:
+        return self.expires_at is not None and self.expires_at <= timezone.now()
+
+    @property
+    def is_revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    @property
+    def status(self) -> str:
+        if self.is_revoked:
+            return "revoked"
+        if self.is_expired:
+            return "expired"
+        return "active"
+
+    @classmethod
+    def generate(cls) -> tuple[str, str, str]:
+        """A new (key_id, plaintext token, hash of the token)."""
+        key_id = secrets.token_hex(6)
+        plaintext = f"{cls.PREFIX}_{key_id}_{_new_secret(32)}"
+        return key_id, plaintext, hash_secret(plaintext)
+
+
+class ApiTokenQuerySet(UsableTokens, TenantQuerySet):
+    pass
+
+
+class ApiToken(TenantOwnedModel, HashedToken):
+    """A tenant's API token: ``gpp_<prefix>_<secret>``."""
+
+    PREFIX = "gpp"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_tokens")
     # The person the token acts for: its authority is theirs, now (``effective_scopes``), and it
     # goes with their account. Empty only for a token the system made (``createapitoken``).
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="+"
     )
-    created = models.DateTimeField(default=timezone.now, editable=False)
-    expires_at = models.DateTimeField(null=True, blank=True)
-    revoked_at = models.DateTimeField(null=True, blank=True)
-    last_used_at = models.DateTimeField(null=True, blank=True)
 
     objects = ApiTokenQuerySet.as_manager()
 
@@ -216,38 +264,8 @@ class ApiToken(TenantOwnedModel):
     # creator is inactive or no longer a member. Nothing until it has authenticated.
     effective_scopes: frozenset[str] | None = frozenset()
 
-    class Meta:
-        ordering = ["-created"]
-
-    def __str__(self) -> str:
-        return f"{self.name} ({self.display_prefix})"
-
-    @property
-    def display_prefix(self) -> str:
-        return f"{self.PREFIX}_{self.key_id}_…"
-
-    @property
-    def is_expired(self) -> bool:
-        return self.expires_at is not None and self.expires_at <= timezone.now()
-
-    @property
-    def is_revoked(self) -> bool:
-        return self.revoked_at is not None
-
-    @property
-    def status(self) -> str:
-        if self.is_revoked:
-            return "revoked"
-        if self.is_expired:
-            return "expired"
-        return "active"
-
-    @classmethod
-    def generate(cls) -> tuple[str, str, str]:
-        """A new (key_id, plaintext token, hash of the token)."""
-        key_id = secrets.token_hex(6)
-        plaintext = f"{cls.PREFIX}_{key_id}_{_new_secret(32)}"
-        return key_id, plaintext, hash_secret(plaintext)
+    class Meta(HashedToken.Meta):
+        pass
 
 
 class StaffScope(models.TextChoices):
@@ -256,66 +274,25 @@ class StaffScope(models.TextChoices):
     FINANCE_READ = "finance:read", "Read finance reports"
 
 
-class StaffTokenQuerySet(models.QuerySet):
-    def usable(self, now: datetime | None = None):
-        now = now or timezone.now()
-        return self.filter(revoked_at__isnull=True).filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+class StaffTokenQuerySet(UsableTokens, models.QuerySet):
+    pass
 
 
-class StaffToken(models.Model):
+class StaffToken(HashedToken):
     """A staff person's token for the staff APIs (``/api/staff/v1/``): ``gps_<prefix>_<secret>``.
 
     Tied to no tenant and never accepted by the tenant API (nor a tenant's token by the staff APIs).
-    It acts for the staff person it was made for and works only while that person is active staff;
-    only SHA-256 of the whole token is stored."""
+    It acts for the staff person it was made for and works only while that person is active staff."""
 
     PREFIX = "gps"
 
-    name = models.CharField(max_length=100)
-    key_id = models.CharField(max_length=16, unique=True, editable=False)
-    token_hash = models.CharField(max_length=64, editable=False)
-    scopes = models.JSONField(default=list)
     # The staff person who made it and for whom it acts; it goes with their account.
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="staff_tokens")
-    created = models.DateTimeField(default=timezone.now, editable=False)
-    expires_at = models.DateTimeField(null=True, blank=True)
-    revoked_at = models.DateTimeField(null=True, blank=True)
-    last_used_at = models.DateTimeField(null=True, blank=True)
 
     objects = StaffTokenQuerySet.as_manager()
 
-    class Meta:
-        ordering = ["-created"]
-
-    def __str__(self) -> str:
-        return f"{self.name} ({self.display_prefix})"
-
-    @property
-    def display_prefix(self) -> str:
-        return f"{self.PREFIX}_{self.key_id}_…"
-
-    @property
-    def is_expired(self) -> bool:
-        return self.expires_at is not None and self.expires_at <= timezone.now()
-
-    @property
-    def is_revoked(self) -> bool:
-        return self.revoked_at is not None
-
-    @property
-    def status(self) -> str:
-        if self.is_revoked:
-            return "revoked"
-        if self.is_expired:
-            return "expired"
-        return "active"
-
-    @classmethod
-    def generate(cls) -> tuple[str, str, str]:
-        """A new (key_id, plaintext token, hash of the token)."""
-        key_id = secrets.token_hex(6)
-        plaintext = f"{cls.PREFIX}_{key_id}_{_new_secret(32)}"
-        return key_id, plaintext, hash_secret(plaintext)
+    class Meta(HashedToken.Meta):
+        pass
 
 
 class AuditEvent(TenantOwnedModel):

@@ -16,7 +16,7 @@ from django.core.exceptions import ValidationError as DjangoValidationError
 from django.core.mail import send_mail
 from django.core.validators import validate_email
 from django.db import IntegrityError, transaction
-from django.db.models import F, Model, OuterRef, Q, Subquery
+from django.db.models import F, Model, OuterRef, Q, Subquery, TextChoices
 from django.template.loader import render_to_string
 from django.utils import timezone
 
@@ -409,23 +409,25 @@ def invitations_purge_expired(*, now: datetime | None = None) -> int:
 # --- API tokens -----------------------------------------------------------------------------------------
 
 
-def _clean_scopes(scopes: Iterable[str] | None) -> list[str]:
+def scopes_clean(scopes: Iterable[str] | None, *, choices: type[TextChoices] = Scope) -> list[str]:
+    """A token's scopes from ``choices`` (a tenant token's by default), deduplicated and in the
+    choices' order; ValidationFailed naming ``scopes`` for none or an unknown one."""
     scopes = list(dict.fromkeys(scopes or []))
     if not scopes:
         raise ValidationFailed(
             "Choose at least one scope.", fields={"scopes": ["At least one scope is required."]}
         )
-    unknown = [s for s in scopes if s not in Scope.values]
+    unknown = [s for s in scopes if s not in choices.values]
     if unknown:
         raise ValidationFailed(
             f"Unknown scope {unknown[0]!r}.",
             fields={
-                "scopes": [f"Unknown scope {s!r}; choose from {', '.join(Scope.values)}." for s in unknown]
+                "scopes": [f"Unknown scope {s!r}; choose from {', '.join(choices.values)}." for s in unknown]
             },
         )
-    if Scope.WRITE in scopes and Scope.READ not in scopes:
+    if choices is Scope and Scope.WRITE in scopes and Scope.READ not in scopes:
         scopes.insert(0, Scope.READ)  # writing implies reading
-    return [s for s in Scope.values if s in scopes]
+    return [s for s in choices.values if s in scopes]
 
 
 @transaction.atomic
@@ -448,7 +450,7 @@ def api_token_create(
         errors["expires_at"] = ["The expiry must be in the future."]
     if errors:
         raise ValidationFailed("The token could not be created.", fields=errors)
-    clean = _clean_scopes(scopes)
+    clean = scopes_clean(scopes)
     allowed = _actor_scopes(actor, tenant)
     beyond = [s for s in clean if s not in allowed]
     if beyond:

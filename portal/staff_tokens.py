@@ -20,26 +20,7 @@ from django.utils import timezone
 from portal.actors import Actor
 from portal.errors import PermissionDenied, ValidationFailed
 from portal.models import StaffScope, StaffToken, User, hash_secret
-from portal.services import audit_record
-
-
-def _clean_staff_scopes(scopes: Iterable[str] | None) -> list[str]:
-    scopes = list(dict.fromkeys(scopes or []))
-    if not scopes:
-        raise ValidationFailed(
-            "Choose at least one scope.", fields={"scopes": ["At least one scope is required."]}
-        )
-    unknown = [s for s in scopes if s not in StaffScope.values]
-    if unknown:
-        raise ValidationFailed(
-            f"Unknown staff scope {unknown[0]!r}.",
-            fields={
-                "scopes": [
-                    f"Unknown scope {s!r}; choose from {', '.join(StaffScope.values)}." for s in unknown
-                ]
-            },
-        )
-    return [s for s in StaffScope.values if s in scopes]
+from portal.services import audit_record, scopes_clean
 
 
 @transaction.atomic
@@ -67,7 +48,7 @@ def staff_token_create(
         errors["expires_at"] = ["The expiry must be in the future."]
     if errors:
         raise ValidationFailed("The staff token could not be created.", fields=errors)
-    clean = _clean_staff_scopes(scopes)
+    clean = scopes_clean(scopes, choices=StaffScope)
     key_id, plaintext, digest = StaffToken.generate()
     token = StaffToken.objects.create(
         name=name, key_id=key_id, token_hash=digest, scopes=clean, user=user, expires_at=expires_at
