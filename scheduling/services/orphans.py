@@ -4,7 +4,9 @@ released without their node's word until the node confirms it.
 - A node that is gone (DOWN) or runs a workload it holds no open allocation of gets a stop that
   waits for it (``orphan_stop``: deadline ``ORPHAN_STOP_TTL``, attempts to match).
 - The reaper (``workloads_reap``) answers a heartbeat that lists such a workload starting or
-  running: one stop per (workload, node, attempt), none while a stop or preempt is on its way.
+  running: one stop per (workload, node, attempt), none while a stop or preempt is on its way. The
+  attempt is the one the node was started with, so the DOWN node's stop and the reaper's for the
+  same copy are one command.
 - A forced release (stop timeout, forced preemption, node DOWN) marks the allocations
   ``stop_forced_at``; the node's report that the workload is gone (``stop_confirm``: a terminal
   state, a stop or preempt done, or a newest batch that no longer lists it) sets
@@ -43,6 +45,8 @@ def workload_id_of(raw: Any) -> int | None:
 
 # How long a stop for a node that is gone (DOWN) or runs what it should not waits to be delivered.
 ORPHAN_STOP_TTL = timedelta(days=30)
+# How far back the reaper looks for the attempt a node runs (placements of one workload).
+ATTEMPTS_LOOKED_BACK = 64
 
 
 def orphan_stop(node_id: int, workload_id: str, attempt: int, now: datetime) -> CommandRequest:
@@ -102,7 +106,12 @@ def workloads_reap(*, node_id: int, workload_ids: list[str]) -> list[str]:
     """The reaper: of the workloads a node's heartbeat lists starting or running, stop those it
     holds no open allocation of (placed elsewhere, finished, requeued, or unknown to the portal).
     One query when all are in place; for an orphan, one stop per (workload, node, attempt), and none
-    while a stop or preempt of it is still on its way to that node. Returns the ids stopped."""
+    while a stop or preempt of it is still on its way to that node. Returns the ids stopped.
+
+    The attempt is that of the copy the node runs (its last start there), not the workload's
+    current one: a DOWN node's stop (``workloads_on_node_down``) and the reaper's stop for the same
+    copy then share one idempotency key, so a batch built before that stop took effect, or two
+    batches reaped at once, add no second stop (the key's unique index settles a race)."""
     numbers = {raw: workload_id_of(raw) for raw in workload_ids}
     placed = set(
         Allocation.objects.filter(
@@ -130,8 +139,9 @@ def workloads_reap(*, node_id: int, workload_ids: list[str]) -> list[str]:
                 payload__workload_id__in=orphans,
             ).values_list("payload__workload_id", flat=True)
         }
+        ran_here = _attempts_started(node_id, {raw: numbers[raw] for raw in orphans}, attempts)
         stops = [
-            orphan_stop(node_id, raw, attempts.get(numbers[raw], 0), now)
+            orphan_stop(node_id, raw, ran_here.get(raw, attempts.get(numbers[raw], 0)), now)
             for raw in orphans
             if raw not in on_the_way
         ]
@@ -140,6 +150,29 @@ def workloads_reap(*, node_id: int, workload_ids: list[str]) -> list[str]:
     if fresh:
         logger.warning("Node %s runs workloads it was not given; stopping %s", node_id, ", ".join(fresh))
     return fresh
+
+
+def _attempts_started(
+    node_id: int, numbers: dict[str, int | None], attempts: dict[int, int]
+) -> dict[str, int]:
+    """The attempt of the copy of each workload that the node runs: its last start there, found by
+    the start commands' idempotency keys (``start:<id>:<attempt>``, unique per node, indexed), of
+    the workload's last ATTEMPTS_LOOKED_BACK attempts."""
+    keys = {
+        f"start:{n}:{k}": (raw, k)
+        for raw, n in numbers.items()
+        if n is not None
+        for k in range(max(attempts.get(n, 0) - ATTEMPTS_LOOKED_BACK, 0) + 1, attempts.get(n, 0) + 1)
+    }
+    if not keys:
+        return {}
+    ran: dict[str, int] = {}
+    for key in NodeCommand.objects.filter(node_id=node_id, idempotency_key__in=keys).values_list(
+        "idempotency_key", flat=True
+    ):
+        raw, k = keys[key]
+        ran[raw] = max(ran.get(raw, 0), k)
+    return ran
 
 
 def stops_confirm_unlisted(now: datetime) -> list[int]:

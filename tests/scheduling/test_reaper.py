@@ -179,6 +179,43 @@ def test_the_reaper_stops_work_the_portal_did_not_place_on_that_node(
     assert len(stops(node, j)) == 2
 
 
+def test_a_down_nodes_stop_and_the_reapers_are_one_stop_for_one_copy(
+    register, beat, mark_down, submit, tenant, cycle, django_capture_on_commit_callbacks
+):
+    """The copy A ran (attempt 1) is stopped once, though the job runs on B by now (attempt 2) and
+    A's batches, built before the stop took effect, list it after A accepted and finished it."""
+    a = register()
+    w = submit(tenant)
+    cycle()
+    (start,) = node_commands_deliver_due(node_id=a.node_id)[0]
+    with django_capture_on_commit_callbacks(execute=True):
+        assert a.report(start.pk, "succeeded").status_code == 200
+    beat(a, (w, "running"))
+    mark_down(a)
+    (down_stop,) = stops(a, w)
+    b = register()
+    cycle()
+    assert holder(w) == b.node_id and reload(w).attempt == 2
+    beat(b, (w, "running"))
+
+    # A is back: its stop is delivered and accepted (no longer on its way), and a batch still lists it.
+    delivered, _ = node_commands_deliver_due(node_id=a.node_id)
+    assert [c.pk for c in delivered] == [down_stop.pk]
+    assert a.report(down_stop.pk, "accepted").status_code == 200
+    beat(a, (w, "running"))
+    assert [c.pk for c in stops(a, w)] == [down_stop.pk]
+    with django_capture_on_commit_callbacks(execute=True):
+        assert a.report(down_stop.pk, "succeeded").status_code == 200
+    beat(a, (w, "running"))  # a late batch of A's, built before the stop
+    assert [c.pk for c in stops(a, w)] == [down_stop.pk]
+    assert not stops(b, w) and holder(w) == b.node_id
+
+    # Positive control: a copy the node was never given (an unknown id) is still stopped, once.
+    beat(a, (w, "running"), ("900125", "running"))
+    beat(a, (w, "running"), ("900125", "running"))
+    assert len(stops(a, "900125")) == 1 and [c.pk for c in stops(a, w)] == [down_stop.pk]
+
+
 def test_the_reaper_asks_one_query_of_a_heartbeat_that_reports_work(register, beat, submit, tenant, cycle):
     busy, idle = register(gpus=4), register(gpus=1)
     ws = [submit(tenant) for _ in range(4)]

@@ -128,7 +128,7 @@ def test_a_healed_partition_leaves_one_copy_and_bills_to_the_down_mark(start_age
     assert orphan_stop.state == CommandState.SUCCEEDED
     assert list(
         NodeCommand.objects.filter(node=node_a, kind=CommandKind.STOP_WORKLOAD).values_list("pk", flat=True)
-    ) == [orphan_stop.pk]  # the reaper saw it on its way: no second stop
+    ) == [orphan_stop.pk]  # the reaper's stop for this copy is the same command: no second one
     confirmed = Allocation.objects.get(pk=alloc_a.pk).stop_confirmed_at
     back = list(
         HeartbeatBatch.objects.filter(node=node_a, received_at__gte=healed, received_at__lte=confirmed)
