@@ -35,6 +35,7 @@ import contextlib
 import json
 import os
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -279,6 +280,10 @@ async def tenant_load(base: str, tokens: list[str], rate: float, duration: float
 # --- the stack ----------------------------------------------------------------------------------------
 
 
+# /metrics answers only a scrape that sends the deployment's token, as Prometheus does.
+METRICS_TOKEN = secrets.token_urlsafe(24)
+
+
 def stack_env(db_url: str, redis_url: str, var_dir: Path, pool_size: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("DJANGO_SETTINGS_MODULE", "TEST_DB_NAME")}
     env.update(
@@ -292,6 +297,7 @@ def stack_env(db_url: str, redis_url: str, var_dir: Path, pool_size: int) -> dic
         GPUPOOL_VAR_DIR=str(var_dir),
         # Capacity is what is measured here, not the per-token limit or the default quotas.
         API_RATE_LIMIT="1000000/min",
+        METRICS_TOKEN=METRICS_TOKEN,
         SCHEDULING_DEFAULT_MAX_GPUS="100000",
         SCHEDULING_DEFAULT_MAX_WORKLOADS="100000",
         PYTHONPATH=str(ROOT),
@@ -459,7 +465,11 @@ def scrape_metrics(base: str) -> dict[str, float]:
     out: dict[str, float] = defaultdict(float)
     started = time.perf_counter()
     try:
-        text = httpx.get(f"{base}/metrics", timeout=60).text
+        response = httpx.get(
+            f"{base}/metrics", timeout=60, headers={"Authorization": f"Bearer {METRICS_TOKEN}"}
+        )
+        response.raise_for_status()
+        text = response.text
     except httpx.HTTPError as exc:
         print(f"/metrics did not answer: {type(exc).__name__}", file=sys.stderr)
         return out
