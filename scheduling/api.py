@@ -23,6 +23,7 @@ from rest_framework.response import Response
 from nodes.models import GpuModel
 from portal.api.filters import TenantFilterSet, UTCDateTimeFilter
 from portal.api.routers import router
+from portal.api.serializers import FieldsOnceModelSerializer
 from portal.api.viewsets import TenantReadOnlyViewSet, TenantScopedViewSet
 from portal.models import Scope
 from scheduling import selectors
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 # --- serializers -----------------------------------------------------------------------------------
 
 
-class WorkloadSerializer(serializers.ModelSerializer):
+class WorkloadSerializer(FieldsOnceModelSerializer):
     gpu_models = serializers.SerializerMethodField()
     region = serializers.SlugRelatedField(read_only=True, slug_field="code")
     pending = serializers.SerializerMethodField()
@@ -299,7 +300,7 @@ class JobViewSet(_WorkloadViewSet):
 # --- GPU types -------------------------------------------------------------------------------------
 
 
-class GpuTypeSerializer(serializers.ModelSerializer):
+class GpuTypeSerializer(FieldsOnceModelSerializer):
     availability = serializers.SerializerMethodField()
 
     class Meta:

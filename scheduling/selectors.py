@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -151,20 +152,32 @@ def workload_events(*, workload: Workload) -> QuerySet[WorkloadEvent]:
 
 
 def workload_gpu_model_names(*, workload_ids: Iterable[int]) -> dict[int, list[str]]:
-    """The GPU models each workload may run on, by name in the catalog's order: one query over the
-    many-to-many table, for a page of workloads at once."""
+    """The GPU models each workload may run on, by name in the catalog's order: one statement over
+    the many-to-many table, for a page of workloads at once. Raw SQL (names from ``_meta``): every
+    workload read makes it, and the ORM's ``values_list`` over the join took 0.5 ms to compile."""
     names: dict[int, list[str]] = defaultdict(list)
     ids = list(workload_ids)
     if not ids:
         return names
-    rows = (
-        Workload.gpu_models.through.objects.filter(workload_id__in=ids)
-        .order_by("gpumodel__vendor", "gpumodel__name")
-        .values_list("workload_id", "gpumodel__name")
-    )
-    for workload_id, name in rows:
-        names[workload_id].append(name)
+    with connection.cursor() as cursor:
+        cursor.execute(_model_names_statement(len(ids)), ids)
+        for workload_id, name in cursor.fetchall():
+            names[workload_id].append(name)
     return names
+
+
+@functools.lru_cache(maxsize=64)
+def _model_names_statement(count: int) -> str:
+    q = connection.ops.quote_name
+    through = Workload.gpu_models.through._meta
+    model = GpuModel._meta
+    workload, gpu_model = (q(through.get_field(n).column) for n in ("workload", "gpumodel"))
+    return (
+        f"SELECT t.{workload}, m.{q(model.get_field('name').column)} FROM {q(through.db_table)} t"
+        f" JOIN {q(model.db_table)} m ON m.{q(model.pk.column)} = t.{gpu_model}"
+        f" WHERE t.{workload} IN ({', '.join(['%s'] * count)})"
+        f" ORDER BY m.{q(model.get_field('vendor').column)}, m.{q(model.get_field('name').column)}"
+    )
 
 
 def workload_placement(*, workload: Workload) -> list[dict]:

@@ -256,3 +256,33 @@ def test_the_redis_cache_keeps_one_client_per_process(private_redis, settings, m
     assert first._cache.get_client(write=True) is second._cache.get_client("k")
 
     pool.disconnect()
+
+
+def test_fields_built_once_per_class_are_a_fresh_bound_copy_per_serializer(tenant):
+    """``FieldsOnceModelSerializer`` renders what DRF's ``ModelSerializer`` renders, builds the
+    fields once per class, and gives each serializer fields of its own, bound to it."""
+    from rest_framework import serializers
+
+    from portal.api.serializers import FieldsOnceModelSerializer
+    from portal.models import Tenant
+
+    class Plain(serializers.ModelSerializer):
+        class Meta:
+            model = Tenant
+            fields = ["id", "slug", "name", "currency", "status", "created"]
+
+    class Once(FieldsOnceModelSerializer):
+        Meta = Plain.Meta
+
+    class Narrower(Once):
+        class Meta(Plain.Meta):
+            fields = ["slug"]
+
+    first, second = Once(tenant), Once(tenant)
+    assert first.data == Plain(tenant).data
+    built = Once.__dict__["_fields_built"]
+    assert second.data == first.data and Once.__dict__["_fields_built"] is built  # built once
+    assert first.fields["slug"] is not second.fields["slug"] is not built["slug"]
+    assert first.fields["slug"].parent is first and second.fields["slug"].parent is second
+    assert built["slug"].field_name is None  # the class's own stay unbound
+    assert list(Narrower(tenant).data) == ["slug"] and list(Once(tenant).data) == Plain.Meta.fields
