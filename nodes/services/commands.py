@@ -9,6 +9,7 @@ accepted a command, only its report finishes it. Every step is a NodeCommandEven
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
@@ -226,11 +227,22 @@ def node_commands_enqueue_many(
 
 
 def _upcoming(node_id: int, limit: int) -> list[tuple[uuid.UUID, datetime]]:
-    """(id, next attempt) of the node's open commands, soonest first (every round of a long poll)."""
-    return list(
-        NodeCommand.objects.filter(node_id=node_id, state__in=OPEN_COMMAND_STATES)
-        .order_by("next_attempt_at")
-        .values_list("id", "next_attempt_at")[:limit]
+    """(id, next attempt) of the node's open commands, soonest first (every round of a long poll).
+    A ``raw()`` statement, names from ``_meta``: its ORM form spent more CPU compiling than the
+    rest of a poll's round (bench/scale.py's agent ingress)."""
+    commands = NodeCommand.objects.raw(_upcoming_statement(), [node_id, *OPEN_COMMAND_STATES, limit])
+    return [(c.pk, c.next_attempt_at) for c in commands]
+
+
+@functools.cache
+def _upcoming_statement() -> str:
+    q = connection.ops.quote_name
+    meta = NodeCommand._meta
+    pk, node, state, at = (q(meta.get_field(n).column) for n in ("id", "node", "state", "next_attempt_at"))
+    states = ", ".join(["%s"] * len(OPEN_COMMAND_STATES))
+    return (
+        f"SELECT {pk}, {at} FROM {q(meta.db_table)} WHERE {node} = %s AND {state} IN ({states})"
+        f" ORDER BY {at} LIMIT %s"
     )
 
 

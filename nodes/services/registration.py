@@ -12,12 +12,13 @@ unless staff ask for "never".
 
 from __future__ import annotations
 
+import functools
 import hmac
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
@@ -463,14 +464,26 @@ def node_authenticate(*, credential: str) -> AuthenticatedNode:
     parts = _split_token(credential, NodeCredential.PREFIX)
     if parts is None or not parts[0].isdigit():
         raise NotAuthenticated("Invalid node credential.")
-    row = (
-        NodeCredential.objects.filter(node_id=int(parts[0]))
-        .values_list("key_hash", "node__seq_epoch", "node__hostname")
-        .first()
-    )
-    if row is None or not hmac.compare_digest(row[0], hash_secret(credential)):
+    # Every poll and report of every node makes it: a raw() statement (names from _meta), where
+    # the ORM's values_list over the join spent its time compiling.
+    found = next(iter(NodeCredential.objects.raw(_credential_statement(), [int(parts[0])])), None)
+    if found is None or not hmac.compare_digest(found.key_hash, hash_secret(credential)):
         raise NotAuthenticated("Invalid node credential.")
-    return AuthenticatedNode(id=int(parts[0]), seq_epoch=row[1], hostname=row[2])
+    return AuthenticatedNode(id=int(parts[0]), seq_epoch=found.node_seq_epoch, hostname=found.node_hostname)
+
+
+@functools.cache
+def _credential_statement() -> str:
+    q = connection.ops.quote_name
+    cred, node = NodeCredential._meta, Node._meta
+    cred_node = q(cred.get_field("node").column)
+    return (
+        f"SELECT c.{q(cred.pk.column)}, c.{q(cred.get_field('key_hash').column)},"
+        f" n.{q(node.get_field('seq_epoch').column)} AS node_seq_epoch,"
+        f" n.{q(node.get_field('hostname').column)} AS node_hostname"
+        f" FROM {q(cred.db_table)} c JOIN {q(node.db_table)} n ON n.{q(node.pk.column)} = c.{cred_node}"
+        f" WHERE c.{cred_node} = %s"
+    )
 
 
 @transaction.atomic
