@@ -6,13 +6,10 @@
   The long poll holds no thread and no database connection while it waits; heartbeats and reports
   do their database work on the event loop's worker threads.
 - Everything else (pages, the API, health and metrics): Django's WSGI handler on a fixed pool of
-  ``WEB_THREADS`` threads per process (``portal.threaded_wsgi``: the request body read on the
-  loop, one hop to a thread and one back). These views are synchronous; under Django's ASGI
-  handler each such request started a thread of its own and crossed between the event loop and
-  that thread for every middleware: about a third of the web tier's CPU under ``bench/scale.py``.
-  Pool threads live as long as the process and keep their database connections; Django's cache
-  objects are per context, which is new for every request, so the Redis client is the process's
-  (``portal.cache.RedisCache``).
+  ``WEB_THREADS`` threads per process, through a2wsgi's ``WSGIMiddleware``. These views are
+  synchronous; under Django's ASGI handler each request crossed between the event loop and a
+  thread for every middleware. Pool threads live as long as the process and keep their database
+  connections.
 """
 
 import os
@@ -23,6 +20,7 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 django_asgi_app = get_asgi_application()
 
+from a2wsgi import WSGIMiddleware  # noqa: E402
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
@@ -33,7 +31,6 @@ from django.utils.module_loading import import_string  # noqa: E402
 
 from portal.heap import heap_freeze_loaded  # noqa: E402
 from portal.routing import websocket_urlpatterns  # noqa: E402
-from portal.threaded_wsgi import ThreadedWSGI  # noqa: E402
 
 # (prefix, ASGI app class, the middleware that serves only its requests), from the settings: the
 # apps are named, not imported, as in MIDDLEWARE (portal imports no app above it).
@@ -59,7 +56,7 @@ class PagesHandler(WSGIHandler):
             settings.MIDDLEWARE = chain
 
 
-threaded_app = ThreadedWSGI(PagesHandler(), workers=settings.WEB_THREADS)
+threaded_app = WSGIMiddleware(PagesHandler(), workers=settings.WEB_THREADS)
 
 
 async def http_app(scope, receive, send):

@@ -126,12 +126,9 @@ else:
     DATABASES["default"].setdefault("OPTIONS", {}).setdefault(
         "application_name", env.str("DB_APPLICATION_NAME", default="gpupool")
     )
-    # Queries bind their parameters on the server (psycopg's server-side binding) and each is
-    # prepared on a connection after 5 uses: PostgreSQL parses and plans it once per connection
-    # instead of every time (planning cost it more than running most of the API's and the
-    # heartbeat's statements), and psycopg quotes no literal in Python: PostgreSQL's time per API
-    # read halved on bench/scale.py's database. Off: client-side binding, nothing prepared (Django's
-    # default; for a PgBouncer in transaction mode older than 1.21).
+    # Queries bind their parameters on the server and each is prepared on a connection after 5 uses,
+    # so PostgreSQL plans it once per connection (docs/performance.md). Off: client-side binding,
+    # nothing prepared (for a PgBouncer in transaction mode older than 1.21).
     if env.bool("DB_PREPARED_STATEMENTS", default=True):
         DATABASES["default"].setdefault("OPTIONS", {}).update(server_side_binding=True, prepare_threshold=5)
     # A connection pool per process (psycopg_pool), shared by the WEB_THREADS threads and the
@@ -147,20 +144,11 @@ else:
             "timeout": 10,
         }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
-# Threads per web process that serve pages and the API (portal/asgi.py); the agent protocol runs on
-# the event loop and its worker threads. Each may hold a database connection while it serves a request.
-# They share one GIL, so past what covers the requests' waits on the database and Redis more threads
-# only take turns at it: with eight clients kept busy, 4 threads cost 17-20 % less CPU a request than
-# 8. But a request's waits stretch when the machine is busy, and then 4 threads are all waiting while
-# requests queue behind them: under bench/scale.py at --rate 90 (2 cores, interleaved pairs) read
-# p99 was 179, 954 and 1,053 ms with 8 threads against 1,528, 1,630 and 3,068 ms with 4, for the
-# same CPU; 12 and 16 were not clearly better than 8.
+# Threads per web process that serve pages and the API (portal/asgi.py), each may hold a database
+# connection; they share one GIL. Why 8: docs/performance.md.
 WEB_THREADS = env.int("WEB_THREADS", default=8)
-# How long (ms) a thread of a web process may hold the GIL while another waits for it (Python's
-# default: 5). A request thread whose database answer has come waits up to this long for the GIL
-# each time, behind the threads that are computing: with 8 threads, 1 ms instead of 5 gave read p99
-# 476/220/170/165 ms against 874/741/449/224 under bench/scale.py at --rate 80 (four interleaved
-# pairs), for the same CPU. Applied by portal/asgi.py (the web and agent-web processes).
+# How long (ms) a thread of the web and agent-web processes may hold the GIL while another waits for
+# it (Python's default: 5), applied by portal/asgi.py. Why 1: docs/performance.md.
 WEB_GIL_SWITCH_INTERVAL_MS = env.float("WEB_GIL_SWITCH_INTERVAL_MS", default=1.0)
 if not 0 < WEB_GIL_SWITCH_INTERVAL_MS <= 1000:
     raise ImproperlyConfigured(

@@ -1,4 +1,4 @@
-"""portal/asgi.py: pages and the API on the WSGI thread pool, the agent protocol's hot paths
+"""portal/asgi.py: pages and the API on the WSGI thread pool (a2wsgi), the agent protocol's hot paths
 straight to their async views (the long poll must never hold a thread) and the rest of it through
 Django's ASGI handler, websockets through Channels."""
 
@@ -122,3 +122,46 @@ def test_a_web_process_hands_the_gil_over_after_web_gil_switch_interval_ms():
     assert float(set_.stdout) == pytest.approx(0.0025)
     refused = _switch_interval_after_import("0")
     assert refused.returncode != 0 and "WEB_GIL_SWITCH_INTERVAL_MS" in refused.stderr
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_api_takes_a_json_body_in_pieces_through_the_portals_asgi_app(tenant, make_token):
+    """A body that arrives in several ASGI messages reaches the view whole through the WSGI pool."""
+    import json
+
+    from portal.api import views  # noqa: F401  (the URLconf is loaded before the threads race for it)
+
+    body = json.dumps({"name": "ci", "scopes": ["read"]}).encode()
+    scope = {
+        "type": "http",
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/api/v1/tokens/",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"host", b"localhost"),
+            (b"authorization", f"Bearer {make_token(tenant)}".encode()),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "server": ("localhost", 80),
+        "client": ("127.0.0.1", 5555),
+    }
+    chunks = [body[:5], body[5:9], body[9:]]
+    incoming = [
+        {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)
+    ]
+    sent = []
+
+    async def receive():
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(asgi.application(scope, receive, send))
+    assert sent[0]["status"] == 201, sent
+    created = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    assert created["name"] == "ci" and created["scopes"] == ["read"]
