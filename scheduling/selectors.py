@@ -154,7 +154,8 @@ def workload_events(*, workload: Workload) -> QuerySet[WorkloadEvent]:
 def workload_gpu_model_names(*, workload_ids: Iterable[int]) -> dict[int, list[str]]:
     """The GPU models each workload may run on, by name in the catalog's order: one statement over
     the many-to-many table, for a page of workloads at once. Raw SQL (names from ``_meta``): every
-    workload read makes it, and the ORM's ``values_list`` over the join took 0.5 ms to compile."""
+    workload read makes it, and the ORM's ``values_list`` over the join cost more to compile than to
+    run."""
     names: dict[int, list[str]] = defaultdict(list)
     ids = list(workload_ids)
     if not ids:

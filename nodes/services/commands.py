@@ -229,7 +229,7 @@ def node_commands_enqueue_many(
 def _upcoming(node_id: int, limit: int) -> list[tuple[uuid.UUID, datetime]]:
     """(id, next attempt) of the node's open commands, soonest first (every round of a long poll).
     A ``raw()`` statement, names from ``_meta``: its ORM form spent more CPU compiling than the
-    rest of a poll's round (bench/scale.py's agent ingress)."""
+    rest of a poll's round."""
     commands = NodeCommand.objects.raw(_upcoming_statement(), [node_id, *OPEN_COMMAND_STATES, limit])
     return [(c.pk, c.next_attempt_at) for c in commands]
 

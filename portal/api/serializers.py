@@ -9,10 +9,10 @@ from portal.models import ApiToken, AuditEvent, Invitation, Membership, Role, Sc
 
 class FieldsOnceModelSerializer(serializers.ModelSerializer):
     """A ``ModelSerializer`` that builds its fields from the model once per class and gives each
-    instance a copy, as a plain ``Serializer`` copies its declared fields. DRF builds them again for
-    every serializer (every request): for a workload's 42 fields 0.71 ms, a copy 0.32 ms. For
-    serializers whose fields depend on nothing but the class (no ``get_fields`` of their own that
-    reads the instance, the context or the request)."""
+    instance a copy, as a plain ``Serializer`` copies its declared fields; DRF would build them again
+    for every serializer, so every request, at twice the cost of the copy. For serializers whose
+    fields depend on nothing but the class (no ``get_fields`` of their own that reads the instance,
+    the context or the request)."""
 
     def get_fields(self):
         built = type(self).__dict__.get("_fields_built")
