@@ -6,13 +6,13 @@ import datetime as dt
 from zoneinfo import available_timezones
 
 from django import forms
-from django.contrib.admin.forms import AdminAuthenticationForm
+from django.contrib.admin.forms import AdminAuthenticationForm, AdminPasswordChangeForm
 from django.contrib.auth import forms as auth_forms
 from django.utils import timezone
 
 from portal.errors import DomainError
 from portal.models import ROLE_SCOPES, Role, Scope, User
-from portal.signin import LimitedLoginFormMixin
+from portal.signin import LimitedLoginFormMixin, LimitedPasswordChangeMixin
 
 SCOPE_HELP = {
     Scope.READ: "See instances, jobs, usage and the fleet.",
@@ -60,6 +60,10 @@ class LoginForm(LimitedLoginFormMixin, auth_forms.AuthenticationForm):
 
 class AdminLoginForm(LimitedLoginFormMixin, AdminAuthenticationForm):
     """The Django admin's sign-in, behind the same attempt limiter as the site's."""
+
+
+class LimitedAdminPasswordChangeForm(LimitedPasswordChangeMixin, AdminPasswordChangeForm):
+    """The Django admin's password change, behind the sign-in attempt limiter."""
 
 
 class PasswordResetRequestForm(auth_forms.PasswordResetForm):

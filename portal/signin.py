@@ -1,6 +1,8 @@
 """Signing in with a password, wherever the form is (the site's, the Django admin's): every check of
 a password by ``django.contrib.auth.authenticate`` passes the attempt limiter first, and sign-ins,
-failures and lockouts are audited.
+failures and lockouts are audited. Password-change forms check the old password with
+``check_password`` instead; ``LimitedPasswordChangeMixin`` puts them behind the same limiter, with the
+same counts (per account email and per address), so a stolen session cannot guess it either.
 
 The limiter counts each attempt before the password is checked, per email and per client address,
 so parallel attempts get no more tries than sequential ones. A refused attempt raises
@@ -69,3 +71,37 @@ class LimitedLoginFormMixin:
         if wait:
             return ValidationError(too_many_message(wait), code="too_many_attempts")
         return super().get_invalid_login_error()  # type: ignore[misc]
+
+
+class LimitedPasswordChangeMixin:
+    """For a PasswordChangeForm built with ``request=``: the old password is checked only after the
+    attempt limiter allowed it (the count is the account's sign-in count), a refusal marks the
+    request for the 429, and failures and lockouts are audited as ``account.password_change_*``."""
+
+    def __init__(self, *args, request, **kwargs):
+        self.request = request
+        super().__init__(*args, **kwargs)
+
+    def clean_old_password(self):
+        from django.core.exceptions import ValidationError
+
+        email, address = self.user.email.lower(), client_ip(self.request)  # type: ignore[attr-defined]
+        wait = max(email_limiter.take(email), address_limiter.take(address))
+        if wait:
+            setattr(self.request, RETRY_AFTER_ATTR, wait)
+            self._audit("account.password_change_locked", address)
+            raise ValidationError(too_many_message(wait), code="too_many_attempts")
+        try:
+            old = super().clean_old_password()  # type: ignore[misc]
+        except ValidationError:
+            self._audit("account.password_change_failed", address)
+            raise
+        email_limiter.reset(email)  # the person knew it: their account's count starts again
+        return old
+
+    def _audit(self, action: str, address: str) -> None:
+        from portal.actors import Actor
+        from portal.services import audit_record
+
+        user = self.user  # type: ignore[attr-defined]
+        audit_record(tenant=None, actor=Actor(user=user), action=action, target=user, data={"ip": address})

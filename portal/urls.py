@@ -3,11 +3,18 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from portal import health, metrics
+from portal.views.accounts import AdminPasswordChangeView
 
 urlpatterns = [
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
     path("metrics", metrics.metrics, name="metrics"),
+    # Ahead of the admin's own: its password change behind the sign-in limiter (portal.signin).
+    path(
+        "admin/password_change/",
+        admin.site.admin_view(AdminPasswordChangeView.as_view()),
+        name="admin-password-change",
+    ),
     path("admin/", admin.site.urls),
     path("api/v1/", include("portal.api.urls")),
     path("agent/v1/", include("nodes.agent_urls")),

@@ -11,6 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from django.conf import settings as django_settings
 from django.core import mail
 from django.db import connections
 from django.test import Client, RequestFactory
@@ -138,3 +139,80 @@ def test_staff_sessions_end_after_the_idle_time(staff, settings):
     session["staff_last_seen"] = int(time.time()) - 590
     session.save()
     assert client.get("/staff/finance/").status_code == 200
+
+
+def change_password(client: Client, old: str, new: str = "a-new-Passw0rd-for-tests"):
+    return client.post(
+        "/admin/password_change/",
+        {"old_password": old, "new_password1": new, "new_password2": new},
+    )
+
+
+@pytest.mark.django_db
+def test_the_admin_password_change_is_limited_as_sign_in_is(staff, settings):
+    """A stolen staff session cannot guess the old password without end: the admin's change form
+    checks it with ``check_password``, which the sign-in backend never sees."""
+    client = Client(REMOTE_ADDR="203.0.113.20")
+    client.force_login(staff)
+    assert client.get("/admin/password_change/").status_code == 200  # positive control
+    limit, tries = settings.GPUPOOL_LOGIN_FAILURE_LIMIT, settings.GPUPOOL_LOGIN_FAILURE_LIMIT + 3
+    codes = [change_password(client, f"wrong-{i}").status_code for i in range(tries)]
+    assert codes == [200] * limit + [429] * (tries - limit)  # the admin shows its form again: 200
+    blocked = change_password(client, PASSWORD)
+    assert blocked.status_code == 429
+    assert int(blocked["Retry-After"]) > 0
+    assert "Too many attempts" in blocked.content.decode()
+    staff.refresh_from_db()
+    assert staff.check_password(PASSWORD)  # not changed
+    assert actions().count("account.password_change_failed") == limit
+    assert actions().count("account.password_change_locked") == tries - limit + 1
+    failed = AuditEvent.objects.filter(action="account.password_change_failed").first()
+    assert (failed.actor_user, failed.target_id, failed.data) == (
+        staff,
+        str(staff.pk),
+        {"ip": "203.0.113.20"},
+    )
+    # The account's count is the sign-in's: signing in again is locked too.
+    assert Client().post("/login/", {"username": staff.email, "password": PASSWORD}).status_code == 429
+
+
+@pytest.mark.django_db
+def test_the_right_old_password_changes_it_and_starts_the_count_again(staff, settings):
+    client = Client()
+    client.force_login(staff)
+    for i in range(settings.GPUPOOL_LOGIN_FAILURE_LIMIT - 1):
+        assert change_password(client, f"wrong-{i}").status_code == 200
+    done = change_password(client, PASSWORD, "a-new-Passw0rd-for-tests")
+    assert done.status_code == 302 and done["Location"] == "/admin/password_change/done/"
+    staff.refresh_from_db()
+    assert staff.check_password("a-new-Passw0rd-for-tests")
+    # A success clears the account's count: a typo afterwards is an ordinary wrong password.
+    assert change_password(client, "wrong-again").status_code == 200
+    assert "account.password_changed" in actions()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_parallel_password_change_attempts_get_no_more_tries_than_the_limit(settings):
+    """Thirty wrong old passwords at once from one stolen session: exactly the limit are checked."""
+    postgres_only("thirty threads writing audit events at once")
+    user = User.objects.create_user(email="ops2@gpupool.test", password=PASSWORD, is_staff=True)
+    limit, tries = settings.GPUPOOL_LOGIN_FAILURE_LIMIT, 30
+    barrier = threading.Barrier(tries)
+    session = Client()
+    session.force_login(user)
+    cookie = session.cookies[django_settings.SESSION_COOKIE_NAME].value
+
+    def attempt(i: int) -> int:
+        try:
+            client = Client(REMOTE_ADDR=f"198.51.100.{i}")  # many addresses, one account
+            client.cookies[django_settings.SESSION_COOKIE_NAME] = cookie
+            barrier.wait()
+            return change_password(client, "x").status_code
+        finally:
+            connections.close_all()
+
+    with ThreadPoolExecutor(tries) as pool:
+        codes = sorted(pool.map(attempt, range(tries)))
+    assert codes == [200] * limit + [429] * (tries - limit)
+    user.refresh_from_db()
+    assert user.check_password(PASSWORD)
