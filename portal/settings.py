@@ -52,6 +52,7 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "django_htmx",
+    "csp",  # Content-Security-Policy header (CONTENT_SECURITY_POLICY below)
     "channels",
     "portal",
     "nodes",
@@ -68,6 +69,7 @@ MIDDLEWARE = [
     "portal.middleware.ProbeMiddleware",
     "portal.middleware.ApiErrorMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    "csp.middleware.CSPMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -302,6 +304,24 @@ SECURE_CONTENT_TYPE_NOSNIFF = True
 SECURE_REFERRER_POLICY = "same-origin"
 X_FRAME_OPTIONS = "DENY"
 SESSION_COOKIE_HTTPONLY = True
+# Content-Security-Policy on every response past the probes and the agent's fast path: only our own
+# scripts, styles and connections (the live events' ws/wss are same-origin: 'self' covers them in
+# CSP3 browsers), no inline script or style, no plugins, no framing. The API docs add what Swagger
+# UI needs on their own view (portal/urls.py). docs/security.md has the policy's reasons.
+CONTENT_SECURITY_POLICY = {
+    "DIRECTIVES": {
+        "default-src": ["'self'"],
+        "script-src": ["'self'"],
+        "style-src": ["'self'"],
+        "img-src": ["'self'"],
+        "font-src": ["'self'"],
+        "connect-src": ["'self'"],
+        "object-src": ["'none'"],
+        "base-uri": ["'self'"],
+        "form-action": ["'self'"],
+        "frame-ancestors": ["'none'"],
+    },
+}
 DATA_UPLOAD_MAX_MEMORY_SIZE = env.int("DATA_UPLOAD_MAX_MEMORY_SIZE", default=2 * 1024 * 1024)
 
 # --- REST framework ---------------------------------------------------------------------------------

@@ -34,6 +34,15 @@
     });
   }
 
+  // Bars (meters, progress) carry their percentage in data-bar: the Content-Security-Policy allows
+  // no style attribute in markup, but a width set from script is allowed.
+  function drawBars(root) {
+    (root || document).querySelectorAll("[data-bar]").forEach(function (bar) {
+      var pct = parseFloat(bar.getAttribute("data-bar"));
+      bar.style.width = (isFinite(pct) ? Math.min(100, Math.max(0, pct)) : 0) + "%";
+    });
+  }
+
   function autoDismiss(root) {
     (root || document).querySelectorAll("#messages .flash").forEach(function (flash) {
       if (flash.dataset.timer) return;
@@ -98,11 +107,13 @@
 
   document.addEventListener("htmx:load", function (event) {
     syncExpiry(event.detail.elt.parentNode || document);
+    drawBars(event.detail.elt.parentNode || document);
     autoDismiss(document);
   });
 
   document.addEventListener("DOMContentLoaded", function () {
     syncExpiry(document);
+    drawBars(document);
     autoDismiss(document);
   });
 })();
