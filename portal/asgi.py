@@ -9,7 +9,8 @@
   ``WEB_THREADS`` threads per process, through a2wsgi's ``WSGIMiddleware``. These views are
   synchronous; under Django's ASGI handler each request crossed between the event loop and a
   thread for every middleware. Pool threads live as long as the process and keep their database
-  connections.
+  connections; Django's cache objects are per context, new for every request, and share the
+  process's Redis connection pool (django-redis keeps one per server).
 """
 
 import os

@@ -171,9 +171,12 @@ if REDIS_URL:
     CELERY_RESULT_BACKEND = None
     CACHES = {
         "default": {
-            "BACKEND": "portal.cache.RedisCache",  # one connection pool per process
+            # django-redis keeps one connection pool per process.
+            "BACKEND": "django_redis.cache.RedisCache",
             "LOCATION": REDIS_URL,
             "KEY_PREFIX": env.str("CACHE_KEY_PREFIX", default="gpupool"),
+            # A request waits at most this long on Redis, then fails instead of holding its thread.
+            "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 2},
         }
     }
     CHANNEL_LAYERS = {

@@ -23,17 +23,29 @@ if os.environ.get("CI"):
     hypothesis_settings.load_profile("ci")
 
 
+def cache_empty() -> None:
+    """Forget what the default cache holds. On Redis only the cache's own keys go (django-redis's
+    ``delete_pattern``, under its KEY_PREFIX): ``clear()`` would flush the whole database, and the
+    Celery broker's queues and bindings with it."""
+    from django.core.cache import caches
+    from django_redis.cache import RedisCache
+
+    cache = caches["default"]
+    if isinstance(cache, RedisCache):
+        cache.delete_pattern("*")
+    else:
+        cache.clear()
+
+
 @pytest.fixture(autouse=True)
 def _empty_cache():
-    """Throttle and sign-in counters must not leak from one test into the next."""
-    from django.core.cache import cache
-
+    """Cached answers, throttle and sign-in counters must not leak from one test into the next."""
     from portal.ratelimit import reset_all
 
-    cache.clear()
+    cache_empty()
     reset_all()
     yield
-    cache.clear()
+    cache_empty()
     reset_all()
 
 

@@ -20,9 +20,10 @@ if os.environ.get("TEST_DB_NAME"):
 # their work, or they leak into later tests.
 DATABASES["default"]["CONN_MAX_AGE"] = 0  # noqa: F405
 
-# Rate limits and throttles count in the cache; each test starts from an empty one (see conftest).
-# The broker and channel layer stay on Redis when REDIS_URL is set.
-CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "tests"}}
+# Each test starts from an empty cache (conftest.cache_empty). With REDIS_URL it is the deployment's
+# django-redis cache; without, memory.
+if not REDIS_URL:  # noqa: F405
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "tests"}}
 # Tests read /api/v1/gpu-types/ right after changing the fleet; the cached answer has a test of its own.
 SCHEDULING_GPU_TYPES_CACHE_S = 0
 # Likewise the fleet's node shapes a submission is checked against (scheduling.services.submission).

@@ -9,12 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
-from django.core.cache import cache
 from django.test import override_settings
 from django.urls import path
 from rest_framework.views import APIView
 
 from portal.models import AuditEvent, Membership, Role, User
+from tests.conftest import cache_empty
 
 pytestmark = pytest.mark.django_db
 
@@ -114,7 +114,7 @@ def test_rate_limit_is_429_with_retry_after(tenant, make_token, api, monkeypatch
     from portal.api.throttling import TokenRateThrottle
 
     monkeypatch.setattr(TokenRateThrottle, "THROTTLE_RATES", {"token": "3/min"})
-    cache.clear()
+    cache_empty()
     client = api(make_token(tenant))
     other = api(make_token(tenant, name="other"))
     assert [client.get("/api/v1/me/").status_code for _ in range(3)] == [200, 200, 200]
@@ -122,7 +122,7 @@ def test_rate_limit_is_429_with_retry_after(tenant, make_token, api, monkeypatch
     _assert_error_shape(response, 429, "throttled")
     assert int(response["Retry-After"]) > 0
     assert other.get("/api/v1/me/").status_code == 200  # limits are per token
-    cache.clear()
+    cache_empty()
 
 
 def test_openapi_schema_and_docs_are_served_locally(client):
@@ -231,31 +231,6 @@ def test_a_request_without_filter_parameters_skips_the_filterset(rf):
         assert backend.filter_queryset(plain, queryset, view) is queryset
         named = backend.filter_queryset(Request(rf.get("/", params)), queryset, view)
         assert str(named.query) != str(queryset.query)
-
-
-def test_the_redis_cache_keeps_one_client_per_process(private_redis, settings, monkeypatch):
-    """Every request starts in a fresh context, and Django makes a cache object per context: the
-    cache backend (portal.cache.RedisCache) must still share one client and connection pool."""
-    import contextvars
-
-    from django.core.cache import caches
-
-    from portal.cache import RedisCache
-
-    monkeypatch.setattr(RedisCache, "_clients", {})  # this test's, closed at its end
-    settings.CACHES = {"default": {"BACKEND": "portal.cache.RedisCache", "LOCATION": private_redis[0]}}
-    first, second = (contextvars.Context().run(lambda: caches["default"]) for _ in range(2))
-    assert first is not second  # Django's cache objects: one per context
-    assert first._cache is second._cache  # one client, one pool
-    pool = first._cache._get_connection_pool(write=True)
-    for backend in (first, second):
-        backend.set("k", 1)
-        assert backend.get("k") == 1
-    assert len(pool._available_connections) + len(pool._in_use_connections) == 1
-    # One redis-py client object too (Django's own client class made one per operation).
-    assert first._cache.get_client(write=True) is second._cache.get_client("k")
-
-    pool.disconnect()
 
 
 def test_fields_built_once_per_class_are_a_fresh_bound_copy_per_serializer(tenant):
