@@ -232,23 +232,18 @@ TASK_LATENCY = StoredMetric(
 )
 REDIS_PRIORITY_SEP = "\x06\x16"  # kombu's Redis transport: queue + sep + priority for priorities > 0
 REDIS_PRIORITY_STEPS = (3, 6, 9)
-_redis_clients: dict[str, object] = {}
 
 
 def celery_queue_lengths() -> dict[str, int] | None:
-    """Messages waiting in each configured queue: Redis ``LLEN`` (priority lists included), or
-    the files of the filesystem broker; None for another broker."""
+    """Messages waiting in each configured queue: ``LLEN`` on the Redis broker at ``REDIS_URL``
+    (priority lists included), or the files of the filesystem broker; None for another broker."""
     queues = [q.name for q in settings.CELERY_TASK_QUEUES]
     url = settings.CELERY_BROKER_URL
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        import redis
+    if settings.REDIS_URL and url == settings.REDIS_URL:
+        # The broker is the cache's Redis server (both are REDIS_URL): the cache's client reads it.
+        from django_redis import get_redis_connection
 
-        client = _redis_clients.get(url)
-        if client is None:
-            client = _redis_clients[url] = redis.Redis.from_url(
-                url, socket_timeout=2, socket_connect_timeout=2
-            )
-        pipe = client.pipeline(transaction=False)  # type: ignore[attr-defined]
+        pipe = get_redis_connection("default").pipeline(transaction=False)
         for q in queues:
             for key in (q, *(f"{q}{REDIS_PRIORITY_SEP}{p}" for p in REDIS_PRIORITY_STEPS)):
                 pipe.llen(key)

@@ -171,7 +171,8 @@ if REDIS_URL:
     CELERY_RESULT_BACKEND = None
     CACHES = {
         "default": {
-            # django-redis keeps one connection pool per process.
+            # django-redis keeps one connection pool per process; get_redis_connection("default")
+            # gives its raw client to the code that needs one (wake-ups, queue lengths).
             "BACKEND": "django_redis.cache.RedisCache",
             "LOCATION": REDIS_URL,
             "KEY_PREFIX": env.str("CACHE_KEY_PREFIX", default="gpupool"),

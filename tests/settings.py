@@ -21,7 +21,7 @@ if os.environ.get("TEST_DB_NAME"):
 DATABASES["default"]["CONN_MAX_AGE"] = 0  # noqa: F405
 
 # Each test starts from an empty cache (conftest.cache_empty). With REDIS_URL it is the deployment's
-# django-redis cache; without, memory.
+# django-redis cache, whose client also wakes long polls and reads queue lengths; without, memory.
 if not REDIS_URL:  # noqa: F405
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "tests"}}
 # Tests read /api/v1/gpu-types/ right after changing the fleet; the cached answer has a test of its own.

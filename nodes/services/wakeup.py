@@ -1,13 +1,14 @@
 """Waking a node's long poll when a command is queued for it.
 
-With REDIS_URL set, ``node_commands_notify`` publishes on a per-node channel. Each web process (each
-event loop) holds **one** Redis pub/sub connection, pattern-subscribed once to every node's channel,
-and a task that reads it and sets the asyncio Events of the polls waiting for that node: a poll
-costs no Redis connection and no database connection while it waits. The connection is re-opened
-with backoff when it drops; after each (re)connect every waiting poll is woken to check the database
-once (a message may have been lost meanwhile). While Redis is unreachable, polls check the database
-about every ``REDIS_DOWN_POLL_S`` (with jitter). Without REDIS_URL (development, SQLite), the long
-poll checks the database every NODE_COMMANDS_POLL_INTERVAL_S.
+With REDIS_URL set, ``node_commands_notify`` publishes on a per-node channel with the cache's Redis
+client (django-redis's, one connection pool per process). Each web process (each event loop) holds
+**one** Redis pub/sub connection (``subscriber_client``), pattern-subscribed once to every node's
+channel, and a task that reads it and sets the asyncio Events of the polls waiting for that node: a
+poll costs no Redis connection and no database connection while it waits. The connection is
+re-opened with backoff when it drops; after each (re)connect every waiting poll is woken to check
+the database once (a message may have been lost meanwhile). While Redis is unreachable, polls check
+the database about every ``REDIS_DOWN_POLL_S`` (with jitter). Without REDIS_URL (development,
+SQLite), the long poll checks the database every NODE_COMMANDS_POLL_INTERVAL_S.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 from django.conf import settings
+from django_redis import get_redis_connection
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +37,6 @@ RECONNECT_BACKOFF_S = (0.1, 5.0)
 # Each read of the pub/sub connection waits at most this long (see the cancel note in _run).
 READ_TIMEOUT_S = 1.0
 
-_clients: dict[str, redis.Redis] = {}
-
 
 def channel_for(node_id: int) -> str:
     return f"{CHANNEL_PREFIX}{node_id}"
@@ -48,13 +48,22 @@ def listener_client_name() -> str:
 
 
 def _publisher() -> redis.Redis | None:
-    url = settings.REDIS_URL
-    if not url:
+    """The cache's client (its server is REDIS_URL's); None without Redis."""
+    if not settings.REDIS_URL:
         return None
-    client = _clients.get(url)
-    if client is None:
-        client = _clients[url] = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
-    return client
+    return get_redis_connection("default")
+
+
+def subscriber_client(url: str) -> aioredis.Redis:
+    """A new asyncio client for the pub/sub connection, named for ``CLIENT LIST``: django-redis's
+    clients are synchronous, and a subscription holds its connection for itself anyway."""
+    return aioredis.Redis.from_url(
+        url,
+        socket_connect_timeout=2,
+        socket_keepalive=True,
+        health_check_interval=15,
+        client_name=listener_client_name(),
+    )
 
 
 def node_commands_notify(*, node_id: int) -> None:
@@ -108,13 +117,7 @@ class _Listener:
         delay, max_delay = RECONNECT_BACKOFF_S
         failures = 0
         while True:
-            client: Any = aioredis.Redis.from_url(
-                self.url,
-                socket_connect_timeout=2,
-                socket_keepalive=True,
-                health_check_interval=15,
-                client_name=listener_client_name(),
-            )
+            client: Any = subscriber_client(self.url)
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.psubscribe(f"{CHANNEL_PREFIX}*")

@@ -12,12 +12,32 @@ import redis
 from asgiref.sync import async_to_sync
 from django.db import connection
 from django.test import AsyncClient
+from django_redis import get_redis_connection
 
 from nodes.services import wakeup
 from nodes.services.commands import node_command_enqueue
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def use_redis(settings):
+    """``use_redis(url)``: REDIS_URL and the cache (whose client publishes the wake-ups) on ``url``,
+    as settings.py sets them; the cache's connections to it are closed at the end."""
+
+    def point(url: str) -> None:
+        settings.REDIS_URL = url
+        settings.CACHES = {
+            "default": {
+                "BACKEND": "django_redis.cache.RedisCache",
+                "LOCATION": url,
+                "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 2},
+            }
+        }
+
+    yield point
+    get_redis_connection("default").connection_pool.disconnect()
 
 
 def wakeup_connections(url: str) -> list[dict]:
@@ -53,9 +73,10 @@ async def poll(agent, wait: float) -> tuple[float, dict]:
 
 
 def test_concurrent_polls_share_one_connection_and_a_command_wakes_its_node_at_once(
-    register_node, private_redis, settings
+    register_node, private_redis, use_redis
 ):
-    url = settings.REDIS_URL = private_redis[0]
+    url = private_redis[0]
+    use_redis(url)
     agents = [register_node() for _ in range(20)]
     target = agents[7]
     target_node = target.node  # read here: threads below must not open connections of their own
@@ -91,9 +112,9 @@ def test_concurrent_polls_share_one_connection_and_a_command_wakes_its_node_at_o
     assert wakeup_connections(url) == []
 
 
-def test_redis_going_away_falls_back_to_the_database_and_comes_back(register_node, private_redis, settings):
+def test_redis_going_away_falls_back_to_the_database_and_comes_back(register_node, private_redis, use_redis):
     url, start, stop = private_redis
-    settings.REDIS_URL = url
+    use_redis(url)
     agent = register_node()
     node = agent.node
 
@@ -142,8 +163,8 @@ def test_redis_going_away_falls_back_to_the_database_and_comes_back(register_nod
     async_to_sync(main)()
 
 
-def test_redis_unreachable_from_the_start_is_no_error(register_node, settings):
-    settings.REDIS_URL = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+def test_redis_unreachable_from_the_start_is_no_error(register_node, use_redis):
+    use_redis(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
     agent = register_node()
     node = agent.node
 
