@@ -1,7 +1,9 @@
-"""How the cross-tenant test makes one object of a tenant-owned model.
+"""How the cross-tenant tests make one object of a tenant-owned model.
 
 model_bakery fills any model; a model it cannot build (check constraints, required JSON shapes)
-gets its own maker here, keyed by ``app_label.ModelName``.
+gets its own maker here, keyed by ``app_label.ModelName``. ``fields`` fix what a route needs of
+the object (a workload's ``kind``, a reservation's ``status``): the walker's positive control shows
+the owner reaching it, so an object of the wrong kind fails the test instead of passing it.
 """
 
 from __future__ import annotations
@@ -13,37 +15,75 @@ from model_bakery import baker
 
 MAKERS: dict[str, Callable[..., Model]] = {}
 
+H100 = "NVIDIA H100 SXM 80GB"
 
-def make_tenant_object(model: type[Model], *, tenant) -> Model:
+
+def make_tenant_object(model: type[Model], *, tenant, **fields) -> Model:
     maker = MAKERS.get(model._meta.label)
     if maker is not None:
-        return maker(tenant=tenant)
-    return baker.make(model, tenant=tenant)
+        return maker(tenant=tenant, **fields)
+    return baker.make(model, tenant=tenant, **fields)
 
 
-def _make_reservation(*, tenant):
+def catalog_gpu():
+    """The catalog's H100 with one ready node of it, so a workload or reservation naming it is
+    accepted (submission checks the fleet has the model)."""
+    from django.utils import timezone
+
+    from nodes.models import Gpu, GpuModel, Node, NodeState, Region
+
+    model = GpuModel.objects.get(name=H100)
+    region, _ = Region.objects.get_or_create(code="us-east-1", defaults={"name": "US East"})
+    node, created = Node.objects.get_or_create(
+        hostname="walker-h100",
+        defaults={
+            "region": region,
+            "cpu_cores": 96,
+            "ram_mib": 1024 * 1024,
+            "state": NodeState.READY,
+            "last_heartbeat_at": timezone.now(),
+        },
+    )
+    if created:
+        Gpu.objects.create(node=node, index=0, uuid="GPU-walker-0", model=model, reported_name=model.name)
+    return model, region
+
+
+def _make_reservation(*, tenant, **fields):
     from datetime import timedelta
 
     from django.utils import timezone
 
-    start = timezone.now()
+    model, region = catalog_gpu()
+    start = timezone.now() - timedelta(hours=1)
     return baker.make(
-        "scheduling.Reservation", tenant=tenant, starts_at=start, ends_at=start + timedelta(days=1), count=1
+        "scheduling.Reservation",
+        tenant=tenant,
+        gpu_model=model,
+        region=region,
+        starts_at=start,
+        ends_at=start + timedelta(days=1),
+        count=1,
+        **fields,
     )
 
 
 MAKERS["scheduling.Reservation"] = _make_reservation
 
 
-def _make_invoice(*, tenant):
+def _make_invoice(*, tenant, **fields):
     from datetime import date
 
     from metering.models import Invoice
 
-    return Invoice.objects.create(tenant=tenant, period_start=date(2024, 3, 1), period_end=date(2024, 4, 1))
+    # Invoices are unique per (tenant, period): each one made here takes the next month back.
+    months = 2024 * 12 + 2 - Invoice.objects.filter(tenant=tenant).count()
+    start = date(months // 12, months % 12 + 1, 1)
+    end = date((months + 1) // 12, (months + 1) % 12 + 1, 1)
+    return Invoice.objects.create(tenant=tenant, period_start=start, period_end=end, **fields)
 
 
-def _make_usage_record(*, tenant):
+def _make_usage_record(*, tenant, **fields):
     from datetime import UTC, date, datetime
 
     from django.utils import timezone
@@ -90,6 +130,7 @@ def _make_usage_record(*, tenant):
         gpu_seconds=3600,
         unit_price=2,
         amount=2,
+        **fields,
     )
 
 

@@ -1,27 +1,72 @@
-"""Every route under /api/v1/, present and future, keeps tenants apart.
+"""Every route under /api/v1/ and /api/staff/v1/, present and future, keeps tenants apart.
 
 The routes are discovered from the URL resolver, and objects are made with model_bakery for
 whatever model a viewset serves, so a new endpoint is covered without editing this file. A model
-that model_bakery cannot build can get a maker in ``tests/tenant_objects.py``.
+that model_bakery cannot build can get a maker in ``tests/tenant_objects.py``; a write that needs a
+body to succeed gets one in ``OWNER_BODIES``.
+
+Every refusal has a positive control: the owner reaches its own object through the same route with
+the same method (and the same body) first, so a 404 or 403 for the wrong reason (an object of the
+wrong kind, a body the route refuses anyway) fails the test instead of passing it.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import pytest
+from django.core.exceptions import FieldDoesNotExist
+from django.db.models import ForeignKey
 from django.forms.models import model_to_dict
 from django.test import Client
 from django.urls import URLPattern, URLResolver, get_resolver, reverse
+from django.utils import timezone
+from django_filters import ModelChoiceFilter, ModelMultipleChoiceFilter
 from rest_framework.viewsets import ViewSetMixin
 
+from portal.actors import Actor
+from portal.api.filters import FilterBackend
+from portal.models import Membership, Role, Scope, User
+from portal.services import api_token_create, membership_change_role, scopes_clean
+from portal.staff_tokens import staff_token_create
 from portal.tenancy import TenantOwnedModel
-from tests.tenant_objects import make_tenant_object
+from scheduling.models import ReservationStatus
+from tests.tenant_objects import H100, catalog_gpu, make_tenant_object
 
 pytestmark = pytest.mark.django_db
 
 UNSAFE = ("post", "put", "patch", "delete")
+UNKNOWN = 987654321
+
+# What a write sends so that it succeeds for its owner (the positive control). A new write route
+# that needs a body gets an entry here; without one its positive control fails and says so.
+OWNER_BODIES: dict[tuple[str, str], dict] = {
+    ("api:member-detail", "patch"): {"role": Role.VIEWER},
+    ("api:invitation-list", "post"): {"email": "new-person@walker.test", "role": Role.MEMBER},
+    # A token grants only scopes its maker holds: the admin scope alone is enough to make this one.
+    ("api:token-list", "post"): {"name": "walker", "scopes": [Scope.ADMIN]},
+    ("api:instance-list", "post"): {"gpu_models": [H100], "image": "ghcr.io/acme/notebook:1"},
+    ("api:job-list", "post"): {"gpu_models": [H100], "image": "ghcr.io/acme/train:1", "command": ["true"]},
+    ("api:cost-estimate", "post"): {"gpu_model": H100},
+    ("api:budget", "put"): {"monthly_limit": "100"},
+}
+# What a body needs besides the id for a foreign-key field to be used at all.
+FIELD_BODIES: dict[str, dict] = {"reservation": {"plan": "reserved"}}
+# What an object needs to be used by a field that names it.
+FIELD_OBJECTS: dict[str, dict] = {"reservation": {"status": ReservationStatus.ACTIVE}}
+
+
+def _reservation_body() -> dict:
+    start = timezone.now() + timedelta(days=1)
+    return {
+        "gpu_model": H100,
+        "region": "us-east-1",
+        "count": 1,
+        "starts_at": start.isoformat(),
+        "ends_at": (start + timedelta(days=30)).isoformat(),
+    }
 
 
 @dataclass
@@ -32,10 +77,17 @@ class Route:
     actions: dict[str, str] = field(default_factory=dict)  # http method -> viewset action
     kwargs: tuple[str, ...] = ()
 
+    def __str__(self) -> str:
+        return self.name
+
     @property
     def model(self):
         queryset = getattr(self.view_class, "queryset", None)
         return queryset.model if queryset is not None else None
+
+    @property
+    def tenant_owned(self) -> bool:
+        return self.model is not None and issubclass(self.model, TenantOwnedModel)
 
     @property
     def is_detail(self) -> bool:
@@ -52,6 +104,36 @@ class Route:
             if hasattr(self.view_class, m) and m in allowed
         ]
 
+    def success(self, method: str) -> int:
+        """The status of the owner's successful call."""
+        if method == "delete":
+            return 204
+        if method == "post" and self.actions.get("post") == "create":
+            return 201
+        return 200
+
+    def scope(self, method: str) -> str:
+        """The scope the route says it needs (``TenantScopePermission``'s rule)."""
+        per_action = getattr(self.view_class, "scope_for_action", {})
+        action = self.actions.get(method)
+        if action in per_action:
+            return per_action[action]
+        if method == "get":
+            return getattr(self.view_class, "read_scope", Scope.READ)
+        return getattr(self.view_class, "write_scope", Scope.WRITE)
+
+    def body(self, method: str) -> dict:
+        if (self.name, method) == ("api:reservation-list", "post"):
+            return _reservation_body()
+        return dict(OWNER_BODIES.get((self.name, method), {}))
+
+    def make(self, tenant, **fields):
+        """An object of the kind this route serves (a workload of the viewset's ``kind``)."""
+        kind = getattr(self.view_class, "kind", None)
+        if kind:
+            fields.setdefault("kind", kind)
+        return make_tenant_object(self.model, tenant=tenant, **fields)
+
 
 def _walk(patterns, prefix="", namespace=""):
     for p in patterns:
@@ -62,10 +144,10 @@ def _walk(patterns, prefix="", namespace=""):
             yield prefix + str(p.pattern), f"{namespace}{p.name}", p
 
 
-def api_routes() -> list[Route]:
+def api_routes(prefix: str = "api/v1/") -> list[Route]:
     routes = []
     for route, name, pattern in _walk(get_resolver().url_patterns):
-        if not route.startswith("api/v1/"):
+        if not route.startswith(prefix):
             continue
         callback = pattern.callback
         view_class = getattr(callback, "cls", None) or getattr(callback, "view_class", None)
@@ -83,23 +165,38 @@ def api_routes() -> list[Route]:
 
 
 ROUTES = api_routes()
+STAFF_ROUTES = api_routes("api/staff/v1/")
+CALLS = [(r, m) for r in ROUTES for m in r.methods]
+
+
+def _call_id(call) -> str:
+    return f"{call[0].name}-{call[1]}"
 
 
 def test_the_walker_sees_the_api():
     names = {r.name for r in ROUTES}
     assert {"api:me", "api:member-list", "api:member-detail", "api:token-list", "api:token-revoke"} <= names
+    assert {"api:instance-stop", "api:job-logs", "api:reservation-cancel", "api:invoice-pdf"} <= names
+    assert {r.name for r in STAFF_ROUTES} >= {"metering:finance-api-revenue"}
 
 
 @pytest.fixture
-def two_tenants(make_tenant, make_token):
+def two_tenants(make_tenant, make_token, settings):
+    settings.SCHEDULING_TRIGGER_CYCLES = False
+    catalog_gpu()
     a = make_tenant("tenant-a-marker", name="Tenant A Marker")
     b = make_tenant("tenant-b", name="Tenant B")
     return {
         "a": a,
         "b": b,
-        "a_read": Client(HTTP_AUTHORIZATION=f"Bearer {make_token(a, scopes=['read'])}"),
-        "b_all": Client(HTTP_AUTHORIZATION=f"Bearer {make_token(b)}"),
+        "a_all": _bearer(make_token(a)),
+        "a_read": _bearer(make_token(a, scopes=["read"])),
+        "b_all": _bearer(make_token(b)),
     }
+
+
+def _bearer(token: str) -> Client:
+    return Client(HTTP_AUTHORIZATION=f"Bearer {token}")
 
 
 def _url(route: Route, pk=None) -> str:
@@ -116,37 +213,55 @@ def _snapshot(obj):
     return None if fresh is None else json.dumps(model_to_dict(fresh), default=str, sort_keys=True)
 
 
-def _call(client: Client, method: str, url: str):
-    return getattr(client, method)(url, data={} if method == "get" else "{}", content_type="application/json")
+def _call(client: Client, method: str, url: str, body: dict | None = None):
+    if method == "get":
+        return client.get(url, data=body or {})
+    return getattr(client, method)(url, data=json.dumps(body or {}), content_type="application/json")
 
 
-@pytest.mark.parametrize("route", [r for r in ROUTES if r.is_detail], ids=lambda r: r.name)
-def test_another_tenants_objects_do_not_exist(route, two_tenants):
-    model = route.model
-    assert model is not None, f"{route.route}: a detail route must serve a model queryset"
-    if not issubclass(model, TenantOwnedModel):
+def _owner_call(client: Client, route: Route, method: str, tenant):
+    """The positive control: the owner's call on a fresh object of its own, which must succeed."""
+    obj = route.make(tenant) if route.is_detail and route.tenant_owned else None
+    pk = (
+        obj.pk
+        if obj is not None
+        else (route.model.objects.order_by("pk").first().pk if route.is_detail else None)
+    )
+    response = _call(client, method, _url(route, pk), route.body(method))
+    assert response.status_code == route.success(method), (
+        f"positive control: {method.upper()} {route.route} as the owner: {response.status_code} "
+        f"{response.content[:300]!r}"
+    )
+    return response
+
+
+@pytest.mark.parametrize("call", [c for c in CALLS if c[0].is_detail], ids=_call_id)
+def test_another_tenants_objects_do_not_exist(call, two_tenants):
+    route, method = call
+    assert route.model is not None, f"{route.route}: a detail route must serve a model queryset"
+    if not route.tenant_owned:
         # Shared data (the GPU catalog): every tenant may read it, no tenant may change it.
-        assert not set(route.methods) & set(UNSAFE), f"{route.route}: tenants must not write shared data"
+        assert method not in UNSAFE, f"{route.route}: tenants must not write shared data"
+        _owner_call(two_tenants["b_all"], route, method, two_tenants["b"])
         return
-    obj = make_tenant_object(model, tenant=two_tenants["a"])
+    _owner_call(two_tenants["a_all"], route, method, two_tenants["a"])
+    obj = route.make(two_tenants["a"])
     before = _snapshot(obj)
-    for method in route.methods:
-        response = _call(two_tenants["b_all"], method, _url(route, obj.pk))
-        assert response.status_code == 404, (
-            f"{method.upper()} {route.route} as tenant B: {response.status_code}"
-        )
-        assert response.json()["error"]["code"] == "not_found"
+    response = _call(two_tenants["b_all"], method, _url(route, obj.pk), route.body(method))
+    assert response.status_code == 404, f"{method.upper()} {route.route} as tenant B: {response.status_code}"
+    assert response.json()["error"]["code"] == "not_found"
     assert _snapshot(obj) == before, f"{route.route}: tenant B changed tenant A's object"
 
 
-@pytest.mark.parametrize(
-    "route", [r for r in ROUTES if not r.is_detail and "get" in r.methods], ids=lambda r: r.name
-)
+@pytest.mark.parametrize("route", [r for r in ROUTES if not r.is_detail and "get" in r.methods], ids=str)
 def test_lists_never_show_another_tenant(route, two_tenants):
-    model = route.model
     own_ids = set()
-    if model is not None and issubclass(model, TenantOwnedModel):
-        own_ids.add(make_tenant_object(model, tenant=two_tenants["a"]).pk)
+    if route.tenant_owned:
+        own_ids.add(route.make(two_tenants["a"]).pk)
+    own = two_tenants["a_all"].get(reverse(route.name))
+    assert own.status_code == 200, own.content
+    if "results" in own.json():  # positive control: the owner sees its row where B must not
+        assert own_ids <= {row.get("id") for row in own.json()["results"]}, f"{route.route}: owner's rows"
     response = two_tenants["b_all"].get(reverse(route.name))
     assert response.status_code == 200, response.content
     body = response.json()
@@ -162,19 +277,248 @@ def test_a_read_only_token_cannot_write(route, two_tenants):
     pk = None
     obj = None
     if route.is_detail:
-        model = route.model
-        obj = (
-            make_tenant_object(model, tenant=two_tenants["a"])
-            if issubclass(model, TenantOwnedModel)
-            else None
-        )
+        obj = route.make(two_tenants["a"]) if route.tenant_owned else None
         pk = obj.pk if obj is not None else 1
     before = _snapshot(obj) if obj is not None else None
     for method in set(route.methods) & set(UNSAFE):
-        response = _call(two_tenants["a_read"], method, _url(route, pk))
+        response = _call(two_tenants["a_read"], method, _url(route, pk), route.body(method))
         assert response.status_code == 403, (
             f"{method.upper()} {route.route} with a read token: {response.status_code}"
         )
         assert response.json()["error"]["code"] == "permission_denied"
     if obj is not None:
         assert _snapshot(obj) == before
+
+
+# --- foreign ids in filters and bodies ------------------------------------------------------------
+
+
+def _id_filters() -> list[tuple[Route, str, type]]:
+    """(list route, filter name, tenant-owned model it chooses from) for every id filter."""
+    found = []
+    for route in ROUTES:
+        if route.is_detail or "get" not in route.methods or route.model is None:
+            continue
+        view = route.view_class()
+        filterset = FilterBackend().get_filterset_class(view, route.view_class.queryset)
+        for name, f in (filterset.base_filters if filterset else {}).items():
+            if isinstance(f, ModelChoiceFilter | ModelMultipleChoiceFilter):
+                model = f.queryset.model
+                if issubclass(model, TenantOwnedModel):
+                    found.append((route, name, model))
+    return found
+
+
+ID_FILTERS = _id_filters()
+
+
+def test_the_walker_sees_the_id_filters():
+    assert {(r.name, name) for r, name, _ in ID_FILTERS} >= {("api:usage-list", "workload")}
+
+
+def _same_answer(refused, unknown, foreign_id) -> None:
+    assert refused.status_code == unknown.status_code
+    assert refused.content.decode().replace(str(foreign_id), "ID") == unknown.content.decode().replace(
+        str(UNKNOWN), "ID"
+    )
+
+
+@pytest.mark.parametrize("case", ID_FILTERS, ids=lambda c: f"{c[0].name}-{c[1]}")
+def test_a_foreign_id_in_a_filter_is_an_unknown_id(case, two_tenants):
+    route, name, model = case
+    client = two_tenants["a_all"]
+    own = make_tenant_object(model, tenant=two_tenants["a"])
+    foreign = make_tenant_object(model, tenant=two_tenants["b"])
+    ok = client.get(reverse(route.name), {name: own.pk})
+    assert ok.status_code == 200, f"positive control ?{name}=<own id>: {ok.content[:300]!r}"
+    unknown = client.get(reverse(route.name), {name: UNKNOWN})
+    assert unknown.status_code == 400 and name in unknown.json()["error"]["fields"], unknown.content
+    refused = client.get(reverse(route.name), {name: foreign.pk})
+    _same_answer(refused, unknown, foreign.pk)
+
+
+def _id_fields() -> list[tuple[Route, str, str, type]]:
+    """(write route, method, body field, tenant-owned model) for every body field that names a
+    tenant-owned row: a serializer field named as the route's model's foreign key to one."""
+    found = []
+    for route in ROUTES:
+        if route.model is None or not issubclass(route.view_class, ViewSetMixin):
+            continue
+        for method in set(route.methods) & {"post", "put", "patch"}:
+            view = route.view_class(action=route.actions[method], request=None, format_kwarg=None, kwargs={})
+            serializer = view.get_serializer_class()()
+            for name, serializer_field in serializer.fields.items():
+                if serializer_field.read_only:
+                    continue
+                try:
+                    model_field = route.model._meta.get_field(name)
+                except FieldDoesNotExist:  # not a model field: not an id of one
+                    continue
+                target = model_field.related_model if isinstance(model_field, ForeignKey) else None
+                if target is not None and issubclass(target, TenantOwnedModel):
+                    found.append((route, method, name, target))
+    return found
+
+
+ID_FIELDS = _id_fields()
+
+
+def test_the_walker_sees_the_id_fields():
+    assert {(r.name, name) for r, _, name, _ in ID_FIELDS} >= {
+        ("api:instance-list", "reservation"),
+        ("api:job-list", "reservation"),
+    }
+
+
+@pytest.mark.parametrize("case", ID_FIELDS, ids=lambda c: f"{c[0].name}-{c[1]}-{c[2]}")
+def test_a_foreign_id_in_a_body_is_refused(case, two_tenants):
+    route, method, name, model = case
+    client = two_tenants["a_all"]
+    extra = {**FIELD_BODIES.get(name, {})}
+    own = make_tenant_object(model, tenant=two_tenants["a"], **FIELD_OBJECTS.get(name, {}))
+    foreign = make_tenant_object(model, tenant=two_tenants["b"], **FIELD_OBJECTS.get(name, {}))
+    url = _url(route, route.make(two_tenants["a"]).pk if route.is_detail else None)
+    ok = _call(client, method, url, {**route.body(method), **extra, name: own.pk})
+    assert ok.status_code == route.success(method), f"positive control: {ok.content[:300]!r}"
+    rows = route.model._base_manager.count()
+    unknown = _call(client, method, url, {**route.body(method), **extra, name: UNKNOWN})
+    assert 400 <= unknown.status_code < 500 and name in unknown.json()["error"]["fields"], unknown.content
+    refused = _call(client, method, url, {**route.body(method), **extra, name: foreign.pk})
+    _same_answer(refused, unknown, foreign.pk)
+    assert route.model._base_manager.count() == rows, f"{route.route}: a refused body wrote a row"
+    assert not route.model._base_manager.filter(**{name: foreign}).exists()
+
+
+# --- token kinds and scopes -----------------------------------------------------------------------
+
+
+def _open_scopes(scope: str) -> frozenset[str]:
+    return frozenset(scopes_clean([scope]))
+
+
+@pytest.mark.parametrize("call", CALLS, ids=_call_id)
+def test_each_scope_alone(call, two_tenants, make_token):
+    """A token with one scope opens exactly the routes that need it (positive control) and gets
+    403 from every other, writing nothing."""
+    route, method = call
+    a = two_tenants["a"]
+    needed = route.scope(method)
+    assert needed in Scope.values, f"{route.route}: {needed!r} is not a tenant scope"
+    for scope in Scope.values:
+        client = _bearer(make_token(a, scopes=[scope], name=f"only-{scope}"))
+        if needed in _open_scopes(scope):
+            _owner_call(client, route, method, a)
+            continue
+        obj = route.make(a) if route.is_detail and route.tenant_owned else None
+        before = _snapshot(obj) if obj is not None else None
+        pk = obj.pk if obj is not None else (1 if route.is_detail else None)
+        response = _call(client, method, _url(route, pk), route.body(method))
+        assert response.status_code == 403, f"{method.upper()} {route.route} with only {scope}"
+        assert response.json()["error"]["code"] == "permission_denied"
+        if obj is not None:
+            assert _snapshot(obj) == before
+
+
+def _token_of(member: Membership, scopes) -> str:
+    _, plaintext = api_token_create(
+        tenant=member.tenant, name="member-token", scopes=scopes, actor=Actor(user=member.user)
+    )
+    return plaintext
+
+
+def _member_token(tenant, role: str, scopes, add_member) -> tuple[Membership, str]:
+    member = add_member(tenant, role)
+    return member, _token_of(member, scopes)
+
+
+def test_a_demoted_creators_token_loses_what_the_new_role_lacks(two_tenants, add_member):
+    """Demoted through the service, a token beyond the new role is revoked (401 everywhere) and
+    one within it keeps working; demoted any other way (a data fix), the scopes beyond the role
+    stop working at once while those within it still do."""
+    a = two_tenants["a"]
+    me, audit = reverse("api:me"), reverse("api:audit-event-list")
+    admin, wide = _member_token(a, Role.ADMIN, ["read", "admin"], add_member)
+    narrow = _token_of(admin, ["read"])
+    assert _bearer(wide).get(audit).status_code == 200  # positive controls
+    assert _bearer(narrow).get(me).status_code == 200
+    membership_change_role(membership=admin, role=Role.VIEWER, actor=Actor.system())
+    assert _bearer(wide).get(me).status_code == 401
+    assert _bearer(wide).get(audit).status_code == 401
+    assert _bearer(narrow).get(me).status_code == 200
+
+    other, other_wide = _member_token(a, Role.ADMIN, ["read", "admin"], add_member)
+    assert _bearer(other_wide).get(audit).status_code == 200  # positive control
+    Membership.objects.filter(pk=other.pk).update(role=Role.VIEWER)
+    refused = _bearer(other_wide).get(audit)
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "permission_denied"
+    assert _bearer(other_wide).get(me).status_code == 200
+
+
+@pytest.mark.parametrize("call", CALLS, ids=_call_id)
+def test_a_deactivated_creators_token_is_refused_everywhere(call, two_tenants, add_member):
+    route, method = call
+    a = two_tenants["a"]
+    member, token = _member_token(a, Role.OWNER, Scope.values, add_member)
+    client = _bearer(token)
+    _owner_call(client, route, method, a)
+    User.objects.filter(pk=member.user.pk).update(is_active=False)
+    obj = route.make(a) if route.is_detail and route.tenant_owned else None
+    before = _snapshot(obj) if obj is not None else None
+    pk = obj.pk if obj is not None else (1 if route.is_detail else None)
+    response = _call(client, method, _url(route, pk), route.body(method))
+    assert response.status_code == 401, f"{method.upper()} {route.route}: {response.status_code}"
+    if obj is not None:
+        assert _snapshot(obj) == before
+
+
+def test_a_staff_made_tenant_token_opens_its_tenant_only(two_tenants):
+    """A token made for a tenant without a member (``createapitoken`` without --user: the system
+    acts) opens that tenant's API with its own scopes, and never another tenant's objects."""
+    a, b = two_tenants["a"], two_tenants["b"]
+    _, plaintext = api_token_create(tenant=a, name="ops", scopes=["read", "write"], actor=Actor.system())
+    client = _bearer(plaintext)
+    me = client.get(reverse("api:me"))
+    assert me.status_code == 200 and me.json()["tenant"]["slug"] == a.slug
+    route = next(r for r in ROUTES if r.name == "api:instance-detail")
+    assert client.get(_url(route, route.make(a).pk)).status_code == 200
+    assert client.get(_url(route, route.make(b).pk)).status_code == 404
+    assert client.get(reverse("api:audit-event-list")).status_code == 403  # admin was not given
+
+
+# --- the staff API --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def staff_user(db):
+    return User.objects.create_user(email="staff@gpupool.test", password="pw-for-tests-1", is_staff=True)
+
+
+@pytest.mark.parametrize("route", STAFF_ROUTES, ids=str)
+def test_the_staff_api_is_for_staff_only(route, two_tenants, staff_user, add_member, signed_in, make_token):
+    url = reverse(route.name)
+    methods = route.methods
+    assert methods == ["get"], f"{route.route}: teach this test the staff API's writes"
+    _, staff_token = staff_token_create(
+        user=staff_user, name="walker", scopes=[route.view_class.staff_scope], actor=Actor(user=staff_user)
+    )
+    assert _bearer(staff_token).get(url).status_code == 200  # positive control: the staff token
+    assert signed_in(staff_user).get(url).status_code == 200  # and the staff session
+    a = two_tenants["a"]
+    assert Client().get(url).status_code == 401
+    refusals = {"tenant token, every scope": _bearer(make_token(a))}
+    for role in Role.values:
+        member = add_member(a, role)
+        refusals[f"{role} token"] = _bearer(make_token(a, scopes=sorted(member.scopes), name=role))
+        refusals[f"{role} session"] = signed_in(member.user, a)
+    # A tenant token never opens it, whoever made it: a member who is also staff, or the system.
+    staff_member = Membership.objects.create(tenant=a, user=staff_user, role=Role.OWNER)
+    _, by_staff = api_token_create(
+        tenant=a, name="staff-made", scopes=Scope.values, actor=Actor(user=staff_member.user)
+    )
+    _, by_system = api_token_create(tenant=a, name="system-made", scopes=Scope.values, actor=Actor.system())
+    refusals["token made by staff"] = _bearer(by_staff)
+    refusals["token made by the system"] = _bearer(by_system)
+    for who, client in refusals.items():
+        response = client.get(url)
+        assert response.status_code == 403, f"{route.route} as {who}: {response.status_code}"
+        assert response.json()["error"]["code"] == "permission_denied"
