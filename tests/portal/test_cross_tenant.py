@@ -21,7 +21,7 @@ from django.core.exceptions import FieldDoesNotExist
 from django.db.models import ForeignKey
 from django.forms.models import model_to_dict
 from django.test import Client
-from django.urls import URLPattern, URLResolver, get_resolver, reverse
+from django.urls import reverse
 from django.utils import timezone
 from django_filters import ModelChoiceFilter, ModelMultipleChoiceFilter
 from rest_framework.viewsets import ViewSetMixin
@@ -33,6 +33,7 @@ from portal.services import api_token_create, membership_change_role, scopes_cle
 from portal.staff_tokens import staff_token_create
 from portal.tenancy import TenantOwnedModel
 from scheduling.models import ReservationStatus
+from tests.routes import walk_urls
 from tests.tenant_objects import H100, catalog_gpu, make_tenant_object
 
 pytestmark = pytest.mark.django_db
@@ -135,18 +136,9 @@ class Route:
         return make_tenant_object(self.model, tenant=tenant, **fields)
 
 
-def _walk(patterns, prefix="", namespace=""):
-    for p in patterns:
-        if isinstance(p, URLResolver):
-            ns = f"{namespace}{p.namespace}:" if p.namespace else namespace
-            yield from _walk(p.url_patterns, prefix + str(p.pattern), ns)
-        elif isinstance(p, URLPattern):
-            yield prefix + str(p.pattern), f"{namespace}{p.name}", p
-
-
 def api_routes(prefix: str = "api/v1/") -> list[Route]:
     routes = []
-    for route, name, pattern in _walk(get_resolver().url_patterns):
+    for route, name, pattern in walk_urls():
         if not route.startswith(prefix):
             continue
         callback = pattern.callback
