@@ -20,6 +20,7 @@ from portal.api.serializers import (
     TenantSerializer,
 )
 from portal.api.viewsets import TenantReadOnlyViewSet
+from portal.errors import ValidationFailed
 from portal.models import ApiToken, AuditEvent, Invitation, Membership, Scope
 
 
@@ -50,6 +51,9 @@ class MemberViewSet(TenantReadOnlyViewSet, mixins.UpdateModelMixin, mixins.Destr
     filterset_fields = ["role"]
 
     def perform_update(self, serializer):
+        # A PATCH need not name every field, but the role is the only one there is to change.
+        if "role" not in serializer.validated_data:
+            raise ValidationFailed("Name the new role.", fields={"role": ["This field is required."]})
         services.membership_change_role(
             membership=serializer.instance, role=serializer.validated_data["role"], actor=self.actor
         )

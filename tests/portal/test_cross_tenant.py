@@ -514,3 +514,14 @@ def test_the_staff_api_is_for_staff_only(route, two_tenants, staff_user, add_mem
         response = client.get(url)
         assert response.status_code == 403, f"{route.route} as {who}: {response.status_code}"
         assert response.json()["error"]["code"] == "permission_denied"
+
+
+@pytest.mark.parametrize("call", [c for c in CALLS if c[1] in UNSAFE], ids=_call_id)
+def test_an_empty_body_is_a_clear_answer(call, two_tenants):
+    """The owner's write with an empty body succeeds or is a 4xx naming what is missing; never a 500."""
+    route, method = call
+    obj = route.make(two_tenants["a"]) if route.is_detail and route.tenant_owned else None
+    response = _call(two_tenants["a_all"], method, _url(route, obj.pk if obj else None), {})
+    assert response.status_code < 500, f"{method.upper()} {route.route} with {{}}: {response.status_code}"
+    if response.status_code >= 400:
+        assert response.json()["error"]["fields"], f"{route.route}: a 4xx naming no field"
