@@ -485,6 +485,31 @@ def staff_user(db):
     return User.objects.create_user(email="staff@gpupool.test", password="pw-for-tests-1", is_staff=True)
 
 
+def test_staff_credentials_never_open_the_tenant_api(two_tenants, staff_user, signed_in):
+    """A staff token gets 401 from every tenant route, and a staff person who is no tenant's member
+    gets 403: staff reach tenants' data through the admin and the staff API only."""
+    _, staff_token = staff_token_create(
+        user=staff_user, name="walker", scopes=["finance:read"], actor=Actor(user=staff_user)
+    )
+    token, session = _bearer(staff_token), signed_in(staff_user)
+    a = two_tenants["a"]
+    assert token.get(reverse(STAFF_ROUTES[0].name)).status_code == 200  # positive control
+    for route, method in CALLS:
+        obj = route.make(a) if route.is_detail and route.tenant_owned else None
+        before = _snapshot(obj) if obj is not None else None
+        url = _url(route, obj.pk if obj is not None else (1 if route.is_detail else None))
+        refused = _call(token, method, url, route.body(method))
+        assert refused.status_code == 401, (
+            f"{method.upper()} {route.route}, staff token: {refused.status_code}"
+        )
+        refused = _call(session, method, url, route.body(method))
+        assert refused.status_code == 403, (
+            f"{method.upper()} {route.route}, staff session: {refused.status_code}"
+        )
+        if obj is not None:
+            assert _snapshot(obj) == before
+
+
 @pytest.mark.parametrize("route", STAFF_ROUTES, ids=str)
 def test_the_staff_api_is_for_staff_only(route, two_tenants, staff_user, add_member, signed_in, make_token):
     url = reverse(route.name)
