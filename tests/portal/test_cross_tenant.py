@@ -285,8 +285,24 @@ def test_a_read_only_token_cannot_write(route, two_tenants):
 # --- foreign ids in filters and bodies ------------------------------------------------------------
 
 
+def _tenant_row_target(model, path: str):
+    """The tenant-owned model a filter's ``field_name`` ends on through a foreign key, if any."""
+    target = None
+    for part in path.split("__"):
+        try:
+            model_field = model._meta.get_field(part)  # a name or an attname (``workload_id``)
+        except FieldDoesNotExist:
+            return None
+        target = model_field.related_model if model_field.is_relation else None
+        if target is None:
+            return None
+        model = target
+    return target if target is not None and issubclass(target, TenantOwnedModel) else None
+
+
 def _id_filters() -> list[tuple[Route, str, type]]:
-    """(list route, filter name, tenant-owned model it chooses from) for every id filter."""
+    """(list route, filter name, tenant-owned model) for every filter that takes a tenant-owned
+    row's id: a choice among rows, or any filter on a foreign key to one."""
     found = []
     for route in ROUTES:
         if route.is_detail or "get" not in route.methods or route.model is None:
@@ -295,9 +311,11 @@ def _id_filters() -> list[tuple[Route, str, type]]:
         filterset = FilterBackend().get_filterset_class(view, route.view_class.queryset)
         for name, f in (filterset.base_filters if filterset else {}).items():
             if isinstance(f, ModelChoiceFilter | ModelMultipleChoiceFilter):
-                model = f.queryset.model
-                if issubclass(model, TenantOwnedModel):
-                    found.append((route, name, model))
+                model = f.queryset.model if issubclass(f.queryset.model, TenantOwnedModel) else None
+            else:
+                model = _tenant_row_target(route.model, f.field_name)
+            if model is not None:
+                found.append((route, name, model))
     return found
 
 
