@@ -28,7 +28,7 @@ from rest_framework.viewsets import ViewSetMixin
 
 from portal.actors import Actor
 from portal.api.filters import FilterBackend
-from portal.models import Membership, Role, Scope, User
+from portal.models import ROLE_SCOPES, Membership, Role, Scope, User
 from portal.services import api_token_create, membership_change_role, scopes_clean
 from portal.staff_tokens import staff_token_create
 from portal.tenancy import TenantOwnedModel
@@ -411,6 +411,22 @@ def _open_scopes(scope: str) -> frozenset[str]:
     return frozenset(scopes_clean([scope]))
 
 
+def _opens_or_refuses(client: Client, route: Route, method: str, tenant, *, opens: bool, who: str) -> None:
+    """Success on a fresh object of the tenant's where ``opens`` (the positive control), else a 403
+    that leaves its object as it was."""
+    if opens:
+        _owner_call(client, route, method, tenant)
+        return
+    obj = route.make(tenant) if route.is_detail and route.tenant_owned else None
+    before = _snapshot(obj) if obj is not None else None
+    pk = obj.pk if obj is not None else (1 if route.is_detail else None)
+    response = _call(client, method, _url(route, pk), route.body(method))
+    assert response.status_code == 403, f"{method.upper()} {route.route} as {who}: {response.status_code}"
+    assert response.json()["error"]["code"] == "permission_denied"
+    if obj is not None:
+        assert _snapshot(obj) == before
+
+
 @pytest.mark.parametrize("call", CALLS, ids=_call_id)
 def test_each_scope_alone(call, two_tenants, make_token):
     """A token with one scope opens exactly the routes that need it (positive control) and gets
@@ -421,17 +437,19 @@ def test_each_scope_alone(call, two_tenants, make_token):
     assert needed in Scope.values, f"{route.route}: {needed!r} is not a tenant scope"
     for scope in Scope.values:
         client = _bearer(make_token(a, scopes=[scope], name=f"only-{scope}"))
-        if needed in _open_scopes(scope):
-            _owner_call(client, route, method, a)
-            continue
-        obj = route.make(a) if route.is_detail and route.tenant_owned else None
-        before = _snapshot(obj) if obj is not None else None
-        pk = obj.pk if obj is not None else (1 if route.is_detail else None)
-        response = _call(client, method, _url(route, pk), route.body(method))
-        assert response.status_code == 403, f"{method.upper()} {route.route} with only {scope}"
-        assert response.json()["error"]["code"] == "permission_denied"
-        if obj is not None:
-            assert _snapshot(obj) == before
+        opens = needed in _open_scopes(scope)
+        _opens_or_refuses(client, route, method, a, opens=opens, who=f"a token with only {scope}")
+
+
+@pytest.mark.parametrize("call", CALLS, ids=_call_id)
+def test_each_role_signed_in(call, two_tenants, add_member, signed_in):
+    """A signed-in member's session opens exactly the routes its role's scopes reach."""
+    route, method = call
+    a = two_tenants["a"]
+    for role in Role.values:
+        client = signed_in(add_member(a, role).user, a)
+        opens = route.scope(method) in ROLE_SCOPES[role]
+        _opens_or_refuses(client, route, method, a, opens=opens, who=f"a {role}'s session")
 
 
 def _token_of(member: Membership, scopes) -> str:
