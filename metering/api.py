@@ -75,15 +75,10 @@ class UsageFilter(TenantFilterSet):
 
 
 class UsagePagination(CursorPagination):
-    """A month of one tenant's usage fits in one page: ``page_size`` up to 10,000. Pages may be
-    rows of ``values_list`` with the id first (the list's fast path)."""
+    """A month of one tenant's usage fits in one page: ``page_size`` up to 10,000. The list pages
+    ``values_list(named=True)`` rows: DRF reads the cursor's position as the row's ``id`` attribute."""
 
     max_page_size = 10_000
-
-    def _get_position_from_instance(self, instance, ordering):
-        if isinstance(instance, tuple):
-            return str(instance[0])
-        return super()._get_position_from_instance(instance, ordering)
 
 
 class _IsoUtc(Func):
@@ -108,15 +103,17 @@ _USAGE_DECIMALS = {
 
 
 def _usage_values(queryset):
-    """The records as ``values_list`` rows in ``_USAGE_KEYS`` order, as the serializer renders
-    them. On PostgreSQL decimals, dates and timestamps come as text from SQL (the column's places;
-    ISO 8601), which spares parsing 10,000 rows of them; elsewhere ``_usage_rows`` formats them."""
+    """The records as named ``values_list`` rows in ``_USAGE_KEYS`` order, as the serializer renders
+    them (named, so that the cursor paginator finds each row's ``id``). On PostgreSQL decimals,
+    dates and timestamps come as text from SQL (the column's places; ISO 8601), which spares parsing
+    10,000 rows of them; elsewhere ``_usage_rows`` formats them."""
     if connections[queryset.db].vendor != "postgresql":
-        return queryset.values_list(*(_USAGE_PATHS.get(k, k) for k in _USAGE_KEYS)), False
-    texts = {f"_txt_{k}": Cast(k, models.TextField()) for k in [*_USAGE_DECIMALS, "period_start"]}
-    texts |= {f"_txt_{k}": _IsoUtc(k) for k in ("start", "end")}
-    paths = [f"_txt_{k}" if f"_txt_{k}" in texts else _USAGE_PATHS.get(k, k) for k in _USAGE_KEYS]
-    return queryset.annotate(**texts).values_list(*paths), True
+        return queryset.values_list(*(_USAGE_PATHS.get(k, k) for k in _USAGE_KEYS), named=True), False
+    # Not "_txt_": a named row's field names cannot start with an underscore.
+    texts = {f"txt_{k}": Cast(k, models.TextField()) for k in [*_USAGE_DECIMALS, "period_start"]}
+    texts |= {f"txt_{k}": _IsoUtc(k) for k in ("start", "end")}
+    paths = [f"txt_{k}" if f"txt_{k}" in texts else _USAGE_PATHS.get(k, k) for k in _USAGE_KEYS]
+    return queryset.annotate(**texts).values_list(*paths, named=True), True
 
 
 def _usage_rows(page: list[tuple], as_text: bool) -> list[dict]:
