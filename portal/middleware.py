@@ -216,9 +216,9 @@ class RequestIdMiddleware(SyncAsyncMiddleware):
         # Sync: pages and the API run on the WSGI thread pool (portal/asgi.py), where an async
         # method cost an event loop run per request; only the agent protocol's rare requests
         # through Django's ASGI handler take a thread hop for it. It reads only what
-        # TenantMiddleware already loaded (the user Django cached), never the database.
+        # TenantMiddleware already loaded (it evaluated ``request.user``), never the database.
         tenant = getattr(request, "tenant", None)
-        user = request.__dict__.get("_cached_user")
+        user = getattr(request, "user", None)
         log_context_bind(
             tenant_id=tenant.pk if tenant is not None else None,
             user_id=user.pk if user is not None and user.is_authenticated else None,

@@ -24,19 +24,20 @@ _EMPTY = RequestContext(tenant=None, scopes=frozenset())
 
 
 def request_context(request) -> RequestContext:
-    django_request = getattr(request, "_request", request)
-    cached = getattr(django_request, "_gpupool_context", None)
+    """The context of a DRF request, kept on it for the rest of the request. Django's request's
+    attributes (``membership``) are read through DRF's request, which passes on what it lacks."""
+    cached = getattr(request, "gpupool_context", None)
     if cached is not None:
         return cached
     auth = getattr(request, "auth", None)
     if isinstance(auth, ApiToken):
         ctx = RequestContext(tenant=auth.tenant, scopes=auth.effective_scopes or frozenset(), token=auth)
     else:
-        membership = getattr(django_request, "membership", None)
+        membership = getattr(request, "membership", None)
         ctx = (
             RequestContext(tenant=membership.tenant, scopes=membership.scopes, membership=membership)
             if membership is not None
             else _EMPTY
         )
-    django_request._gpupool_context = ctx
+    request.gpupool_context = ctx
     return ctx
