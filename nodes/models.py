@@ -476,11 +476,14 @@ class GpuSample(models.Model):
     A gauge is NULL when the GPU could not report it (utilisation of a GPU in MIG mode, every gauge of
     a GPU that fell off the bus): "unknown", never 0.
 
-    The GPU is a foreign key without a database constraint: the constraint's check, one look-up of the
-    GPU row per sample at commit, was a tenth of PostgreSQL's CPU under ``bench/scale.py`` (4,000
-    samples a second at 500 nodes). Ingest writes only GPUs it has just read under the node's lock,
-    GPUs are retired (``removed_at``), not deleted, and deleting one still deletes its samples
-    (Django's cascade)."""
+    The GPU is a foreign key without a database constraint, on purpose (migration 0005): the
+    constraint's check, one look-up of the GPU row per sample at commit, was a tenth of PostgreSQL's
+    CPU under ``bench/scale.py`` (4,000 samples a second at 500 nodes). What keeps the rows
+    consistent without it: ingest writes only GPUs it has just read under the node's lock; GPUs are
+    retired (``removed_at``), not deleted; deleting one (or its node) still deletes its samples
+    (Django's cascade); and the samples a GPU deleted while a batch of its node was being written
+    leaves behind are deleted by the hourly purge (``nodes.services.telemetry``). Pages read samples
+    by GPU, so such a sample shows meanwhile only in the admin's raw list."""
 
     gpu = models.ForeignKey(
         Gpu, on_delete=models.CASCADE, related_name="+", db_index=False, db_constraint=False

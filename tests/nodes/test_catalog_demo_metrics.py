@@ -11,6 +11,7 @@ from django.utils import timezone
 from nodes.catalog import CATALOG, catalog_seed, compute_weight
 from nodes.demo import fleet_demo_seed
 from nodes.models import (
+    Gpu,
     GpuMinuteRollup,
     GpuModel,
     GpuSample,
@@ -150,3 +151,21 @@ def test_purge_keeps_what_is_within_retention(agent, settings):
         ).count()
         == 2
     )
+
+
+def test_purge_deletes_the_samples_of_gpus_that_are_gone(agent):
+    """Raw samples have no database constraint on their GPU: the samples a GPU deleted during an
+    ingest leaves behind (made here directly) go at the next purge, whatever their age; the
+    samples of the GPUs that are there, within retention, stay."""
+    now = timezone.now()
+    assert (
+        agent.heartbeat(agent.batch(samples=[agent.sample(u, now) for u in agent.uuids])).status_code == 200
+    )
+    gone = Gpu.objects.order_by("-id").values_list("id", flat=True)[0] + 1000
+    GpuSample.objects.create(gpu_id=gone, ts=now)
+    GpuSample.objects.create(gpu_id=gone + 7, ts=now - timedelta(minutes=1))
+    result = telemetry_purge(now=now)
+    assert result["orphan_samples"] == 2 and result["samples"] == 0
+    assert not GpuSample.objects.filter(gpu_id__in=[gone, gone + 7]).exists()
+    assert GpuSample.objects.count() == len(agent.uuids)
+    assert telemetry_purge(now=now)["orphan_samples"] == 0
