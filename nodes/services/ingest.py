@@ -1,11 +1,12 @@
-"""Heartbeat ingest: the hot path. One transaction of two round trips per batch on PostgreSQL.
+"""Heartbeat ingest: the hot path. One transaction of three round trips per batch on PostgreSQL.
 
 Per batch: one statement checks the node credential, locks the node row, inserts the (node, epoch,
 seq) marker with ON CONFLICT DO NOTHING (a duplicate stops there and writes nothing) and reads the
 node's GPUs; a gap is recorded or filled (rare); then the samples, the additive per-minute rollup
-upsert, the GPUs' latest values and the node update go in one pipeline with the COMMIT (a batch
-that changes a workload's state, fails a GPU or brings a node back runs that ORM work too, then
-commits on its own). Rows go to PostgreSQL as one JSON document per statement
+upsert, the GPUs' latest values and the node update go in one pipeline (a batch that changes a
+workload's state, fails a GPU or brings a node back runs that ORM work too); Django's atomic block
+commits. The statements are raw SQL on purpose (set-based, whatever the batch size), with the
+tables and columns of the models (``_statements``). Rows go to PostgreSQL as one JSON document per statement
 (``json_to_recordset``); the statement texts do not depend on the batch size, so they are prepared
 (``DB_PREPARED_STATEMENTS``). No ORM object is built per sample. SQLite runs the same steps as
 plain statements. The batch arrives parsed and checked (``nodes.services.heartbeat_parse``).
@@ -15,10 +16,12 @@ The newest batch's workloads that are starting or running are announced after th
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from types import SimpleNamespace
 from typing import Any
 
 import orjson
@@ -27,8 +30,13 @@ from django.utils import timezone
 
 from nodes import metrics as node_metrics
 from nodes.models import (
+    Gpu,
     GpuHealth,
+    GpuMinuteRollup,
+    GpuSample,
+    HeartbeatBatch,
     Node,
+    NodeCredential,
     NodeState,
     NodeWorkloadStatus,
     SequenceGap,
@@ -49,6 +57,8 @@ from nodes.signals import node_ready, send_on_commit, workload_exited, workload_
 logger = logging.getLogger(__name__)
 
 # XID errors that mean lost or failing hardware (NVIDIA "XID Errors" guide): the GPU is isolated.
+_AGENT_VERSION_MAX = Node._meta.get_field("agent_version").max_length
+
 HARDWARE_XIDS: dict[int, str] = {
     48: "double-bit ECC error",
     63: "ECC page retirement or row remapping event",
@@ -85,102 +95,151 @@ def _from_db_dt(value: Any) -> datetime | None:
     return datetime.fromisoformat(value).replace(tzinfo=UTC)
 
 
-# The head of a batch, one statement on PostgreSQL: lock the node row (batches of one node are
-# serialised), check the credential, insert the (node, epoch, seq) marker unless it is there (a
-# duplicate, even a concurrent one, stops here having written nothing), and read the node's GPUs.
-_HEAD_PG = """
-WITH n AS (
-    SELECT n.id, n.seq_epoch, n.last_seq, n.state, n.resume_state, n.workloads_digest, c.key_hash
-    FROM nodes_node n JOIN nodes_nodecredential c ON c.node_id = n.id
-    WHERE n.id = %(node)s FOR UPDATE OF n
-), m AS (
-    INSERT INTO nodes_heartbeatbatch (node_id, epoch, seq, received_at, sent_at, sample_count, out_of_order)
-    SELECT n.id, n.seq_epoch, %(seq)s, %(now)s, %(sent)s, %(count)s, %(seq)s < n.last_seq
-    FROM n WHERE n.key_hash = %(hash)s
-    ON CONFLICT (node_id, epoch, seq) DO NOTHING RETURNING id
-)
-SELECT n.key_hash, n.seq_epoch, n.last_seq, n.state, n.resume_state, n.workloads_digest, (SELECT id FROM m),
-       g.id, g.uuid, g.health, g.ecc_dbe_total, g.last_sample_at
-FROM n LEFT JOIN nodes_gpu g ON g.node_id = n.id AND g.removed_at IS NULL
-"""
-_HEAD_SQLITE = (
-    "SELECT c.key_hash, n.seq_epoch, n.last_seq, n.state, n.resume_state, n.workloads_digest, NULL, "
-    "g.id, g.uuid, g.health, g.ecc_dbe_total, g.last_sample_at "
-    "FROM nodes_node n JOIN nodes_nodecredential c ON c.node_id = n.id "
-    "LEFT JOIN nodes_gpu g ON g.node_id = n.id AND g.removed_at IS NULL WHERE n.id = %s"
-)
-_MARKER_SQLITE = (
-    "INSERT INTO nodes_heartbeatbatch (node_id, epoch, seq, received_at, sent_at, sample_count, out_of_order) "
-    "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (node_id, epoch, seq) DO NOTHING RETURNING id"
-)
+# The JSON rows of the PostgreSQL statements: (model field, key in the JSON row, PostgreSQL type).
+# Short keys keep the documents small; the column names come from the models (``_statements``).
+_SAMPLE_SHAPE = (
+    ("gpu", "g", "bigint"), ("ts", "t", "timestamptz"), ("util_pct", "u", "float8"),
+    ("mem_used_mib", "m", "int"), ("power_w", "p", "float8"), ("temp_c", "c", "smallint"),
+    ("sm_clock_mhz", "k", "int"), ("ecc_sbe", "s", "int"), ("ecc_dbe", "d", "int"),
+    ("throttle_reasons", "h", "bigint"), ("xid_errors", "x", "jsonb"), ("processes", "r", "jsonb"),
+)  # fmt: skip
+_ROLLUP_SHAPE = (
+    ("gpu", "g", "bigint"), ("minute", "t", "timestamptz"), ("sample_count", "n", "int"),
+    ("util_sum", "us", "float8"), ("util_count", "un", "int"), ("util_max", "ux", "float8"),
+    ("mem_used_sum", "ms", "bigint"), ("mem_used_count", "mn", "int"), ("mem_used_max", "mx", "int"),
+    ("power_sum", "ps", "float8"), ("power_count", "pn", "int"), ("temp_max", "tx", "smallint"),
+)  # fmt: skip
+# The rollup's maxima; its other fields after (gpu, minute) are summed on conflict.
+_ROLLUP_MAX = ("util_max", "mem_used_max", "temp_max")
+# A GPU's latest values: the GPU's id, then each field and the reading's value that sets it.
+_GPU_LATEST_SHAPE = (
+    ("id", "id", "bigint"), ("last_sample_at", "ts", "timestamptz"), ("last_util_pct", "util", "float8"),
+    ("last_mem_used_mib", "mem", "int"), ("last_power_w", "power", "float8"),
+    ("last_temp_c", "temp", "smallint"), ("last_sm_clock_mhz", "clock", "int"),
+    ("ecc_sbe_total", "sbe", "bigint"), ("ecc_dbe_total", "dbe", "bigint"),
+)  # fmt: skip
+_SAMPLE_KEYS = tuple(key for _, key, _ in _SAMPLE_SHAPE)
+_ROLLUP_KEYS = tuple(key for _, key, _ in _ROLLUP_SHAPE)
+_GPU_LATEST_KEYS = tuple(key for _, key, _ in _GPU_LATEST_SHAPE)
 
-_SAMPLE_COLUMNS = (
-    "gpu_id, ts, util_pct, mem_used_mib, power_w, temp_c, sm_clock_mhz, ecc_sbe, ecc_dbe, "
-    "throttle_reasons, xid_errors, processes"
-)
-# Constant statement texts (whatever the batch size), prepared after a few uses on a connection. The
-# rows go as one JSON document each (dumped by orjson, parsed by PostgreSQL), which costs far less
-# than adapting arrays of values one by one in Python.
-_SAMPLES_PG = (
-    f"INSERT INTO nodes_gpusample ({_SAMPLE_COLUMNS}) "
-    "SELECT g, t, u, m, p, c, k, s, d, h, x, r FROM json_to_recordset(%s::json) AS v("
-    "g bigint, t timestamptz, u float8, m int, p float8, c smallint, k int, s int, d int, h bigint, "
-    "x jsonb, r jsonb)"
-)
-_SAMPLES_SQLITE = f"INSERT INTO nodes_gpusample ({_SAMPLE_COLUMNS}) VALUES ({', '.join(['%s'] * 12)})"
 
-_ROLLUP_COLUMNS = (
-    "gpu_id, minute, sample_count, util_sum, util_count, util_max, mem_used_sum, mem_used_count, "
-    "mem_used_max, power_sum, power_count, temp_max"
-)
-# Additive, so late and replayed batches land in their minute; NULL gauges count nowhere.
-_ROLLUP_UPDATE = (
-    " ON CONFLICT (gpu_id, minute) DO UPDATE SET "
-    "sample_count = r.sample_count + excluded.sample_count, "
-    "util_sum = r.util_sum + excluded.util_sum, util_count = r.util_count + excluded.util_count, "
-    "util_max = {max}(r.util_max, excluded.util_max), "
-    "mem_used_sum = r.mem_used_sum + excluded.mem_used_sum, "
-    "mem_used_count = r.mem_used_count + excluded.mem_used_count, "
-    "mem_used_max = {max}(r.mem_used_max, excluded.mem_used_max), "
-    "power_sum = r.power_sum + excluded.power_sum, power_count = r.power_count + excluded.power_count, "
-    "temp_max = {max}(r.temp_max, excluded.temp_max)"
-)
-_ROLLUP_PG = (
-    f"INSERT INTO nodes_gpuminuterollup AS r ({_ROLLUP_COLUMNS}) "
-    "SELECT g, t, n, us, un, ux, ms, mn, mx, ps, pn, tx FROM json_to_recordset(%s::json) AS v("
-    "g bigint, t timestamptz, n int, us float8, un int, ux float8, ms bigint, mn int, mx int, ps float8, "
-    "pn int, tx smallint)" + _ROLLUP_UPDATE.format(max="GREATEST")  # GREATEST ignores NULLs
-)
-# SQLite's two-argument MAX is NULL when either is: take the other one then.
-_ROLLUP_SQLITE = (
-    f"INSERT INTO nodes_gpuminuterollup AS r ({_ROLLUP_COLUMNS}) VALUES {{values}}"
-    + _ROLLUP_UPDATE.replace("{max}(r.", "MAX(COALESCE(r.")
-    .replace(", excluded.util_max)", ", excluded.util_max), COALESCE(excluded.util_max, r.util_max))")
-    .replace(
-        ", excluded.mem_used_max)",
-        ", excluded.mem_used_max), COALESCE(excluded.mem_used_max, r.mem_used_max))",
+def _names(model) -> SimpleNamespace:
+    """A model's table (``table``) and the column of each concrete field, by field name."""
+    opts = model._meta
+    return SimpleNamespace(table=opts.db_table, **{f.name: f.column for f in opts.concrete_fields})
+
+
+@dataclass(frozen=True, slots=True)
+class _Statements:
+    head: str
+    marker: str  # SQLite: the marker's insert (on PostgreSQL the head statement inserts it)
+    samples: str
+    rollup: str  # SQLite: ``{values}`` is the rows' placeholders
+    gpu_latest: str
+    gpu_xids: str
+    node: SimpleNamespace  # the node's columns, for its update (``_node_update``)
+
+
+@functools.cache
+def _statements(vendor: str) -> _Statements:
+    """The ingest's statements for ``vendor`` ("postgresql" or "sqlite"), with the tables and columns
+    of the models, built once per process. Their texts do not depend on the batch, so PostgreSQL
+    prepares them after a few uses (``DB_PREPARED_STATEMENTS``)."""
+    N, C, B, G = _names(Node), _names(NodeCredential), _names(HeartbeatBatch), _names(Gpu)
+    S, R = _names(GpuSample), _names(GpuMinuteRollup)
+    pg = vendor == "postgresql"
+    node_cols = f"n.{N.seq_epoch}, n.{N.last_seq}, n.{N.state}, n.{N.resume_state}, n.{N.workloads_digest}"
+    gpu_cols = f"g.{G.id}, g.{G.uuid}, g.{G.health}, g.{G.ecc_dbe_total}, g.{G.last_sample_at}"
+    gpus_join = f"LEFT JOIN {G.table} g ON g.{G.node} = n.{N.id} AND g.{G.removed_at} IS NULL"
+    marker_cols = (
+        f"{B.node}, {B.epoch}, {B.seq}, {B.received_at}, {B.sent_at}, {B.sample_count}, {B.out_of_order}"
     )
-    .replace(", excluded.temp_max)", ", excluded.temp_max), COALESCE(excluded.temp_max, r.temp_max))")
+    marker_conflict = f"ON CONFLICT ({B.node}, {B.epoch}, {B.seq}) DO NOTHING RETURNING {B.id}"
+    sample_cols = ", ".join(getattr(S, field) for field, _, _ in _SAMPLE_SHAPE)
+    rollup_cols = ", ".join(getattr(R, field) for field, _, _ in _ROLLUP_SHAPE)
+
+    # Additive, so late and replayed batches land in their minute; NULL gauges count nowhere.
+    # PostgreSQL's GREATEST ignores NULLs; SQLite's two-argument MAX is NULL when either is, so
+    # each side falls back on the other.
+    def greatest(c: str) -> str:
+        if pg:
+            return f"GREATEST(r.{c}, excluded.{c})"
+        return f"MAX(COALESCE(r.{c}, excluded.{c}), COALESCE(excluded.{c}, r.{c}))"
+
+    rollup_sets = ", ".join(
+        f"{getattr(R, f)} = {greatest(getattr(R, f))}"
+        if f in _ROLLUP_MAX
+        else f"{getattr(R, f)} = r.{getattr(R, f)} + excluded.{getattr(R, f)}"
+        for f, _, _ in _ROLLUP_SHAPE[2:]
+    )
+    rollup_conflict = f" ON CONFLICT ({R.gpu}, {R.minute}) DO UPDATE SET {rollup_sets}"
+    xids = f"UPDATE {G.table} SET {G.xid_count} = {G.xid_count} + %s, {G.last_xid} = %s WHERE {G.id} = %s"
+
+    if not pg:
+        latest_sets = ", ".join(f"{getattr(G, f)} = %s" for f, _, _ in _GPU_LATEST_SHAPE[1:])
+        return _Statements(
+            head=(
+                f"SELECT c.{C.key_hash}, {node_cols}, NULL, {gpu_cols} FROM {N.table} n "
+                f"JOIN {C.table} c ON c.{C.node} = n.{N.id} {gpus_join} WHERE n.{N.id} = %s"
+            ),
+            marker=f"INSERT INTO {B.table} ({marker_cols}) VALUES (%s, %s, %s, %s, %s, %s, %s) {marker_conflict}",
+            samples=f"INSERT INTO {S.table} ({sample_cols}) VALUES ({', '.join(['%s'] * len(_SAMPLE_SHAPE))})",
+            rollup=f"INSERT INTO {R.table} AS r ({rollup_cols}) VALUES {{values}}{rollup_conflict}",
+            gpu_latest=(
+                f"UPDATE {G.table} SET {latest_sets} WHERE {G.id} = %s "
+                f"AND ({G.last_sample_at} IS NULL OR {G.last_sample_at} <= %s)"
+            ),
+            gpu_xids=xids,
+            node=N,
+        )
+
+    def recordset(shape) -> str:
+        """The rows of one JSON document parameter, as a table ``v`` with the shape's keys."""
+        return f"json_to_recordset(%s::json) AS v({', '.join(f'{key} {type_}' for _, key, type_ in shape)})"
+
+    latest_sets = ", ".join(f"{getattr(G, f)} = v.{key}" for f, key, _ in _GPU_LATEST_SHAPE[1:])
+    return _Statements(
+        # The head of a batch, one statement: lock the node row (batches of one node are
+        # serialised), check the credential, insert the (node, epoch, seq) marker unless it is there
+        # (a duplicate, even a concurrent one, stops here having written nothing), read the GPUs.
+        head=f"""
+WITH n AS (
+    SELECT n.{N.id}, {node_cols}, c.{C.key_hash}
+    FROM {N.table} n JOIN {C.table} c ON c.{C.node} = n.{N.id}
+    WHERE n.{N.id} = %(node)s FOR UPDATE OF n
+), m AS (
+    INSERT INTO {B.table} ({marker_cols})
+    SELECT n.{N.id}, n.{N.seq_epoch}, %(seq)s, %(now)s, %(sent)s, %(count)s, %(seq)s < n.{N.last_seq}
+    FROM n WHERE n.{C.key_hash} = %(hash)s
+    {marker_conflict}
 )
-_GPU_LATEST_COLUMNS = (
-    "last_sample_at = v.ts, last_util_pct = v.util, last_mem_used_mib = v.mem, last_power_w = v.power, "
-    "last_temp_c = v.temp, last_sm_clock_mhz = v.clock, ecc_sbe_total = v.sbe, ecc_dbe_total = v.dbe"
-)
-# Only newer values replace the latest ones (a replayed batch is older): the guard is in SQL, so it
-# holds against the row as it is now, whatever the batch read before it took the node's lock. The
-# node's id leads the planner to the node's few GPUs by index: it cannot see how many rows the JSON
-# holds (it assumes 100), and without it a prepared (generic) plan scans the whole GPU table.
-_GPU_LATEST_PG = (
-    f"UPDATE nodes_gpu AS g SET {_GPU_LATEST_COLUMNS} FROM json_to_recordset(%s::json) AS v("
-    "id bigint, ts timestamptz, util float8, mem int, power float8, temp smallint, clock int, sbe bigint, "
-    "dbe bigint) WHERE g.node_id = %s AND g.id = v.id AND (g.last_sample_at IS NULL OR g.last_sample_at <= v.ts)"
-)
-_GPU_LATEST_SQLITE = (
-    "UPDATE nodes_gpu SET last_sample_at = %s, last_util_pct = %s, last_mem_used_mib = %s, last_power_w = %s, "
-    "last_temp_c = %s, last_sm_clock_mhz = %s, ecc_sbe_total = %s, ecc_dbe_total = %s "
-    "WHERE id = %s AND (last_sample_at IS NULL OR last_sample_at <= %s)"
-)
-_GPU_XIDS = "UPDATE nodes_gpu SET xid_count = xid_count + %s, last_xid = %s WHERE id = %s"
+SELECT n.{C.key_hash}, {node_cols}, (SELECT {B.id} FROM m), {gpu_cols}
+FROM n {gpus_join}
+""",
+        marker="",
+        # The rows go as one JSON document (dumped by orjson, parsed by PostgreSQL), which costs far
+        # less than adapting arrays of values one by one in Python.
+        samples=(
+            f"INSERT INTO {S.table} ({sample_cols}) "
+            f"SELECT {', '.join(_SAMPLE_KEYS)} FROM {recordset(_SAMPLE_SHAPE)}"
+        ),
+        rollup=(
+            f"INSERT INTO {R.table} AS r ({rollup_cols}) "
+            f"SELECT {', '.join(_ROLLUP_KEYS)} FROM {recordset(_ROLLUP_SHAPE)}{rollup_conflict}"
+        ),
+        # Only newer values replace the latest ones (a replayed batch is older): the guard is in
+        # SQL, so it holds against the row as it is now, whatever the batch read before it took the
+        # node's lock. The node's id leads the planner to the node's few GPUs by index: it cannot
+        # see how many rows the JSON holds (it assumes 100), and without it a prepared (generic)
+        # plan scans the whole GPU table.
+        gpu_latest=(
+            f"UPDATE {G.table} AS g SET {latest_sets} FROM {recordset(_GPU_LATEST_SHAPE)} "
+            f"WHERE g.{G.node} = %s AND g.{G.id} = v.id "
+            f"AND (g.{G.last_sample_at} IS NULL OR g.{G.last_sample_at} <= v.ts)"
+        ),
+        gpu_xids=xids,
+        node=N,
+    )
 
 
 @dataclass(slots=True)
@@ -198,23 +257,23 @@ def heartbeat_ingest(
 ) -> IngestResult:
     """Store one heartbeat batch of the node that ``credential`` (``gpn_<node_id>_...``) opens.
 
-    One transaction of two round trips on PostgreSQL whatever the batch size: the head statement
-    (credential, node lock, marker, GPUs), then the writes (samples, rollups, GPUs' latest values,
-    node) pipelined with the commit. A wrong credential raises NotAuthenticated and writes nothing.
+    One transaction of three round trips on PostgreSQL whatever the batch size: the head statement
+    (credential, node lock, marker, GPUs), the writes (samples, rollups, GPUs' latest values, node)
+    in one pipeline, and the commit. A wrong credential raises NotAuthenticated and writes nothing.
     """
     now = now or timezone.now()
     pg = _is_pg()
+    sql = _statements(connection.vendor)
     key_hash = hash_secret(credential)
-    outermost = not connection.in_atomic_block
     with transaction.atomic():
         with connection.cursor() as cur:
-            n, marker_id, gpus = _head(cur, node_id, key_hash, batch, now, pg)
+            n, marker_id, gpus = _head(cur, sql, node_id, key_hash, batch, now, pg)
             if marker_id is None:
                 node_metrics.HEARTBEATS.labels(result="duplicate").inc()
                 return IngestResult(status="duplicate")
             seq, last_seq = batch.seq, n.last_seq
             gap = _record_sequence(n.id, n.seq_epoch, seq, last_seq, now)
-            written, ignored, newly_unhealthy, tail = _write_samples(n.id, gpus, batch.samples, pg)
+            written, ignored, newly_unhealthy, tail = _write_samples(sql, n.id, gpus, batch.samples, pg)
             newest = seq > last_seq
             # The workload list changed: statuses to write (or, for a list now empty, to clear).
             relist = (
@@ -222,24 +281,18 @@ def heartbeat_ingest(
                 and batch.workloads_digest != n.workloads_digest
                 and (bool(batch.workloads) or n.workloads_digest not in NO_WORKLOADS_DIGESTS)
             )
-            tail.append(_node_update(n, batch, newest, now, pg))
+            tail.append(_node_update(sql.node, n, batch, newest, now, pg))
             if pg:
-                # A batch with nothing more to write after these statements (the common one: no
-                # workload change, no failing GPU, the node not coming back) sends its COMMIT in
-                # the same round trip; Django's commit at the end of the block then finds no
-                # transaction open and does nothing. Work added below must be counted in ``more``.
-                more = relist or newly_unhealthy or n.state in (NodeState.SUSPECT, NodeState.DOWN)
+                # One round trip for all of them; Django's atomic block commits after it.
                 with connection.connection.pipeline():
-                    for sql, params in tail:
-                        cur.execute(sql, params)
-                    if outermost and not more:
-                        cur.execute("COMMIT")
+                    for statement, params in tail:
+                        cur.execute(statement, params)
             else:
-                for sql, params in tail:
+                for statement, params in tail:
                     if params and isinstance(params[0], tuple):
-                        cur.executemany(sql, params)
+                        cur.executemany(statement, params)
                     else:
-                        cur.execute(sql, params)
+                        cur.execute(statement, params)
         # Workload statuses from the newest batch only: a late batch's are out of date.
         if relist:
             _record_workloads(n.id, batch.workloads, now)
@@ -260,20 +313,20 @@ def heartbeat_ingest(
 
 
 def _head(
-    cur, node_id: int, key_hash: str, batch: HeartbeatData, now: datetime, pg: bool
+    cur, sql: _Statements, node_id: int, key_hash: str, batch: HeartbeatData, now: datetime, pg: bool
 ) -> tuple[_NodeRow, int | None, dict[str, tuple]]:
     """Check the credential, lock the node, insert the marker. Returns the node, the marker id (None
     for a duplicate) and the node's GPUs by uuid: (id, uuid, health, ecc_dbe_total, last_sample_at)."""
     sent = _db_dt(batch.sent_at) if batch.sent_at else None
     if pg:
         cur.execute(
-            _HEAD_PG,
+            sql.head,
             {"node": node_id, "seq": batch.seq, "now": now, "sent": sent, "count": len(batch.samples),
              "hash": key_hash},
         )  # fmt: skip
         rows = cur.fetchall()
     else:
-        cur.execute(_HEAD_SQLITE, [node_id])
+        cur.execute(sql.head, [node_id])
         rows = cur.fetchall()
     if not rows or not hmac.compare_digest(rows[0][0], key_hash):
         raise NotAuthenticated("Invalid node credential.")
@@ -281,7 +334,7 @@ def _head(
     marker_id = rows[0][6]
     if not pg:
         cur.execute(
-            _MARKER_SQLITE,
+            sql.marker,
             [node_id, n.seq_epoch, batch.seq, _db_dt(now), sent, len(batch.samples), batch.seq < n.last_seq],
         )
         row = cur.fetchone()
@@ -291,21 +344,31 @@ def _head(
 
 
 def _node_update(
-    n: _NodeRow, batch: HeartbeatData, newest: bool, now: datetime, pg: bool
+    N: SimpleNamespace, n: _NodeRow, batch: HeartbeatData, newest: bool, now: datetime, pg: bool
 ) -> tuple[str, list]:
-    sets, params = ["last_heartbeat_at = %s"], [_db_dt(now)]
+    """The node's update: its last heartbeat, what the newest batch says, and its return to READY."""
+    sets, params = [f"{N.last_heartbeat_at} = %s"], [_db_dt(now)]
     if newest:
-        sets += ["last_seq = %s", "status = %s" + ("::jsonb" if pg else ""), "workloads_digest = %s"]
+        sets += [
+            f"{N.last_seq} = %s",
+            f"{N.status} = %s" + ("::jsonb" if pg else ""),
+            f"{N.workloads_digest} = %s",
+        ]
         params += [batch.seq, _dumps(batch.status), batch.workloads_digest]
         agent_version = batch.status.get("agent_version")
         if isinstance(agent_version, str) and agent_version:
-            sets.append("agent_version = %s")
-            params.append(agent_version[:32])
+            sets.append(f"{N.agent_version} = %s")
+            params.append(agent_version[:_AGENT_VERSION_MAX])
     if n.state in (NodeState.SUSPECT, NodeState.DOWN):
-        sets += ["state = %s", "resume_state = %s", "state_reason = %s", "state_changed_at = %s"]
+        sets += [
+            f"{N.state} = %s",
+            f"{N.resume_state} = %s",
+            f"{N.state_reason} = %s",
+            f"{N.state_changed_at} = %s",
+        ]
         params += [n.resume_state or NodeState.READY, "", "Heartbeats resumed.", _db_dt(now)]
     params.append(n.id)
-    return f"UPDATE nodes_node SET {', '.join(sets)} WHERE id = %s", params
+    return f"UPDATE {N.table} SET {', '.join(sets)} WHERE {N.id} = %s", params
 
 
 def _record_sequence(
@@ -349,7 +412,7 @@ def _record_sequence(
     return None
 
 
-def _write_samples(node_id: int, gpus: dict[str, tuple], samples: list[Sample], pg: bool):
+def _write_samples(sql: _Statements, node_id: int, gpus: dict[str, tuple], samples: list[Sample], pg: bool):
     """The statements that insert the samples, upsert the rollups and update the GPUs' latest values
     (run by the caller, pipelined with the node update). ``gpus`` maps uuid to
     (id, uuid, health, ecc_dbe_total, last_sample_at).
@@ -418,15 +481,13 @@ def _write_samples(node_id: int, gpus: dict[str, tuple], samples: list[Sample], 
     tail: list[tuple[str, Any]] = []
     keys = sorted(rollups)  # a fixed order: concurrent upserts of one GPU lock rows alike
     if pg:
-        names = ("g", "t", "u", "m", "p", "c", "k", "s", "d", "h", "x", "r")
-        tail.append((_SAMPLES_PG, [_json_rows(names, rows)]))
-        names = ("g", "t", "n", "us", "un", "ux", "ms", "mn", "mx", "ps", "pn", "tx")
-        tail.append((_ROLLUP_PG, [_json_rows(names, [(*key, *rollups[key]) for key in keys])]))
+        tail.append((sql.samples, [_json_rows(_SAMPLE_KEYS, rows)]))
+        tail.append((sql.rollup, [_json_rows(_ROLLUP_KEYS, [(*key, *rollups[key]) for key in keys])]))
     else:
         dumps = _dumps
         tail.append(
             (
-                _SAMPLES_SQLITE,
+                sql.samples,
                 [
                     (
                         *r[:1],
@@ -439,11 +500,11 @@ def _write_samples(node_id: int, gpus: dict[str, tuple], samples: list[Sample], 
                 ],
             )
         )
-        values = ", ".join(["(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"] * len(keys))
+        values = ", ".join([f"({', '.join(['%s'] * len(_ROLLUP_SHAPE))})"] * len(keys))
         params: list[Any] = []
         for gid, minute in keys:
             params.extend((gid, _db_dt(minute), *rollups[(gid, minute)]))
-        tail.append((_ROLLUP_SQLITE.format(values=values), params))
+        tail.append((sql.rollup.format(values=values), params))
 
     by_id = {g[0]: g for g in gpus.values()}
     fresh = []
@@ -456,12 +517,11 @@ def _write_samples(node_id: int, gpus: dict[str, tuple], samples: list[Sample], 
         )
     if fresh:
         if pg:
-            names = ("id", "ts", "util", "mem", "power", "temp", "clock", "sbe", "dbe")
-            tail.append((_GPU_LATEST_PG, [_json_rows(names, fresh), node_id]))
+            tail.append((sql.gpu_latest, [_json_rows(_GPU_LATEST_KEYS, fresh), node_id]))
         else:
-            tail.append((_GPU_LATEST_SQLITE, [(*(_db_dt(f[1]),), *f[2:], f[0], _db_dt(f[1])) for f in fresh]))
+            tail.append((sql.gpu_latest, [(*(_db_dt(f[1]),), *f[2:], f[0], _db_dt(f[1])) for f in fresh]))
     for gid, xids in xids_seen.items():
-        tail.append((_GPU_XIDS, [len(xids), xids[-1], gid]))
+        tail.append((sql.gpu_xids, [len(xids), xids[-1], gid]))
     return len(rows), ignored, sorted(failing.items()), tail
 
 

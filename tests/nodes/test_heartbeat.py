@@ -285,6 +285,32 @@ def test_heartbeat_brings_a_suspect_node_back_to_its_state(agent):
 
 
 @pytest.mark.django_db(transaction=True)
+def test_the_ingest_leaves_its_commit_to_djangos_atomic_block(register_node):
+    """The ingest sends no COMMIT or ROLLBACK of its own, also when its atomic block is the
+    outermost one: Django's block ends the transaction, so Django's view of it stays true."""
+    from nodes.services.heartbeat_parse import heartbeat_parse
+    from nodes.services.ingest import heartbeat_ingest
+
+    agent = register_node()
+    t0 = datetime.now(UTC)
+    body = agent.batch(samples=[agent.sample(u, t0) for u in agent.uuids])
+    batch = heartbeat_parse(json.dumps(body).encode())
+    statements: list[str] = []
+
+    def capture(execute, sql, params, many, context):
+        statements.append(sql)
+        return execute(sql, params, many, context)
+
+    assert not connection.in_atomic_block
+    with connection.execute_wrapper(capture):
+        result = heartbeat_ingest(node_id=agent.node_id, credential=agent.credential, batch=batch)
+    assert result.status == "accepted"
+    assert any(f"INSERT INTO {GpuSample._meta.db_table}" in s for s in statements)  # the writes were seen
+    assert [s for s in statements if s.strip().upper() in ("COMMIT", "ROLLBACK")] == []
+    assert written(agent.node_id)[1] == len(agent.uuids)
+
+
+@pytest.mark.django_db(transaction=True)
 def test_concurrent_duplicate_heartbeats_insert_once(register_node):
     """Two threads send the same (node, seq) at once, many times: each batch is stored exactly once."""
     agent = register_node(gpus=8)
@@ -434,7 +460,7 @@ def test_agent_urls_answer_json_whatever_the_method_or_path(agent):
 def test_the_ingest_statements_are_prepared_on_postgresql(agent):
     """On PostgreSQL the ingest's statements (constant texts, whatever the batch) are prepared on the
     connection after a few uses (``DB_PREPARED_STATEMENTS``): parsed and planned once, not on every
-    heartbeat, also when they go in the pipeline with the commit."""
+    heartbeat, also when they go in the pipeline."""
     postgres_only("prepared statements are PostgreSQL's")
     t0 = send_accepted(agent, 7)
     with connection.cursor() as c:
