@@ -44,7 +44,8 @@ def seed(jobs: int):
     from nodes.models import Gpu, GpuModel, Node, NodeState, Region
     from portal.actors import Actor
     from portal.models import Membership, Role
-    from portal.services import api_token_create, tenant_create
+    from portal.services.tenants import tenant_create
+    from portal.services.tokens import api_token_create
     from scheduling.services.cycle import scheduling_cycle_run
     from scheduling.services.submission import workload_submit
 
@@ -87,7 +88,7 @@ def main() -> None:
         call_command("migrate", verbosity=0)
         tenant, token = seed(a.jobs)
 
-        from portal.services import api_token_authenticate
+        from portal.services.tokens import api_token_authenticate
         from scheduling import selectors
         from scheduling.api import WorkloadSerializer
         from scheduling.models import Workload

@@ -49,7 +49,7 @@ def seed(tenants: int, records: int, heavy: int):
     from portal.actors import Actor
     from portal.bulk import bulk_insert
     from portal.models import Membership, Role, Tenant, User
-    from portal.services import api_token_create
+    from portal.services.tokens import api_token_create
     from scheduling.models import Allocation, Plan, Workload
 
     h100, a100 = GpuModel.objects.get(name=H100), GpuModel.objects.get(name=A100)

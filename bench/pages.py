@@ -58,7 +58,7 @@ def seed(a: argparse.Namespace) -> dict:
     from portal.actors import Actor
     from portal.bulk import bulk_insert
     from portal.models import Membership, Role, Tenant, User
-    from portal.services import api_token_create
+    from portal.services.tokens import api_token_create
     from scheduling.models import Allocation, Plan, Quota, QuotaModelLimit, Workload, WorkloadEvent
 
     rnd = random.Random(7)

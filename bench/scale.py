@@ -320,7 +320,8 @@ def seed(args, port: int) -> tuple[list[str], list[dict], dict[str, int]]:
     from nodes.models import GpuModel, Region
     from nodes.services.registration import bootstrap_token_create
     from portal.actors import Actor
-    from portal.services import api_token_create, tenant_create
+    from portal.services.tenants import tenant_create
+    from portal.services.tokens import api_token_create
     from scheduling.models import Plan
 
     system = Actor.system()

@@ -33,7 +33,7 @@ from portal.actors import Actor
 from portal.dashboard import register_nav
 from portal.inputs import parse_month
 from portal.models import Scope
-from portal.services import audit_record
+from portal.services.audit import audit_record
 from portal.views.base import TenantScopedMixin, forbidden, render_page
 
 register_nav("invoices", "Invoices", "metering:invoices", order=60, scope=Scope.BILLING, icon="receipt")

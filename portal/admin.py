@@ -6,7 +6,6 @@ from django.template.response import TemplateResponse
 from django.utils import timezone
 from django.utils.cache import add_never_cache_headers
 
-from portal import services
 from portal.actors import Actor
 from portal.admin_actions import RecordAdmin, run_each
 from portal.errors import DomainError
@@ -22,6 +21,10 @@ from portal.models import (
     Tenant,
     User,
 )
+from portal.services.invitations import invitation_revoke
+from portal.services.members import membership_remove
+from portal.services.tenants import tenant_set_status
+from portal.services.tokens import api_token_revoke
 from portal.staff_tokens import staff_token_create, staff_token_revoke
 
 # The admin's sign-in goes through the same attempt limiter as the site's (portal.signin).
@@ -110,16 +113,12 @@ class TenantAdmin(admin.ModelAdmin):
             obj.status, obj.suspended_reason = form.initial["status"], form.initial["suspended_reason"]
         super().save_model(request, obj, form, change)
         if status_changed:
-            services.tenant_set_status(
-                tenant=obj, status=new_status, reason=reason, actor=Actor(user=request.user)
-            )
+            tenant_set_status(tenant=obj, status=new_status, reason=reason, actor=Actor(user=request.user))
 
     @admin.action(description="Reactivate selected tenants")
     def reactivate(self, request, queryset):
         for tenant in queryset.filter(status=Tenant.Status.SUSPENDED):
-            services.tenant_set_status(
-                tenant=tenant, status=Tenant.Status.ACTIVE, actor=Actor(user=request.user)
-            )
+            tenant_set_status(tenant=tenant, status=Tenant.Status.ACTIVE, actor=Actor(user=request.user))
 
 
 @admin.register(Membership)
@@ -135,7 +134,7 @@ class MembershipAdmin(ServiceOwnedAdmin):
             self,
             request,
             queryset.select_related("tenant", "user"),
-            lambda m, actor: services.membership_remove(membership=m, actor=actor),
+            lambda m, actor: membership_remove(membership=m, actor=actor),
             "Removed",
         )
 
@@ -154,7 +153,7 @@ class InvitationAdmin(ServiceOwnedAdmin):
             self,
             request,
             queryset.filter(accepted_at__isnull=True).select_related("tenant"),
-            lambda i, actor: services.invitation_revoke(invitation=i, actor=actor),
+            lambda i, actor: invitation_revoke(invitation=i, actor=actor),
             "Revoked",
         )
 
@@ -179,7 +178,7 @@ class ApiTokenAdmin(ServiceOwnedAdmin):
     @admin.action(description="Revoke selected tokens")
     def revoke(self, request, queryset):
         for token in queryset.filter(revoked_at__isnull=True):
-            services.api_token_revoke(token=token, actor=Actor(user=request.user))
+            api_token_revoke(token=token, actor=Actor(user=request.user))
         self.message_user(request, f"Revoked at {timezone.now():%Y-%m-%d %H:%M} UTC.")
 
 

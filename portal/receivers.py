@@ -13,7 +13,7 @@ from portal.events import membership_changed
 from portal.middleware import STAFF_LAST_SEEN_KEY
 from portal.models import Membership, User
 from portal.ratelimit import client_ip
-from portal.services import audit_record
+from portal.services.audit import audit_record
 from portal.signin import retry_after
 
 

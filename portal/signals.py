@@ -6,6 +6,6 @@ from django.dispatch import Signal
 # Each app seeds its own demo data (the fleet, prices, ...) idempotently.
 seed_demo_requested = Signal()
 
-# Sent by ``portal.services.tenant_set_status`` when a tenant becomes SUSPENDED (whoever suspends it:
+# Sent by ``portal.services.tenants.tenant_set_status`` when a tenant becomes SUSPENDED (whoever suspends it:
 # dunning or staff), inside that transaction, with ``tenant``, ``reason`` and ``actor``.
 tenant_suspended = Signal()

@@ -101,7 +101,7 @@ class LimitedPasswordChangeMixin:
 
     def _audit(self, action: str, address: str) -> None:
         from portal.actors import Actor
-        from portal.services import audit_record
+        from portal.services.audit import audit_record
 
         user = self.user  # type: ignore[attr-defined]
         audit_record(tenant=None, actor=Actor(user=user), action=action, target=user, data={"ip": address})

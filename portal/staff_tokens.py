@@ -20,7 +20,8 @@ from django.utils import timezone
 from portal.actors import Actor
 from portal.errors import PermissionDenied, ValidationFailed
 from portal.models import StaffScope, StaffToken, User, hash_secret
-from portal.services import audit_record, scopes_clean
+from portal.services.audit import audit_record
+from portal.services.tokens import scopes_clean
 
 
 @transaction.atomic

@@ -14,7 +14,8 @@ from hypothesis import settings as hypothesis_settings
 
 from portal.actors import Actor
 from portal.models import Membership, Role, Tenant, User
-from portal.services import api_token_create, tenant_create
+from portal.services.tenants import tenant_create
+from portal.services.tokens import api_token_create
 
 # In CI property tests replay the same examples every run (a failure there is then reproducible
 # and never a matter of luck); developers' runs keep exploring new ones.

@@ -32,7 +32,7 @@ from portal.actors import Actor
 from portal.errors import ValidationFailed
 from portal.events import publish
 from portal.models import Scope, Tenant
-from portal.services import audit_record
+from portal.services.audit import audit_record
 
 logger = logging.getLogger(__name__)
 MAX_THRESHOLD = 1000  # percent

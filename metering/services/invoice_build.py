@@ -47,7 +47,7 @@ from portal.actors import Actor
 from portal.bulk import bulk_insert
 from portal.errors import ValidationFailed
 from portal.models import Tenant
-from portal.services import audit_record
+from portal.services.audit import audit_record
 from scheduling.models import MILLI, Plan, Reservation, ReservationStatus
 
 HOURS_PER_MONTH = Decimal(730)

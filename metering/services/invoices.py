@@ -42,7 +42,7 @@ from metering.services.invoice_build import (  # noqa: F401  (re-exported: the b
 from portal.actors import Actor
 from portal.errors import Conflict, ValidationFailed
 from portal.models import Tenant
-from portal.services import audit_record
+from portal.services.audit import audit_record
 from scheduling.models import Reservation, ReservationStatus
 
 logger = logging.getLogger(__name__)

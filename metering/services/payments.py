@@ -35,7 +35,8 @@ from metering.payments import provider_get
 from portal.actors import Actor
 from portal.errors import DomainError, ValidationFailed
 from portal.models import Tenant
-from portal.services import audit_record, tenant_set_status
+from portal.services.audit import audit_record
+from portal.services.tenants import tenant_set_status
 
 logger = logging.getLogger(__name__)
 

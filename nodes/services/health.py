@@ -16,7 +16,7 @@ from nodes.models import FleetAlert, Gpu, GpuHealth, Node, NodeState
 from nodes.signals import gpu_unhealthy, node_down, node_ready, send_on_commit
 from portal.actors import Actor
 from portal.errors import Conflict, ValidationFailed
-from portal.services import audit_record
+from portal.services.audit import audit_record
 
 logger = logging.getLogger(__name__)
 

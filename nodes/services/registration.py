@@ -40,7 +40,7 @@ from nodes.models import (
 from nodes.validation import fail
 from portal.actors import Actor
 from portal.errors import Conflict, DomainError
-from portal.services import audit_record
+from portal.services.audit import audit_record
 
 
 class NotAuthenticated(DomainError):

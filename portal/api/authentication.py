@@ -7,7 +7,7 @@ from rest_framework import authentication, exceptions
 
 from portal.logging import log_context_bind
 from portal.models import StaffToken
-from portal.services import api_token_authenticate, api_token_touch
+from portal.services.tokens import api_token_authenticate, api_token_touch
 from portal.staff_tokens import staff_token_authenticate
 
 

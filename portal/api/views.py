@@ -7,7 +7,6 @@ from rest_framework.decorators import action
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from portal import services
 from portal.api.context import request_context
 from portal.api.filters import TenantFilterSet
 from portal.api.serializers import (
@@ -22,6 +21,9 @@ from portal.api.serializers import (
 from portal.api.viewsets import TenantReadOnlyViewSet
 from portal.errors import ValidationFailed
 from portal.models import ApiToken, AuditEvent, Invitation, Membership, Scope
+from portal.services.invitations import invitation_create, invitation_revoke
+from portal.services.members import membership_change_role, membership_remove
+from portal.services.tokens import api_token_create, api_token_revoke
 
 
 class MeView(APIView):
@@ -54,12 +56,12 @@ class MemberViewSet(TenantReadOnlyViewSet, mixins.UpdateModelMixin, mixins.Destr
         # A PATCH need not name every field, but the role is the only one there is to change.
         if "role" not in serializer.validated_data:
             raise ValidationFailed("Name the new role.", fields={"role": ["This field is required."]})
-        services.membership_change_role(
+        membership_change_role(
             membership=serializer.instance, role=serializer.validated_data["role"], actor=self.actor
         )
 
     def perform_destroy(self, instance):
-        services.membership_remove(membership=instance, actor=self.actor)
+        membership_remove(membership=instance, actor=self.actor)
 
 
 class InvitationViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin, mixins.DestroyModelMixin):
@@ -73,13 +75,13 @@ class InvitationViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin, mixins.D
     def create(self, request, *args, **kwargs):
         serializer = self.get_serializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        invitation, _ = services.invitation_create(
+        invitation, _ = invitation_create(
             tenant=self.ctx.tenant, actor=self.actor, **serializer.validated_data
         )
         return Response(self.get_serializer(invitation).data, status=status.HTTP_201_CREATED)
 
     def perform_destroy(self, instance):
-        services.invitation_revoke(invitation=instance, actor=self.actor)
+        invitation_revoke(invitation=instance, actor=self.actor)
 
 
 class ApiTokenFilter(TenantFilterSet):
@@ -108,7 +110,7 @@ class ApiTokenViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
     def create(self, request, *args, **kwargs):
         serializer = self.get_serializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        token, plaintext = services.api_token_create(
+        token, plaintext = api_token_create(
             tenant=self.ctx.tenant, actor=self.actor, **serializer.validated_data
         )
         data = ApiTokenCreatedSerializer(token, context={"plaintext": plaintext}).data
@@ -117,7 +119,7 @@ class ApiTokenViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
     @extend_schema(request=None, responses=ApiTokenSerializer)
     @action(detail=True, methods=["post"])
     def revoke(self, request, pk=None):
-        token = services.api_token_revoke(token=self.get_object(), actor=self.actor)
+        token = api_token_revoke(token=self.get_object(), actor=self.actor)
         return Response(self.get_serializer(token).data)
 
 

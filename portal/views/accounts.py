@@ -12,7 +12,7 @@ from django.urls import reverse, reverse_lazy
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views import View
 
-from portal import selectors, services, signin
+from portal import selectors, signin
 from portal.actors import Actor
 from portal.errors import DomainError, NotFound
 from portal.forms import (
@@ -27,6 +27,9 @@ from portal.forms import (
 )
 from portal.middleware import SESSION_TENANT_KEY
 from portal.ratelimit import AttemptLimiter, client_ip
+from portal.services.accounts import user_update_profile
+from portal.services.audit import audit_record
+from portal.services.invitations import invitation_accept, invitation_accept_signup, invitation_lookup
 from portal.signin import too_many_message
 from portal.views.base import bad_request, forbidden, not_found
 
@@ -96,7 +99,7 @@ class PasswordResetView(_BadRequestOnInvalid, auth_views.PasswordResetView):
         wait = reset_limiter.take(client_ip(request), email)
         if wait:
             return _too_many(request, self.template_name, self.get_form(), wait)
-        services.audit_record(
+        audit_record(
             tenant=None,
             actor=Actor.system(),
             action="account.password_reset_requested",
@@ -137,7 +140,7 @@ class InvitationAcceptView(View):
 
     def _lookup(self, token):
         try:
-            return services.invitation_lookup(token=token)
+            return invitation_lookup(token=token)
         except NotFound as exc:
             return exc
 
@@ -178,7 +181,7 @@ class InvitationAcceptView(View):
             if request.user.email.lower() != invitation.email.lower():
                 return self._wrong_user(request, invitation)
             try:
-                membership = services.invitation_accept(token=token, user=request.user)
+                membership = invitation_accept(token=token, user=request.user)
             except DomainError as exc:
                 return (
                     forbidden(request, exc.message)
@@ -191,7 +194,7 @@ class InvitationAcceptView(View):
         status = 400
         if form.is_valid():
             try:
-                membership = services.invitation_accept_signup(
+                membership = invitation_accept_signup(
                     token=token,
                     password=form.cleaned_data["password"],
                     full_name=form.cleaned_data["full_name"],
@@ -248,7 +251,7 @@ class ProfileView(LoginRequiredMixin, View):
         status = 400
         if form.is_valid():
             try:
-                services.user_update_profile(user=request.user, **form.cleaned_data)
+                user_update_profile(user=request.user, **form.cleaned_data)
             except DomainError as exc:
                 apply_domain_error(form, exc)
                 status = exc.status_code

@@ -13,10 +13,12 @@ from django.shortcuts import redirect
 from django.views import View
 from django.views.generic import TemplateView
 
-from portal import selectors, services
+from portal import selectors
 from portal.errors import DomainError
 from portal.forms import InviteForm, RoleForm, apply_domain_error, role_choices_for
 from portal.models import Invitation, Membership, Role, Scope
+from portal.services.invitations import invitation_create, invitation_revoke
+from portal.services.members import membership_change_role, membership_remove
 from portal.views.base import TenantScopedMixin, htmx_partial, render_page
 
 
@@ -60,7 +62,7 @@ class InviteView(TeamMixin, View):
         form = InviteForm(request.POST, inviter_role=self.membership.role)
         if form.is_valid():
             try:
-                invitation, _ = services.invitation_create(
+                invitation, _ = invitation_create(
                     tenant=self.tenant,
                     email=form.cleaned_data["email"],
                     role=form.cleaned_data["role"],
@@ -84,9 +86,7 @@ class MemberRoleView(TeamMixin, View):
             errors = "; ".join(form.errors.get("role", ["Choose a role."]))
             return self.section("portal/team/_members.html", 400, row_errors={membership.pk: errors})
         try:
-            services.membership_change_role(
-                membership=membership, role=form.cleaned_data["role"], actor=self.actor
-            )
+            membership_change_role(membership=membership, role=form.cleaned_data["role"], actor=self.actor)
         except DomainError as exc:
             return self.section(
                 "portal/team/_members.html", exc.status_code, row_errors={membership.pk: exc.message}
@@ -104,7 +104,7 @@ class MemberRemoveView(TeamMixin, View):
         membership = self.get_scoped_object(Membership.objects.select_related("user", "tenant"), pk=pk)
         name = membership.user.display_name
         try:
-            services.membership_remove(membership=membership, actor=self.actor)
+            membership_remove(membership=membership, actor=self.actor)
         except DomainError as exc:
             return self.section(
                 "portal/team/_members.html", exc.status_code, row_errors={membership.pk: exc.message}
@@ -121,7 +121,7 @@ class InvitationRevokeView(TeamMixin, View):
 
     def post(self, request, pk):
         invitation = self.get_scoped_object(Invitation.objects.filter(accepted_at__isnull=True), pk=pk)
-        services.invitation_revoke(invitation=invitation, actor=self.actor)
+        invitation_revoke(invitation=invitation, actor=self.actor)
         messages.success(request, f"The invitation of {invitation.email} was revoked.")
         return self.section("portal/team/_invitations.html")
 
@@ -132,7 +132,7 @@ class InvitationResendView(TeamMixin, View):
     def post(self, request, pk):
         invitation = self.get_scoped_object(Invitation.objects.filter(accepted_at__isnull=True), pk=pk)
         try:
-            services.invitation_create(
+            invitation_create(
                 tenant=self.tenant, email=invitation.email, role=invitation.role, actor=self.actor
             )
         except DomainError as exc:

@@ -13,10 +13,11 @@ from django.utils.cache import add_never_cache_headers
 from django.views import View
 from django.views.generic import TemplateView
 
-from portal import selectors, services
+from portal import selectors
 from portal.errors import DomainError
 from portal.forms import TokenCreateForm, apply_domain_error
 from portal.models import ApiToken, Scope
+from portal.services.tokens import api_token_create, api_token_revoke
 from portal.views.base import TenantScopedMixin, htmx_partial, render_page
 
 
@@ -48,7 +49,7 @@ class TokenCreateView(TokensMixin, View):
         if not form.is_valid():
             return self._render(form, partial, status=400)
         try:
-            token, plaintext = services.api_token_create(
+            token, plaintext = api_token_create(
                 tenant=self.tenant,
                 name=form.cleaned_data["name"],
                 scopes=form.cleaned_data["scopes"],
@@ -76,7 +77,7 @@ class TokenRevokeView(TokensMixin, View):
     http_method_names = ["post"]
 
     def post(self, request, pk):
-        token = services.api_token_revoke(token=self.get_scoped_object(pk=pk), actor=self.actor)
+        token = api_token_revoke(token=self.get_scoped_object(pk=pk), actor=self.actor)
         if htmx_partial(request):
             return render(request, "portal/tokens/_row.html", {"token": token})
         messages.success(request, f"The token {token.name} was revoked.")

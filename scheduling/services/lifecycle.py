@@ -47,7 +47,7 @@ from nodes.services.commands import CommandRequest, node_command_enqueue, node_c
 from portal.actors import Actor
 from portal.errors import Conflict, ValidationFailed
 from portal.logging import log_context
-from portal.services import audit_record
+from portal.services.audit import audit_record
 from scheduling.locks import lock_workload, lock_workload_if_exists, lock_workloads, lock_workloads_where
 from scheduling.models import (
     HOLDING_STATES,

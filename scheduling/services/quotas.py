@@ -17,7 +17,7 @@ from django.db import transaction
 from nodes.models import GpuModel
 from portal.actors import Actor
 from portal.errors import ValidationFailed
-from portal.services import audit_record
+from portal.services.audit import audit_record
 from scheduling.locks import lock_quota
 from scheduling.models import Quota, QuotaModelLimit
 from scheduling.quota_selectors import (

@@ -14,7 +14,7 @@ from django.utils import timezone
 from nodes.models import GpuModel, Region
 from portal.actors import Actor
 from portal.errors import Conflict, ValidationFailed
-from portal.services import audit_record
+from portal.services.audit import audit_record
 from scheduling.locks import lock_reservation
 from scheduling.models import Reservation, ReservationStatus
 from scheduling.services.triggers import cycle_request

@@ -35,7 +35,7 @@ from portal.actors import Actor
 from portal.errors import DomainError, ValidationFailed
 from portal.events import publish
 from portal.logging import log_context
-from portal.services import audit_record
+from portal.services.audit import audit_record
 from scheduling.admission import run_admission_checks
 from scheduling.locks import lock_quota
 from scheduling.models import (

@@ -20,7 +20,7 @@ from metering.services.budgets import costs_to_date_update
 from metering.services.usage import costs_to_date, usage_build
 from portal.events import tenant_group
 from portal.models import AuditEvent, Membership, Role
-from portal.services import user_get_or_create
+from portal.services.accounts import user_get_or_create
 from scheduling.models import Plan
 from tests.metering.conftest import utc
 

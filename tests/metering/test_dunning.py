@@ -18,7 +18,7 @@ from nodes.models import CommandKind, NodeCommand
 from portal.actors import Actor
 from portal.errors import ValidationFailed
 from portal.models import AuditEvent, Membership, Role, Tenant, User
-from portal.services import tenant_set_status
+from portal.services.tenants import tenant_set_status
 from scheduling.admission import AdmissionRefused
 from scheduling.models import Workload, WorkloadEvent, WorkloadState
 from scheduling.services.submission import workload_submit

@@ -23,7 +23,7 @@ from metering.services.payments import dunning_run, invoice_payment_submit
 from metering.services.usage import usage_build
 from portal.actors import Actor
 from portal.models import AuditEvent, Tenant
-from portal.services import tenant_set_status
+from portal.services.tenants import tenant_set_status
 from tests.metering.conftest import utc
 from tests.metering.stripe_server import StripeServer
 

@@ -14,7 +14,8 @@ from django.utils import timezone
 from portal.actors import Actor
 from portal.errors import PermissionDenied, ValidationFailed
 from portal.models import AuditEvent, Membership, Role, StaffScope, StaffToken, Tenant, User
-from portal.services import api_token_create, tenant_set_status
+from portal.services.tenants import tenant_set_status
+from portal.services.tokens import api_token_create
 from portal.staff_tokens import staff_token_create, staff_token_revoke
 
 pytestmark = pytest.mark.django_db

@@ -29,7 +29,8 @@ from rest_framework.viewsets import ViewSetMixin
 from portal.actors import Actor
 from portal.api.filters import FilterBackend
 from portal.models import ROLE_SCOPES, Membership, Role, Scope, User
-from portal.services import api_token_create, membership_change_role, scopes_clean
+from portal.services.members import membership_change_role
+from portal.services.tokens import api_token_create, scopes_clean
 from portal.staff_tokens import staff_token_create
 from portal.tenancy import TenantOwnedModel
 from scheduling.models import ReservationStatus

@@ -91,7 +91,7 @@ def test_queries_bind_on_the_server_and_are_prepared(tenant):
     import psycopg
 
     from portal.models import Tenant
-    from portal.services import api_token_authenticate
+    from portal.services.tokens import api_token_authenticate
 
     with connection.cursor() as cursor:
         assert isinstance(cursor.cursor, psycopg.Cursor) and not isinstance(

@@ -164,7 +164,7 @@ def _as_system(fn, **kwargs):
 
 
 def test_a_member_removed_while_connected_is_cut_off(make_tenant):
-    from portal.services import membership_remove
+    from portal.services.members import membership_remove
 
     tenant = make_tenant("alpha")
     owner = Membership.objects.get(tenant=tenant, role=Role.OWNER).user
@@ -230,7 +230,7 @@ def test_budget_alerts_reach_only_the_roles_that_see_billing(make_tenant):
 
 
 def test_a_demoted_member_stops_receiving_billing_events_at_once(make_tenant):
-    from portal.services import membership_change_role
+    from portal.services.members import membership_change_role
 
     tenant = make_tenant("alpha")
     payer = _member(tenant, Role.BILLING, "pay@alpha.test")

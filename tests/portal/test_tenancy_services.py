@@ -9,11 +9,18 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.utils import timezone
 
-from portal import services
 from portal.actors import Actor
 from portal.demo import DEMO_LOGINS, demo_seed
 from portal.errors import Conflict, NotFound, PermissionDenied, ValidationFailed
 from portal.models import AuditEvent, Invitation, Membership, Role, Tenant, User
+from portal.services.invitations import (
+    invitation_accept,
+    invitation_create,
+    invitation_lookup,
+    invitations_purge_expired,
+)
+from portal.services.members import membership_change_role, membership_remove
+from portal.services.tenants import tenant_create, tenant_set_status
 
 pytestmark = pytest.mark.django_db
 
@@ -49,7 +56,7 @@ def test_createtenant_makes_tenant_owner_and_audit(
 
 
 def test_password_reset_reaches_owners_who_never_set_a_password(mailoutbox, client):
-    services.tenant_create(slug="lab", name="Lab", owner_email="new@lab.test", actor=Actor.system())
+    tenant_create(slug="lab", name="Lab", owner_email="new@lab.test", actor=Actor.system())
     response = client.post("/password-reset/", {"email": "NEW@lab.test"})
     assert response.status_code == 302
     assert [m.to for m in mailoutbox] == [["new@lab.test"]]
@@ -86,49 +93,45 @@ def test_a_user_can_belong_to_several_tenants(make_tenant):
 
 def test_invitation_round_trip(tenant, owner, django_capture_on_commit_callbacks, mailoutbox):
     with django_capture_on_commit_callbacks(execute=True):
-        invitation, plaintext = services.invitation_create(
+        invitation, plaintext = invitation_create(
             tenant=tenant, email="new@acme.test", role=Role.VIEWER, actor=Actor(user=owner)
         )
     assert plaintext in mailoutbox[0].body and invitation.token_hash != plaintext
     newcomer = User.objects.create_user(email="new@acme.test", password="pw")
-    membership = services.invitation_accept(token=plaintext, user=newcomer)
+    membership = invitation_accept(token=plaintext, user=newcomer)
     assert membership.role == Role.VIEWER and membership.tenant == tenant
     with pytest.raises(NotFound):
-        services.invitation_accept(token=plaintext, user=newcomer)  # one use
+        invitation_accept(token=plaintext, user=newcomer)  # one use
 
 
 def test_invitation_for_someone_else_is_refused(tenant, owner):
-    _, plaintext = services.invitation_create(
+    _, plaintext = invitation_create(
         tenant=tenant, email="a@acme.test", role="member", actor=Actor(user=owner)
     )
     intruder = User.objects.create_user(email="b@acme.test", password="pw")
     with pytest.raises(PermissionDenied):
-        services.invitation_accept(token=plaintext, user=intruder)
+        invitation_accept(token=plaintext, user=intruder)
     assert not Membership.objects.filter(user=intruder).exists()
 
 
 def test_expired_invitations_cannot_be_used_and_are_purged(tenant, owner):
-    invitation, plaintext = services.invitation_create(
+    invitation, plaintext = invitation_create(
         tenant=tenant, email="late@acme.test", role="member", actor=Actor(user=owner)
     )
     Invitation.objects.filter(pk=invitation.pk).update(expires_at=timezone.now() - timedelta(minutes=1))
     user = User.objects.create_user(email="late@acme.test", password="pw")
     with pytest.raises(NotFound):
-        services.invitation_accept(token=plaintext, user=user)
-    assert services.invitations_purge_expired() == 1
+        invitation_accept(token=plaintext, user=user)
+    assert invitations_purge_expired() == 1
 
 
 def test_reinviting_replaces_the_open_invitation(tenant, owner):
-    _, first = services.invitation_create(
-        tenant=tenant, email="x@acme.test", role="member", actor=Actor(user=owner)
-    )
-    _, second = services.invitation_create(
-        tenant=tenant, email="x@acme.test", role="admin", actor=Actor(user=owner)
-    )
+    _, first = invitation_create(tenant=tenant, email="x@acme.test", role="member", actor=Actor(user=owner))
+    _, second = invitation_create(tenant=tenant, email="x@acme.test", role="admin", actor=Actor(user=owner))
     assert Invitation.objects.filter(tenant=tenant).count() == 1
     with pytest.raises(NotFound):
-        services.invitation_lookup(token=first)
-    assert services.invitation_lookup(token=second).role == Role.ADMIN
+        invitation_lookup(token=first)
+    assert invitation_lookup(token=second).role == Role.ADMIN
 
 
 def test_only_owners_grant_ownership(tenant, owner):
@@ -138,32 +141,30 @@ def test_only_owners_grant_ownership(tenant, owner):
         tenant=tenant, user=User.objects.create_user(email="m@acme.test", password="pw"), role=Role.MEMBER
     )
     with pytest.raises(PermissionDenied):
-        services.membership_change_role(membership=member, role=Role.OWNER, actor=Actor(user=admin))
+        membership_change_role(membership=member, role=Role.OWNER, actor=Actor(user=admin))
     with pytest.raises(PermissionDenied):
-        services.invitation_create(
-            tenant=tenant, email="o@acme.test", role=Role.OWNER, actor=Actor(user=admin)
-        )
-    services.membership_change_role(membership=member, role=Role.OWNER, actor=Actor(user=owner))
+        invitation_create(tenant=tenant, email="o@acme.test", role=Role.OWNER, actor=Actor(user=admin))
+    membership_change_role(membership=member, role=Role.OWNER, actor=Actor(user=owner))
     assert Membership.objects.get(pk=member.pk).role == Role.OWNER
 
 
 def test_last_owner_is_protected_but_a_second_owner_unlocks_it(tenant, owner):
     mine = Membership.objects.get(user=owner)
     with pytest.raises(Conflict):
-        services.membership_remove(membership=mine, actor=Actor(user=owner))
+        membership_remove(membership=mine, actor=Actor(user=owner))
     other = Membership.objects.create(
         tenant=tenant, user=User.objects.create_user(email="o2@acme.test", password="pw"), role=Role.OWNER
     )
-    services.membership_change_role(membership=mine, role=Role.MEMBER, actor=Actor(user=owner))
+    membership_change_role(membership=mine, role=Role.MEMBER, actor=Actor(user=owner))
     with pytest.raises(Conflict):
-        services.membership_remove(membership=other, actor=Actor(user=other.user))
+        membership_remove(membership=other, actor=Actor(user=other.user))
     event = AuditEvent.objects.filter(action="member.role_change").get()
     assert event.data == {"from": "owner", "to": "member"} and event.actor_user == owner
 
 
 def test_suspension_needs_a_reason(tenant):
     with pytest.raises(ValidationFailed) as exc:
-        services.tenant_set_status(tenant=tenant, status="suspended", reason=" ", actor=Actor.system())
+        tenant_set_status(tenant=tenant, status="suspended", reason=" ", actor=Actor.system())
     assert "reason" in exc.value.fields
     assert Tenant.objects.get(pk=tenant.pk).status == "active"
 

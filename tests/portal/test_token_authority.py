@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 from django.test import Client
 
-from portal import services
 from portal.actors import Actor
 from portal.errors import NotFound
 from portal.models import ApiToken, AuditEvent, Invitation, Membership, Role, User
+from portal.services.invitations import invitation_accept, invitation_create, invitation_lookup
+from portal.services.members import membership_change_role, membership_remove
+from portal.services.tokens import api_token_create
 
 pytestmark = pytest.mark.django_db
 
@@ -22,7 +24,7 @@ def admin(tenant, add_member) -> Membership:
 
 
 def _token(tenant, membership, scopes=("read", "write", "admin")) -> str:
-    _, plaintext = services.api_token_create(
+    _, plaintext = api_token_create(
         tenant=tenant, name=f"t{ApiToken.objects.count()}", scopes=scopes, actor=Actor(user=membership.user)
     )
     return plaintext
@@ -45,15 +47,15 @@ def test_a_demoted_admins_token_can_no_longer_act_as_admin(tenant, owner, admin,
 
 def test_demotion_revokes_tokens_beyond_the_new_role_and_the_invitations_sent(tenant, owner, admin, api):
     big, small = _token(tenant, admin), _token(tenant, admin, scopes=("read",))
-    _, invite = services.invitation_create(
+    _, invite = invitation_create(
         tenant=tenant, email="new@acme.test", role=Role.MEMBER, actor=Actor(user=admin.user)
     )
-    services.membership_change_role(membership=admin, role=Role.MEMBER, actor=Actor(user=owner))
+    membership_change_role(membership=admin, role=Role.MEMBER, actor=Actor(user=owner))
     assert api(big).get("/api/v1/members/").status_code == 401
     assert api(small).get("/api/v1/members/").status_code == 200
     assert ApiToken.objects.get(scopes=["read", "write", "admin"]).revoked_at is not None
     with pytest.raises(NotFound):
-        services.invitation_lookup(token=invite)
+        invitation_lookup(token=invite)
     assert AuditEvent.objects.filter(action="token.revoke", actor_type="user").exists()
 
 
@@ -115,27 +117,25 @@ def test_the_django_admin_cannot_change_memberships_or_tokens_behind_the_service
 
 
 def test_an_invitation_sent_by_a_removed_admin_cannot_be_accepted(tenant, owner, admin):
-    _, kept = services.invitation_create(
-        tenant=tenant, email="a@acme.test", role=Role.MEMBER, actor=Actor(user=owner)
-    )
-    _, plaintext = services.invitation_create(
+    _, kept = invitation_create(tenant=tenant, email="a@acme.test", role=Role.MEMBER, actor=Actor(user=owner))
+    _, plaintext = invitation_create(
         tenant=tenant, email="b@acme.test", role=Role.MEMBER, actor=Actor(user=admin.user)
     )
     Membership.objects.filter(pk=admin.pk).delete()  # removed outside the services
     newcomer = User.objects.create_user(email="b@acme.test", password="x")
     with pytest.raises(NotFound):
-        services.invitation_accept(token=plaintext, user=newcomer)
+        invitation_accept(token=plaintext, user=newcomer)
     assert not Membership.objects.filter(user=newcomer).exists()
     # The owner's invitation is still good (control).
     other = User.objects.create_user(email="a@acme.test", password="x")
-    assert services.invitation_accept(token=kept, user=other).role == Role.MEMBER
+    assert invitation_accept(token=kept, user=other).role == Role.MEMBER
 
 
 def test_removal_through_the_service_revokes_the_invitations_sent(tenant, owner, admin):
-    _, plaintext = services.invitation_create(
+    _, plaintext = invitation_create(
         tenant=tenant, email="b@acme.test", role=Role.MEMBER, actor=Actor(user=admin.user)
     )
-    services.membership_remove(membership=admin, actor=Actor(user=owner))
+    membership_remove(membership=admin, actor=Actor(user=owner))
     assert not Invitation.objects.filter(accepted_at__isnull=True).exists()
     with pytest.raises(NotFound):
-        services.invitation_lookup(token=plaintext)
+        invitation_lookup(token=plaintext)

@@ -9,18 +9,18 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.utils import timezone
 
-from portal import services
 from portal.actors import Actor
 from portal.errors import PermissionDenied, ValidationFailed
 from portal.models import ApiToken, AuditEvent, Membership, Role, User
+from portal.services.members import membership_remove
+from portal.services.tenants import tenant_set_status
+from portal.services.tokens import api_token_authenticate, api_token_create
 
 pytestmark = pytest.mark.django_db
 
 
 def test_token_is_stored_only_as_a_sha256_hash(tenant, owner):
-    token, plaintext = services.api_token_create(
-        tenant=tenant, name="ci", scopes=["read"], actor=Actor(user=owner)
-    )
+    token, plaintext = api_token_create(tenant=tenant, name="ci", scopes=["read"], actor=Actor(user=owner))
     assert plaintext.startswith(f"gpp_{token.key_id}_")
     assert len(plaintext.split("_", 2)[2]) >= 40  # 32 random bytes, url-safe
     row = ApiToken.objects.get(pk=token.pk)
@@ -75,7 +75,7 @@ def test_missing_credentials_is_401(client, db):
 
 
 def test_expired_token_is_401(tenant, owner, api):
-    token, plaintext = services.api_token_create(
+    token, plaintext = api_token_create(
         tenant=tenant,
         name="short",
         scopes=["read"],
@@ -91,7 +91,7 @@ def test_expired_token_is_401(tenant, owner, api):
 
 def test_expiry_must_be_in_the_future(tenant, owner):
     with pytest.raises(ValidationFailed) as exc:
-        services.api_token_create(
+        api_token_create(
             tenant=tenant, name="x", scopes=["read"], expires_at=timezone.now(), actor=Actor(user=owner)
         )
     assert "expires_at" in exc.value.fields
@@ -136,7 +136,7 @@ def test_scopes_gate_the_api(tenant, make_token, api, scopes, method, path, expe
 
 
 def test_write_implies_read(tenant, owner):
-    token, _ = services.api_token_create(tenant=tenant, name="w", scopes=["write"], actor=Actor(user=owner))
+    token, _ = api_token_create(tenant=tenant, name="w", scopes=["write"], actor=Actor(user=owner))
     assert token.scopes == ["read", "write"]
 
 
@@ -170,16 +170,14 @@ def test_a_member_cannot_mint_admin_tokens(tenant):
     member = User.objects.create_user(email="m@acme.test", password="x")
     Membership.objects.create(tenant=tenant, user=member, role=Role.MEMBER)
     with pytest.raises(PermissionDenied):
-        services.api_token_create(tenant=tenant, name="x", scopes=["read", "admin"], actor=Actor(user=member))
+        api_token_create(tenant=tenant, name="x", scopes=["read", "admin"], actor=Actor(user=member))
 
 
 def test_removing_a_member_revokes_their_tokens(tenant, owner, api):
     member = User.objects.create_user(email="m@acme.test", password="x")
     membership = Membership.objects.create(tenant=tenant, user=member, role=Role.MEMBER)
-    _, plaintext = services.api_token_create(
-        tenant=tenant, name="m", scopes=["read"], actor=Actor(user=member)
-    )
-    services.membership_remove(membership=membership, actor=Actor(user=owner))
+    _, plaintext = api_token_create(tenant=tenant, name="m", scopes=["read"], actor=Actor(user=member))
+    membership_remove(membership=membership, actor=Actor(user=owner))
     assert api(plaintext).get("/api/v1/me/").status_code == 401
 
 
@@ -207,9 +205,7 @@ def test_me_reports_tenant_and_scopes(tenant, make_token, api):
 
 def test_suspended_tenant_tokens_get_403_with_the_reason(tenant, make_token, api):
     plaintext = make_token(tenant)
-    services.tenant_set_status(
-        tenant=tenant, status="suspended", reason="unpaid invoice", actor=Actor.system()
-    )
+    tenant_set_status(tenant=tenant, status="suspended", reason="unpaid invoice", actor=Actor.system())
     response = api(plaintext).get("/api/v1/me/")
     assert response.status_code == 403
     assert "suspended" in response.json()["error"]["message"]
@@ -239,7 +235,7 @@ def test_the_token_lookup_loads_what_the_orm_loads(tenant, owner, django_assert_
     """``api_token_authenticate`` reads the token (with its creator's role) and then its tenant, two
     ``raw()`` statements: every field as the ORM reads it for a plain ``select_related`` (JSON
     scopes, aware times)."""
-    token, plaintext = services.api_token_create(
+    token, plaintext = api_token_create(
         tenant=tenant,
         name="ci",
         scopes=["read", "write"],
@@ -248,7 +244,7 @@ def test_the_token_lookup_loads_what_the_orm_loads(tenant, owner, django_assert_
     )
     ApiToken.objects.filter(pk=token.pk).update(last_used_at=timezone.now())
     with django_assert_num_queries(2):
-        found = services.api_token_authenticate(plaintext=plaintext)
+        found = api_token_authenticate(plaintext=plaintext)
         found_tenant = found.tenant
     expected = ApiToken.objects.select_related("tenant").get(pk=token.pk)
     for model_obj, orm_obj in ((found, expected), (found_tenant, expected.tenant)):
@@ -262,5 +258,5 @@ def test_the_token_lookup_loads_what_the_orm_loads(tenant, owner, django_assert_
     assert found._state.adding is False and found._state.db == expected._state.db
     with django_assert_num_queries(1):  # the creator is loaded when asked
         assert found.created_by == owner
-    assert services.api_token_authenticate(plaintext=f"gpp_{token.key_id}_wrong") is None
-    assert services.api_token_authenticate(plaintext="gpp_nosuchkey_secret") is None
+    assert api_token_authenticate(plaintext=f"gpp_{token.key_id}_wrong") is None
+    assert api_token_authenticate(plaintext="gpp_nosuchkey_secret") is None

@@ -22,7 +22,7 @@ from nodes.models import Node
 from nodes.views.base import StaffRequiredMixin
 from portal.actors import Actor
 from portal.models import ApiToken, Invitation, Membership, Role, User
-from portal.services import invitation_create
+from portal.services.invitations import invitation_create
 from portal.tenancy import TenantOwnedModel
 from portal.views.base import TenantScopedMixin
 from scheduling.models import Reservation, ReservationStatus, Workload

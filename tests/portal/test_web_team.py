@@ -309,7 +309,7 @@ def test_invitation_email_states_the_expiry_in_utc_whatever_zone_is_active(
     from django.utils import timezone
 
     from portal.actors import Actor
-    from portal.services import invitation_create
+    from portal.services.invitations import invitation_create
 
     with timezone.override(ZoneInfo("Asia/Tokyo")), django_capture_on_commit_callbacks(execute=True):
         invitation, _ = invitation_create(

@@ -50,7 +50,7 @@ from nodes.models import GpuModel, Node, Region
 from nodes.services.registration import bootstrap_token_create
 from portal.actors import Actor
 from portal.models import Membership, Role, User
-from portal.services import tenant_create
+from portal.services.tenants import tenant_create
 from scheduling.models import Quota, Workload
 
 command, args = sys.argv[1], sys.argv[2:]

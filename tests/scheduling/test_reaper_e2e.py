@@ -30,7 +30,7 @@ from nodes.models import (
 )
 from nodes.services.health import node_health_reconcile
 from portal.actors import Actor
-from portal.services import tenant_create
+from portal.services.tenants import tenant_create
 from scheduling.models import Allocation, Plan, Workload, WorkloadEvent
 from scheduling.models import WorkloadState as S
 from scheduling.services.cycle import scheduling_cycle_run

@@ -3,10 +3,10 @@ from datetime import timedelta
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
-from portal import services
 from portal.actors import Actor
 from portal.errors import DomainError
 from portal.models import Scope, Tenant, User
+from portal.services.tokens import api_token_create
 
 
 class Command(BaseCommand):
@@ -39,7 +39,7 @@ class Command(BaseCommand):
             raise CommandError("--expires-in-days must be positive.")
         expires_at = timezone.now() + timedelta(days=expires_in_days) if expires_in_days else None
         try:
-            token, plaintext = services.api_token_create(
+            token, plaintext = api_token_create(
                 tenant=tenant_obj,
                 name=name,
                 scopes=scopes or [Scope.READ],

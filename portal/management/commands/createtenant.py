@@ -1,8 +1,8 @@
 from django.core.management.base import BaseCommand, CommandError
 
-from portal import services
 from portal.actors import Actor
 from portal.errors import DomainError
+from portal.services.tenants import tenant_create
 
 
 class Command(BaseCommand):
@@ -17,7 +17,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, slug, name, owner_email, billing_email, currency, **options):
         try:
-            tenant = services.tenant_create(
+            tenant = tenant_create(
                 slug=slug,
                 name=name,
                 owner_email=owner_email,
