@@ -89,16 +89,16 @@ def main() -> None:
         tenant, token = seed(a.jobs)
 
         from portal.services.tokens import api_token_authenticate
-        from scheduling import selectors
         from scheduling.api import WorkloadSerializer
         from scheduling.models import Workload
+        from scheduling.selectors.shared import workload_gpu_model_names
 
         def page():
             qs = Workload.objects.filter(tenant=tenant, kind="job").select_related("region")
             return list(qs.defer("log_tail").order_by("-submitted_at")[: a.jobs])
 
         rows = page()
-        names = selectors.workload_gpu_model_names(workload_ids=[w.pk for w in rows])
+        names = workload_gpu_model_names(workload_ids=[w.pk for w in rows])
         for w in rows:
             w.gpu_model_names = names[w.pk]
         client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
@@ -107,7 +107,7 @@ def main() -> None:
         parts = {
             "token lookup": lambda: api_token_authenticate(plaintext=token),
             "page query": page,
-            "GPU model names": lambda: selectors.workload_gpu_model_names(workload_ids=[w.pk for w in rows]),
+            "GPU model names": lambda: workload_gpu_model_names(workload_ids=[w.pk for w in rows]),
             "render (fields built, then rows)": lambda: WorkloadSerializer(rows, many=True).data,
             f"GET {url}": lambda: client.get(url),
         }

@@ -6,7 +6,7 @@ from decimal import Decimal
 
 from metering.models import Budget
 from metering.money import quantize_money
-from metering.selectors import hourly_estimate, month_cost_to_date
+from metering.selectors.shared import hourly_estimate, month_cost_to_date
 from scheduling.admission import AdmissionRefused
 
 

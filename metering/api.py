@@ -19,7 +19,7 @@ from rest_framework.views import APIView
 from metering.documents import invoice_filename, invoice_pdf
 from metering.models import Invoice, InvoiceLine, UsageRecord
 from metering.money import quantize_money
-from metering.selectors import hourly_estimate, invoice_csv
+from metering.selectors.shared import hourly_estimate, invoice_csv
 from metering.services.budgets import budget_set, budget_status
 from metering.services.rates import rate_card_for_tenant
 from nodes.models import GpuModel

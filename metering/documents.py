@@ -1,5 +1,5 @@
 """Invoice documents: the PDF (WeasyPrint renders ``templates/metering/invoice_pdf.html``) and the CSV
-(``metering.selectors.invoice_csv``), with their file names and the money formatting they share.
+(``metering.selectors.shared.invoice_csv``), with their file names and the money formatting they share.
 
 Money is shown at the currency's places (``quantize_money``: half-up), from the stored Decimals, with
 the currency code; times are UTC. The seller block comes from ``settings.METERING_SELLER`` (name, address
@@ -23,7 +23,7 @@ from django.utils import timezone
 
 from metering.models import CreditNote, Invoice, InvoiceStatus, LineKind
 from metering.money import ZERO, minor_units, quantize_money
-from metering.selectors import invoice_csv
+from metering.selectors.shared import invoice_csv
 from portal.errors import DomainError
 
 

@@ -17,8 +17,8 @@ from metering.charts import line_chart
 from metering.models import BudgetAlert, Invoice, InvoiceStatus
 from metering.money import ZERO, quantize_money
 from metering.periods import period_of
+from metering.selectors.billing_pages import usage_by_day
 from metering.services.budgets import budget_status
-from metering.web_selectors import usage_by_day
 from portal.dashboard import register_panel
 from portal.models import Scope
 from portal.views.base import PanelView

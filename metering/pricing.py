@@ -28,7 +28,7 @@ class RateCardPriceProvider:
         return out
 
     def estimate(self, *, tenant, gpu_model, regions, gpu_count, fraction_milli, cpu_millicores, ram_mib):
-        from metering.selectors import hourly_estimate
+        from metering.selectors.shared import hourly_estimate
 
         return hourly_estimate(
             tenant=tenant,

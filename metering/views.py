@@ -18,7 +18,7 @@ from django.http import HttpResponse
 from django.utils import timezone
 from django.views.generic import View
 
-from metering import reports, reports_csv, web_selectors
+from metering import reports, reports_csv
 from metering.charts import bar_chart
 from metering.documents import (
     DocumentUnavailable,
@@ -29,6 +29,7 @@ from metering.documents import (
 )
 from metering.models import CreditEntry, CreditKind, Invoice, InvoiceStatus
 from metering.periods import period_of
+from metering.selectors.billing_pages import credit_balances
 from portal.actors import Actor
 from portal.dashboard import register_nav
 from portal.inputs import parse_month
@@ -74,7 +75,7 @@ class InvoiceListView(TenantScopedMixin, View):
         for e in entries:
             e.amount_display = format_money(e.amount, e.currency)
         currency = self.tenant.currency
-        balances = web_selectors.credit_balances(tenant=self.tenant)
+        balances = credit_balances(tenant=self.tenant)
         return self.render(
             {
                 "invoices": invoices,

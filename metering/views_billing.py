@@ -23,11 +23,17 @@ from django.shortcuts import redirect
 from django.utils import timezone
 from django.views.generic import View
 
-from metering import web_selectors
 from metering.charts import bar_chart
 from metering.models import Budget
 from metering.money import quantize_money
 from metering.periods import period_of
+from metering.selectors.billing_pages import (
+    reservable_models,
+    reservation_quote,
+    reservation_terms,
+    usage_by_day,
+    usage_months,
+)
 from metering.services.budgets import budget_set, budget_status
 from metering.services.rates import rate_card_for_tenant
 from metering.views import CHART_SERIES
@@ -71,14 +77,14 @@ class UsageView(BillingMixin, View):
                 month = parse_month(value)
             except forms.ValidationError as exc:
                 month_error = exc.messages[0]
-        months = web_selectors.usage_months(tenant=self.tenant)
+        months = usage_months(tenant=self.tenant)
         choices = sorted({this_month, month, *months}, reverse=True)
         if month_error:
             return self.render(
                 {"month_error": month_error, "month_value": value, "months": choices, "month": this_month},
                 status=400,
             )
-        usage = web_selectors.usage_by_day(tenant=self.tenant, period_start=month)
+        usage = usage_by_day(tenant=self.tenant, period_start=month)
         currency = self.currency()
         rows = []
         for day in usage.days:
@@ -177,7 +183,7 @@ class ReservationForm(forms.Form):
         super().__init__(*args, **kwargs)
         self.fields["gpu_model"].choices = [(m.name, m.name) for m in models]
         self.fields["region"].choices = [(c, c) for c in regions]
-        terms = web_selectors.reservation_terms()
+        terms = reservation_terms()
         self.fields["term"].choices = [(t, f"{t} month{'s' if t != 1 else ''}") for t in terms]
         self.fields["term"].initial = terms[0] if terms else None
         self.fields["gpu_model"].error_messages["invalid_choice"] = "Unknown GPU model %(value)s."
@@ -201,7 +207,7 @@ class ReservationsMixin(BillingMixin):
 
     def form(self, data=None) -> ReservationForm:
         if not hasattr(self, "_models"):  # once per request
-            self._models = {m.name: m for m in web_selectors.reservable_models(tenant=self.tenant)}
+            self._models = {m.name: m for m in reservable_models(tenant=self.tenant)}
             self._regions = list(Region.objects.order_by("code").values_list("code", flat=True))
         return ReservationForm(data, models=list(self._models.values()), regions=self._regions)
 
@@ -211,7 +217,7 @@ class ReservationsMixin(BillingMixin):
             return None
         d = form.cleaned_data
         model = self._models[d["gpu_model"]]
-        quote = web_selectors.reservation_quote(
+        quote = reservation_quote(
             tenant=self.tenant, gpu_model=model, count=d["count"], term=d["term"], currency=self.currency()
         )
         if quote is None:

@@ -26,7 +26,6 @@ from portal.api.routers import router
 from portal.api.serializers import FieldsOnceModelSerializer
 from portal.api.viewsets import TenantReadOnlyViewSet, TenantScopedViewSet
 from portal.models import Scope
-from scheduling import selectors
 from scheduling.models import (
     Plan,
     PriorityClass,
@@ -37,6 +36,14 @@ from scheduling.models import (
     WorkloadState,
 )
 from scheduling.pricing import gpu_price_table, price_key
+from scheduling.selectors.shared import (
+    gpu_availability,
+    quota_for_tenant,
+    quota_usage,
+    workload_events,
+    workload_gpu_model_names,
+    workload_placement,
+)
 from scheduling.services.lifecycle import workload_stop
 from scheduling.services.reservations import reservation_cancel, reservation_request
 from scheduling.services.submission import workload_submit
@@ -104,7 +111,7 @@ class WorkloadSerializer(FieldsOnceModelSerializer):
         # A page's come with its workloads (_WorkloadViewSet.paginate_queryset); one workload's here.
         names = getattr(w, "gpu_model_names", None)
         if names is None:
-            names = selectors.workload_gpu_model_names(workload_ids=[w.pk])[w.pk]
+            names = workload_gpu_model_names(workload_ids=[w.pk])[w.pk]
         return names
 
     def get_pending(self, w: Workload) -> dict | None:
@@ -134,7 +141,7 @@ class WorkloadDetailSerializer(WorkloadSerializer):
                 "gpu_model": p["gpu_model__name"],
                 "fraction_milli": p["fraction_milli"],
             }
-            for p in selectors.workload_placement(workload=w)
+            for p in workload_placement(workload=w)
         ]
 
 
@@ -233,7 +240,7 @@ class _WorkloadViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
     def paginate_queryset(self, queryset):
         page = super().paginate_queryset(queryset)
         if page is not None:  # the page's GPU model names in one query
-            names = selectors.workload_gpu_model_names(workload_ids=[w.pk for w in page])
+            names = workload_gpu_model_names(workload_ids=[w.pk for w in page])
             for w in page:
                 w.gpu_model_names = names[w.pk]
         return page
@@ -260,7 +267,7 @@ class _WorkloadViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
     @extend_schema(responses=WorkloadEventSerializer(many=True))
     @action(detail=True, methods=["get"])
     def events(self, request, pk=None):
-        events = selectors.workload_events(workload=self.get_object())
+        events = workload_events(workload=self.get_object())
         return Response(WorkloadEventSerializer(events, many=True).data)
 
 
@@ -292,7 +299,7 @@ class JobViewSet(_WorkloadViewSet):
                 "exit_code": w.exit_code,
                 "log_tail": w.log_tail,
                 "source": "agent_report",
-                "events": WorkloadEventSerializer(selectors.workload_events(workload=w), many=True).data,
+                "events": WorkloadEventSerializer(workload_events(workload=w), many=True).data,
             }
         )
 
@@ -401,7 +408,7 @@ class GpuTypeViewSet(viewsets.ReadOnlyModelViewSet):
         """What the serializer reads besides the models: availability, regions, prices."""
         from nodes.models import Region
 
-        availability = selectors.gpu_availability()
+        availability = gpu_availability()
         regions = {r.code: r for r in Region.objects.all()}
         models = GpuModel.objects.in_bulk(list(availability))
         prices = gpu_price_table(
@@ -525,7 +532,7 @@ class QuotaViewSet(mixins.ListModelMixin, TenantScopedViewSet):
     @extend_schema(responses=QuotaSerializer)
     def list(self, request, *args, **kwargs):
         tenant = self.ctx.tenant
-        quota = selectors.quota_for_tenant(tenant=tenant)
+        quota = quota_for_tenant(tenant=tenant)
         if quota is not None:
             limits = {
                 "max_gpus_total": quota.max_gpus_total,
@@ -537,7 +544,7 @@ class QuotaViewSet(mixins.ListModelMixin, TenantScopedViewSet):
         else:
             limits = dict(settings.SCHEDULING_DEFAULT_QUOTA)
             model_limits = {}
-        usage = selectors.quota_usage(tenant=tenant)
+        usage = quota_usage(tenant=tenant)
         names = dict(GpuModel.objects.filter(pk__in=list(usage.model_milli)).values_list("pk", "name"))
         return Response(
             {

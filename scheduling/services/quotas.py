@@ -20,14 +20,14 @@ from portal.errors import ValidationFailed
 from portal.services.audit import audit_record
 from scheduling.locks import lock_quota
 from scheduling.models import Quota, QuotaModelLimit
-from scheduling.quota_selectors import (
+from scheduling.selectors.shared import QuotaUsage, quota_usage_by_tenant
+from scheduling.selectors.staff_quotas import (
     LIMIT_FIELDS,
     LIMIT_LABELS,
     QUOTA_AUDIT_ACTION,
     model_use_of,
     use_of,
 )
-from scheduling.selectors import QuotaUsage, quota_usage_by_tenant
 
 EDITABLE_FIELDS = (*LIMIT_FIELDS, "fair_share_weight")
 MAX_LIMIT = 2_147_483_647  # PositiveIntegerField

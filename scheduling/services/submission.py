@@ -53,7 +53,7 @@ from scheduling.models import (
     WorkloadState,
 )
 from scheduling.pricing import spot_price_floor
-from scheduling.selectors import QuotaUsage, quota_usage
+from scheduling.selectors.shared import QuotaUsage, quota_usage
 
 logger = logging.getLogger(__name__)
 PLAN_PRIORITY_RANK = {

@@ -22,7 +22,6 @@ from nodes.models import GpuModel, Region
 from portal.errors import DomainError
 from portal.models import Scope
 from portal.views.base import TenantScopedMixin, render_page
-from scheduling import selectors
 from scheduling.models import (
     MILLI,
     Plan,
@@ -33,6 +32,7 @@ from scheduling.models import (
     WorkloadKind,
 )
 from scheduling.pricing import gpu_price_table, price_key, workload_estimate
+from scheduling.selectors.shared import gpu_availability, gpu_catalog, reservations_for_tenant
 from scheduling.services.submission import SCHEDULABLE_VENDORS, QuotaExceeded, workload_submit
 
 FRACTIONS = [(1000, "Whole GPUs"), (500, "½ GPU"), (250, "¼ GPU"), (125, "⅛ GPU")]
@@ -177,13 +177,11 @@ class ModelOffer:
 def model_offers(*, region_objects: dict[str, Region]) -> list[ModelOffer]:
     """The catalog models present in the fleet, with availability per region (``gpu_availability``,
     one statement) and the hourly price of one GPU per plan and region (the price providers)."""
-    availability = selectors.gpu_availability()
+    availability = gpu_availability()
     offers = []
     catalog = [
         m
-        for m in selectors.gpu_catalog()
-        .filter(pk__in=list(availability))
-        .order_by("vendor", "-memory_gib", "name")
+        for m in gpu_catalog().filter(pk__in=list(availability)).order_by("vendor", "-memory_gib", "name")
         if m.vendor in SCHEDULABLE_VENDORS
     ]
     table = gpu_price_table(
@@ -301,7 +299,7 @@ class LaunchMixin(TenantScopedMixin):
         region_objects = {r.code: r for r in Region.objects.order_by("code")}
         offers = model_offers(region_objects=region_objects)
         reservations = list(
-            selectors.reservations_for_tenant(tenant=self.tenant).filter(
+            reservations_for_tenant(tenant=self.tenant).filter(
                 status=ReservationStatus.ACTIVE, ends_at__gt=timezone.now()
             )
         )

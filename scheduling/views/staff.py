@@ -26,8 +26,8 @@ from portal.actors import Actor, actor_from_request
 from portal.errors import ValidationFailed
 from portal.models import Tenant
 from portal.views.base import forbidden, htmx_partial, render_page
-from scheduling import quota_selectors as qs
-from scheduling.queue_selectors import queue_overview
+from scheduling.selectors import staff_quotas as qs
+from scheduling.selectors.staff_queue import queue_overview
 from scheduling.services.quotas import EDITABLE_FIELDS, quota_bulk_update, quota_update
 
 PAGE_SIZE = 50

@@ -28,7 +28,6 @@ from nodes.selectors import node_telemetry
 from portal.errors import DomainError
 from portal.models import Scope
 from portal.views.base import PanelView, TenantScopedMixin, htmx_partial, render_page
-from scheduling import selectors
 from scheduling.models import (
     HOLDING_STATES,
     MILLI,
@@ -39,6 +38,12 @@ from scheduling.models import (
     Workload,
     WorkloadKind,
     WorkloadState,
+)
+from scheduling.selectors.shared import (
+    workload_events,
+    workload_placement,
+    workload_unconfirmed_stops,
+    workloads_for_tenant,
 )
 from scheduling.services.lifecycle import workload_stop
 from scheduling.services.submission import workload_submit
@@ -139,7 +144,7 @@ class WorkloadListView(WorkloadsMixin, View):
         )
         # The rows show none of the spec's JSON and long text: not read (nor parsed) for 100 rows.
         qs = (
-            selectors.workloads_for_tenant(tenant=self.tenant)
+            workloads_for_tenant(tenant=self.tenant)
             .defer("command", "env", "ports", "ssh_public_key", "log_tail", "pending_message")
             .order_by("-id")
         )
@@ -227,9 +232,9 @@ def detail_context(view: WorkloadsMixin, w: Workload) -> dict:
     can_write = view.has_scope(Scope.WRITE)
     return {
         "w": w,
-        "events": list(selectors.workload_events(workload=w)),
-        "placement": selectors.workload_placement(workload=w),
-        "unconfirmed_stops": selectors.workload_unconfirmed_stops(workload=w),
+        "events": list(workload_events(workload=w)),
+        "placement": workload_placement(workload=w),
+        "unconfirmed_stops": workload_unconfirmed_stops(workload=w),
         "stages": stages_of(w),
         "waiting": w.state in WAITING_STATES,
         "holding": w.state in HOLDING_STATES,
@@ -369,7 +374,7 @@ class WorkloadsPanel(PanelView):
             waiting=Count("id", filter=Q(state__in=WAITING_STATES)),
         )
         active = list(
-            selectors.workloads_for_tenant(tenant=self.tenant)
+            workloads_for_tenant(tenant=self.tenant)
             .filter(state__in=WAITING_STATES | HOLDING_STATES)
             .order_by("-id")[:8]
         )

@@ -15,7 +15,7 @@ from django.utils import timezone
 from metering import tasks
 from metering.models import Budget, BudgetAlert, CostToDate, SpotPrice
 from metering.periods import period_of
-from metering.selectors import month_cost_to_date
+from metering.selectors.shared import month_cost_to_date
 from metering.services.budgets import costs_to_date_update
 from metering.services.usage import costs_to_date, usage_build
 from portal.events import tenant_group

@@ -47,7 +47,7 @@ def test_create_list_detail_and_stop_a_job(client, make_node, cycle):
 
 def test_each_workload_names_its_gpu_models_in_catalog_order(client, make_node, django_assert_num_queries):
     """By vendor, then name; a page's names come in one statement, and no workloads need none."""
-    from scheduling.selectors import workload_gpu_model_names
+    from scheduling.selectors.shared import workload_gpu_model_names
 
     make_node()
     spec = {**JOB, "gpu_models": ["NVIDIA L4", "MI300X", "H100"]}
@@ -192,7 +192,7 @@ def test_a_waiting_instance_says_why(client, tenant, make_node, submit, cycle):
 
 def test_gpu_availability_counts_schedulable_free_and_shared_capacity(tenant, make_node, submit, cycle):
     from nodes.models import GpuHealth, NodeState
-    from scheduling.selectors import gpu_availability
+    from scheduling.selectors.shared import gpu_availability
 
     node = make_node(gpus=4)
     make_node(gpus=2, state=NodeState.DOWN)
@@ -361,17 +361,17 @@ def test_placement_is_read_only_for_a_workload_that_holds_gpus(
 ):
     """Allocations are released when a workload leaves the holding states: the placement of a waiting
     workload is empty without a query, that of a scheduled one is read."""
-    from scheduling import selectors
+    from scheduling.selectors.shared import workload_placement
 
     make_node()
     jid = client.post("/api/v1/jobs/", JOB, content_type="application/json").json()["id"]
     waiting = Workload.objects.get(pk=jid)
     with django_assert_num_queries(0):
-        assert selectors.workload_placement(workload=waiting) == []
+        assert workload_placement(workload=waiting) == []
     cycle()
     scheduled = Workload.objects.get(pk=jid)
     with django_assert_num_queries(1):
-        assert len(selectors.workload_placement(workload=scheduled)) == 2
+        assert len(workload_placement(workload=scheduled)) == 2
 
 
 def test_a_page_reads_its_gpu_models_in_one_query_whatever_its_size(client, tenant, make_node, submit):

@@ -15,7 +15,7 @@ from django.utils import timezone
 from portal.actors import Actor
 from portal.models import User
 from scheduling.models import WAITING_STATES, Workload
-from scheduling.queue_selectors import queue_overview
+from scheduling.selectors.staff_queue import queue_overview
 from scheduling.services.quotas import quota_update
 from tests.portal.conftest import HTMX, signed_in  # noqa: F401  (fixtures)
 from tests.scheduling.conftest import A100, H100

@@ -15,8 +15,8 @@ from portal.actors import Actor
 from portal.errors import ValidationFailed
 from portal.models import AuditEvent, Tenant, User
 from scheduling.models import Quota, QuotaModelLimit
-from scheduling.quota_selectors import quota_usage_by_tenant
-from scheduling.selectors import quota_usage
+from scheduling.selectors.shared import quota_usage
+from scheduling.selectors.staff_quotas import quota_usage_by_tenant
 from scheduling.services.quotas import quota_bulk_update, quota_update
 from tests.portal.conftest import HTMX, signed_in  # noqa: F401  (fixtures)
 from tests.scheduling.conftest import A100, H100

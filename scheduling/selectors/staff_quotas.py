@@ -1,6 +1,6 @@
 """Quotas for many tenants at once: each tenant's limits beside what counts against them now.
 
-The counting is the one submissions enforce (``scheduling.selectors.quota_usage_by_tenant``), for a
+The counting is the one submissions enforce (``scheduling.selectors.shared.quota_usage_by_tenant``), for a
 page of tenants at one query per aggregate, not one per tenant.
 """
 
@@ -21,7 +21,7 @@ from scheduling.models import (
     Quota,
     QuotaModelLimit,
 )
-from scheduling.selectors import QuotaUsage, quota_usage_by_tenant
+from scheduling.selectors.shared import QuotaUsage, quota_usage_by_tenant
 
 # The per-tenant limits staff edit, in display order (per-model limits come on their own).
 LIMIT_FIELDS = ("max_gpus_total", "max_concurrent_workloads", "max_spot_gpus", "max_gpus_per_request")
