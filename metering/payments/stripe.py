@@ -19,6 +19,7 @@ import stripe
 from django.conf import settings
 from django.db import transaction
 
+from metering.locks import lock_billing_account
 from metering.models import BillingAccount, Invoice, InvoiceLine
 from metering.money import to_minor_units
 from metering.payments import Submission
@@ -56,7 +57,7 @@ def stripe_customer_ensure(*, client: stripe.StripeClient, tenant) -> str:
         options={"idempotency_key": f"gpupool-customer-{tenant.pk}"},
     )
     with transaction.atomic():
-        account, _ = BillingAccount.objects.select_for_update().get_or_create(tenant=tenant)
+        account = lock_billing_account(tenant=tenant)
         if not account.stripe_customer_id:
             account.stripe_customer_id = customer.id
             account.save(update_fields=["stripe_customer_id"])

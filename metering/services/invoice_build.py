@@ -30,6 +30,7 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Exists, OuterRef, Subquery, Sum
 
+from metering.locks import lock_period_invoices
 from metering.models import (
     CREDIT_ORDER,
     CreditEntry,
@@ -265,11 +266,7 @@ def _get_or_create_locked(tenants: list[Tenant], period_start: date, cache: RunC
             )
         )
     Invoice.objects.bulk_create(new, ignore_conflicts=True)
-    return list(
-        Invoice.objects.select_for_update()
-        .filter(tenant_id__in=[t.pk for t in tenants], period_start=period_start)
-        .order_by("pk")
-    )
+    return lock_period_invoices(tenant_ids=[t.pk for t in tenants], period_start=period_start)
 
 
 def _attach_usage(drafts: list[Invoice], period_start: date) -> None:

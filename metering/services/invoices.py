@@ -21,6 +21,7 @@ from django.db import transaction
 from django.db.models import Q, Sum
 from django.utils import timezone
 
+from metering.locks import lock_invoice
 from metering.models import (
     CreditEntry,
     CreditKind,
@@ -93,7 +94,7 @@ def invoice_finalize(*, invoice: Invoice, actor: Actor, now: datetime | None = N
     subtotal), add tax on what is left, and make it immutable."""
     now = now or timezone.now()
     with transaction.atomic():
-        current = Invoice.objects.select_for_update().get(pk=invoice.pk)
+        current = lock_invoice(invoice_id=invoice.pk)
         if not current.is_draft:
             raise Conflict(f"Invoice {current.pk} is {current.status}; only a draft can be finalized.")
         return invoices_build_batch(
@@ -115,7 +116,7 @@ def invoice_mark_paid(
 
     now = now or timezone.now()
     with transaction.atomic():
-        invoice = Invoice.objects.select_for_update().get(pk=invoice.pk)
+        invoice = lock_invoice(invoice_id=invoice.pk)
         if invoice.status != InvoiceStatus.FINALIZED:
             raise Conflict(f"Invoice {invoice.pk} is {invoice.status}; only a finalized invoice can be paid.")
         invoice.status = InvoiceStatus.PAID
@@ -136,7 +137,7 @@ def invoice_void(*, invoice: Invoice, actor: Actor, reason: str, now: datetime |
     """Void a finalized, unpaid invoice; credits it used go back to the ledger as new grants."""
     now = now or timezone.now()
     with transaction.atomic():
-        invoice = Invoice.objects.select_for_update().get(pk=invoice.pk)
+        invoice = lock_invoice(invoice_id=invoice.pk)
         if invoice.status != InvoiceStatus.FINALIZED:
             raise Conflict(
                 f"Invoice {invoice.pk} is {invoice.status}; only a finalized, unpaid invoice can be voided."
@@ -171,7 +172,7 @@ def credit_note_issue(*, invoice: Invoice, amount, reason: str, actor: Actor) ->
     if not reason.strip():
         raise ValidationFailed("reason: say why.", fields={"reason": ["Required."]})
     with transaction.atomic():
-        invoice = Invoice.objects.select_for_update().get(pk=invoice.pk)
+        invoice = lock_invoice(invoice_id=invoice.pk)
         if invoice.status not in (InvoiceStatus.FINALIZED, InvoiceStatus.PAID):
             raise Conflict(
                 f"Invoice {invoice.pk} is {invoice.status}; a draft is corrected by rebuilding it."

@@ -28,8 +28,14 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from metering.locks import (
+    lock_billing_account_by_customer,
+    lock_invoice,
+    lock_invoice_with_tenant,
+    lock_tenant,
+)
 from metering.metrics import STRIPE_WEBHOOKS
-from metering.models import BillingAccount, Invoice, InvoiceStatus, StripeEvent, StripeEventResult
+from metering.models import Invoice, InvoiceStatus, StripeEvent, StripeEventResult
 from metering.money import quantize_money
 from metering.payments import provider_get
 from portal.actors import Actor
@@ -60,7 +66,7 @@ def invoice_payment_submit(*, invoice_id: int) -> Invoice:
     """Hand a finalized invoice to the payment provider, once. The attempt number is committed
     before the provider is called, so a retry after a crash repeats the same idempotency keys."""
     with transaction.atomic():
-        invoice = Invoice.objects.select_for_update().select_related("tenant").get(pk=invoice_id)
+        invoice = lock_invoice_with_tenant(invoice_id=invoice_id)
         if invoice.status != InvoiceStatus.FINALIZED or invoice.external_id:
             return invoice
         provider = provider_get(invoice.payment_provider or None)
@@ -71,7 +77,7 @@ def invoice_payment_submit(*, invoice_id: int) -> Invoice:
     submission = provider.collect(invoice=invoice)
     if submission.external_id:
         with transaction.atomic():
-            invoice = Invoice.objects.select_for_update().get(pk=invoice_id)
+            invoice = lock_invoice(invoice_id=invoice_id)
             invoice.external_id = submission.external_id
             invoice.save(update_fields=["external_id"])
             audit_record(
@@ -170,7 +176,7 @@ def _invoice_event(event, event_type: str, obj) -> tuple[Invoice | None, str]:
     if invoice is None:
         return None, StripeEventResult.IGNORED
     current = stripe_client().v1.invoices.retrieve(obj["id"]).to_dict()  # the state now, not the event's
-    invoice = Invoice.objects.select_for_update().select_related("tenant").get(pk=invoice.pk)
+    invoice = lock_invoice_with_tenant(invoice_id=invoice.pk)
     if current.get("status") == "paid" and invoice.status == InvoiceStatus.FINALIZED:
         transitions = current.get("status_transitions") or {}
         paid_at = transitions.get("paid_at")
@@ -197,9 +203,7 @@ def _invoice_event(event, event_type: str, obj) -> tuple[Invoice | None, str]:
 
 
 def _customer_event(event, event_type: str, obj) -> str:
-    account = (
-        BillingAccount.objects.select_for_update().filter(stripe_customer_id=obj.get("id") or "-").first()
-    )
+    account = lock_billing_account_by_customer(customer_id=obj.get("id") or "-")
     if account is None:
         return StripeEventResult.IGNORED
     changed = sorted((event["data"].get("previous_attributes") or {}).keys())
@@ -396,7 +400,7 @@ def dunning_run(*, now: datetime | None = None) -> list[Tenant]:
     changed = []
     for tenant_id in list(tenant_ids):
         with transaction.atomic():
-            tenant = Tenant.objects.select_for_update().get(pk=tenant_id)
+            tenant = lock_tenant(tenant_id=tenant_id)
             if tenant.status == Tenant.Status.SUSPENDED:
                 continue  # suspended meanwhile, by dunning or by hand
             status, invoice = _standing(tenant, now=now)
@@ -412,7 +416,7 @@ def dunning_release(*, invoice: Invoice, now: datetime | None = None) -> None:
     or SUSPENDED, the tenant is reactivated, or moves to GRACE or SUSPENDED for its next invoice
     past due."""
     now = now or timezone.now()
-    tenant = Tenant.objects.select_for_update().get(pk=invoice.tenant_id)
+    tenant = lock_tenant(tenant_id=invoice.tenant_id)
     invoice.tenant = tenant
     if tenant.status == Tenant.Status.ACTIVE or not _names(tenant, invoice):
         return

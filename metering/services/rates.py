@@ -10,6 +10,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from metering.locks import lock_rate_card
 from metering.models import BillingAccount, GpuPrice, RateCard, RateCardVersion
 from metering.money import ZERO, quantize_unit
 from portal.errors import ValidationFailed
@@ -76,7 +77,7 @@ def rate_card_version_create(
     vcpu = _price(vcpu_hour_price, "vcpu_hour_price")
     ram = _price(ram_gib_hour_price, "ram_gib_hour_price")
     with transaction.atomic():
-        RateCard.objects.select_for_update().get(pk=rate_card.pk)
+        lock_rate_card(rate_card_id=rate_card.pk)
         versions = list(RateCardVersion.objects.filter(rate_card=rate_card).order_by("effective_from"))
         open_before = [v for v in versions if v.effective_to is None and v.effective_from < effective_from]
         for v in open_before:

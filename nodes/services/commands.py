@@ -22,6 +22,7 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from nodes import metrics as node_metrics
+from nodes.locks import lock_command, lock_commands_where
 from nodes.models import (
     FINAL_COMMAND_STATES,
     OPEN_COMMAND_STATES,
@@ -259,11 +260,9 @@ def node_commands_deliver_due(
     delivered: list[NodeCommand] = []
     events: list[NodeCommandEvent] = []
     with transaction.atomic():
-        rows = (
-            NodeCommand.objects.select_for_update(skip_locked=True)
-            .filter(pk__in=due, state__in=OPEN_COMMAND_STATES, next_attempt_at__lte=now)
-            .order_by("created_at")
-        )
+        rows = lock_commands_where(
+            pk__in=due, state__in=OPEN_COMMAND_STATES, next_attempt_at__lte=now
+        ).order_by("created_at")
         for command in rows:
             old = command.state
             if command.deadline <= now or command.attempt >= command.max_attempts:
@@ -320,7 +319,7 @@ def node_command_report(
     except ValueError:
         raise NotFound("No such command.") from None
     with transaction.atomic():
-        command = NodeCommand.objects.select_for_update().filter(pk=command_uuid, node_id=node_id).first()
+        command = lock_command(command_id=command_uuid, node_id=node_id)
         if command is None:
             raise NotFound("No such command.")
         old = command.state
@@ -372,8 +371,7 @@ def node_commands_expire(*, now: datetime | None = None, limit: int = 1000) -> i
     events: list[NodeCommandEvent] = []
     with transaction.atomic():
         rows = list(
-            NodeCommand.objects.select_for_update(skip_locked=True)
-            .filter(state__in=OPEN_COMMAND_STATES)
+            lock_commands_where(state__in=OPEN_COMMAND_STATES)
             .filter(Q(deadline__lte=now) | Q(attempt__gte=F("max_attempts"), next_attempt_at__lte=now))
             .order_by("deadline")[:limit]
         )

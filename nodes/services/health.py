@@ -12,6 +12,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from nodes import metrics as node_metrics
+from nodes.locks import lock_gpu, lock_node, lock_silent_nodes
 from nodes.models import FleetAlert, Gpu, GpuHealth, Node, NodeState
 from nodes.signals import gpu_unhealthy, node_down, node_ready, send_on_commit
 from portal.actors import Actor
@@ -47,12 +48,7 @@ def node_health_reconcile(*, now: datetime | None = None) -> ReconcileResult:
         silent_q = Q(last_heartbeat_at__lt=suspect_before) | Q(
             last_heartbeat_at__isnull=True, registered_at__lt=suspect_before
         )
-        silent = list(
-            watched.filter(silent_q)
-            .select_for_update()
-            .order_by("last_heartbeat_at", "registered_at", "id")
-            .only("id", "state", "last_heartbeat_at", "registered_at", "hostname")
-        )
+        silent = lock_silent_nodes(watched=watched, silent=silent_q)
         result.silent_fraction = len(silent) / total if total else 0.0
         result.mass_silence = (
             total >= settings.NODE_MASS_SILENCE_MIN_NODES
@@ -131,7 +127,7 @@ _STAFF_TRANSITIONS: dict[str, tuple[str, ...]] = {
 
 @transaction.atomic
 def _node_staff_set_state(*, node: Node, state: str, actor: Actor, reason: str, action: str) -> Node:
-    node = Node.objects.select_for_update().get(pk=node.pk)
+    node = lock_node(node_id=node.pk)
     if node.state == state:
         return node
     if node.state not in _STAFF_TRANSITIONS[state]:
@@ -216,7 +212,7 @@ def gpu_mark_unhealthy(*, gpu_id: int, reason: str, now: datetime | None = None)
 def gpu_return_to_service(*, gpu: Gpu, actor: Actor, reason: str = "") -> Gpu:
     """Staff: the GPU was checked (or replaced); it is HEALTHY and schedulable again. The current ECC
     counters become the new baseline, so only new errors isolate it again."""
-    gpu = Gpu.objects.select_for_update().get(pk=gpu.pk)
+    gpu = lock_gpu(gpu_id=gpu.pk)
     old = {"health": gpu.health, "reason": gpu.health_reason, "isolated": gpu.isolated}
     gpu.health = GpuHealth.HEALTHY
     gpu.health_reason = ""
@@ -238,7 +234,7 @@ def gpu_isolate(*, gpu: Gpu, actor: Actor, reason: str) -> Gpu:
     """Staff: keep a GPU out of scheduling (it stays HEALTHY as far as its telemetry goes)."""
     if not reason.strip():
         raise ValidationFailed("Say why the GPU is isolated.", fields={"reason": ["Required."]})
-    gpu = Gpu.objects.select_for_update().get(pk=gpu.pk)
+    gpu = lock_gpu(gpu_id=gpu.pk)
     gpu.isolated = True
     gpu.health_reason = reason[:255]
     gpu.save(update_fields=["isolated", "health_reason"])

@@ -29,6 +29,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from nodes import metrics as node_metrics
+from nodes.locks import lock_sequence_gap
 from nodes.models import (
     Gpu,
     GpuHealth,
@@ -382,11 +383,7 @@ def _record_sequence(
         return (last_seq + 1, seq - 1)
     if seq < last_seq:
         # A late batch: it fills (part of) a recorded gap.
-        gap = (
-            SequenceGap.objects.select_for_update()
-            .filter(node_id=node_id, epoch=epoch, first_seq__lte=seq, last_seq__gte=seq)
-            .first()
-        )
+        gap = lock_sequence_gap(node_id=node_id, epoch=epoch, seq=seq)
         if gap is not None:
             if gap.first_seq == gap.last_seq:
                 gap.delete()

@@ -24,6 +24,13 @@ from django.utils import timezone
 
 from nodes import metrics as node_metrics
 from nodes.catalog import normalize_gpu_name
+from nodes.locks import (
+    lock_bootstrap_token,
+    lock_fleet_alert,
+    lock_gpus_by_uuid,
+    lock_node_by_hostname,
+    lock_node_if_exists,
+)
 from nodes.models import (
     FleetAlert,
     Gpu,
@@ -223,7 +230,7 @@ def _node_register(*, bootstrap_token: str, info: NodeInfo, now: datetime) -> tu
     parts = _split_token(bootstrap_token, NodeBootstrapToken.PREFIX)
     token = None
     if parts is not None:
-        token = NodeBootstrapToken.objects.select_for_update().filter(key_id=parts[0]).first()
+        token = lock_bootstrap_token(key_id=parts[0])
     if token is None or not hmac.compare_digest(token.token_hash, hash_secret(bootstrap_token)):
         raise NotAuthenticated("Invalid bootstrap token.")
     retry_of = None
@@ -304,7 +311,7 @@ def _node_register(*, bootstrap_token: str, info: NodeInfo, now: datetime) -> tu
 def _node_to_register(token: NodeBootstrapToken, hostname: str) -> Node | None:
     """The existing node a (not yet spent) token may register: the node of a re-key token, when the
     hostname is that node's; None for a new hostname and a plain token. NodeExists otherwise."""
-    node = Node.objects.select_for_update().filter(hostname=hostname).first()
+    node = lock_node_by_hostname(hostname=hostname)
     if token.rekey_node_id is not None:
         if node is None or node.pk != token.rekey_node_id:
             target = Node.objects.filter(pk=token.rekey_node_id).values_list("hostname", flat=True).first()
@@ -365,7 +372,7 @@ def _registration_retried(token: NodeBootstrapToken, info: NodeInfo, now: dateti
     node = token.used_by_node
     if node is None or token.used_at is None or now - token.used_at > REGISTER_RETRY_WINDOW:
         return None
-    node = Node.objects.select_for_update().filter(pk=node.pk).first()
+    node = lock_node_if_exists(node_id=node.pk)
     if node is None or node.hostname != info.hostname or node.last_seq != 0:
         return None
     present = set(Gpu.objects.filter(node=node, removed_at__isnull=True).values_list("uuid", flat=True))
@@ -380,7 +387,7 @@ def _sync_gpus(node: Node, gpus: tuple[GpuInfo, ...], now: datetime) -> list[str
     the hardware moved. Returns the UUIDs that moved."""
     index = gpu_model_index()
     # Locked: a registration running beside this one cannot take them between the check and the write.
-    existing = {g.uuid: g for g in Gpu.objects.select_for_update().filter(uuid__in=[g.uuid for g in gpus])}
+    existing = lock_gpus_by_uuid(uuids=[g.uuid for g in gpus])
     taken = [gpu for gpu in existing.values() if gpu.node_id != node.pk and gpu.removed_at is None]
     if taken:
         raise _gpus_taken([(gpu.uuid, gpu.node.hostname) for gpu in sorted(taken, key=lambda g: g.uuid)])
@@ -428,7 +435,7 @@ def _sync_gpus(node: Node, gpus: tuple[GpuInfo, ...], now: datetime) -> list[str
 def gpu_conflict_alert_resolve(*, alert: FleetAlert, actor: Actor) -> FleetAlert:
     """Staff close a GPU UUID conflict alert (after looking at both machines). Other kinds of alert
     are resolved by the code that raised them. Audited."""
-    alert = FleetAlert.objects.select_for_update().get(pk=alert.pk)
+    alert = lock_fleet_alert(alert_id=alert.pk)
     if alert.kind != FleetAlert.Kind.GPU_UUID_CONFLICT:
         raise Conflict(f"A {alert.get_kind_display().lower()} alert resolves itself.")
     if alert.resolved_at is not None:

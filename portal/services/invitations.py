@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from portal.actors import Actor
 from portal.errors import Conflict, NotFound, PermissionDenied, ValidationFailed
+from portal.locks import lock_invitation, lock_user_by_email
 from portal.models import Invitation, Membership, Tenant, User, hash_secret
 from portal.services.accounts import check_new_password, clean_email
 from portal.services.audit import audit_record
@@ -90,7 +91,7 @@ def _inviter_may_still_invite(invitation: Invitation) -> bool:
 @transaction.atomic
 def invitation_accept(*, token: str, user: User) -> Membership:
     invitation = invitation_lookup(token=token)
-    invitation = Invitation.objects.select_for_update().get(pk=invitation.pk)
+    invitation = lock_invitation(invitation_id=invitation.pk)
     if not invitation.is_open:
         raise NotFound("This invitation was already used or has expired.")
     if user.email.lower() != invitation.email.lower():
@@ -144,7 +145,7 @@ def invitation_accept_signup(*, token: str, password: str, full_name: str = "") 
     full_name = (full_name or "").strip()
     if len(full_name) > 150:
         raise ValidationFailed("The name is too long.", fields={"full_name": ["Use at most 150 characters."]})
-    user = User.objects.select_for_update().filter(email__iexact=invitation.email).first()
+    user = lock_user_by_email(email=invitation.email)
     if user is not None and user.has_usable_password():
         raise Conflict(
             f"An account for {invitation.email} already exists: sign in to accept the invitation.",

@@ -7,17 +7,12 @@ from django.db import transaction
 
 from portal.actors import Actor
 from portal.errors import Conflict
+from portal.locks import lock_owners
 from portal.models import ROLE_SCOPES, ApiToken, Invitation, Membership, Role, Tenant, User
 from portal.services.audit import audit_record
 from portal.services.invitations import invitation_revoke
 from portal.services.roles import clean_role, require_can_grant, role_may_invite
 from portal.services.tokens import api_token_revoke
-
-
-def _lock_owners(tenant: Tenant) -> int:
-    return len(
-        list(Membership.objects.select_for_update().filter(tenant=tenant, role=Role.OWNER).values_list("pk"))
-    )
 
 
 @transaction.atomic
@@ -28,7 +23,7 @@ def membership_change_role(*, membership: Membership, role: str, actor: Actor) -
         return membership
     require_can_grant(actor, tenant, role)
     require_can_grant(actor, tenant, membership.role)
-    if membership.role == Role.OWNER and _lock_owners(tenant) <= 1:
+    if membership.role == Role.OWNER and lock_owners(tenant=tenant) <= 1:
         raise Conflict(
             "A tenant needs at least one owner: make someone else an owner first.",
             fields={"role": ["This is the last owner."]},
@@ -65,7 +60,7 @@ def _revoke_beyond_role(*, tenant: Tenant, user: User, role: str | None, actor: 
 def membership_remove(*, membership: Membership, actor: Actor) -> None:
     tenant = membership.tenant
     require_can_grant(actor, tenant, membership.role)
-    if membership.role == Role.OWNER and _lock_owners(tenant) <= 1:
+    if membership.role == Role.OWNER and lock_owners(tenant=tenant) <= 1:
         raise Conflict(
             "The last owner cannot be removed: make someone else an owner first.",
             code="last_owner",
