@@ -8,6 +8,7 @@ from portal.models import ROLE_SCOPES, Membership, Role, Scope, Tenant
 
 
 def actor_role(actor: Actor, tenant: Tenant) -> str | None:
+    """The actor's role in ``tenant`` now (staff outside it act as owners); None without one."""
     if actor.user is None:
         return None
     if (
@@ -29,6 +30,7 @@ def require_can_grant(actor: Actor, tenant: Tenant, role: str) -> None:
 
 
 def clean_role(role: str) -> str:
+    """``role`` if it is a role, else ValidationFailed naming the ``role`` field."""
     if role not in Role.values:
         raise ValidationFailed(
             f"{role!r} is not a role.",
