@@ -18,10 +18,10 @@ from django.db.models import Q
 from django.utils import timezone
 
 from portal.actors import Actor
-from portal.errors import PermissionDenied, ValidationFailed
+from portal.errors import PermissionDenied
 from portal.models import StaffScope, StaffToken, User, hash_secret
 from portal.services.audit import audit_record
-from portal.services.tokens import scopes_clean
+from portal.services.tokens import scopes_clean, token_name_and_expiry_check
 
 
 @transaction.atomic
@@ -39,16 +39,7 @@ def staff_token_create(
         raise PermissionDenied(f"{user.email} is not active gpupool staff: only staff have staff tokens.")
     if actor.kind != "system" and (actor.token is not None or actor.user is None or actor.user.pk != user.pk):
         raise PermissionDenied("Staff make their own staff tokens, signed in as themselves.")
-    errors: dict[str, list[str]] = {}
-    name = (name or "").strip()
-    if not name:
-        errors["name"] = ["A name is required."]
-    elif len(name) > 100:
-        errors["name"] = ["Use at most 100 characters."]
-    if expires_at is not None and expires_at <= timezone.now():
-        errors["expires_at"] = ["The expiry must be in the future."]
-    if errors:
-        raise ValidationFailed("The staff token could not be created.", fields=errors)
+    name = token_name_and_expiry_check(name, expires_at, what="staff token")
     clean = scopes_clean(scopes, choices=StaffScope)
     key_id, plaintext, digest = StaffToken.generate()
     token = StaffToken.objects.create(

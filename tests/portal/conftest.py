@@ -47,3 +47,27 @@ def owner_client(signed_in, owner, tenant) -> Client:
 
 
 HTMX = {"HTTP_HX_REQUEST": "true"}
+
+
+def eight_h100_node():
+    """The seeded catalog and one ready node of eight H100s in us-east-1; the H100 model."""
+    import uuid
+
+    from django.utils import timezone
+
+    from nodes.catalog import catalog_seed
+    from nodes.models import Gpu, GpuModel, Node, NodeState, Region
+
+    catalog_seed()
+    region = Region.objects.create(code="us-east-1", name="US East", location="Ashburn")
+    node = Node.objects.create(
+        hostname="gpu-0001", region=region, cpu_cores=96, ram_mib=1024 * 1024,
+        state=NodeState.READY, last_heartbeat_at=timezone.now(),
+    )  # fmt: skip
+    h100 = GpuModel.objects.get(short_name="H100")
+    Gpu.objects.bulk_create(
+        Gpu(node=node, index=i, uuid=f"GPU-{uuid.uuid4()}", model=h100, reported_name=h100.name,
+            memory_mib=h100.memory_gib * 1024)
+        for i in range(8)
+    )  # fmt: skip
+    return h100

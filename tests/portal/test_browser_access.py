@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import itertools
 import re
-import uuid
 
 import pytest
-from django.utils import timezone
 
-from nodes.catalog import catalog_seed
-from nodes.models import Gpu, GpuModel, Node, NodeState, Region
 from portal.models import Membership, Role
 from tests.browser import SCREENSHOTS, chromium_page
-from tests.portal.conftest import PASSWORD
+from tests.portal.conftest import PASSWORD, eight_h100_node
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -69,18 +65,7 @@ OVERFLOW = """() => {
 def owner_page(monkeypatch, live_server, make_tenant):
     """A signed-in owner of a tenant, with a small fleet so that the launch form can be sent."""
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-    catalog_seed()
-    region = Region.objects.create(code="us-east-1", name="US East", location="Ashburn")
-    node = Node.objects.create(
-        hostname="gpu-0001", region=region, cpu_cores=96, ram_mib=1024 * 1024,
-        state=NodeState.READY, last_heartbeat_at=timezone.now(),
-    )  # fmt: skip
-    h100 = GpuModel.objects.get(short_name="H100")
-    Gpu.objects.bulk_create(
-        Gpu(node=node, index=i, uuid=f"GPU-{uuid.uuid4()}", model=h100, reported_name=h100.name,
-            memory_mib=h100.memory_gib * 1024)
-        for i in range(8)
-    )  # fmt: skip
+    eight_h100_node()
     tenant = make_tenant("acme", name="Acme Research")
     owner = Membership.objects.get(tenant=tenant, role=Role.OWNER).user
 

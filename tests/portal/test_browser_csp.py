@@ -7,18 +7,13 @@ A violation shows twice, and both are caught: Chromium logs it to the console, a
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
-from django.utils import timezone
 
-from nodes.catalog import catalog_seed
-from nodes.models import Gpu, GpuModel, Node, NodeState, Region
 from portal.actors import Actor
 from portal.models import Membership, Role
 from scheduling.services.submission import workload_submit
 from tests.browser import chromium_page
-from tests.portal.conftest import PASSWORD
+from tests.portal.conftest import PASSWORD, eight_h100_node
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -35,18 +30,7 @@ def is_violation(text: str) -> bool:
 def workload(settings, make_tenant):
     """A tenant whose owner is also staff (the admin), with a small fleet and one instance."""
     settings.SCHEDULING_TRIGGER_CYCLES = False
-    catalog_seed()
-    region = Region.objects.create(code="us-east-1", name="US East", location="Ashburn")
-    node = Node.objects.create(
-        hostname="gpu-0001", region=region, cpu_cores=96, ram_mib=1024 * 1024,
-        state=NodeState.READY, last_heartbeat_at=timezone.now(),
-    )  # fmt: skip
-    h100 = GpuModel.objects.get(short_name="H100")
-    Gpu.objects.bulk_create(
-        Gpu(node=node, index=i, uuid=f"GPU-{uuid.uuid4()}", model=h100, reported_name=h100.name,
-            memory_mib=h100.memory_gib * 1024)
-        for i in range(8)
-    )  # fmt: skip
+    h100 = eight_h100_node()
     tenant = make_tenant("acme", name="Acme Research")
     owner = Membership.objects.get(tenant=tenant, role=Role.OWNER).user
     owner.is_staff = owner.is_superuser = True
