@@ -477,8 +477,8 @@ class GpuSample(models.Model):
     a GPU that fell off the bus): "unknown", never 0.
 
     The GPU is a foreign key without a database constraint, on purpose (migration 0005): the
-    constraint's check, one look-up of the GPU row per sample at commit, was a tenth of PostgreSQL's
-    CPU under ``bench/scale.py`` (4,000 samples a second at 500 nodes). What keeps the rows
+    constraint's check is one look-up of the GPU row per sample at commit, thousands a second at
+    fleet scale, a large share of PostgreSQL's CPU. What keeps the rows
     consistent without it: ingest writes only GPUs it has just read under the node's lock; GPUs are
     retired (``removed_at``), not deleted; deleting one (or its node) still deletes its samples
     (Django's cascade); and the samples a GPU deleted while a batch of its node was being written

@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 
 # Raw samples keep their GPU's id without a database constraint: its check, one look-up of the GPU
-# row per sample at commit, was a tenth of PostgreSQL's CPU under bench/scale.py. Decided again in
+# row per sample at commit, was a large share of PostgreSQL's CPU at fleet load. Decided again in
 # issue 26 (kept dropped): Django's cascade deletes a GPU's samples, and the hourly telemetry purge
 # deletes those a GPU deleted during an ingest leaves behind (see GpuSample's docstring).
 class Migration(migrations.Migration):

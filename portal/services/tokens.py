@@ -130,8 +130,8 @@ def _token_with_tenant(key_id: str) -> ApiToken | None:
     only writes and a few views ask for, is loaded when first asked.
 
     Both are ``raw()`` statements: every API request makes them, and compiling the ORM's form of the
-    first (a subquery for the role, a join for the creator's state, the tenant joined) took 1.2 ms
-    of CPU a request, more than the rest of a small list read (bench/api_read.py)."""
+    first (a subquery for the role, a join for the creator's state, the tenant joined) cost more CPU
+    than the rest of a small list read."""
     token = next(iter(ApiToken.objects.raw(_token_statement(), [key_id])), None)
     if token is None:
         return None
