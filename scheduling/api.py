@@ -23,7 +23,7 @@ from rest_framework.response import Response
 from nodes.models import GpuModel
 from portal.api.filters import TenantFilterSet, UTCDateTimeFilter
 from portal.api.routers import router
-from portal.api.serializers import FieldsOnceModelSerializer
+from portal.api.serializers import BoundedDateTimeField, FieldsOnceModelSerializer
 from portal.api.viewsets import TenantReadOnlyViewSet, TenantScopedViewSet
 from portal.models import Scope
 from scheduling.models import (
@@ -44,11 +44,16 @@ from scheduling.selectors.shared import (
     workload_gpu_model_names,
     workload_placement,
 )
+from scheduling.selectors.workload_metrics import workload_gpu_metrics, workload_held, workload_last_placement
 from scheduling.services.lifecycle import workload_stop
 from scheduling.services.reservations import reservation_cancel, reservation_request
 from scheduling.services.submission import workload_submit
 
 logger = logging.getLogger(__name__)
+
+# A workload's metrics: the longest window one request may ask for, and the window by default.
+METRICS_MAX_WINDOW = timedelta(days=1)
+METRICS_DEFAULT_WINDOW = timedelta(hours=1)
 
 # --- serializers -----------------------------------------------------------------------------------
 
@@ -205,6 +210,58 @@ class WorkloadEventSerializer(serializers.Serializer):
     message = serializers.CharField()
 
 
+class WorkloadMetricsQuerySerializer(serializers.Serializer):
+    """``?since=&until=`` of a workload's metrics: at most ``METRICS_MAX_WINDOW``; by default the last
+    hour of its current (or last) placement."""
+
+    since = BoundedDateTimeField(required=False)
+    until = BoundedDateTimeField(required=False)
+
+    def validate(self, attrs):
+        since, until = attrs.get("since"), attrs.get("until")
+        if since is not None and until is not None:
+            if since >= until:
+                raise serializers.ValidationError({"since": "Must be before until."})
+            if until - since > METRICS_MAX_WINDOW:
+                raise serializers.ValidationError(
+                    {"until": f"At most {METRICS_MAX_WINDOW.days * 24} hours after since."}
+                )
+        return attrs
+
+
+class WorkloadMetricsPointSerializer(serializers.Serializer):
+    minute = serializers.DateTimeField()
+    util_pct = serializers.FloatField(allow_null=True)
+    mem_used_mib = serializers.IntegerField(allow_null=True)
+    power_w = serializers.FloatField(allow_null=True)
+    temp_c = serializers.IntegerField(allow_null=True)
+
+
+class HeldSerializer(serializers.Serializer):
+    start = serializers.DateTimeField()
+    end = serializers.DateTimeField(allow_null=True, help_text="Null while it holds the GPU.")
+
+
+class WorkloadGpuMetricsSerializer(serializers.Serializer):
+    gpu = serializers.CharField(help_text="The GPU's UUID.")
+    node = serializers.CharField()
+    index = serializers.IntegerField()
+    model = serializers.CharField()
+    shared = serializers.BooleanField(
+        help_text="A share of the GPU: utilisation and power are null (not attributable), memory is "
+        "the workload's own processes', temperature the GPU's."
+    )
+    held = HeldSerializer(many=True)
+    minutes = WorkloadMetricsPointSerializer(many=True)
+
+
+class WorkloadMetricsSerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    since = serializers.DateTimeField()
+    until = serializers.DateTimeField()
+    gpus = WorkloadGpuMetricsSerializer(many=True)
+
+
 # --- instances and jobs ----------------------------------------------------------------------------
 
 
@@ -269,6 +326,30 @@ class _WorkloadViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
     def events(self, request, pk=None):
         events = workload_events(workload=self.get_object())
         return Response(WorkloadEventSerializer(events, many=True).data)
+
+    @extend_schema(parameters=[WorkloadMetricsQuerySerializer], responses=WorkloadMetricsSerializer)
+    @action(detail=True, methods=["get"], filter_backends=[])
+    def metrics(self, request, pk=None):
+        """Per GPU it held, per minute: utilisation, memory, power and temperature, only while it held
+        the GPU (``scheduling.selectors.workload_metrics``)."""
+        query = WorkloadMetricsQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        workload = self.get_object()
+        now = timezone.now()
+        since, until = query.validated_data.get("since"), query.validated_data.get("until")
+        if until is None:
+            held = workload_held(workload=workload)
+            until = workload_last_placement(held, now=now)[2] if held else now
+            if since is not None:
+                until = min(until, since + METRICS_MAX_WINDOW)
+        if since is None:
+            since = until - METRICS_DEFAULT_WINDOW
+        metrics = workload_gpu_metrics(workload=workload, since=since, until=until, now=now)
+        return Response(
+            WorkloadMetricsSerializer(
+                {"id": workload.pk, "since": since, "until": until, "gpus": metrics}
+            ).data
+        )
 
 
 class InstanceViewSet(_WorkloadViewSet):

@@ -4,6 +4,7 @@ import copy
 
 from rest_framework import serializers
 
+from portal.inputs import bounded_datetime
 from portal.models import ApiToken, AuditEvent, Invitation, Membership, Role, Scope, Tenant
 
 
@@ -20,6 +21,13 @@ class FieldsOnceModelSerializer(serializers.ModelSerializer):
             built = super().get_fields()  # unbound: binding happens on the copy (``fields``)
             type(self)._fields_built = built  # two threads may both build it: the same fields
         return copy.deepcopy(built)
+
+
+class BoundedDateTimeField(serializers.DateTimeField):
+    """An ISO 8601 time in UTC within ``portal.inputs``' bounds (a 400 naming the field outside)."""
+
+    def to_internal_value(self, value):
+        return bounded_datetime(super().to_internal_value(value))
 
 
 class TenantSerializer(serializers.ModelSerializer):

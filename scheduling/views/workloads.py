@@ -45,6 +45,7 @@ from scheduling.selectors.shared import (
     workload_unconfirmed_stops,
     workloads_for_tenant,
 )
+from scheduling.selectors.workload_metrics import ceil_minute, workload_held, workload_last_placement
 from scheduling.services.lifecycle import workload_stop
 from scheduling.services.submission import workload_submit
 
@@ -190,34 +191,21 @@ def stages_of(w: Workload) -> list[dict]:
     ]  # fmt: skip
 
 
-def _ceil_minute(t: datetime) -> datetime:
-    floor = t.replace(second=0, microsecond=0)
-    return floor if floor == t else floor + timedelta(minutes=1)
-
-
 def workload_telemetry(*, workload: Workload, now: datetime | None = None) -> dict | None:
     """Chart data for the GPUs a workload holds now (or held last), from the fleet's per-minute
     rollups and the latest raw samples (``nodes.selectors.node_telemetry``), inside its allocation:
     from its start (the first whole minute) to now or its end, at most the last hour. Nothing from
     before or after it held the GPUs. Four queries. None: it never held a whole GPU (a share's GPU
-    also runs other tenants' work, which its charts would show)."""
+    also runs other tenants' work, which its charts would show; the API's ``metrics`` gives what
+    is attributed to the share)."""
     now = now or timezone.now()
-    allocations = list(
-        Allocation.objects.filter(workload=workload, fraction_milli=MILLI).values_list(
-            "gpu_id", "started_at", "ended_at"
-        )
-    )
-    if not allocations:
+    held = [h for h in workload_held(workload=workload) if not h.shared]
+    if not held:
         return None
-    held = [a for a in allocations if a[2] is None]
-    if held:
-        end = now
-    else:
-        end = max(a[2] for a in allocations)
-        held = [a for a in allocations if a[2] == end]
-    start = max(_ceil_minute(min(a[1] for a in held)), end - CHART_WINDOW)
+    held, start, end = workload_last_placement(held, now=now)
+    start = max(ceil_minute(start), end - CHART_WINDOW)
     gpus = list(
-        Gpu.objects.filter(pk__in=[a[0] for a in held])
+        Gpu.objects.filter(pk__in=[h.gpu_id for h in held])
         .select_related("node")
         .order_by("node__hostname", "index")
     )
