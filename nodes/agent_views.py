@@ -38,7 +38,7 @@ from nodes.services.registration import (
     node_register,
 )
 from nodes.services.wakeup import CommandWaiter
-from nodes.validation import fail, get_bool, get_int, get_str, parse_time, require_object
+from nodes.validation import fail, get_address, get_bool, get_int, get_str, parse_time, require_object
 from portal.api.errors import error_response
 from portal.errors import DomainError, NotFound, ValidationFailed
 from portal.logging import log_context_reset
@@ -143,6 +143,7 @@ def _parse_registration(data: dict) -> tuple[str, NodeInfo]:
         )
     info = NodeInfo(
         hostname=get_str(data, "hostname", "hostname", required=True, max_length=253).strip(),
+        address=get_address(data, "address"),
         region=get_str(data, "region", "region", max_length=32),
         labels=labels,
         cpu_cores=get_int(data, "cpu_cores", "cpu_cores", default=0, min_value=0, max_value=100_000) or 0,

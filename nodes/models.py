@@ -142,6 +142,10 @@ class Interconnect(models.TextChoices):
 
 class Node(models.Model):
     hostname = models.CharField(max_length=253, unique=True)
+    # The agent's ``advertise_address``: how tenants (SSH) and the portal (published ports) reach it.
+    address = models.CharField(
+        max_length=253, blank=True, help_text="A DNS name or IP address; empty: the hostname."
+    )
     region = models.ForeignKey(Region, on_delete=models.PROTECT, related_name="nodes")
     labels = models.JSONField(default=dict, blank=True)
     cpu_cores = models.PositiveIntegerField(default=0)
@@ -177,6 +181,11 @@ class Node(models.Model):
 
     def __str__(self) -> str:
         return self.hostname
+
+    @property
+    def reach_address(self) -> str:
+        """Where tenants and the portal reach the node."""
+        return self.address or self.hostname
 
     @property
     def last_seen_at(self):

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from typing import Any
 
+from django.core.exceptions import ValidationError
+from django.core.validators import validate_ipv46_address
+
 from portal.errors import ValidationFailed
+
+# A host name as RFC 1123 has it: dot-separated labels of letters, digits and inner hyphens. A single
+# label is allowed (data centres resolve short names); Django's DomainNameValidator wants a TLD.
+HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
 
 
 def fail(field: str, message: str) -> ValidationFailed:
@@ -30,6 +38,20 @@ def get_str(obj: dict, key: str, field: str, *, required: bool = False, max_leng
         raise fail(field, f"At most {max_length} characters.")
     if required and not value.strip():
         raise fail(field, "This field may not be blank.")
+    return value
+
+
+def get_address(obj: dict, field: str) -> str:
+    """A DNS name or an IP address, nothing else (no port, no scheme, no spaces), or "" when absent:
+    people paste it into ssh and the portal connects to it."""
+    value = get_str(obj, field, field, max_length=253)
+    if not value:
+        return ""
+    try:
+        validate_ipv46_address(value)
+    except ValidationError:
+        if not HOST_NAME.fullmatch(value):
+            raise fail(field, "Expected a DNS name or an IP address.") from None
     return value
 
 

@@ -306,6 +306,8 @@ class Agent(CommandHandlers):
         }
         if self.config.region:
             body["region"] = self.config.region
+        if self.config.advertise_address:
+            body["address"] = self.config.advertise_address
         return body
 
     async def _register(self, *, initial: bool) -> None:

@@ -55,6 +55,11 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--region")
     parser.add_argument("--label", dest="labels", action="append", metavar="KEY=VALUE")
     parser.add_argument("--hostname")
+    parser.add_argument(
+        "--advertise-address",
+        dest="advertise_address",
+        help="how tenants and the portal reach this node: a DNS name or IP address (default: the hostname)",
+    )
     parser.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float)
     parser.add_argument("--sample-interval", dest="sample_interval_s", type=float)
     parser.add_argument("--commands-wait", dest="commands_wait_s", type=int)

@@ -54,6 +54,9 @@ class AgentConfig:
     region: str = ""
     labels: dict[str, str] = field(default_factory=dict)
     hostname: str = ""
+    # How tenants (SSH) and the portal (published ports) reach this node: a DNS name or IP address;
+    # empty: the hostname.
+    advertise_address: str = ""
     # How often the GPUs are read; every reading since the last batch goes in the next one.
     sample_interval_s: float = 1.0
     # Unset (None): the portal's answer to register decides.
@@ -150,6 +153,7 @@ ENV = {
     "GPUPOOL_REGION": "region",
     "GPUPOOL_LABELS": "labels",
     "GPUPOOL_HOSTNAME": "hostname",
+    "GPUPOOL_ADVERTISE_ADDRESS": "advertise_address",
     "GPUPOOL_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
     "GPUPOOL_SAMPLE_INTERVAL_S": "sample_interval_s",
     "GPUPOOL_COMMANDS_WAIT_S": "commands_wait_s",

@@ -85,6 +85,7 @@ class GpuInfo:
 @dataclass(frozen=True)
 class NodeInfo:
     hostname: str
+    address: str = ""
     region: str = ""
     labels: dict = field(default_factory=dict)
     cpu_cores: int = 0
@@ -253,6 +254,7 @@ def _node_register(*, bootstrap_token: str, info: NodeInfo, now: datetime) -> tu
 
     node = retry_of or _node_to_register(token, info.hostname)
     fields = {
+        "address": info.address,
         "region": region,
         "labels": info.labels,
         "cpu_cores": info.cpu_cores,

@@ -44,6 +44,8 @@ def agent_process(portal: FakePortal, state_dir: Path, token: str) -> subprocess
         "simulated",
         "--hostname",
         "sim-cli-001",
+        "--advertise-address",
+        "127.0.0.1",
         "--heartbeat-interval",
         "0.1",
         "--commands-wait",
@@ -62,6 +64,7 @@ def test_sigterm_flushes_what_it_can_and_keeps_the_rest(portal: FakePortal, tmp_
     proc = agent_process(portal, state, token)
     try:
         wait_for(lambda: len(portal.seqs(1)) >= 3, timeout=30, what="heartbeats from the process")
+        assert portal.nodes[1]["register"]["address"] == "127.0.0.1"
         portal.unavailable = True  # from now on nothing can be delivered
         time.sleep(0.6)
         began = time.monotonic()
@@ -137,8 +140,10 @@ def test_config_precedence(tmp_path: Path) -> None:
 def test_show_config_and_errors(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPUPOOL_PORTAL_URL", "https://env:8000")
     monkeypatch.setenv("GPUPOOL_BOOTSTRAP_TOKEN", "gpb_1_abcdefghijklmnop")
+    monkeypatch.setenv("GPUPOOL_ADVERTISE_ADDRESS", "gpu-h1.dc1.example")
     assert main(["show-config", "--label", "a=1", "--label", "b=2", "--hostname", "h1"]) == 0
     shown = json.loads(capsys.readouterr().out)
+    assert shown["advertise_address"] == "gpu-h1.dc1.example"
     assert shown["labels"] == {"a": "1", "b": "2"}
     assert shown["portal_url"] == "https://env:8000"
     assert shown["bootstrap_token"] == "gpb_1_ab..."  # never printed whole

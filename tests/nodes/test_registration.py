@@ -406,6 +406,39 @@ def test_malformed_registration_names_the_field(client, make_bootstrap_token):
     assert not Node.objects.exists()
 
 
+@pytest.mark.parametrize(
+    "address",
+    ["gpu-a-001.dc1.example", "10.0.3.7", "2001:db8::7", "Gpu-7"],
+)
+def test_the_advertised_address_is_kept(client, make_bootstrap_token, address):
+    body = {**registration_body(make_bootstrap_token(), "gpu-addr"), "address": address}
+    response = post_register(client, body)
+    assert response.status_code == 201, response.content
+    node = Node.objects.get(pk=response.json()["node_id"])
+    assert node.address == node.reach_address == address
+
+
+def test_without_an_address_the_node_is_reached_by_its_hostname(client, make_bootstrap_token):
+    response = post_register(client, registration_body(make_bootstrap_token(), "gpu-noaddr"))
+    node = Node.objects.get(pk=response.json()["node_id"])
+    assert (node.address, node.reach_address) == ("", "gpu-noaddr")
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["10.0.0.1:22", "ssh://gpu-1", "gpu 1", "-oProxyCommand=x", "gpu-1;rm", "a" * 254, "", 7],
+)
+def test_an_address_that_is_not_a_name_or_ip_is_refused(client, make_bootstrap_token, address):
+    body = {**registration_body(make_bootstrap_token(), "gpu-badaddr"), "address": address}
+    response = post_register(client, body)
+    if address == "":
+        assert response.status_code == 201  # empty: not given
+        return
+    assert response.status_code == 400, (address, response.content)
+    assert list(response.json()["error"]["fields"]) == ["address"]
+    assert not Node.objects.exists()
+
+
 def test_createnodetoken_prints_a_working_token_once(client, region, capsys):
     call_command("createnodetoken", "--region", "us-east-1", "--expires-in-hours", "2")
     out, err = capsys.readouterr()
