@@ -369,6 +369,11 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    # The enum hook is drf-spectacular's default; ours links creates to their objects' operations.
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "portal.api.schema.add_create_links",
+    ],
 }
 
 # --- Stripe -------------------------------------------------------------------------------------------

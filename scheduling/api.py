@@ -14,22 +14,25 @@ from decimal import Decimal
 import django_filters
 from django.conf import settings
 from django.core.cache import cache
+from django.urls import path
 from django.utils import timezone
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiExample, extend_schema, extend_schema_view
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
+from rest_framework.views import APIView
 
 from nodes.models import GpuModel
+from portal.api.context import request_context
 from portal.api.filters import TenantFilterSet, UTCDateTimeFilter
-from portal.api.routers import router
+from portal.api.routers import extra_urlpatterns, router
 from portal.api.serializers import BoundedDateTimeField, FieldsOnceModelSerializer
-from portal.api.viewsets import TenantReadOnlyViewSet, TenantScopedViewSet
+from portal.api.viewsets import TenantReadOnlyViewSet
 from portal.models import Scope
 from scheduling.models import (
+    GpuVendor,
     Plan,
     PriorityClass,
-    Quota,
     Reservation,
     Workload,
     WorkloadKind,
@@ -60,7 +63,11 @@ METRICS_DEFAULT_WINDOW = timedelta(hours=1)
 
 class WorkloadSerializer(FieldsOnceModelSerializer):
     gpu_models = serializers.SerializerMethodField()
-    region = serializers.SlugRelatedField(read_only=True, slug_field="code")
+    # A read-only model field loses its blank and null in DRF's schema: they are declared here, as
+    # the model has them (no vendor or priority class asked for; no region).
+    gpu_vendor = serializers.ChoiceField(choices=GpuVendor.choices, allow_blank=True, read_only=True)
+    priority_class = serializers.ChoiceField(choices=PriorityClass.choices, allow_blank=True, read_only=True)
+    region = serializers.SlugRelatedField(read_only=True, slug_field="code", allow_null=True)
     pending = serializers.SerializerMethodField()
 
     class Meta:
@@ -262,6 +269,15 @@ class WorkloadMetricsSerializer(serializers.Serializer):
     gpus = WorkloadGpuMetricsSerializer(many=True)
 
 
+class JobLogsSerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    state = serializers.ChoiceField(choices=WorkloadState.choices)
+    exit_code = serializers.IntegerField(allow_null=True)
+    log_tail = serializers.CharField(allow_blank=True)
+    source = serializers.ChoiceField(choices=["agent_report"])
+    events = WorkloadEventSerializer(many=True)
+
+
 # --- instances and jobs ----------------------------------------------------------------------------
 
 
@@ -307,6 +323,7 @@ class _WorkloadViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
             return self.create_serializer
         return WorkloadDetailSerializer if self.action in ("retrieve", "stop") else WorkloadSerializer
 
+    @extend_schema(responses={201: WorkloadDetailSerializer})
     def create(self, request, *args, **kwargs):
         serializer = self.get_serializer(data=request.data)
         serializer.is_valid(raise_exception=True)
@@ -321,8 +338,9 @@ class _WorkloadViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
         workload_stop(workload=self.get_object(), actor=self.actor)
         return Response(WorkloadDetailSerializer(self.get_queryset().get(pk=pk)).data)
 
+    # All of them, unfiltered: the list's pagination and filters do not apply.
     @extend_schema(responses=WorkloadEventSerializer(many=True))
-    @action(detail=True, methods=["get"])
+    @action(detail=True, methods=["get"], pagination_class=None, filter_backends=[])
     def events(self, request, pk=None):
         events = workload_events(workload=self.get_object())
         return Response(WorkloadEventSerializer(events, many=True).data)
@@ -352,6 +370,17 @@ class _WorkloadViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
         )
 
 
+@extend_schema_view(
+    create=extend_schema(
+        examples=[
+            OpenApiExample(
+                "A notebook on one H100",
+                value={"name": "notebook", "gpu_models": ["H100"], "image": "ghcr.io/acme/notebook:1"},
+                request_only=True,
+            )
+        ]
+    )
+)
 class InstanceViewSet(_WorkloadViewSet):
     """GPU instances: long-running and interactive. POST to ask for one; POST ``{id}/stop/`` to stop it."""
 
@@ -360,6 +389,23 @@ class InstanceViewSet(_WorkloadViewSet):
     create_serializer = InstanceCreateSerializer
 
 
+@extend_schema_view(
+    create=extend_schema(
+        examples=[
+            OpenApiExample(
+                "A training job on two H100s",
+                value={
+                    "name": "train",
+                    "gpu_models": ["H100"],
+                    "gpu_count": 2,
+                    "image": "ghcr.io/acme/train:1",
+                    "command": ["python", "train.py"],
+                },
+                request_only=True,
+            )
+        ]
+    )
+)
 class JobViewSet(_WorkloadViewSet):
     """Batch jobs: run to completion. ``{id}/logs/`` gives the last output the agent reported."""
 
@@ -367,6 +413,7 @@ class JobViewSet(_WorkloadViewSet):
     kind = WorkloadKind.JOB
     create_serializer = JobCreateSerializer
 
+    @extend_schema(responses=JobLogsSerializer)
     @action(detail=True, methods=["get"])
     def logs(self, request, pk=None):
         """What is stored: the agent's last reported message for the job (its exit message or log
@@ -597,22 +644,40 @@ class ReservationViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
 # --- quotas ----------------------------------------------------------------------------------------
 
 
+class QuotaLimitsSerializer(serializers.Serializer):
+    max_gpus_total = serializers.IntegerField(allow_null=True)
+    max_concurrent_workloads = serializers.IntegerField(allow_null=True)
+    max_spot_gpus = serializers.IntegerField(allow_null=True)
+    max_gpus_per_request = serializers.IntegerField(allow_null=True)
+    max_gpus_per_model = serializers.DictField(
+        child=serializers.IntegerField(), help_text="GPUs at most, by model name."
+    )
+
+
+class QuotaUsageSerializer(serializers.Serializer):
+    workloads = serializers.IntegerField()
+    gpus = serializers.DecimalField(max_digits=12, decimal_places=3, coerce_to_string=True)
+    spot_gpus = serializers.DecimalField(max_digits=12, decimal_places=3, coerce_to_string=True)
+    gpus_per_model = serializers.DictField(
+        child=serializers.DecimalField(max_digits=12, decimal_places=3, coerce_to_string=True),
+        help_text="GPUs in use, by model name.",
+    )
+
+
 class QuotaSerializer(serializers.Serializer):
-    limits = serializers.DictField(help_text="Limits (null: no limit) and max_gpus_per_model by model name.")
-    usage = serializers.DictField(help_text="What counts now: workloads, GPUs, spot GPUs, GPUs per model.")
+    limits = QuotaLimitsSerializer(help_text="Limits (null: no limit).")
+    usage = QuotaUsageSerializer(help_text="What counts against them now.")
 
 
-class QuotaViewSet(mixins.ListModelMixin, TenantScopedViewSet):
-    """The tenant's limits (null: no limit) and what counts against them now."""
+class QuotaView(APIView):
+    """The tenant's limits (null: no limit) and what counts against them now: one object, not a
+    list."""
 
-    queryset = Quota.objects.all()
-    serializer_class = QuotaSerializer
-    pagination_class = None
     read_scope = Scope.READ
 
     @extend_schema(responses=QuotaSerializer)
-    def list(self, request, *args, **kwargs):
-        tenant = self.ctx.tenant
+    def get(self, request):
+        tenant = request_context(request).tenant
         quota = quota_for_tenant(tenant=tenant)
         if quota is not None:
             limits = {
@@ -646,4 +711,4 @@ router.register("instances", InstanceViewSet, basename="instance")
 router.register("jobs", JobViewSet, basename="job")
 router.register("gpu-types", GpuTypeViewSet, basename="gpu-type")
 router.register("reservations", ReservationViewSet, basename="reservation")
-router.register("quotas", QuotaViewSet, basename="quota")
+extra_urlpatterns.append(path("quotas/", QuotaView.as_view(), name="quota-list"))

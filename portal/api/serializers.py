@@ -50,7 +50,10 @@ class MemberSerializer(serializers.ModelSerializer):
 
 class InvitationSerializer(serializers.ModelSerializer):
     role = serializers.ChoiceField(choices=Role.choices, default=Role.MEMBER)
-    invited_by = serializers.EmailField(source="invited_by.email", read_only=True, default=None)
+    # Null when the system (staff, a script) invited, or the inviter's account is gone.
+    invited_by = serializers.EmailField(
+        source="invited_by.email", read_only=True, default=None, allow_null=True
+    )
 
     class Meta:
         model = Invitation
@@ -62,7 +65,10 @@ class ApiTokenSerializer(serializers.ModelSerializer):
     scopes = serializers.ListField(child=serializers.ChoiceField(choices=Scope.choices), allow_empty=False)
     prefix = serializers.CharField(source="display_prefix", read_only=True)
     status = serializers.CharField(read_only=True)
-    created_by = serializers.EmailField(source="created_by.email", read_only=True, default=None)
+    # Null when the system (staff, a script) made it, or its maker's account is gone.
+    created_by = serializers.EmailField(
+        source="created_by.email", read_only=True, default=None, allow_null=True
+    )
 
     class Meta:
         model = ApiToken
