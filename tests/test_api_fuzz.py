@@ -28,6 +28,7 @@ from collections import Counter
 
 import pytest
 import schemathesis
+from django.db import transaction
 from django.utils import timezone
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error, response_schema_conformance
@@ -46,7 +47,7 @@ pytestmark = pytest.mark.django_db
 EXPLORE = os.environ.get("GPUPOOL_FUZZ_EXPLORE") == "1"
 # Per operation; the stateful test runs SCENARIOS sequences of at most STEPS calls.
 MAX_EXAMPLES = 100 if EXPLORE else 15
-SCENARIOS, STEPS = (100, 10) if EXPLORE else (12, 6)
+SCENARIOS, STEPS = (200, 10) if EXPLORE else (30, 8)
 FUZZ_SETTINGS = settings(
     max_examples=MAX_EXAMPLES,
     deadline=None,
@@ -177,7 +178,7 @@ def world(make_tenant, make_token, monkeypatch, wsgi_keeps_the_test_connection, 
     token = make_token(a)
     own = _objects(a, "alpha-fuzz")
     other = _objects(b, B_MARK)
-    make_token(b, name=f"{B_MARK}-token")
+    b_token = make_token(b, name=f"{B_MARK}-token")
     other_all = {
         **other,
         "tokens": list(ApiToken.objects.filter(tenant=b).values_list("pk", flat=True)),
@@ -185,6 +186,7 @@ def world(make_tenant, make_token, monkeypatch, wsgi_keeps_the_test_connection, 
         "invitations": list(Invitation.objects.filter(tenant=b).values_list("pk", flat=True)),
     }
     w = World(token, own, other, other_all)
+    w.other_token = b_token
     yield w
     # The positive control of the run of POST /api/v1/jobs/: some submissions went through quota,
     # admission and save (a run that only ever saw refusals would prove little).
@@ -274,16 +276,25 @@ def test_linked_job_and_instance_operations(world):
 
     no_leak = no_leak_check(world)
 
-    creates = Counter()
-
     class Workflow(workloads_schema.as_state_machine()):
+        def setup(self):
+            # Each scenario starts from the same database (Hypothesis replays a scenario and must
+            # see the same answers): its writes are rolled back in teardown.
+            self.scenario = transaction.atomic()
+            self.scenario.__enter__()
+            self.creates = Counter()
+
+        def teardown(self):
+            transaction.set_rollback(True)
+            self.scenario.__exit__(None, None, None)
+
         def before_call(self, case):
             case.headers = {**(case.headers or {}), **world.headers}
             # Every other create sends a spec the fleet and quota take, so that the links have
             # something to follow; the rest stay as generated (mostly refused: 400, 403, 409).
             if case.method == "POST" and case.path in VALID_SPECS:
-                creates[case.path] += 1
-                if creates[case.path] % 2:
+                self.creates[case.path] += 1
+                if self.creates[case.path] % 2:
                     case.body = dict(VALID_SPECS[case.path])
 
         def validate_response(self, response, case, additional_checks=None, **kwargs):
@@ -314,3 +325,24 @@ def test_linked_job_and_instance_operations(world):
     }
     assert any(status == 201 for (_, _, status) in world.statuses), dict(world.statuses)
     assert linked, dict(world.statuses)
+
+
+def test_the_leak_check_sees_b_objects(world):
+    """The leak check's positive control: B's own answers (its jobs, its tokens) fail it, and A's
+    answers to the same operations pass it."""
+    no_leak = no_leak_check(world)
+    for path in ("/api/v1/jobs/", "/api/v1/tokens/", "/api/v1/members/"):
+        case = schema[path]["GET"].Case()
+        as_a = case.call(headers=world.headers)
+        assert as_a.status_code == 200 and no_leak(None, as_a, case) is None
+        as_b = case.call(headers={"Authorization": f"Bearer {world.other_token}"})
+        assert as_b.status_code == 200
+        with pytest.raises(AssertionError, match="showed B's"):
+            no_leak(None, as_b, case)
+    job = world.other["jobs"][0]
+    case = schema["/api/v1/jobs/{id}/"]["GET"].Case(path_parameters={"id": str(job)})
+    as_b = case.call(headers={"Authorization": f"Bearer {world.other_token}"})
+    assert as_b.status_code == 200
+    with pytest.raises(AssertionError, match="showed B's"):
+        no_leak(None, as_b, case)
+    assert case.call(headers=world.headers).status_code == 404

@@ -261,3 +261,43 @@ def test_fields_built_once_per_class_are_a_fresh_bound_copy_per_serializer(tenan
     assert first.fields["slug"].parent is first and second.fields["slug"].parent is second
     assert built["slug"].field_name is None  # the class's own stay unbound
     assert list(Narrower(tenant).data) == ["slug"] and list(Once(tenant).data) == Plain.Meta.fields
+
+
+def _schema(client) -> dict:
+    return client.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()
+
+
+def test_schema_links_each_create_to_the_operations_on_what_it_made(client):
+    """OpenAPI links (portal.api.schema): a client, or schemathesis' state machine, knows that the
+    ``id`` in a 201 fills the ``{id}`` of the retrieve and the actions of that object."""
+    doc = _schema(client)
+    links = doc["paths"]["/api/v1/tokens/"]["post"]["responses"]["201"]["links"]
+    assert set(links) == {"v1_tokens_retrieve", "v1_tokens_revoke_create"}
+    assert links["v1_tokens_revoke_create"]["parameters"] == {"id": "$response.body#/id"}
+    jobs = doc["paths"]["/api/v1/jobs/"]["post"]["responses"]["201"]["links"]
+    assert {"v1_jobs_retrieve", "v1_jobs_stop_create", "v1_jobs_events_list", "v1_jobs_logs_retrieve"} == set(
+        jobs
+    )
+    operation_ids = {op["operationId"] for ops in doc["paths"].values() for op in ops.values()}
+    assert all(link["operationId"] in operation_ids for link in jobs.values())
+    # A 200 (no create) links nowhere.
+    assert "links" not in doc["paths"]["/api/v1/me/"]["get"]["responses"]["200"]
+
+
+def test_a_token_or_invitation_without_a_maker_says_null_as_documented(tenant, make_token, api, client):
+    """Made by the system (staff, a script), or by an account since deleted: the API answered null
+    where its schema promised an email address (found by the schemathesis run)."""
+    from portal.actors import Actor
+    from portal.services.invitations import invitation_create
+    from portal.services.tokens import api_token_create
+
+    admin = api(make_token(tenant))
+    token, _ = api_token_create(tenant=tenant, name="by-staff", scopes=["read"], actor=Actor.system())
+    invitation, _ = invitation_create(
+        tenant=tenant, email="someone@acme.test", role=Role.MEMBER, actor=Actor.system()
+    )
+    assert admin.get(f"/api/v1/tokens/{token.pk}/").json()["created_by"] is None
+    assert admin.get(f"/api/v1/invitations/{invitation.pk}/").json()["invited_by"] is None
+    schemas = _schema(client)["components"]["schemas"]
+    assert schemas["ApiToken"]["properties"]["created_by"]["nullable"] is True
+    assert schemas["Invitation"]["properties"]["invited_by"]["nullable"] is True

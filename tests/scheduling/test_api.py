@@ -405,3 +405,53 @@ def test_a_page_reads_its_gpu_models_in_one_query_whatever_its_size(client, tena
         assert len(page()) == 7
     assert len(more.captured_queries) == len(few.captured_queries)  # not one per workload
     assert sum("scheduling_workload_gpu_models" in q["sql"] for q in more.captured_queries) == 1
+
+
+def _schema(client) -> dict:
+    return client.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()
+
+
+def test_a_created_workload_is_answered_and_documented_as_its_detail(client, make_node):
+    """Found by the schemathesis run: the 201 was documented as the create spec, and a workload
+    with no vendor, priority class or region ("", "", null) broke the documented enums and types."""
+    make_node()
+    body = client.post("/api/v1/jobs/", JOB, content_type="application/json").json()
+    assert body["placement"] == [] and body["region"] is None
+    assert body["gpu_vendor"] == "" and body["priority_class"] == ""
+    doc = _schema(client)
+    created = doc["paths"]["/api/v1/jobs/"]["post"]["responses"]["201"]["content"]["application/json"]
+    assert created["schema"]["$ref"] == "#/components/schemas/WorkloadDetail"
+    props = doc["components"]["schemas"]["WorkloadDetail"]["properties"]
+    assert props["region"]["nullable"] is True
+    blank = {"$ref": "#/components/schemas/BlankEnum"}
+    assert blank in props["gpu_vendor"]["oneOf"] and blank in props["priority_class"]["oneOf"]
+
+
+def test_events_and_logs_are_documented_as_answered(client, make_node):
+    """``events`` is every event, unpaginated and unfiltered: a list filter in its query string made
+    the job 404 (the filter applied to the lookup), and the schema promised a paginated page."""
+    make_node()
+    jid = client.post("/api/v1/jobs/", JOB, content_type="application/json").json()["id"]
+    r = client.get(f"/api/v1/jobs/{jid}/events/?state=running&page_size=1")
+    assert r.status_code == 200 and [e["to_state"] for e in r.json()] == ["pending"]
+    doc = _schema(client)
+    events = doc["paths"]["/api/v1/jobs/{id}/events/"]["get"]
+    assert [p["name"] for p in events["parameters"]] == ["id"]
+    assert events["responses"]["200"]["content"]["application/json"]["schema"]["type"] == "array"
+    logs = doc["paths"]["/api/v1/jobs/{id}/logs/"]["get"]["responses"]["200"]["content"]
+    assert logs["application/json"]["schema"]["$ref"] == "#/components/schemas/JobLogs"
+    assert set(client.get(f"/api/v1/jobs/{jid}/logs/").json()) == set(
+        doc["components"]["schemas"]["JobLogs"]["properties"]
+    )
+
+
+def test_quotas_are_one_object_as_documented(client, tenant):
+    """``/api/v1/quotas/`` answers one object; its schema said a list of them."""
+    Quota.objects.create(tenant=tenant, max_gpus_total=3)
+    body = client.get("/api/v1/quotas/").json()
+    assert body["limits"]["max_gpus_total"] == 3 and body["usage"]["gpus"] == "0"
+    doc = _schema(client)
+    answer = doc["paths"]["/api/v1/quotas/"]["get"]["responses"]["200"]["content"]["application/json"]
+    assert answer["schema"] == {"$ref": "#/components/schemas/Quota"}
+    limits = doc["components"]["schemas"]["QuotaLimits"]["properties"]
+    assert limits["max_spot_gpus"]["nullable"] is True
