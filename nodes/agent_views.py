@@ -14,7 +14,7 @@ import time
 from datetime import UTC, datetime
 
 import orjson
-from asgiref.sync import markcoroutinefunction, sync_to_async
+from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestAborted
 from django.core.handlers.asgi import ASGIHandler
@@ -180,9 +180,9 @@ def register(request):
 # Under ASGI, Django runs each sync view in a thread of its own, which opens a database connection
 # of its own: a new PostgreSQL connection per heartbeat. The agent views are async instead and run
 # their database work on the event loop's worker threads, whose connections persist (CONN_MAX_AGE)
-# and are shared by all requests; nothing holds a connection while a long poll sleeps. Django's
-# test client needs the work in the caller's thread (the test's transaction): tests/nodes sets
-# this to True.
+# and are shared by all requests; nothing holds a connection while a long poll sleeps. Tests that
+# drive the ASGI app through async_to_sync need the work in the caller's thread (the test's
+# transaction): tests/nodes sets this to True.
 DB_THREAD_SENSITIVE = False
 
 
@@ -339,13 +339,11 @@ _FAST_ROUTES = re.compile(
 )
 
 
-def fast_route(path: str, method: str, *, secure: bool):
+def fast_route(path: str, method: str):
     """The view and its arguments for a heartbeat, command poll or command report; (None, None) for
-    anything else, and for plain HTTP when SECURE_SSL_REDIRECT asks for a redirect."""
-    if not path.startswith("/agent/v1/nodes/"):
-        return None, None
+    anything else."""
     match = _FAST_ROUTES.match(path)
-    if match is None or (settings.SECURE_SSL_REDIRECT and not secure):
+    if match is None:
         return None, None
     node_id = int(match["node_id"])
     if match["hb"]:
@@ -373,38 +371,14 @@ async def serve_fast(request, view, kwargs) -> HttpResponse:
     return response
 
 
-class AgentFastPathMiddleware:
-    """The first middleware: heartbeats, command polls and command reports go straight to their
-    (async) views, without the session, authentication, CSRF, message, htmx and tenant middleware
-    that the agent protocol does not use. Under ASGI those are sync middleware, and each request
-    through them is several thread hops; at hundreds of heartbeats a second that is most of the
-    server's time. What the chain does that the agent protocol needs is done by ``serve_fast``;
-    with SECURE_SSL_REDIRECT a plain-HTTP request takes the normal path (and is redirected).
-    Anything else (another method, an unknown URL, register) takes the normal path too. In
-    production (uvicorn, portal/asgi.py) ``AgentProtocolHandler`` serves these requests before
-    Django's handler; this middleware serves them for Django's test clients and any other
-    deployment of Django's handlers."""
-
-    # Async only: Django then runs this middleware on the event loop under ASGI (were it also sync
-    # capable, Django would run it in the sync chain's thread), and adapts the chain after it. Under
-    # WSGI (and the test client) Django wraps it with async_to_sync: the same code path.
-    sync_capable = False
-    async_capable = True
-
-    def __init__(self, get_response):
-        self.get_response = get_response
-        markcoroutinefunction(self)
-
-    async def __call__(self, request):
-        view, kwargs = fast_route(request.path_info, request.method, secure=request.is_secure())
-        if view is None:
-            return await self.get_response(request)
-        return await serve_fast(request, view, kwargs)
-
-
 class AgentProtocolHandler(ASGIHandler):
-    """An ASGI app for ``/agent/``: heartbeats, command polls and command reports go from the server
-    straight to their views (``serve_fast``), everything else to ``fallback`` (Django's ASGI handler).
+    """The agent protocol's one fast route, an ASGI app for ``/agent/`` (portal/asgi.py routes the
+    prefix here): heartbeats, command polls and command reports go from the server straight to
+    their async views (``serve_fast``), without the session, authentication, CSRF, message, htmx
+    and tenant middleware that the protocol does not use; everything else (register, another
+    method, an unknown path, plain HTTP when SECURE_SSL_REDIRECT asks for HTTPS) goes to
+    ``fallback``, Django's ASGI handler. The views are in the URL conf too, so a deployment of
+    Django's own handlers serves them through the whole chain, with the same answers, slower.
 
     Django's ASGI handler sends ``request_started`` and ``request_finished`` and closes the
     response through sync_to_async in a thread-sensitive context: a thread made for each request,
@@ -431,13 +405,12 @@ class AgentProtocolHandler(ASGIHandler):
             return
         if refused is not None:
             return await self.send_response(refused, send)
-        # Whether it came over HTTPS is the request's to say (proxy headers): checked below, once
-        # it is built, so route it here as if it had.
-        view, kwargs = fast_route(path, scope["method"], secure=True)
+        view, kwargs = fast_route(path, scope["method"])
         if view is None:
             return await self.fallback(scope, _replay(body_file, receive), send)
         try:
             request, response = self.create_request(scope, body_file)
+            # Whether it came over HTTPS is the request's to say (proxy headers, TRUSTED_PROXIES).
             if request is not None and settings.SECURE_SSL_REDIRECT and not request.is_secure():
                 # Django's chain redirects it.
                 return await self.fallback(scope, _replay(body_file, receive), send)

@@ -2,9 +2,10 @@
 
 - Websockets: Channels (authenticated sessions).
 - The agent protocol (``/agent/``): heartbeats, command polls and reports straight to their async
-  views (``nodes.agent_views.AgentProtocolHandler``), the rest of it through Django's ASGI handler.
-  The long poll holds no thread and no database connection while it waits; heartbeats and reports
-  do their database work on the event loop's worker threads.
+  views (``nodes.agent_views.AgentProtocolHandler``, their one fast route), the rest of it through
+  Django's ASGI handler. The long poll holds no thread and no database connection while it waits;
+  heartbeats and reports do their database work on the event loop's worker threads. The web and
+  agent-web services both run this app (docs/architecture.md, "Processes").
 - Everything else (pages, the API, health and metrics): Django's WSGI handler on a fixed pool of
   ``WEB_THREADS`` threads per process, through a2wsgi's ``WSGIMiddleware``. These views are
   synchronous; under Django's ASGI handler each request crossed between the event loop and a
@@ -26,43 +27,26 @@ from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.conf import settings  # noqa: E402
-from django.core.handlers.wsgi import WSGIHandler  # noqa: E402
+from django.core.wsgi import get_wsgi_application  # noqa: E402
 from django.urls import get_resolver  # noqa: E402
 from django.utils.module_loading import import_string  # noqa: E402
 
 from portal.heap import heap_freeze_loaded  # noqa: E402
 from portal.routing import websocket_urlpatterns  # noqa: E402
 
-# (prefix, ASGI app class, the middleware that serves only its requests), from the settings: the
-# apps are named, not imported, as in MIDDLEWARE (portal imports no app above it).
+# (prefix, ASGI app), from the settings: the apps are named, not imported, as in MIDDLEWARE (portal
+# imports no app above it).
 PREFIX_APPS = [
-    (prefix, import_string(app)(fallback=django_asgi_app), middleware)
-    for prefix, app, middleware in settings.ASGI_PREFIX_APPS
+    (prefix, import_string(app)(fallback=django_asgi_app)) for prefix, app in settings.ASGI_PREFIX_APPS
 ]
 
-
-class PagesHandler(WSGIHandler):
-    """Django's WSGI handler, its middleware chain without the middleware that serves only requests
-    routed to a prefix app (the agent protocol's fast path): that one is async only (under ASGI it
-    must run on the event loop), and in a sync chain Django would run it through async_to_sync, a
-    thread and an event loop per request, for requests it never serves here."""
-
-    def load_middleware(self, is_async=False):
-        chain = settings.MIDDLEWARE
-        skip = {middleware for _, _, middleware in settings.ASGI_PREFIX_APPS}
-        settings.MIDDLEWARE = [m for m in chain if m not in skip]
-        try:
-            super().load_middleware(is_async)
-        finally:
-            settings.MIDDLEWARE = chain
-
-
-threaded_app = WSGIMiddleware(PagesHandler(), workers=settings.WEB_THREADS)
+pages_app = get_wsgi_application()  # Django's WSGIHandler: settings.MIDDLEWARE as it stands
+threaded_app = WSGIMiddleware(pages_app, workers=settings.WEB_THREADS)
 
 
 async def http_app(scope, receive, send):
     path = scope["path"]
-    for prefix, app, _ in PREFIX_APPS:
+    for prefix, app in PREFIX_APPS:
         if path.startswith(prefix):
             return await app(scope, receive, send)
     await threaded_app(scope, receive, send)

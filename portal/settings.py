@@ -63,8 +63,6 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     # Request ids for logs (X-Request-ID in and out); first, so that every request has one.
     "portal.middleware.RequestIdMiddleware",
-    # The agent protocol's hot paths skip the rest of the chain (see nodes.agent_views).
-    "nodes.agent_views.AgentFastPathMiddleware",
     # Health probes and /metrics answer before host validation (probes come by IP address).
     "portal.middleware.ProbeMiddleware",
     "portal.middleware.ApiErrorMiddleware",
@@ -156,12 +154,9 @@ if not 0 < WEB_GIL_SWITCH_INTERVAL_MS <= 1000:
     raise ImproperlyConfigured(
         f"WEB_GIL_SWITCH_INTERVAL_MS: more than 0 and at most 1000, not {WEB_GIL_SWITCH_INTERVAL_MS}"
     )
-# portal/asgi.py: requests under a prefix go to that app's ASGI app (made with Django's ASGI handler
-# as its fallback) instead of the pages' thread pool; the middleware named with it serves only those
-# requests (for Django's own handlers and test clients), so the pages' chain leaves it out.
-ASGI_PREFIX_APPS = [
-    ("/agent/", "nodes.agent_views.AgentProtocolHandler", "nodes.agent_views.AgentFastPathMiddleware")
-]
+# portal/asgi.py: requests under a prefix go to that ASGI app (made with Django's ASGI handler as its
+# fallback) instead of the pages' thread pool. Named, not imported, as MIDDLEWARE's classes are.
+ASGI_PREFIX_APPS = [("/agent/", "nodes.agent_views.AgentProtocolHandler")]
 
 # --- Redis: Celery broker, cache, channel layer -------------------------------------------------
 REDIS_URL = env.str("REDIS_URL", default="")
@@ -308,9 +303,9 @@ SECURE_CONTENT_TYPE_NOSNIFF = True
 SECURE_REFERRER_POLICY = "same-origin"
 X_FRAME_OPTIONS = "DENY"
 SESSION_COOKIE_HTTPONLY = True
-# Content-Security-Policy on every response past the probes and the agent's fast path: only our own
-# scripts, styles and connections (the live events' ws/wss are same-origin: 'self' covers them in
-# CSP3 browsers), no inline script or style, no plugins, no framing. The API docs add what Swagger
+# Content-Security-Policy on every response past the probes and the agent protocol's handler: only
+# our own scripts, styles and connections (the live events' ws/wss are same-origin: 'self' covers
+# them in CSP3 browsers), no inline script or style, no plugins, no framing. The API docs add what Swagger
 # UI needs on their own view (portal/urls.py). docs/security.md has the policy's reasons.
 CONTENT_SECURITY_POLICY = {
     "DIRECTIVES": {

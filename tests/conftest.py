@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,33 @@ def api(client):
         return Client(HTTP_AUTHORIZATION=f"Bearer {token}")
 
     return with_token
+
+
+@contextmanager
+def keeping_the_test_connection():
+    """Django's handlers (WSGI, and ASGI for agent requests that fall back to it) send
+    request_started and request_finished, whose receiver ``close_old_connections`` would close the
+    database connection that the test's transaction lives on; Django's own test client unhooks it
+    the same way, around each request. Nested uses leave the reconnecting to the outermost."""
+    from django.core.signals import request_finished, request_started
+    from django.db import close_old_connections
+
+    started = request_started.disconnect(close_old_connections)
+    finished = request_finished.disconnect(close_old_connections)
+    try:
+        yield
+    finally:
+        if started:
+            request_started.connect(close_old_connections)
+        if finished:
+            request_finished.connect(close_old_connections)
+
+
+@pytest.fixture
+def handlers_keep_the_test_connection():
+    """``keeping_the_test_connection`` for the whole test."""
+    with keeping_the_test_connection():
+        yield
 
 
 def postgres_only(reason: str) -> None:

@@ -68,20 +68,6 @@ VALID_SPECS = {"/api/v1/jobs/": JOB, "/api/v1/instances/": INSTANCE}
 DETAIL_PATH = re.compile(r"^/api/v1/(?P<collection>[a-z-]+)/\{id\}/")
 
 
-@pytest.fixture
-def wsgi_keeps_the_test_connection():
-    """The WSGI handler closes the database connection after each request; the test's transaction
-    lives on it (Django's own test client does the same unhooking)."""
-    from django.core.signals import request_finished, request_started
-    from django.db import close_old_connections
-
-    request_started.disconnect(close_old_connections)
-    request_finished.disconnect(close_old_connections)
-    yield
-    request_started.connect(close_old_connections)
-    request_finished.connect(close_old_connections)
-
-
 def _fleet() -> None:
     """One ready node of eight GPUs for each model of GPU_MODELS, in two regions."""
     from nodes.models import Gpu, GpuModel, Node, NodeState, Region
@@ -160,7 +146,7 @@ class World:
 
 
 @pytest.fixture
-def world(make_tenant, make_token, monkeypatch, wsgi_keeps_the_test_connection, settings, request):
+def world(make_tenant, make_token, monkeypatch, handlers_keep_the_test_connection, settings, request):
     from nodes.catalog import catalog_seed
     from scheduling.models import Quota
 

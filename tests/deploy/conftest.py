@@ -1,14 +1,12 @@
 from __future__ import annotations
 
-import json
-
 import pytest
 from django.utils import timezone
 
 from nodes.services.registration import bootstrap_token_create
 from portal.actors import Actor
 from tests.deploy.helpers import exported_series
-from tests.nodes.conftest import Agent, registration_body
+from tests.nodes.conftest import agent_register, registration_body
 
 
 @pytest.fixture
@@ -27,14 +25,7 @@ def metrics_text(db, client, monkeypatch, settings) -> str:
     ):
         region = Region.objects.get_or_create(code=code, defaults={"name": code, "location": code})[0]
         token = bootstrap_token_create(region=region, actor=Actor.system())[1]
-        response = client.post(
-            "/agent/v1/register",
-            data=json.dumps(registration_body(token, hostname, gpus=2, name=model)),
-            content_type="application/json",
-        )
-        assert response.status_code == 201, response.content
-        data = response.json()
-        agents.append(Agent(data["node_id"], data["credential"], [f"GPU-{hostname}-{i}" for i in range(2)]))
+        agents.append(agent_register(registration_body(token, hostname, gpus=2, name=model)))
     first = agents[0]
     now = timezone.now()
     assert first.heartbeat(first.batch(samples=[first.sample(u, now) for u in first.uuids])).status_code < 300

@@ -4,12 +4,16 @@ import itertools
 import json
 from datetime import UTC, datetime, timedelta
 
+import httpx
 import pytest
-from django.test import Client
+from asgiref.sync import async_to_sync
+from django.core.handlers.asgi import ASGIHandler
 
+from nodes.agent_views import AgentProtocolHandler
 from nodes.models import Node, Region
 from nodes.services.registration import bootstrap_token_create
 from portal.actors import Actor
+from tests.conftest import keeping_the_test_connection
 
 _counter = itertools.count(1)
 
@@ -65,15 +69,50 @@ def registration_body(
     return body
 
 
+def django_handler_in_test():
+    """Django's ASGI handler, leaving the test's database connection open (``keeping_the_test_connection``)."""
+    handler = ASGIHandler()
+
+    async def app(scope, receive, send):
+        with keeping_the_test_connection():
+            await handler(scope, receive, send)
+
+    return app
+
+
+async def agent_arequest(
+    method: str, path: str, *, content: bytes | str | None = None, params=None, headers=None
+) -> httpx.Response:
+    """One request to the agent protocol's route as portal/asgi.py makes it: ``AgentProtocolHandler``
+    in front of Django's ASGI handler (built per request, so that it reads the test's settings)."""
+    transport = httpx.ASGITransport(app=AgentProtocolHandler(fallback=django_handler_in_test()))
+    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+        return await client.request(method, path, content=content, params=params, headers=headers)
+
+
+def agent_request(method: str, path: str, **kwargs) -> httpx.Response:
+    """``agent_arequest`` from sync code: through async_to_sync, so the views' thread-sensitive
+    database work (``DB_THREAD_SENSITIVE``) runs in the calling thread, on its connection."""
+    return async_to_sync(agent_arequest)(method, path, **kwargs)
+
+
 class Agent:
-    """A node's side of the protocol over the Django test client (the real views and middleware)."""
+    """A node's side of the protocol, over the agent protocol's real route (``agent_request``)."""
 
     def __init__(self, node_id: int, credential: str, uuids: list[str]):
         self.node_id = node_id
         self.credential = credential
         self.uuids = uuids
-        self.client = Client(HTTP_AUTHORIZATION=f"Node {credential}")
         self.seq = 0
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Node {self.credential}", "Content-Type": "application/json"}
+
+    def request(self, method: str, path: str, content: bytes | str | None = None, params=None):
+        return agent_request(method, path, content=content, params=params, headers=self.headers())
+
+    async def arequest(self, method: str, path: str, content: bytes | str | None = None, params=None):
+        return await agent_arequest(method, path, content=content, params=params, headers=self.headers())
 
     @property
     def node(self) -> Node:
@@ -119,38 +158,33 @@ class Agent:
         }
 
     def heartbeat(self, body, node_id: int | None = None, raw: bytes | None = None):
-        return self.client.post(
-            self.url("heartbeat", node_id),
-            data=raw if raw is not None else json.dumps(body),
-            content_type="application/json",
-        )
+        content = raw if raw is not None else json.dumps(body)
+        return self.request("POST", self.url("heartbeat", node_id), content)
 
     def poll(self, wait: float = 0, node_id: int | None = None):
-        return self.client.get(self.url("commands", node_id), {"wait": wait})
+        return self.request("GET", self.url("commands", node_id), params={"wait": wait})
 
     def report(self, command_id, status: str, result=None, node_id: int | None = None):
-        return self.client.post(
-            self.url(f"commands/{command_id}/report", node_id),
-            data=json.dumps(
-                {"status": status, "result": result or {}, "message": "", "at": iso(datetime.now(UTC))}
-            ),
-            content_type="application/json",
-        )
+        body = {"status": status, "result": result or {}, "message": "", "at": iso(datetime.now(UTC))}
+        return self.request("POST", self.url(f"commands/{command_id}/report", node_id), json.dumps(body))
+
+
+def agent_register(body: dict) -> Agent:
+    """Registers over the agent protocol's route (Django's handler, behind AgentProtocolHandler)."""
+    response = agent_request(
+        "POST", "/agent/v1/register", content=json.dumps(body), headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 201, response.content
+    data = response.json()
+    return Agent(data["node_id"], data["credential"], [gpu["uuid"] for gpu in body["gpus"]])
 
 
 @pytest.fixture
-def register_node(make_bootstrap_token, client):
+def register_node(make_bootstrap_token):
     def register(hostname: str | None = None, *, gpus: int = 2, name: str = "NVIDIA H100 80GB HBM3") -> Agent:
         hostname = hostname or f"gpu-{next(_counter):04d}"
         token = make_bootstrap_token()
-        response = client.post(
-            "/agent/v1/register",
-            data=json.dumps(registration_body(token, hostname, gpus=gpus, name=name)),
-            content_type="application/json",
-        )
-        assert response.status_code == 201, response.content
-        data = response.json()
-        return Agent(data["node_id"], data["credential"], [f"GPU-{hostname}-{i}" for i in range(gpus)])
+        return agent_register(registration_body(token, hostname, gpus=gpus, name=name))
 
     return register
 
@@ -187,7 +221,8 @@ def minutes_ago(n: float) -> datetime:
 
 @pytest.fixture(autouse=True)
 def agent_views_in_test_thread(monkeypatch):
-    """The test client's requests must use the test's database connection (its transaction)."""
+    """Agent requests must use the test's database connection (its transaction): the views'
+    database work runs in the test's thread."""
     from nodes import agent_views
 
     monkeypatch.setattr(agent_views, "DB_THREAD_SENSITIVE", True)

@@ -9,7 +9,7 @@ from django.core.management import call_command
 
 from nodes.models import Gpu, Node, NodeBootstrapToken, UnknownGpuReport
 from portal.models import AuditEvent
-from tests.nodes.conftest import Agent, registration_body
+from tests.nodes.conftest import Agent, agent_request, registration_body
 
 
 @pytest.fixture
@@ -63,15 +63,8 @@ def test_a_retried_registration_by_the_same_machine_gets_the_same_node(client, m
     assert node_id == first.json()["node_id"] and again.json()["credential"] != first.json()["credential"]
     assert Node.objects.count() == 1 and Gpu.objects.filter(node_id=node_id, removed_at=None).count() == 4
     assert Node.objects.get().seq_epoch == epoch  # not re-keyed as a reinstall
-    beat = f"/agent/v1/nodes/{node_id}/commands"
-    assert (
-        client.get(beat, {"wait": 0}, HTTP_AUTHORIZATION=f"Node {again.json()['credential']}").status_code
-        == 200
-    )
-    assert (
-        client.get(beat, {"wait": 0}, HTTP_AUTHORIZATION=f"Node {first.json()['credential']}").status_code
-        == 401
-    )
+    assert Agent(node_id, again.json()["credential"], []).poll(wait=0).status_code == 200
+    assert Agent(node_id, first.json()["credential"], []).poll(wait=0).status_code == 401
     assert AuditEvent.objects.filter(action="node.register.retry", target_id=str(node_id)).count() == 1
 
 
@@ -155,36 +148,27 @@ def test_region_must_match_token(client, make_bootstrap_token):
 
 
 def test_tenant_bearer_token_opens_nothing(agent, tenant, make_token):
-    from django.test import Client
-
-    bearer = Client(HTTP_AUTHORIZATION=f"Bearer {make_token(tenant)}")
+    bearer = {"Authorization": f"Bearer {make_token(tenant)}", "Content-Type": "application/json"}
     for response in (
-        bearer.post(agent.url("heartbeat"), data=json.dumps(agent.batch()), content_type="application/json"),
-        bearer.get(agent.url("commands"), {"wait": 0}),
-        bearer.post(
+        agent_request("POST", agent.url("heartbeat"), content=json.dumps(agent.batch()), headers=bearer),
+        agent_request("GET", agent.url("commands"), params={"wait": 0}, headers=bearer),
+        agent_request(
+            "POST",
             agent.url("commands/00000000-0000-0000-0000-000000000000/report"),
-            data="{}",
-            content_type="application/json",
+            content="{}",
+            headers=bearer,
         ),
     ):
         assert response.status_code == 401
         assert response.json()["error"]["code"] == "not_authenticated"
-        assert response["WWW-Authenticate"].startswith("Node")
+        assert response.headers["WWW-Authenticate"].startswith("Node")
     assert not agent.node.heartbeats.exists()
 
 
 def test_wrong_credential_is_401_and_other_nodes_url_is_404(register_node):
     a, b = register_node(), register_node()
     a.credential = a.credential[:-4] + "AAAA"
-    from django.test import Client
-
-    wrong = Client(HTTP_AUTHORIZATION=f"Node {a.credential}")
-    assert (
-        wrong.post(
-            a.url("heartbeat"), data=json.dumps(a.batch()), content_type="application/json"
-        ).status_code
-        == 401
-    )
+    assert a.heartbeat(a.batch()).status_code == 401
     # b's good credential on a's URLs: 404, and nothing is written for either node.
     response = b.heartbeat(b.batch(), node_id=a.node_id)
     assert response.status_code == 404

@@ -11,7 +11,6 @@ import pytest
 import redis
 from asgiref.sync import async_to_sync
 from django.db import connection
-from django.test import AsyncClient
 from django_redis import get_redis_connection
 
 from nodes.services import wakeup
@@ -65,9 +64,7 @@ def enqueue_after(delay: float, node, done: dict) -> threading.Thread:
 
 
 async def poll(agent, wait: float) -> tuple[float, dict]:
-    response = await AsyncClient().get(
-        agent.url("commands"), {"wait": wait}, headers={"Authorization": f"Node {agent.credential}"}
-    )
+    response = await agent.arequest("GET", agent.url("commands"), params={"wait": wait})
     assert response.status_code == 200, response.content
     return time.monotonic(), response.json()
 

@@ -35,7 +35,7 @@ def test_the_agent_protocol_goes_to_its_handler_and_the_rest_to_the_thread_pool(
 
         return app
 
-    monkeypatch.setattr(asgi, "PREFIX_APPS", [("/agent/", recorder("agent"), None)])
+    monkeypatch.setattr(asgi, "PREFIX_APPS", [("/agent/", recorder("agent"))])
     monkeypatch.setattr(asgi, "threaded_app", recorder("threads"))
     for path in ("/agent/v1/nodes/7/commands", "/api/v1/jobs/", "/launch/", "/healthz"):
         assert _get(path).status_code == 204
@@ -48,47 +48,40 @@ def test_the_agent_protocol_goes_to_its_handler_and_the_rest_to_the_thread_pool(
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_api_is_answered_by_a_pool_thread_through_the_whole_chain(tenant, make_token):
+def test_the_api_is_answered_by_a_pool_thread_through_the_whole_chain(tenant, make_token, monkeypatch):
+    from django.core.handlers.wsgi import WSGIHandler
+
     from portal.api import views  # noqa: F401  (the URLconf is loaded before the threads race for it)
 
     threads = []
-    original = asgi.PagesHandler.__call__
+    original = WSGIHandler.__call__
 
     def spy(self, environ, start_response):
         threads.append(threading.current_thread().name)
         return original(self, environ, start_response)
 
-    asgi.PagesHandler.__call__ = spy
-    try:
-        response = _get("/api/v1/me/", {"Authorization": f"Bearer {make_token(tenant)}"})
-    finally:
-        asgi.PagesHandler.__call__ = original
+    monkeypatch.setattr(WSGIHandler, "__call__", spy)
+    response = _get("/api/v1/me/", {"Authorization": f"Bearer {make_token(tenant)}"})
     assert response.status_code == 200, response.text
     assert response.json()["tenant"]["slug"] == "acme"
     assert response.headers["X-Request-ID"]  # RequestIdMiddleware ran
     assert len(threads) == 1 and threads[0] != threading.main_thread().name
 
 
-def test_the_pages_chain_leaves_out_only_the_agent_fast_path(settings, monkeypatch):
-    from django.core.handlers.asgi import ASGIHandler
+def test_the_agent_prefix_is_served_by_the_handler_the_settings_name(settings):
+    """One route for the agent protocol's fast path: the handler named in ASGI_PREFIX_APPS (portal
+    imports no app), with Django's ASGI handler behind it; the pages' chain is Django's own,
+    settings.MIDDLEWARE as it stands, with nothing of the agent protocol in it."""
+    from django.core.handlers.wsgi import WSGIHandler
 
-    from nodes.agent_views import AgentFastPathMiddleware
+    from nodes.agent_views import AgentProtocolHandler
 
-    made = []
-    original = AgentFastPathMiddleware.__init__
-
-    def record(self, get_response):
-        made.append(self)
-        original(self, get_response)
-
-    monkeypatch.setattr(AgentFastPathMiddleware, "__init__", record)
-    asgi.PagesHandler()  # loads its chain
-    assert made == []
-    ASGIHandler()  # loads its chain (async)
-    assert len(made) == 1
-    fast_path = settings.ASGI_PREFIX_APPS[0][2]
-    assert fast_path == "nodes.agent_views.AgentFastPathMiddleware"
-    assert settings.MIDDLEWARE.count(fast_path) == 1  # the setting itself is untouched
+    assert settings.ASGI_PREFIX_APPS == [("/agent/", "nodes.agent_views.AgentProtocolHandler")]
+    ((prefix, app),) = asgi.PREFIX_APPS
+    assert prefix == "/agent/" and type(app) is AgentProtocolHandler
+    assert app.fallback is asgi.django_asgi_app
+    assert not [m for m in settings.MIDDLEWARE if m.startswith("nodes.")]
+    assert type(asgi.pages_app) is WSGIHandler
 
 
 def test_a_web_process_freezes_what_it_loaded_before_serving():

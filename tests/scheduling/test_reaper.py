@@ -8,7 +8,6 @@ reconciler take a ``now``, which stands in for the clock.
 from __future__ import annotations
 
 import itertools
-import json
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -32,7 +31,12 @@ from scheduling.services.lifecycle import (
     workload_preempt,
     workload_stop,
 )
-from tests.nodes.conftest import Agent, registration_body
+from tests.nodes.conftest import (  # noqa: F401  (agent_views_in_test_thread: an autouse fixture)
+    Agent,
+    agent_register,
+    agent_views_in_test_thread,
+    registration_body,
+)
 from tests.portal.conftest import signed_in  # noqa: F401  (fixture)
 from tests.scheduling.conftest import H100, reload
 
@@ -41,29 +45,13 @@ _n = itertools.count(1)
 STARTED = datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
-@pytest.fixture(autouse=True)
-def agent_views_in_test_thread(monkeypatch):
-    """The test client's agent requests use the test's database connection (its transaction)."""
-    from nodes import agent_views
-
-    monkeypatch.setattr(agent_views, "DB_THREAD_SENSITIVE", True)
-
-
 @pytest.fixture
-def register(client, regions):
+def register(regions):
     """A node registered over HTTP with ``gpus`` H100s; returns its side of the protocol."""
 
     def do(gpus: int = 1) -> Agent:
         token = bootstrap_token_create(region=regions["us"], actor=Actor.system())[1]
-        hostname = f"reap-{next(_n):03d}"
-        response = client.post(
-            "/agent/v1/register",
-            data=json.dumps(registration_body(token, hostname, gpus=gpus)),
-            content_type="application/json",
-        )
-        assert response.status_code == 201, response.content
-        data = response.json()
-        return Agent(data["node_id"], data["credential"], [f"GPU-{hostname}-{i}" for i in range(gpus)])
+        return agent_register(registration_body(token, f"reap-{next(_n):03d}", gpus=gpus))
 
     return do
 
