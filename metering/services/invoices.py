@@ -32,14 +32,7 @@ from metering.models import (
 )
 from metering.money import ZERO, quantize_money
 from metering.periods import period_bounds, period_of, previous_period
-from metering.services.invoice_build import (  # noqa: F401  (re-exported: the building blocks)
-    RunCache,
-    invoices_build_batch,
-    reserved_days,
-    reserved_overage,
-    term_discount_percent,
-    term_months,
-)
+from metering.services.invoice_build import RunCache, invoices_build_batch
 from portal.actors import Actor
 from portal.errors import Conflict, ValidationFailed
 from portal.models import Tenant
