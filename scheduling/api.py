@@ -350,9 +350,9 @@ class _WorkloadViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
     def metrics(self, request, pk=None):
         """Per GPU it held, per minute: utilisation, memory, power and temperature, only while it held
         the GPU (``scheduling.selectors.workload_metrics``)."""
+        workload = self.get_object()  # another tenant's: 404 whatever the query says
         query = WorkloadMetricsQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
-        workload = self.get_object()
         now = timezone.now()
         since, until = query.validated_data.get("since"), query.validated_data.get("until")
         if until is None:

@@ -133,6 +133,7 @@ def test_bad_windows_and_other_tenants(client, tenant, make_tenant, make_node, s
     # Another tenant's workload: 404, as for its detail; an instance is not a job.
     theirs = submit(make_tenant("bravo"), kind="job", gpu_count=1)
     assert client.get(f"/api/v1/jobs/{theirs.pk}/metrics/").status_code == 404
+    assert client.get(f"/api/v1/jobs/{theirs.pk}/metrics/", {"since": "bad"}).status_code == 404
     assert client.get(f"/api/v1/instances/{w.pk}/metrics/").status_code == 404
     # since alone: the window runs at most the maximum from it.
     since = now - timedelta(days=3)
