@@ -13,7 +13,6 @@ import tempfile
 import time
 from datetime import UTC, datetime
 
-import orjson
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestAborted
@@ -38,7 +37,16 @@ from nodes.services.registration import (
     node_register,
 )
 from nodes.services.wakeup import CommandWaiter
-from nodes.validation import fail, get_address, get_bool, get_int, get_str, parse_time, require_object
+from nodes.validation import (
+    fail,
+    get_address,
+    get_bool,
+    get_int,
+    get_str,
+    json_object,
+    parse_time,
+    require_object,
+)
 from portal.api.errors import error_response
 from portal.errors import DomainError, NotFound, ValidationFailed
 from portal.logging import log_context_reset
@@ -88,16 +96,6 @@ def authenticate_for(request: HttpRequest | str, node_id: int) -> AuthenticatedN
     if node.id != node_id:
         raise NotFound("No such node.")
     return node
-
-
-def _json_body(body: bytes) -> dict:
-    """The body as a JSON object. orjson refuses nesting deeper than 1024 levels (json.loads would
-    raise RecursionError at about 1000, a 500): 400 naming the body either way."""
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise fail("body", "Not valid JSON (or nested more than 1024 levels deep).") from None
-    return require_object(data, "body")
 
 
 # --- register -----------------------------------------------------------------------------------------
@@ -162,7 +160,7 @@ def _parse_registration(data: dict) -> tuple[str, NodeInfo]:
 @require_POST
 @agent_endpoint
 def register(request):
-    token, info = _parse_registration(_json_body(request.body))
+    token, info = _parse_registration(json_object(request.body))
     node, credential = node_register(bootstrap_token=token, info=info)
     return JsonResponse(
         {
@@ -304,7 +302,7 @@ async def commands(request, node_id: int):
 def _report_sync(authorization: str, body: bytes, node_id: int, command_id: str) -> JsonResponse:
     try:
         authenticate_for(authorization, node_id)
-        data = _json_body(body)
+        data = json_object(body)
         status = get_str(data, "status", "status", required=True, max_length=16)
         result = data.get("result") or {}
         if not isinstance(result, dict):

@@ -10,6 +10,7 @@ from django.core.exceptions import ValidationError
 from django.core.validators import validate_ipv46_address
 
 from portal.errors import ValidationFailed
+from portal.inputs import json_loads
 
 # A host name as RFC 1123 has it: dot-separated labels of letters, digits and inner hyphens. A single
 # label is allowed (data centres resolve short names); Django's DomainNameValidator wants a TLD.
@@ -24,6 +25,15 @@ def require_object(value: Any, field: str) -> dict:
     if not isinstance(value, dict):
         raise fail(field, "Expected a JSON object.")
     return value
+
+
+def json_object(body: bytes) -> dict:
+    """An agent's request body as a JSON object, parsed as the API parses its bodies (the one depth
+    limit, ``portal.inputs.json_loads``): 400 naming ``body`` otherwise."""
+    try:
+        return require_object(json_loads(body), "body")
+    except ValueError as exc:
+        raise fail("body", str(exc)) from None
 
 
 def get_str(obj: dict, key: str, field: str, *, required: bool = False, max_length: int = 255) -> str:

@@ -14,7 +14,7 @@ import orjson
 from django.conf import settings
 from django.utils import timezone
 
-from nodes.validation import fail, get_bool, get_int, get_str, parse_time, require_object
+from nodes.validation import fail, get_bool, get_int, get_str, json_object, parse_time, require_object
 
 WORKLOAD_STATES = frozenset({"starting", "running", "exited", "failed", "stopped", "preempted"})
 TERMINAL_WORKLOAD_STATES = frozenset({"exited", "failed", "stopped", "preempted"})
@@ -177,11 +177,7 @@ def heartbeat_parse(raw: bytes, *, now: datetime | None = None) -> HeartbeatData
     max_bytes = settings.NODE_HEARTBEAT_MAX_BYTES
     if len(raw) > max_bytes:
         raise fail("body", f"The batch is {len(raw)} bytes; at most {max_bytes} are accepted.")
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise fail("body", "Not valid JSON.") from None
-    require_object(data, "body")
+    data = json_object(raw)
     seq = get_int(data, "seq", "seq", required=True, min_value=1, max_value=2**62)
     sent_at = parse_time(data.get("sent_at"), "sent_at", required=False)
     status = data.get("status")
