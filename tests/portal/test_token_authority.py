@@ -116,6 +116,30 @@ def test_the_django_admin_cannot_change_memberships_or_tokens_behind_the_service
     assert Client(HTTP_AUTHORIZATION=f"Bearer {plaintext}").get("/api/v1/me/").status_code == 401
 
 
+def test_the_django_admins_revoke_actions_go_through_the_services_audited(tenant, owner, admin):
+    root = User.objects.create_superuser(email="root@gpupool.test", password="x")
+    site = Client()
+    site.force_login(root)
+    plaintext = _token(tenant, admin)
+    token = ApiToken.objects.get(tenant=tenant, revoked_at__isnull=True, created_by=admin.user)
+    kept = _token(tenant, Membership.objects.get(tenant=tenant, user=owner))
+    _, invite = invitation_create(
+        tenant=tenant, email="c@acme.test", role=Role.MEMBER, actor=Actor(user=owner)
+    )
+    invitation = Invitation.objects.get(email="c@acme.test")
+    site.post("/admin/portal/apitoken/", {"action": "revoke", "_selected_action": [token.pk]})
+    site.post(
+        "/admin/portal/invitation/", {"action": "revoke_invitations", "_selected_action": [invitation.pk]}
+    )
+    assert Client(HTTP_AUTHORIZATION=f"Bearer {plaintext}").get("/api/v1/me/").status_code == 401
+    assert Client(HTTP_AUTHORIZATION=f"Bearer {kept}").get("/api/v1/me/").status_code == 200  # control
+    audited = set(AuditEvent.objects.filter(actor_user=root).values_list("action", "target_id"))
+    assert ("token.revoke", str(token.pk)) in audited
+    assert ("invitation.revoke", str(invitation.pk)) in audited
+    with pytest.raises(NotFound):
+        invitation_lookup(token=invite)
+
+
 def test_an_invitation_sent_by_a_removed_admin_cannot_be_accepted(tenant, owner, admin):
     _, kept = invitation_create(tenant=tenant, email="a@acme.test", role=Role.MEMBER, actor=Actor(user=owner))
     _, plaintext = invitation_create(
