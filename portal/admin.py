@@ -19,6 +19,7 @@ from portal.models import (
     StaffScope,
     StaffToken,
     Tenant,
+    TenantSecret,
     User,
 )
 from portal.services.invitations import invitation_revoke
@@ -269,3 +270,12 @@ class MetricValueAdmin(RecordAdmin):
     list_display = ["name", "labels", "bucket", "value", "gauge", "updated_at"]
     list_filter = ["gauge", "name"]
     search_fields = ["name", "labels"]
+
+
+@admin.register(TenantSecret)
+class TenantSecretAdmin(RecordAdmin):
+    """Names and times only: a secret's value (even encrypted) is not shown to staff either."""
+
+    list_display = ["name", "tenant", "created_at", "updated_at"]
+    search_fields = ["name", "tenant__slug"]
+    fields = ["tenant", "name", "created_at", "updated_at"]

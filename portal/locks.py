@@ -8,7 +8,7 @@ rows, in its own order (``metering/locks.py``).
 
 from __future__ import annotations
 
-from portal.models import Invitation, Membership, Role, Tenant, User
+from portal.models import Invitation, Membership, Role, Tenant, TenantSecret, User
 
 
 def lock_user_by_email(*, email: str) -> User | None:
@@ -28,3 +28,9 @@ def lock_owners(*, tenant: Tenant) -> int:
     return len(
         list(Membership.objects.select_for_update().filter(tenant=tenant, role=Role.OWNER).values_list("pk"))
     )
+
+
+def lock_secrets_after(*, after_id: int, limit: int) -> list[TenantSecret]:
+    """The next ``limit`` tenant secrets by id, locked: ``rotate_secrets`` re-encrypts them while a
+    concurrent replace of one waits, so neither overwrites the other's ciphertext."""
+    return list(TenantSecret.objects.select_for_update().filter(pk__gt=after_id).order_by("pk")[:limit])

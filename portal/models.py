@@ -327,6 +327,28 @@ class AuditEvent(TenantOwnedModel):
         return f"{self.actor_repr} {self.action} {self.target_repr}"
 
 
+SECRET_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
+class TenantSecret(TenantOwnedModel):
+    """A value a tenant's workloads read from their environment (``{"KEY": {"secret": "NAME"}}``),
+    stored encrypted (``portal.crypto``). Write-only: no page or API answer carries the value; it
+    is decrypted only when a start command goes to a node (``portal.services.secrets``)."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="secrets")
+    name = models.CharField(max_length=64, validators=[RegexValidator(SECRET_NAME_RE)])
+    ciphertext = models.TextField()
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["tenant_id", "name"]
+        constraints = [models.UniqueConstraint(fields=["tenant", "name"], name="tenantsecret_unique_name")]
+
+    def __str__(self) -> str:
+        return f"secret {self.name}"
+
+
 class MetricValue(models.Model):
     """A cumulative value that Celery workers produce for the web tier's ``/metrics`` (a worker's
     memory is not scraped): a counter, one histogram bucket (not cumulative: ``bucket`` is its

@@ -394,6 +394,11 @@ TRUSTED_PROXIES = env.list("TRUSTED_PROXIES", default=[])
 RATELIMIT_STORAGE_URI = REDIS_URL or "memory://"
 RATELIMIT_KEY_PREFIX = env.str("RATELIMIT_KEY_PREFIX", default="gpupool-limits")
 
+# Tenant secrets (portal.crypto) are encrypted with these Fernet keys, newest first: the first
+# encrypts, any of them decrypts. Rotation: put a new key first, run `manage.py rotate_secrets`,
+# then drop the old key (docs/security.md). Unset with DEBUG on: a key derived from SECRET_KEY.
+SECRETS_ENCRYPTION_KEYS = env.list("SECRETS_ENCRYPTION_KEYS", default=[])
+
 # --- gpupool: nodes (the fleet) -------------------------------------------------------------------
 NODE_HEARTBEAT_INTERVAL_S = env.int("NODE_HEARTBEAT_INTERVAL_S", default=10)
 NODE_SUSPECT_AFTER_S = env.int("NODE_SUSPECT_AFTER_S", default=30)

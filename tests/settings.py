@@ -28,3 +28,5 @@ if not REDIS_URL:  # noqa: F405
 SCHEDULING_GPU_TYPES_CACHE_S = 0
 # Likewise the fleet's node shapes a submission is checked against (scheduling.services.submission).
 SCHEDULING_FLEET_SHAPES_CACHE_S = 0
+# pytest-django runs with DEBUG off, where tenant secrets need a key of their own (portal.crypto).
+SECRETS_ENCRYPTION_KEYS = ["dGVzdC1vbmx5LWtleS1mb3ItdGVuYW50LXNlY3JldHM="]

@@ -5,7 +5,7 @@ import copy
 from rest_framework import serializers
 
 from portal.inputs import bounded_datetime
-from portal.models import ApiToken, AuditEvent, Invitation, Membership, Role, Scope, Tenant
+from portal.models import ApiToken, AuditEvent, Invitation, Membership, Role, Scope, Tenant, TenantSecret
 
 
 class FieldsOnceModelSerializer(serializers.ModelSerializer):
@@ -121,3 +121,35 @@ class MeSerializer(serializers.Serializer):
     scopes = serializers.ListField(child=serializers.CharField())
     user = serializers.EmailField(allow_null=True)
     token = serializers.DictField(allow_null=True)
+
+
+class SecretSerializer(serializers.ModelSerializer):
+    """A secret as the API shows it: its name and times, never its value."""
+
+    class Meta:
+        model = TenantSecret
+        fields = ["name", "created_at", "updated_at"]
+        read_only_fields = fields
+
+
+class TextOnlyField(serializers.CharField):
+    """A string and nothing else (DRF's CharField would take 5 as "5"), kept exactly as given."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("trim_whitespace", False)
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data):
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class SecretCreateSerializer(serializers.Serializer):
+    name = serializers.CharField(max_length=64)
+    # The service checks it (no NUL, at most 16 KiB).
+    value = TextOnlyField(write_only=True)
+
+
+class SecretValueSerializer(serializers.Serializer):
+    value = TextOnlyField(write_only=True)

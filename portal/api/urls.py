@@ -10,6 +10,7 @@ router.register("members", views.MemberViewSet, basename="member")
 router.register("invitations", views.InvitationViewSet, basename="invitation")
 router.register("tokens", views.ApiTokenViewSet, basename="token")
 router.register("audit-events", views.AuditEventViewSet, basename="audit-event")
+router.register("secrets", views.SecretViewSet, basename="secret")
 autodiscover_modules("api")
 
 app_name = "api"

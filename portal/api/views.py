@@ -16,13 +16,17 @@ from portal.api.serializers import (
     InvitationSerializer,
     MemberSerializer,
     MeSerializer,
+    SecretCreateSerializer,
+    SecretSerializer,
+    SecretValueSerializer,
     TenantSerializer,
 )
 from portal.api.viewsets import TenantReadOnlyViewSet
 from portal.errors import ValidationFailed
-from portal.models import ApiToken, AuditEvent, Invitation, Membership, Scope
+from portal.models import ApiToken, AuditEvent, Invitation, Membership, Scope, TenantSecret
 from portal.services.invitations import invitation_create, invitation_revoke
 from portal.services.members import membership_change_role, membership_remove
+from portal.services.secrets import secret_create, secret_delete, secret_update
 from portal.services.tokens import api_token_create, api_token_revoke
 
 
@@ -130,3 +134,41 @@ class AuditEventViewSet(TenantReadOnlyViewSet):
     serializer_class = AuditEventSerializer
     read_scope = Scope.ADMIN
     filterset_fields = ["action", "actor_type", "target_type"]
+
+
+class SecretViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin, mixins.DestroyModelMixin):
+    """The tenant's secrets, by name. Write-only: answers carry names and times, never a value.
+    Workloads refer to one from their env as ``{"KEY": {"secret": "NAME"}}``; PUT ``{name}/``
+    replaces the value (running workloads keep the value they started with)."""
+
+    queryset = TenantSecret.objects.all()
+    serializer_class = SecretSerializer
+    lookup_field = "name"
+    lookup_value_regex = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
+    pagination_class = None
+    http_method_names = ["get", "post", "put", "delete", "head", "options"]
+
+    def get_serializer_class(self):
+        if self.action == "create":
+            return SecretCreateSerializer
+        if self.action == "update":
+            return SecretValueSerializer
+        return SecretSerializer
+
+    @extend_schema(responses={201: SecretSerializer})
+    def create(self, request, *args, **kwargs):
+        serializer = self.get_serializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        secret = secret_create(tenant=self.ctx.tenant, actor=self.actor, **serializer.validated_data)
+        return Response(SecretSerializer(secret).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=SecretValueSerializer, responses=SecretSerializer)
+    def update(self, request, *args, **kwargs):
+        secret = self.get_object()
+        serializer = self.get_serializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        secret = secret_update(secret=secret, value=serializer.validated_data["value"], actor=self.actor)
+        return Response(SecretSerializer(secret).data)
+
+    def perform_destroy(self, instance):
+        secret_delete(secret=instance, actor=self.actor)

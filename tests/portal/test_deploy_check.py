@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cryptography.fernet import Fernet
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _manage(*args: str, env: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if k not in {"DEBUG", "SECRET_KEY", "DJANGO_SETTINGS_MODULE"}}
+    drop = {"DEBUG", "SECRET_KEY", "SECRETS_ENCRYPTION_KEYS", "DJANGO_SETTINGS_MODULE"}
+    base = {k: v for k, v in os.environ.items() if k not in drop}
     base.update(
         {
             "DJANGO_SETTINGS_MODULE": "portal.settings",
@@ -37,6 +40,7 @@ def test_check_deploy_is_clean_with_production_settings(tmp_path):
             "SECRET_KEY": secrets.token_urlsafe(64),
             "ALLOWED_HOSTS": "gpupool.example.com",
             "CSRF_TRUSTED_ORIGINS": "https://gpupool.example.com",
+            "SECRETS_ENCRYPTION_KEYS": Fernet.generate_key().decode(),
         },
         tmp_path=tmp_path,
     )
@@ -50,6 +54,7 @@ def test_check_deploy_flags_the_development_defaults(tmp_path):
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert "gpupool.E001" in output  # the development secret key
+    assert "gpupool.E002" in output  # no key of its own for tenant secrets
     assert "security.W018" in output  # DEBUG on
 
 
