@@ -3,10 +3,12 @@ views of workloads and allocations. Changes with consequences go through the ser
 
 from __future__ import annotations
 
+from django import forms
 from django.contrib import admin, messages
 
 from portal.actors import Actor
 from portal.admin_actions import RecordAdmin, run_each
+from portal.errors import DomainError
 from scheduling.models import (
     Allocation,
     Quota,
@@ -16,10 +18,12 @@ from scheduling.models import (
     WarmSlot,
     Workload,
     WorkloadEvent,
+    WorkloadTemplate,
 )
 from scheduling.services.lifecycle import workload_stop
 from scheduling.services.quotas import EDITABLE_FIELDS, quota_update
 from scheduling.services.reservations import reservation_activate, reservation_cancel
+from scheduling.services.templates import template_check, template_create, template_delete, template_update
 
 
 class QuotaModelLimitInline(admin.TabularInline):
@@ -229,3 +233,58 @@ class WarmSlotAdmin(RecordAdmin):
     search_fields = ["node__hostname", "gpu__uuid"]
     list_select_related = ["pool", "node", "gpu", "bound_to"]
     date_hierarchy = "created_at"
+
+
+class WorkloadTemplateForm(forms.ModelForm):
+    """Each field checked by the template service (the workload rules), its errors on the field."""
+
+    class Meta:
+        model = WorkloadTemplate
+        fields = ["name", "description", "image", "command", "ports", "env", "min_gpu_memory_gib"]
+
+    def clean(self):
+        data = super().clean()
+        if self.errors:
+            return data
+        try:
+            template_check(
+                tenant=None,
+                data={f: data[f] for f in self.Meta.fields if f in data},
+                exclude=self.instance.pk,
+            )
+        except DomainError as exc:
+            for field, messages_ in exc.fields.items():
+                self.add_error(field if field in self.fields else None, messages_)
+        return data
+
+
+@admin.register(WorkloadTemplate)
+class WorkloadTemplateAdmin(admin.ModelAdmin):
+    """The template catalog every tenant launches from. Saved and deleted through the template
+    services, so every change is audited. Tenants' own templates are listed here too, read-only
+    (their owners change them through the API)."""
+
+    form = WorkloadTemplateForm
+    list_display = ["name", "tenant", "image", "min_gpu_memory_gib", "updated_at"]
+    list_filter = [("tenant", admin.EmptyFieldListFilter)]
+    search_fields = ["name", "image", "tenant__slug"]
+    actions = None  # a bulk delete would skip the service and its audit
+
+    def has_change_permission(self, request, obj=None):
+        return super().has_change_permission(request, obj) and (obj is None or obj.is_catalog)
+
+    def has_delete_permission(self, request, obj=None):
+        return super().has_delete_permission(request, obj) and (obj is None or obj.is_catalog)
+
+    def save_model(self, request, obj, form, change):
+        actor = Actor(user=request.user)
+        data = {f: form.cleaned_data[f] for f in form.Meta.fields}
+        if change:
+            changed = {f: data[f] for f in form.changed_data if f in data}
+            saved = template_update(template=obj, data=changed, actor=actor)
+        else:
+            saved = template_create(tenant=None, data=data, actor=actor)
+        obj.pk = saved.pk
+
+    def delete_model(self, request, obj):
+        template_delete(template=obj, actor=Actor(user=request.user))

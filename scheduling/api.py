@@ -29,6 +29,7 @@ from portal.api.routers import extra_urlpatterns, router
 from portal.api.serializers import BoundedDateTimeField, FieldsOnceModelSerializer
 from portal.api.viewsets import TenantReadOnlyViewSet
 from portal.models import Scope
+from scheduling.api_fields import EnvValueField
 from scheduling.models import (
     GpuVendor,
     Plan,
@@ -186,21 +187,25 @@ class _SpecSerializer(serializers.Serializer):
     priority_class = serializers.ChoiceField(choices=PriorityClass.choices, required=False, allow_blank=True)
     image = serializers.CharField(required=False, allow_blank=True, max_length=255)
     max_runtime_s = serializers.IntegerField(required=False, allow_null=True)
+    # Values reach the workload exactly as given; {"secret": "NAME"} puts a secret's value there.
+    env = serializers.DictField(child=EnvValueField(), required=False)
 
 
 class InstanceCreateSerializer(_SpecSerializer):
-    template = serializers.CharField(required=False, allow_blank=True, max_length=100)
+    template = serializers.CharField(
+        required=False, allow_blank=True, max_length=100, help_text="Fills what the request leaves unset."
+    )
     ports = serializers.ListField(child=serializers.IntegerField(), required=False, max_length=64)
     ssh_public_key = serializers.CharField(required=False, allow_blank=True)
 
 
 class JobCreateSerializer(_SpecSerializer):
+    template = serializers.CharField(
+        required=False, allow_blank=True, max_length=100, help_text="Fills what the request leaves unset."
+    )
     # Arguments and values reach the workload exactly as given: no trimming (the service applies
     # the workload rules).
     command = serializers.ListField(
-        child=serializers.CharField(allow_blank=True, trim_whitespace=False), required=False
-    )
-    env = serializers.DictField(
         child=serializers.CharField(allow_blank=True, trim_whitespace=False), required=False
     )
     estimated_runtime_s = serializers.IntegerField(required=False, allow_null=True)
@@ -712,3 +717,5 @@ router.register("jobs", JobViewSet, basename="job")
 router.register("gpu-types", GpuTypeViewSet, basename="gpu-type")
 router.register("reservations", ReservationViewSet, basename="reservation")
 extra_urlpatterns.append(path("quotas/", QuotaView.as_view(), name="quota-list"))
+
+from scheduling import api_templates  # noqa: E402,F401  (registers /templates/)

@@ -453,3 +453,59 @@ class WarmSlot(models.Model):
 
     def __str__(self) -> str:
         return f"warm slot of pool {self.pool_id} on gpu {self.gpu_id}"
+
+
+class WorkloadTemplateQuerySet(TenantQuerySet):
+    def catalog(self):
+        """The templates staff manage, offered to every tenant."""
+        return self.filter(tenant__isnull=True)
+
+    def available_to(self, tenant):
+        """What a tenant may launch from: the catalog and its own."""
+        if tenant is None:
+            return self.catalog()
+        return self.filter(Q(tenant__isnull=True) | Q(tenant=tenant))
+
+
+class WorkloadTemplate(TenantOwnedModel):
+    """What to run, ready to launch: the catalog's (``tenant`` empty, managed by staff) or a
+    tenant's own. Launching by template fills the request's spec at submission
+    (``scheduling.services.templates.template_apply``): the image, command, ports, env and minimum
+    GPU memory the request does not set itself. A workload records the template's name in
+    ``Workload.template`` (warm pools match it) and keeps the filled-in values, so a later change
+    to the template changes no workload."""
+
+    tenant = models.ForeignKey(
+        "portal.Tenant", null=True, blank=True, on_delete=models.CASCADE, related_name="workload_templates"
+    )
+    name = models.CharField(max_length=100)
+    description = models.TextField(blank=True, max_length=2000)
+    image = models.CharField(max_length=255)
+    command = models.JSONField(default=list, blank=True, help_text="Arguments, as a JSON list of strings.")
+    ports = models.JSONField(default=list, blank=True, help_text="Container ports, as a JSON list.")
+    env = models.JSONField(default=dict, blank=True, help_text="Variables, as a JSON object of strings.")
+    min_gpu_memory_gib = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    objects = WorkloadTemplateQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["name", "id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["name"], condition=Q(tenant__isnull=True), name="workloadtemplate_catalog_name"
+            ),
+            models.UniqueConstraint(
+                fields=["tenant", "name"],
+                condition=Q(tenant__isnull=False),
+                name="workloadtemplate_tenant_name",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"template {self.name}"
+
+    @property
+    def is_catalog(self) -> bool:
+        return self.tenant_id is None

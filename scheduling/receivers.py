@@ -62,6 +62,10 @@ def on_gpu_unhealthy(sender, gpu, node, reason, **kwargs) -> None:
 
 
 def connect() -> None:
+    from nodes.services.commands import wire_payload_register
+    from scheduling.services.env import start_payload_for_node
+
+    wire_payload_register(CommandKind.START_WORKLOAD, start_payload_for_node)
     signals.command_finished.connect(on_command_finished, dispatch_uid="scheduling.command_finished")
     signals.workload_exited.connect(on_workload_exited, dispatch_uid="scheduling.workload_exited")
     signals.node_down.connect(on_node_down, dispatch_uid="scheduling.node_down")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -49,6 +50,27 @@ REQUIRED_PAYLOAD_KEYS: dict[str, tuple[str, ...]] = {
     CommandKind.DRAIN: (),
 }
 REPORT_STATUSES = ("accepted", "succeeded", "failed")
+
+
+class PayloadRefused(Exception):
+    """A command's payload cannot be completed for delivery (``wire_payload_register``); the command
+    fails with this message instead of reaching the node."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+# Per command kind, what turns the stored payload into the one the node receives. Scheduling
+# registers the start command's: it puts the tenant's secret values in place of the references
+# the stored payload keeps, so the values are in no table, only on their way to the node.
+_WIRE_PAYLOAD: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+
+
+def wire_payload_register(kind: str, fn: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """Have ``fn(payload)`` make the payload sent for every delivery of a ``kind`` command (done in
+    the delivery's transaction); it raises ``PayloadRefused`` to fail the command instead."""
+    _WIRE_PAYLOAD[kind] = fn
 
 
 def command_backoff(attempt: int) -> timedelta:
@@ -271,6 +293,14 @@ def node_commands_deliver_due(
                 )
                 _expire(command, reason, now, events)
                 continue
+            to_wire = _WIRE_PAYLOAD.get(command.kind)
+            if to_wire is not None:
+                try:
+                    # In memory only (the saves below name their fields): never stored.
+                    command.wire_payload = to_wire(command.payload)
+                except PayloadRefused as exc:
+                    _refuse(command, exc.message, now, events)
+                    continue
             command.attempt += 1
             command.state = CommandState.DELIVERED
             command.delivered_at = now
@@ -282,6 +312,21 @@ def node_commands_deliver_due(
     for command in delivered:
         node_metrics.COMMANDS.labels(kind=command.kind, event="delivered").inc()
     return delivered, None
+
+
+def _refuse(command: NodeCommand, message: str, now: datetime, events: list[NodeCommandEvent]) -> None:
+    """Fail a command the portal cannot complete for delivery; ``rejected``: no node could run it."""
+    old = command.state
+    command.state = CommandState.FAILED
+    command.finished_at = now
+    command.result = {"reason": message, "rejected": True, "refused_by": "portal"}
+    command.message = message[:2000]
+    command.save(update_fields=["state", "finished_at", "result", "message"])
+    events.append(_event(command, "refused", old, now, reason=message))
+    node_metrics.COMMANDS.labels(kind=command.kind, event="refused").inc()
+    send_on_commit(
+        command_finished, sender=NodeCommand, command=command, state=command.state, result=command.result
+    )
 
 
 def _expire(command: NodeCommand, reason: str, now: datetime, events: list[NodeCommandEvent]) -> None:
@@ -395,5 +440,6 @@ def command_as_wire(command: NodeCommand) -> dict[str, Any]:
         "kind": command.kind,
         "attempt": command.attempt,
         "deadline": command.deadline.isoformat().replace("+00:00", "Z"),
-        "payload": command.payload,
+        # What the node needs (``wire_payload_register``), else what is stored.
+        "payload": getattr(command, "wire_payload", command.payload),
     }

@@ -321,13 +321,15 @@ def workload_on_command_finished(*, kind: str, payload: dict, node_id: int, stat
                 why = result.get("reason") or result.get("error") or state
                 _avoid(w, [node_id])
                 if result.get("rejected") is True:
-                    # The agent refused the payload itself (the workload rules): every node would.
+                    # The agent refused the payload itself (the workload rules), or the portal could
+                    # not complete it (a secret gone): every node would fail it.
+                    by = "Not started" if result.get("refused_by") == "portal" else "Refused by the node"
                     workload_transition(
                         workload=w,
                         to=S.FAILED,
                         reason="start_failed",
                         actor=SYSTEM,
-                        message=f"Refused by the node: {why}",
+                        message=f"{by}: {why}",
                         now=now,
                     )
                 elif w.attempt >= settings.SCHEDULING_MAX_START_ATTEMPTS:

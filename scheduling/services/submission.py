@@ -23,7 +23,6 @@ from django.utils import timezone
 from nodes.agent.workload_rules import (
     WorkloadRuleError,
     check_command,
-    check_env,
     check_image,
     check_mig_profile,
     check_ports,
@@ -54,6 +53,8 @@ from scheduling.models import (
 )
 from scheduling.pricing import spot_price_floor
 from scheduling.selectors.shared import QuotaUsage, quota_usage
+from scheduling.services.env import env_validate
+from scheduling.services.templates import template_apply, template_for_launch
 
 logger = logging.getLogger(__name__)
 PLAN_PRIORITY_RANK = {
@@ -248,7 +249,7 @@ def _rule(check: Callable[[Any], Any], value: Any) -> Any:
         raise _fail(exc.field, exc.message) from None
 
 
-def _validate_what_runs(spec: dict) -> dict[str, Any]:
+def _validate_what_runs(spec: dict, tenant) -> dict[str, Any]:
     """Image, template, command, env, ports and SSH key: every string here reaches a node's argv, env
     or files, so each obeys the workload rules. Values are kept exactly as given (no trimming)."""
     f: dict[str, Any] = {}
@@ -257,7 +258,7 @@ def _validate_what_runs(spec: dict) -> dict[str, Any]:
         _rule(check_image, f["image"])
     f["template"] = _rule(check_template, _str(spec, "template", 100))
     f["command"] = _rule(check_command, spec.get("command", []))
-    f["env"] = _rule(check_env, spec.get("env", {}))
+    f["env"] = env_validate(spec.get("env", {}), tenant=tenant)
     f["ports"] = _rule(check_ports, spec.get("ports", []))
     f["ssh_public_key"] = _rule(check_ssh_public_key, _str(spec, "ssh_public_key", 16_000))
     if f["ssh_public_key"] and not SSH_KEY_RE.match(f["ssh_public_key"]):
@@ -271,6 +272,12 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
     if kind not in WorkloadKind.values:
         raise _fail("kind", f"One of {', '.join(WorkloadKind.values)}.")
     f: dict[str, Any] = {"kind": kind, "name": _str(spec, "name", 100)}
+    # An instance runs its template's command, never one of its own.
+    own_command = spec.get("command")
+    template_name = _rule(check_template, _str(spec, "template", 100))
+    if template_name:
+        template = template_for_launch(tenant=tenant, name=template_name)
+        spec = template_apply(template=template, spec=spec, kind=kind)
 
     # GPUs: models and constraints.
     catalog = list(GpuModel.objects.all())
@@ -395,7 +402,7 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
         if f["spot_max_price"].as_tuple().exponent < -10:
             raise _fail("spot_max_price", "At most 10 decimal places.")
 
-    f.update(_validate_what_runs(spec))
+    f.update(_validate_what_runs(spec, tenant))
     f["max_runtime_s"] = _int(spec, "max_runtime_s", None, 60, 366 * 86400)
     f["estimated_runtime_s"] = _int(spec, "estimated_runtime_s", None, 1, 366 * 86400)
     f["requeue_on_preemption"] = _bool(spec, "requeue_on_preemption", True)
@@ -404,8 +411,8 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
     if kind == WorkloadKind.INSTANCE:
         if not f["image"] and not f["template"]:
             raise _fail("image", "An instance needs an image or a template.")
-        if f["command"] or f["estimated_runtime_s"] is not None:
-            raise _fail("command" if f["command"] else "estimated_runtime_s", "Jobs only.")
+        if own_command or f["estimated_runtime_s"] is not None:
+            raise _fail("command" if own_command else "estimated_runtime_s", "Jobs only.")
     else:
         if not f["image"]:
             raise _fail("image", "A job needs an image.")

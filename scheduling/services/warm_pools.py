@@ -36,7 +36,7 @@ from nodes.models import SCHEDULABLE_NODE_STATES, CommandKind, CommandState, Gpu
 from nodes.services.commands import node_command_enqueue
 from scheduling.engine import types as E
 from scheduling.locks import try_cycle_lock
-from scheduling.models import MILLI, Allocation, WarmPool, WarmSlot, Workload
+from scheduling.models import MILLI, Allocation, WarmPool, WarmSlot, Workload, WorkloadTemplate
 
 
 def _matching(pool: WarmPool):
@@ -142,6 +142,9 @@ def warm_pools_reconcile(*, now: datetime | None = None) -> WarmResult:
                 end_reason=PREWARM_FAILED, ended_at__gte=now - timedelta(seconds=FAILED_NODE_COOLDOWN_S)
             ).values_list("node_id", flat=True)
         )
+        # A template pool prewarms its catalog template's image (the template's name when the
+        # catalog has none by that name).
+        catalog_images = dict(WorkloadTemplate.objects.catalog().values_list("name", "image"))
         for pool in WarmPool.objects.filter(enabled=True).select_related("gpu_model", "region"):
             warm_pool_target_update(pool=pool, now=now)
             result.targets[pool.pk] = pool.target_size
@@ -184,7 +187,7 @@ def warm_pools_reconcile(*, now: datetime | None = None) -> WarmResult:
                     node=Node(pk=node_id),
                     kind=CommandKind.PREWARM,
                     payload={
-                        "image": pool.image or pool.template,
+                        "image": pool.image or catalog_images.get(pool.template, pool.template),
                         "gpu_uuids": [g["uuid"] for g in gpus],
                         "warm_pool": pool.pk,
                     },

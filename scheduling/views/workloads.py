@@ -308,7 +308,8 @@ def spec_of(w: Workload) -> dict:
         "priority_class": w.priority_class,
         "image": w.image,
         "template": w.template,
-        "command": list(w.command),
+        # An instance's command came from its template, which the new submission applies again.
+        "command": list(w.command) if w.kind == WorkloadKind.JOB else [],
         "env": dict(w.env),
         "ports": list(w.ports),
         "ssh_public_key": w.ssh_public_key,
