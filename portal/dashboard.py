@@ -163,6 +163,7 @@ def nav_for(request) -> list[NavLink]:
 
 register_nav("dashboard", "Dashboard", "portal:dashboard", order=0, icon="grid")
 register_nav("team", "Team", "portal:team", order=80, icon="users")
+register_nav("secrets", "Secrets", "portal:secrets", order=85, icon="key")
 register_nav("tokens", "API tokens", "portal:tokens", order=90, scope=Scope.ADMIN, icon="key")
 register_nav("admin", "Admin", "admin:index", order=1000, icon="shield", staff_only=True)
 

@@ -2,7 +2,7 @@
 
 from django.urls import path
 
-from portal.views import accounts, dashboard, team, tokens
+from portal.views import accounts, dashboard, secrets, team, tokens
 
 app_name = "portal"
 urlpatterns = [
@@ -36,6 +36,9 @@ urlpatterns = [
     path("team/invitations/<int:pk>/resend/", team.InvitationResendView.as_view(), name="invitation-resend"),
     path("team/members/<int:pk>/role/", team.MemberRoleView.as_view(), name="member-role"),
     path("team/members/<int:pk>/remove/", team.MemberRemoveView.as_view(), name="member-remove"),
+    # secrets
+    path("secrets/", secrets.SecretsView.as_view(), name="secrets"),
+    path("secrets/<int:pk>/delete/", secrets.SecretDeleteView.as_view(), name="secret-delete"),
     # API tokens
     path("tokens/", tokens.TokensView.as_view(), name="tokens"),
     path("tokens/new/", tokens.TokenCreateView.as_view(), name="token-create"),

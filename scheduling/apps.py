@@ -10,6 +10,10 @@ class SchedulingConfig(AppConfig):
         from scheduling import receivers, views  # noqa: F401  (views: the nav entries and panel)
 
         receivers.connect()
+        from portal.signals import seed_demo_requested
+        from scheduling import demo
+
+        seed_demo_requested.connect(demo.on_seed_demo_requested, dispatch_uid="scheduling.seed_demo")
         from scheduling.metrics import register_collector
 
         register_collector()

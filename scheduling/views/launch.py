@@ -30,6 +30,7 @@ from scheduling.models import (
     WarmSlot,
     Workload,
     WorkloadKind,
+    WorkloadTemplate,
 )
 from scheduling.pricing import gpu_price_table, price_key, workload_estimate
 from scheduling.selectors.shared import gpu_availability, gpu_catalog, reservations_for_tenant
@@ -86,8 +87,19 @@ class LaunchForm(forms.Form):
         label="Image", required=False, max_length=255, help_text="e.g. nvcr.io/nvidia/pytorch:24.08-py3"
     )
     template = forms.CharField(
-        label="Template", required=False, max_length=100, help_text="Instances: an image or a template."
-    )
+        label="Template", required=False, max_length=100, widget=forms.Select,
+        help_text="Fills the image, command, ports, env and minimum GPU memory you leave empty.",
+    )  # fmt: skip
+    env = forms.CharField(
+        label="Environment variables", required=False, strip=False,
+        widget=forms.Textarea(attrs={"rows": 3, "placeholder": "MODE=train\nBATCH=64"}),
+        help_text="One NAME=value a line; values are kept exactly as written.",
+    )  # fmt: skip
+    secret_env = forms.CharField(
+        label="Secrets as variables", required=False,
+        widget=forms.Textarea(attrs={"rows": 2, "placeholder": "HF_TOKEN=hf-token"}),
+        help_text="One NAME=SECRET a line: the variable gets the secret's value when the workload starts.",
+    )  # fmt: skip
     ssh_public_key = forms.CharField(
         label="SSH public key", required=False, max_length=16_000,
         widget=forms.Textarea(attrs={"rows": 2, "placeholder": "ssh-ed25519 AAAA… you@laptop"}),
@@ -99,9 +111,17 @@ class LaunchForm(forms.Form):
     )  # fmt: skip
 
     def __init__(
-        self, *args, models: list[GpuModel], regions: list[str], reservations: list[Reservation], **kw
+        self,
+        *args,
+        models: list[GpuModel],
+        regions: list[str],
+        reservations: list[Reservation],
+        templates: list[str] = (),
+        **kw,
     ):
         super().__init__(*args, **kw)
+        self.fields["template"].widget.choices = [("", "None"), *((t, t) for t in templates)]
+        self.fields["template"].widget.attrs.pop("maxlength", None)
         self.fields["gpu_model"].widget.choices = [(m.name, m.name) for m in models]
         if models and not self.is_bound:
             self.fields["gpu_model"].initial = models[0].name
@@ -118,6 +138,27 @@ class LaunchForm(forms.Form):
             return shlex.split(text)
         except ValueError as exc:
             raise forms.ValidationError(f"Cannot split this command: {exc}.") from None
+
+    @staticmethod
+    def _lines(text: str, field: str) -> list[tuple[str, str]]:
+        pairs = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            name, sep, value = line.partition("=")
+            if not sep or not name.strip():
+                raise forms.ValidationError(f"Line {number}: write NAME=value.")
+            pairs.append((name.strip(), value))
+        return pairs
+
+    def clean_env(self) -> dict[str, str]:
+        return dict(self._lines(self.cleaned_data.get("env") or "", "env"))
+
+    def clean_secret_env(self) -> dict[str, dict[str, str]]:
+        return {
+            k: {"secret": v.strip()}
+            for k, v in self._lines(self.cleaned_data.get("secret_env") or "", "secret_env")
+        }
 
     def spec(self) -> dict[str, Any]:
         """The service's spec: what was filled in, under the API's names."""
@@ -138,6 +179,8 @@ class LaunchForm(forms.Form):
             spec["other_regions_ok"] = d["other_regions_ok"]
         if d["command"]:
             spec["command"] = d["command"]
+        if d["env"] or d["secret_env"]:
+            spec["env"] = {**d["env"], **d["secret_env"]}
         if d["reservation"] is not None:
             spec["reservation"] = d["reservation"]
         if d["spot_max_price"] is not None:
@@ -309,6 +352,11 @@ class LaunchMixin(TenantScopedMixin):
                 models=[o.model for o in offers],
                 regions=list(region_objects),
                 reservations=reservations,
+                templates=list(
+                    WorkloadTemplate.objects.available_to(self.tenant)
+                    .values_list("name", flat=True)
+                    .distinct()
+                ),
             )
         values = form.data if form.is_bound else {name: f.initial for name, f in form.fields.items()}
         return {

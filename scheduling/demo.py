@@ -1,0 +1,55 @@
+"""The demo's template catalog (``make run``, ``manage.py seed_demo``): a few real public images a
+tenant can launch from at once. Idempotent: a template already there is left as staff made it."""
+
+from __future__ import annotations
+
+from portal.actors import Actor
+from scheduling.models import WorkloadTemplate
+from scheduling.services.templates import template_create
+
+DEMO_TEMPLATES = (
+    {
+        "name": "pytorch-jupyter",
+        "description": "NVIDIA's PyTorch container with JupyterLab on port 8888.",
+        "image": "nvcr.io/nvidia/pytorch:24.08-py3",
+        "command": ["jupyter", "lab", "--ip=0.0.0.0", "--port=8888", "--no-browser", "--allow-root"],
+        "ports": [8888],
+        "env": {"JUPYTER_ENABLE_LAB": "yes"},
+        "min_gpu_memory_gib": 16,
+    },
+    {
+        "name": "vllm-openai",
+        "description": "vLLM's OpenAI-compatible server on port 8000; set MODEL (and HF_TOKEN as a secret).",
+        "image": "vllm/vllm-openai:v0.6.3",
+        "command": [],
+        "ports": [8000],
+        "env": {},
+        "min_gpu_memory_gib": 24,
+    },
+    {
+        "name": "cuda-base",
+        "description": "A bare CUDA 12.4 Ubuntu image that waits: bring your own command.",
+        "image": "nvidia/cuda:12.4.1-base-ubuntu22.04",
+        "command": ["sleep", "infinity"],
+        "ports": [],
+        "env": {},
+        "min_gpu_memory_gib": 0,
+    },
+)
+
+
+def templates_demo_seed() -> int:
+    """Create the demo catalog templates that are missing; returns how many were made."""
+    have = set(WorkloadTemplate.objects.catalog().values_list("name", flat=True))
+    made = 0
+    for data in DEMO_TEMPLATES:
+        if data["name"] not in have:
+            template_create(tenant=None, data=dict(data), actor=Actor.system())
+            made += 1
+    return made
+
+
+def on_seed_demo_requested(sender, tenant=None, stdout=None, **kwargs) -> None:
+    made = templates_demo_seed()
+    if stdout is not None and made:
+        stdout.write(f"Template catalog: {made} template(s) added.")
