@@ -95,9 +95,9 @@ def test_viewers_see_names_only_and_other_tenants_get_404(
     web,
     tenant,
     owner,
-    add_member,
-    signed_in,
-    make_tenant,  # noqa: F811
+    add_member,  # noqa: F811
+    signed_in,  # noqa: F811
+    make_tenant,
 ):
     secret = secret_create(tenant=tenant, name="KEEP", value="v", actor=Actor(user=owner))
     viewer = signed_in(add_member(tenant, Role.VIEWER).user, tenant)
