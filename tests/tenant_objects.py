@@ -136,3 +136,28 @@ def _make_usage_record(*, tenant, **fields):
 
 MAKERS["metering.Invoice"] = _make_invoice
 MAKERS["metering.UsageRecord"] = _make_usage_record
+
+
+def _make_secret(*, tenant, **fields):
+    """A real secret (a name the API's URLs accept, a value that decrypts)."""
+    from portal.actors import Actor
+    from portal.models import TenantSecret
+    from portal.services.secrets import secret_create
+
+    name = fields.pop("name", None) or f"walker-{TenantSecret.objects.count()}"
+    return secret_create(tenant=tenant, name=name, value="walker-secret", actor=Actor.system())
+
+
+def _make_template(*, tenant, **fields):
+    """A tenant's own template that obeys the workload rules."""
+    from portal.actors import Actor
+    from scheduling.models import WorkloadTemplate
+    from scheduling.services.templates import template_create
+
+    n = WorkloadTemplate.objects.count()
+    data = {"name": f"walker-{n}", "image": "ghcr.io/acme/walker:1", **fields}
+    return template_create(tenant=tenant, data=data, actor=Actor.system())
+
+
+MAKERS["portal.TenantSecret"] = _make_secret
+MAKERS["scheduling.WorkloadTemplate"] = _make_template

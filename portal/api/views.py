@@ -145,7 +145,6 @@ class SecretViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin, mixins.Destr
     serializer_class = SecretSerializer
     lookup_field = "name"
     lookup_value_regex = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
-    pagination_class = None
     http_method_names = ["get", "post", "put", "delete", "head", "options"]
 
     def get_serializer_class(self):

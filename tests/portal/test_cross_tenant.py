@@ -12,6 +12,7 @@ wrong kind, a body the route refuses anyway) fails the test instead of passing i
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -53,7 +54,14 @@ OWNER_BODIES: dict[tuple[str, str], dict] = {
     ("api:job-list", "post"): {"gpu_models": [H100], "image": "ghcr.io/acme/train:1", "command": ["true"]},
     ("api:cost-estimate", "post"): {"gpu_model": H100},
     ("api:budget", "put"): {"monthly_limit": "100"},
+    ("api:secret-list", "post"): {"name": "walker", "value": "walker-value"},
+    ("api:secret-detail", "put"): {"value": "walker-value"},
+    ("api:template-list", "post"): {"name": "walker", "image": "ghcr.io/acme/walker:1"},
+    ("api:template-detail", "patch"): {"description": "walker"},
 }
+# Creates whose name must be new in the tenant: each call gets its own.
+UNIQUE_NAMES = {("api:secret-list", "post"), ("api:template-list", "post")}
+_names = itertools.count(1)
 # What a body needs besides the id for a foreign-key field to be used at all.
 FIELD_BODIES: dict[str, dict] = {"reservation": {"plan": "reserved"}}
 # What an object needs to be used by a field that names it.
@@ -92,8 +100,25 @@ class Route:
         return self.model is not None and issubclass(self.model, TenantOwnedModel)
 
     @property
+    def lookup_field(self) -> str:
+        """The object's field a detail URL names it by (``pk``, or e.g. a secret's ``name``)."""
+        return getattr(self.view_class, "lookup_field", "pk")
+
+    @property
+    def lookup(self) -> str:
+        return getattr(self.view_class, "lookup_url_kwarg", None) or self.lookup_field
+
+    @property
     def is_detail(self) -> bool:
-        return "pk" in self.kwargs
+        return self.lookup in self.kwargs
+
+    def row_key(self, obj) -> object:
+        """How a list row names ``obj``: its ``id``, or its lookup field where that is not the pk."""
+        return obj.pk if self.lookup_field == "pk" else getattr(obj, self.lookup_field)
+
+    @property
+    def row_key_name(self) -> str:
+        return "id" if self.lookup_field == "pk" else self.lookup_field
 
     @property
     def methods(self) -> list[str]:
@@ -127,7 +152,10 @@ class Route:
     def body(self, method: str) -> dict:
         if (self.name, method) == ("api:reservation-list", "post"):
             return _reservation_body()
-        return dict(OWNER_BODIES.get((self.name, method), {}))
+        body = dict(OWNER_BODIES.get((self.name, method), {}))
+        if (self.name, method) in UNIQUE_NAMES:  # a second create by the same name is a 400
+            body["name"] = f"{body['name']}-{next(_names)}"
+        return body
 
     def make(self, tenant, **fields):
         """An object of the kind this route serves (a workload of the viewset's ``kind``)."""
@@ -193,11 +221,17 @@ def _bearer(token: str) -> Client:
 
 
 def _url(route: Route, pk=None) -> str:
+    """The route's URL for the object of primary key ``pk`` (by its lookup field where the route
+    names objects otherwise)."""
     kwargs = {}
     for name in route.kwargs:
-        if name != "pk":
+        if name == "pk":
+            kwargs["pk"] = pk
+        elif name == route.lookup and route.lookup_field != "pk":
+            obj = route.model._base_manager.filter(pk=pk).first()
+            kwargs[name] = getattr(obj, route.lookup_field) if obj is not None else "no-such-object"
+        else:
             raise AssertionError(f"{route.route}: teach this test how to fill the URL argument {name!r}")
-        kwargs["pk"] = pk
     return reverse(route.name, kwargs=kwargs)
 
 
@@ -255,18 +289,19 @@ def test_another_tenants_objects_do_not_exist(call, two_tenants):
 def test_lists_never_show_another_tenant(route, two_tenants):
     own_ids = set()
     if route.tenant_owned:
-        own_ids.add(route.make(two_tenants["a"]).pk)
+        own_ids.add(route.row_key(route.make(two_tenants["a"])))
+    key = route.row_key_name
     own = two_tenants["a_all"].get(reverse(route.name))
     assert own.status_code == 200, own.content
     if "results" in own.json():  # positive control: the owner sees its row where B must not
-        assert own_ids <= {row.get("id") for row in own.json()["results"]}, f"{route.route}: owner's rows"
+        assert own_ids <= {row.get(key) for row in own.json()["results"]}, f"{route.route}: owner's rows"
     response = two_tenants["b_all"].get(reverse(route.name))
     assert response.status_code == 200, response.content
     body = response.json()
     text = json.dumps(body)
     assert "tenant-a-marker" not in text and "Tenant A Marker" not in text
     if own_ids:
-        seen = {row.get("id") for row in body.get("results", [])}
+        seen = {row.get(key) for row in body.get("results", [])}
         assert not (own_ids & seen), f"{route.route} lists tenant A's rows to tenant B"
 
 

@@ -28,7 +28,7 @@ def test_create_list_replace_delete_never_return_the_value(admin_client, tenant)
     r = post(admin_client, "/api/v1/secrets/", {"name": "DB_PASSWORD", "value": VALUE})
     assert r.status_code == 201, r.content
     assert set(r.json()) == {"name", "created_at", "updated_at"}
-    listed = admin_client.get("/api/v1/secrets/").json()
+    listed = admin_client.get("/api/v1/secrets/").json()["results"]
     assert [s["name"] for s in listed] == ["DB_PASSWORD"]
     detail = admin_client.get("/api/v1/secrets/DB_PASSWORD/")
     assert detail.status_code == 200 and "value" not in detail.json()
@@ -44,7 +44,7 @@ def test_create_list_replace_delete_never_return_the_value(admin_client, tenant)
     assert secrets_resolve(tenant_id=tenant.pk, names=["DB_PASSWORD"]) == {"DB_PASSWORD": "new"}
 
     assert admin_client.delete("/api/v1/secrets/DB_PASSWORD/").status_code == 204
-    assert admin_client.get("/api/v1/secrets/").json() == []
+    assert admin_client.get("/api/v1/secrets/").json()["results"] == []
     with pytest.raises(SecretMissing, match="DB_PASSWORD"):
         secrets_resolve(tenant_id=tenant.pk, names=["DB_PASSWORD"])
 
@@ -92,7 +92,7 @@ def test_read_tokens_see_names_and_cannot_write(admin_client, tenant, make_token
     assert post(admin_client, "/api/v1/secrets/", {"name": "API_KEY", "value": "abc123"}).status_code == 201
     reader = api(make_token(tenant, scopes=("read",)))
     r = reader.get("/api/v1/secrets/")
-    assert r.status_code == 200 and [s["name"] for s in r.json()] == ["API_KEY"]
+    assert r.status_code == 200 and [s["name"] for s in r.json()["results"]] == ["API_KEY"]
     assert b"abc123" not in r.content
     assert post(reader, "/api/v1/secrets/", {"name": "X", "value": "1"}).status_code == 403
     assert (
@@ -109,7 +109,7 @@ def test_another_tenants_secret_does_not_exist(admin_client, make_tenant, make_t
     assert post(admin_client, "/api/v1/secrets/", {"name": "MINE", "value": "1"}).status_code == 201
     assert admin_client.get("/api/v1/secrets/MINE/").status_code == 200  # the owner's positive control
     other = api(make_token(make_tenant("globex")))
-    assert other.get("/api/v1/secrets/").json() == []
+    assert other.get("/api/v1/secrets/").json()["results"] == []
     assert other.get("/api/v1/secrets/MINE/").status_code == 404
     assert (
         other.put("/api/v1/secrets/MINE/", {"value": "x"}, content_type="application/json").status_code == 404
