@@ -232,6 +232,10 @@ def detail_context(view: WorkloadsMixin, w: Workload) -> dict:
         and w.state != WorkloadState.STOPPING,
         "can_restart": can_write and w.state in TERMINAL_STATES,
         "can_write": can_write,
+        # (name, value, secret name): a secret shows by its name only.
+        "env_rows": [
+            (k, "", v.get("secret", "")) if isinstance(v, dict) else (k, v, "") for k, v in (w.env or {}).items()
+        ],
     }
 
 

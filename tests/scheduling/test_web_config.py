@@ -54,8 +54,16 @@ def test_the_launch_form_sends_env_secrets_and_a_template(web, tenant, owner, ma
     w = Workload.objects.get()
     assert (w.image, w.template, w.ports) == ("ghcr.io/acme/jupyter:1", "jupyter", [8888])
     assert w.env == {"A": "mine=yes", "MODE": " train ", "HF_TOKEN": {"secret": "hf-token"}}
-    # The workload page shows no secret value.
-    assert b"hf_x" not in web.get(f"/workloads/{w.pk}/").content
+    # The workload page shows the variables, a secret by its name, never its value.
+    page = web.get(f"/workloads/{w.pk}/").content.decode()
+    assert "<code>MODE</code>=<code> train </code>" in page and "secret hf-token" in page
+    assert "hf_x" not in page
+
+    # Restarted, it is launched from its template again, with the same env (the reference).
+    Workload.objects.filter(pk=w.pk).update(state="stopped")
+    assert web.post(f"/workloads/{w.pk}/restart/").status_code == 302
+    again = Workload.objects.exclude(pk=w.pk).get()
+    assert (again.image, again.template, again.env) == (w.image, "jupyter", w.env)
 
 
 @pytest.mark.parametrize(
@@ -118,3 +126,51 @@ def test_the_demo_seeds_a_catalog_once():
     assert set(WorkloadTemplate.objects.catalog().values_list("name", flat=True)) == {
         t["name"] for t in DEMO_TEMPLATES
     }
+
+
+def test_staff_manage_the_catalog_in_the_admin_through_the_audited_service(client, django_user_model):
+    staff = django_user_model.objects.create_superuser(email="root@example.com", password="x")
+    client.force_login(staff)
+    form = {
+        "name": "tgi",
+        "description": "Text generation",
+        "image": "ghcr.io/huggingface/text-generation-inference:2.4",
+        "command": "[]",
+        "ports": "[80]",
+        "env": '{"MAX_INPUT_TOKENS": "4096"}',
+        "min_gpu_memory_gib": "24",
+    }
+    r = client.post("/admin/scheduling/workloadtemplate/add/", form)
+    assert r.status_code == 302, r.content.decode()[-2000:]
+    t = WorkloadTemplate.objects.get(name="tgi")
+    assert t.is_catalog and t.ports == [80] and t.env == {"MAX_INPUT_TOKENS": "4096"}
+    event = AuditEvent.objects.get(action="template.create")
+    assert event.tenant is None and event.actor_user == staff and event.data["env"] == ["MAX_INPUT_TOKENS"]
+
+    # The workload rules apply: the error shows on its field and nothing changes.
+    r = client.post(f"/admin/scheduling/workloadtemplate/{t.pk}/change/", {**form, "image": "--privileged"})
+    assert r.status_code == 200 and "not start with" in r.content.decode()
+    assert WorkloadTemplate.objects.get(pk=t.pk).image == form["image"]
+    r = client.post(
+        f"/admin/scheduling/workloadtemplate/{t.pk}/change/", {**form, "env": '{"LD_PRELOAD": "x"}'}
+    )
+    assert r.status_code == 200 and "LD_PRELOAD" in r.content.decode()
+
+    assert (
+        client.post(
+            f"/admin/scheduling/workloadtemplate/{t.pk}/change/", {**form, "ports": "[80, 443]"}
+        ).status_code
+        == 302
+    )
+    assert WorkloadTemplate.objects.get(pk=t.pk).ports == [80, 443]
+    assert (
+        client.post(f"/admin/scheduling/workloadtemplate/{t.pk}/delete/", {"post": "yes"}).status_code == 302
+    )
+    assert not WorkloadTemplate.objects.exists()
+    assert sorted(
+        AuditEvent.objects.filter(action__startswith="template.").values_list("action", flat=True)
+    ) == [
+        "template.create",
+        "template.delete",
+        "template.update",
+    ]
