@@ -140,7 +140,7 @@ class LaunchForm(forms.Form):
             raise forms.ValidationError(f"Cannot split this command: {exc}.") from None
 
     @staticmethod
-    def _lines(text: str, field: str) -> list[tuple[str, str]]:
+    def _lines(text: str) -> list[tuple[str, str]]:
         pairs = []
         for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
@@ -152,13 +152,10 @@ class LaunchForm(forms.Form):
         return pairs
 
     def clean_env(self) -> dict[str, str]:
-        return dict(self._lines(self.cleaned_data.get("env") or "", "env"))
+        return dict(self._lines(self.cleaned_data.get("env") or ""))
 
     def clean_secret_env(self) -> dict[str, dict[str, str]]:
-        return {
-            k: {"secret": v.strip()}
-            for k, v in self._lines(self.cleaned_data.get("secret_env") or "", "secret_env")
-        }
+        return {k: {"secret": v.strip()} for k, v in self._lines(self.cleaned_data.get("secret_env") or "")}
 
     def spec(self) -> dict[str, Any]:
         """The service's spec: what was filled in, under the API's names."""

@@ -234,7 +234,8 @@ def detail_context(view: WorkloadsMixin, w: Workload) -> dict:
         "can_write": can_write,
         # (name, value, secret name): a secret shows by its name only.
         "env_rows": [
-            (k, "", v.get("secret", "")) if isinstance(v, dict) else (k, v, "") for k, v in (w.env or {}).items()
+            (k, "", v.get("secret", "")) if isinstance(v, dict) else (k, v, "")
+            for k, v in (w.env or {}).items()
         ],
     }
 
