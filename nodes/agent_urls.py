@@ -2,7 +2,7 @@
 
 from django.urls import path
 
-from nodes import agent_views
+from nodes import agent_logs, agent_views
 
 app_name = "agent"
 
@@ -15,4 +15,5 @@ urlpatterns = [
         agent_views.command_report,
         name="command-report",
     ),
+    path("nodes/<int:node_id>/logs", agent_logs.logs, name="logs"),
 ]

@@ -15,6 +15,7 @@
 """
 
 import os
+import re
 import sys
 
 from django.core.asgi import get_asgi_application
@@ -42,12 +43,19 @@ PREFIX_APPS = [
 
 pages_app = get_wsgi_application()  # Django's WSGIHandler: settings.MIDDLEWARE as it stands
 threaded_app = WSGIMiddleware(pages_app, workers=settings.WEB_THREADS)
+# Long-lived streams (a workload's log follow) on the event loop, by path, named in the settings.
+STREAM_APPS = [
+    (re.compile(p), import_string(app)(fallback=threaded_app)) for p, app in settings.ASGI_STREAM_APPS
+]
 
 
 async def http_app(scope, receive, send):
     path = scope["path"]
     for prefix, app in PREFIX_APPS:
         if path.startswith(prefix):
+            return await app(scope, receive, send)
+    for pattern, app in STREAM_APPS:
+        if pattern.match(path):
             return await app(scope, receive, send)
     await threaded_app(scope, receive, send)
 

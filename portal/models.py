@@ -73,12 +73,21 @@ class Tenant(models.Model):
         GRACE = "grace", "Payment overdue"
         SUSPENDED = "suspended", "Suspended"
 
+    class ServicePlan(models.TextChoices):
+        """What a tenant's subscription includes beyond GPU hours; today, how long workload logs
+        are kept (``WORKLOAD_LOG_RETENTION_DAYS``)."""
+
+        STANDARD = "standard", "Standard"
+        PRO = "pro", "Pro"
+        ENTERPRISE = "enterprise", "Enterprise"
+
     name = models.CharField(max_length=120)
     slug = models.SlugField(max_length=50, unique=True, validators=[slug_validator])
     billing_email = models.EmailField()
     currency = models.CharField(max_length=3, default="USD")
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.ACTIVE)
     suspended_reason = models.CharField(max_length=255, blank=True)
+    service_plan = models.CharField(max_length=16, choices=ServicePlan.choices, default=ServicePlan.STANDARD)
     created = models.DateTimeField(default=timezone.now, editable=False)
 
     class Meta:

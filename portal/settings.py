@@ -521,6 +521,23 @@ CELERY_BEAT_SCHEDULE.update(
         },
     }
 )
+# Workload logs (scheduling.services.logs): days kept per tenant service plan (Tenant.service_plan),
+# the longest line stored (characters; the agent cuts longer ones), and the most lines one agent
+# batch may carry.
+WORKLOAD_LOG_RETENTION_DAYS = {
+    "standard": env.int("WORKLOAD_LOG_RETENTION_DAYS_STANDARD", default=7),
+    "pro": env.int("WORKLOAD_LOG_RETENTION_DAYS_PRO", default=30),
+    "enterprise": env.int("WORKLOAD_LOG_RETENTION_DAYS_ENTERPRISE", default=90),
+}
+WORKLOAD_LOG_LINE_MAX_CHARS = 4096
+WORKLOAD_LOG_BATCH_MAX_LINES = 10_000
+# Follow streams (?follow=1) served on the event loop, not by the pages' thread pool: (path
+# pattern, a factory taking the fallback app), as ASGI_PREFIX_APPS.
+ASGI_STREAM_APPS = [(r"^/api/v1/(?:jobs|instances)/[0-9]+/logs/$", "scheduling.log_follow.follow_app")]
+CELERY_BEAT_SCHEDULE["scheduling-purge-logs"] = {
+    "task": "scheduling.tasks.purge_logs",
+    "schedule": timedelta(hours=1),
+}
 # --- end of the scheduling block -------------------------------------------------------------------
 
 # --- gpupool: metering ------------------------------------------------------------------------------

@@ -28,10 +28,12 @@ from portal.api.filters import TenantFilterSet, UTCDateTimeFilter
 from portal.api.routers import extra_urlpatterns, router
 from portal.api.serializers import BoundedDateTimeField, FieldsOnceModelSerializer
 from portal.api.viewsets import TenantReadOnlyViewSet
+from portal.errors import ValidationFailed
 from portal.models import Scope
 from scheduling.api_fields import EnvValueField
 from scheduling.models import (
     GpuVendor,
+    LogStream,
     Plan,
     PriorityClass,
     Reservation,
@@ -46,6 +48,7 @@ from scheduling.selectors.shared import (
     quota_usage,
     workload_events,
     workload_gpu_model_names,
+    workload_log_lines,
     workload_placement,
 )
 from scheduling.selectors.workload_metrics import workload_gpu_metrics, workload_held, workload_last_placement
@@ -54,6 +57,7 @@ from scheduling.services.reservations import reservation_cancel, reservation_req
 from scheduling.services.submission import workload_submit
 
 logger = logging.getLogger(__name__)
+LOG_TAIL_MAX = 10_000
 
 # A workload's metrics: the longest window one request may ask for, and the window by default.
 METRICS_MAX_WINDOW = timedelta(days=1)
@@ -274,16 +278,30 @@ class WorkloadMetricsSerializer(serializers.Serializer):
     gpus = WorkloadGpuMetricsSerializer(many=True)
 
 
-class JobLogsSerializer(serializers.Serializer):
-    id = serializers.IntegerField()
-    state = serializers.ChoiceField(choices=WorkloadState.choices)
-    exit_code = serializers.IntegerField(allow_null=True)
-    log_tail = serializers.CharField(allow_blank=True)
-    source = serializers.ChoiceField(choices=["agent_report"])
-    events = WorkloadEventSerializer(many=True)
-
-
 # --- instances and jobs ----------------------------------------------------------------------------
+
+
+class LogQuerySerializer(serializers.Serializer):
+    tail = serializers.IntegerField(min_value=1, max_value=LOG_TAIL_MAX, default=100)
+    since = serializers.IntegerField(min_value=0, max_value=2**63 - 1, required=False)
+    follow = serializers.BooleanField(default=False)
+
+
+class LogLineSerializer(serializers.Serializer):
+    at = serializers.DateTimeField()
+    stream = serializers.ChoiceField(choices=LogStream.choices)
+    text = serializers.CharField()
+
+
+class WorkloadLogsSerializer(serializers.Serializer):
+    lines = LogLineSerializer(many=True)
+    next = serializers.CharField(help_text="The cursor to pass as since= for the lines after these.")
+
+
+def log_line_json(row: tuple) -> dict:
+    """One stored line as the API and the follow stream give it."""
+    _, at, stream, text = row
+    return {"at": at.isoformat().replace("+00:00", "Z"), "stream": stream, "text": text}
 
 
 class WorkloadFilter(TenantFilterSet):
@@ -374,6 +392,28 @@ class _WorkloadViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
             ).data
         )
 
+    @extend_schema(parameters=[LogQuerySerializer], responses=WorkloadLogsSerializer)
+    @action(detail=True, methods=["get"])
+    def logs(self, request, pk=None):
+        """The workload's output (stdout and stderr), line by line: the last ``tail`` lines, or with
+        ``since`` (a ``next`` from before) the first ``tail`` lines after it. ``follow=1`` streams new
+        lines as ``text/event-stream``; the portal's ASGI server serves that
+        (``scheduling.log_follow``), so it never reaches here."""
+        workload = self.get_object()  # another tenant's: 404 whatever the query says
+        query = LogQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        if query.validated_data["follow"]:
+            raise ValidationFailed(
+                "Follow streams are served by the portal's ASGI server only.",
+                fields={"follow": ["Not served here."]},
+            )
+        rows, cursor = workload_log_lines(
+            workload=workload,
+            since=query.validated_data.get("since"),
+            tail=query.validated_data["tail"],
+        )
+        return Response({"lines": [log_line_json(row) for row in rows], "next": str(cursor)})
+
 
 @extend_schema_view(
     create=extend_schema(
@@ -412,29 +452,11 @@ class InstanceViewSet(_WorkloadViewSet):
     )
 )
 class JobViewSet(_WorkloadViewSet):
-    """Batch jobs: run to completion. ``{id}/logs/`` gives the last output the agent reported."""
+    """Batch jobs: run to completion. ``{id}/logs/`` gives their output."""
 
     queryset = Workload.objects.all()
     kind = WorkloadKind.JOB
     create_serializer = JobCreateSerializer
-
-    @extend_schema(responses=JobLogsSerializer)
-    @action(detail=True, methods=["get"])
-    def logs(self, request, pk=None):
-        """What is stored: the agent's last reported message for the job (its exit message or log
-        tail, up to SCHEDULING_LOG_TAIL_CHARS) and the job's state events. There is no live log
-        stream in the agent protocol yet."""
-        w = self.get_object()
-        return Response(
-            {
-                "id": w.pk,
-                "state": w.state,
-                "exit_code": w.exit_code,
-                "log_tail": w.log_tail,
-                "source": "agent_report",
-                "events": WorkloadEventSerializer(workload_events(workload=w), many=True).data,
-            }
-        )
 
 
 # --- GPU types -------------------------------------------------------------------------------------

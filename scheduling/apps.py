@@ -14,6 +14,10 @@ class SchedulingConfig(AppConfig):
         from scheduling import demo
 
         seed_demo_requested.connect(demo.on_seed_demo_requested, dispatch_uid="scheduling.seed_demo")
+        from nodes.services.logs import log_sink_register
+        from scheduling.services.logs import workload_logs_ingest
+
+        log_sink_register(workload_logs_ingest)
         from scheduling.metrics import register_collector
 
         register_collector()

@@ -509,3 +509,46 @@ class WorkloadTemplate(TenantOwnedModel):
     @property
     def is_catalog(self) -> bool:
         return self.tenant_id is None
+
+
+class LogStream(models.TextChoices):
+    STDOUT = "stdout", "stdout"
+    STDERR = "stderr", "stderr"
+
+
+class WorkloadLogLine(models.Model):
+    """One line a workload wrote, as its node's agent captured it (``scheduling.services.logs``).
+
+    The id is the cursor the API pages and follows by (``since``). Not tenant-owned itself: it is
+    reached only through a workload the tenant scoping already found. Kept for the retention of
+    the workload's tenant's service plan (``WORKLOAD_LOG_RETENTION_DAYS``)."""
+
+    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="+", db_index=False)
+    at = models.DateTimeField()
+    stream = models.CharField(max_length=6, choices=LogStream.choices)
+    text = models.TextField()
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["workload", "id"], name="workloadlogline_workload_id"),
+            models.Index(fields=["at"], name="workloadlogline_at"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.workload_id} #{self.pk} {self.stream}: {self.text[:40]}"
+
+
+class WorkloadLogBatch(models.Model):
+    """A log batch a node sent (its ``seq``): a batch sent again is answered as a duplicate."""
+
+    node = models.ForeignKey("nodes.Node", on_delete=models.CASCADE, related_name="+", db_index=False)
+    seq = models.BigIntegerField()
+    received_at = models.DateTimeField(default=timezone.now)
+    lines = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["node", "seq"], name="workloadlogbatch_node_seq")]
+        indexes = [models.Index(fields=["received_at"], name="workloadlogbatch_received")]
+
+    def __str__(self) -> str:
+        return f"log batch {self.seq} of node {self.node_id}"

@@ -8,6 +8,7 @@ from scheduling.api import gpu_types_refresh
 from scheduling.metrics import cycle_recorded
 from scheduling.services.cycle import scheduling_cycle_run
 from scheduling.services.lifecycle import scheduling_reconcile
+from scheduling.services.logs import workload_logs_purge
 from scheduling.services.triggers import cycle_request_clear
 from scheduling.services.warm_pools import warm_pools_reconcile
 
@@ -39,3 +40,8 @@ def refresh_gpu_types() -> None:
     """The GPU catalog's next cached answer, asked for by the request that found it old (see
     ``scheduling.api.GpuTypeViewSet.list`` and ``gpu_types_refresh``)."""
     gpu_types_refresh()
+
+
+@shared_task(name="scheduling.tasks.purge_logs")
+def purge_logs() -> dict:
+    return workload_logs_purge()

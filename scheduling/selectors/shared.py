@@ -6,6 +6,7 @@ import functools
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import datetime
 from decimal import Decimal
 
 from django.db import connection
@@ -23,6 +24,7 @@ from scheduling.models import (
     Reservation,
     Workload,
     WorkloadEvent,
+    WorkloadLogLine,
 )
 
 
@@ -264,3 +266,18 @@ def gpu_availability() -> dict[int, dict[str, RegionAvailability]]:
 
 def gpu_catalog() -> QuerySet[GpuModel]:
     return GpuModel.objects.all()
+
+
+def workload_log_lines(
+    *, workload: Workload, since: int | None = None, tail: int = 100
+) -> tuple[list[tuple[int, datetime, str, str]], int]:
+    """``(lines, next)``: with ``since``, the first ``tail`` lines after that cursor, oldest first
+    (page forward until none come back); without it, the last ``tail`` lines. Each line is
+    ``(cursor, at, stream, text)``; ``next`` is the cursor to ask ``since`` next."""
+    qs = WorkloadLogLine.objects.filter(workload=workload).values_list("id", "at", "stream", "text")
+    if since is not None:
+        rows = list(qs.filter(id__gt=since).order_by("id")[:tail])
+    else:
+        rows = list(qs.order_by("-id")[:tail])
+        rows.reverse()
+    return rows, rows[-1][0] if rows else (since or 0)
