@@ -34,6 +34,7 @@ from nodes.agent.client import (
 from nodes.agent.collectors import Collector, make_collector
 from nodes.agent.commands import CommandHandlers
 from nodes.agent.config import AgentConfig
+from nodes.agent.logship import BATCH_MAX_LINES, LogLimits, LogShipper
 from nodes.agent.mig import MigSlices
 from nodes.agent.runtimes import Runtime, RuntimeFailure, make_runtime
 from nodes.agent.types import (
@@ -169,6 +170,17 @@ class Agent(CommandHandlers):
         self._terminal_seen: dict[str, int] = {}
         self._fail_messages: dict[str, str] = {}
         self.mig = MigSlices(self.buffer, self.collector, self.log)
+        self.logship = LogShipper(
+            self.buffer,
+            self.runtime,
+            LogLimits(
+                lines_per_s=config.workload_log_lines_per_s,
+                bytes_per_s=config.workload_log_bytes_per_s,
+                burst_s=config.workload_log_burst_s,
+                buffer_lines=config.workload_log_buffer_lines,
+            ),
+            log=self.log,
+        )
         self.fatal: BaseException | None = None
         self.heartbeats_built = 0
         self._readings: list[GpuSample] = []  # sampled, not yet in a batch
@@ -214,6 +226,7 @@ class Agent(CommandHandlers):
                     self._spawn(self._heartbeat_loop(), "heartbeats"),
                     self._spawn(self._sender_loop(), "sender"),
                     self._spawn(self._poll_loop(), "commands"),
+                    self._spawn(self._logs_loop(), "logs"),
                 ]
                 await self._stop.wait()
         finally:
@@ -258,6 +271,10 @@ class Agent(CommandHandlers):
         if self.credential is not None and self.fatal is None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._flush(), timeout=max(0.1, deadline - time.monotonic()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self.send_logs(reauth=False), timeout=max(0.1, deadline - time.monotonic())
+                )
         left = self.buffer.count()
         if left:
             self.log.info("shutting down with %d item(s) kept in the buffer for the next start", left)
@@ -478,6 +495,7 @@ class Agent(CommandHandlers):
             seen = self._terminal_seen.get(status.workload_id, 0) + 1
             self._terminal_seen[status.workload_id] = seen
             if seen >= TERMINAL_REPORTS:
+                await self.logship.collect_one(status.workload_id)  # its last lines first
                 await asyncio.to_thread(self.runtime.forget, status.workload_id)
                 self._terminal_seen.pop(status.workload_id, None)
                 self._fail_messages.pop(status.workload_id, None)
@@ -571,6 +589,52 @@ class Agent(CommandHandlers):
             self.log.warning("heartbeat %s answered with status %r", item.key, status)
         if data.get("gap"):
             self.log.info("the portal misses heartbeats %s", data["gap"])
+
+    # -- workload logs ----------------------------------------------------------------------------
+
+    async def _logs_loop(self) -> None:
+        """Read the workloads' output into the buffer, send what waits; every log interval."""
+        backoff = Backoff(self.config.backoff_initial_s, self.config.backoff_max_s)
+        while not self.stopping:
+            statuses = await self._runtime_status()
+            await self.logship.collect([status.workload_id for status in statuses])
+            outcome = await self.send_logs()
+            delay = backoff.next() if outcome == RETRY else self.config.workload_log_interval_s
+            if outcome != RETRY:
+                backoff.reset()
+            if await self._sleep(delay):
+                return
+
+    async def send_logs(self, *, reauth: bool = True) -> str:
+        """Send log batches until none waits or one fails; the outcome of the last one."""
+        assert self._client is not None
+        while (batch := self.buffer.log_batch(BATCH_MAX_LINES)) is not None:
+            seq, body = batch
+            credential = self.credential
+            try:
+                response = await self._client.request(
+                    "POST", f"/agent/v1/nodes/{self.node_id}/logs", credential=credential, content=body
+                )
+            except PortalUnreachable as exc:
+                self.log.debug("logs: portal unreachable (%s)", exc)
+                return RETRY
+            outcome = classify(response.status_code)
+            if outcome == OK:
+                self.buffer.log_ack(seq)
+                refused = (response.json() if response.content else {}).get("refused")
+                if refused:
+                    self.log.warning("the portal refused the output of workloads %s", refused)
+            elif outcome == BAD:
+                self.log.error("the portal refused log batch %s as bad: %s", seq, error_text(response))
+                self.buffer.log_ack(seq)  # it would be refused again; the lines are dropped
+            elif outcome == REAUTH:
+                if reauth:
+                    await self._reauthenticate(credential)
+                return RETRY
+            else:
+                self.log.warning("logs: portal answered %s", error_text(response))
+                return RETRY
+        return OK
 
     # -- commands ---------------------------------------------------------------------------------
 

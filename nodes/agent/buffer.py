@@ -6,7 +6,10 @@
 - ``dead_letter``: items the portal refused as bad (4xx other than 401), kept for a person to read.
 - ``commands``: each command id seen, with its state and result: a repeated delivery of a command id
   is answered from here instead of running the command again.
-- ``kv``: counters and flags (the heartbeat ``seq``, draining).
+- ``kv``: counters and flags (the heartbeat ``seq``, draining, each workload's log cursor).
+- ``log_lines``: workload output waiting to be sent (``nodes.agent.logship``), bounded by the
+  shipper. Lines get a batch number (``log_seq``) when a batch is first made of them, so a batch
+  sent again is the same batch; they leave when the portal answered it.
 
 One connection, used by one thread at a time (the agent's event loop).
 """
@@ -52,6 +55,15 @@ CREATE TABLE IF NOT EXISTS commands (
     received_at REAL NOT NULL,
     finished_at REAL
 );
+CREATE TABLE IF NOT EXISTS log_lines (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    batch INTEGER,
+    workload_id TEXT NOT NULL,
+    at REAL NOT NULL,
+    stream TEXT NOT NULL,
+    text TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS log_lines_batch ON log_lines (batch);
 CREATE TABLE IF NOT EXISTS kv (
     key TEXT PRIMARY KEY,
     value TEXT NOT NULL
@@ -236,6 +248,63 @@ class Buffer:
                     (str(seq), _compact(body), item_id),
                 )
             self.set("seq", str(len(rows)))
+
+    # -- workload logs ----------------------------------------------------------------------------
+
+    def log_count(self) -> int:
+        return self.db.execute("SELECT COUNT(*) FROM log_lines").fetchone()[0]
+
+    def log_add(
+        self, workload_id: str, lines: list[tuple[float, str, str]], cursor_key: str, cursor: str
+    ) -> None:
+        """Queue a workload's lines and move its cursor past them, in one transaction."""
+        with self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            self.db.executemany(
+                "INSERT INTO log_lines (workload_id, at, stream, text) VALUES (?, ?, ?, ?)",
+                [(workload_id, at, stream, text) for at, stream, text in lines],
+            )
+            self.set(cursor_key, cursor)
+
+    def log_batch(self, max_lines: int) -> tuple[int, str] | None:
+        """``(seq, body)`` of the oldest batch not yet taken by the portal (made now from the
+        oldest lines when none is open), or None when nothing waits."""
+        row = self.db.execute("SELECT MIN(batch) FROM log_lines WHERE batch IS NOT NULL").fetchone()
+        seq = row[0]
+        if seq is None:
+            with self.db:
+                self.db.execute("BEGIN IMMEDIATE")
+                first = self.db.execute("SELECT MIN(id) FROM log_lines").fetchone()[0]
+                if first is None:
+                    return None
+                seq = int(self.get("log_seq", "0") or 0) + 1
+                self.set("log_seq", str(seq))
+                self.db.execute(
+                    "UPDATE log_lines SET batch = ? WHERE id IN "
+                    "(SELECT id FROM log_lines WHERE batch IS NULL ORDER BY id LIMIT ?)",
+                    (seq, max_lines),
+                )
+        rows = self.db.execute(
+            "SELECT workload_id, at, stream, text FROM log_lines WHERE batch = ? ORDER BY id", (seq,)
+        ).fetchall()
+        workloads: dict[str, list[list[Any]]] = {}
+        for workload_id, at, stream, text in rows:
+            workloads.setdefault(workload_id, []).append([at, stream, text])
+        body = {
+            "seq": seq,
+            "workloads": [{"workload_id": w, "lines": lines} for w, lines in workloads.items()],
+        }
+        return seq, _compact(body)
+
+    def log_ack(self, seq: int) -> None:
+        self.db.execute("DELETE FROM log_lines WHERE batch = ?", (seq,))
+
+    def keys(self, prefix: str) -> list[str]:
+        rows = self.db.execute("SELECT key FROM kv WHERE substr(key, 1, ?) = ?", (len(prefix), prefix))
+        return [key for (key,) in rows.fetchall()]
+
+    def delete(self, key: str) -> None:
+        self.db.execute("DELETE FROM kv WHERE key = ?", (key,))
 
     # -- commands ---------------------------------------------------------------------------------
 

@@ -78,6 +78,15 @@ class AgentConfig:
     interconnect: str = ""
     seed: int = 0
     log_level: str = "INFO"
+    # Workload output (nodes.agent.logship): how often it is read and shipped, each workload's
+    # limit (lines and bytes per second, with bursts of workload_log_burst_s seconds of either;
+    # what passes it is dropped, with a marker line), and the most lines the on-disk buffer holds
+    # (when full, output is left at its source until the portal takes some).
+    workload_log_interval_s: float = 0.5
+    workload_log_lines_per_s: float = 1000.0
+    workload_log_bytes_per_s: float = 1024 * 1024
+    workload_log_burst_s: float = 5.0
+    workload_log_buffer_lines: int = 200_000
 
     def validate(self) -> AgentConfig:
         if not self.portal_url:
@@ -104,6 +113,16 @@ class AgentConfig:
             raise ConfigError("sample_interval_s must be positive")
         if self.docker_pids_limit < 1:
             raise ConfigError("docker_pids_limit must be positive")
+        for name in (
+            "workload_log_interval_s",
+            "workload_log_lines_per_s",
+            "workload_log_bytes_per_s",
+            "workload_log_burst_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive")
+        if self.workload_log_buffer_lines < 100:
+            raise ConfigError("workload_log_buffer_lines must be at least 100")
         if scheme == "http" and not self.allow_insecure_http:
             raise ConfigError(
                 f"portal_url {self.portal_url!r} is plain HTTP: the node credential and tenants' start "
@@ -158,6 +177,11 @@ ENV = {
     "GPUPOOL_SAMPLE_INTERVAL_S": "sample_interval_s",
     "GPUPOOL_COMMANDS_WAIT_S": "commands_wait_s",
     "GPUPOOL_LOG_LEVEL": "log_level",
+    "GPUPOOL_WORKLOAD_LOG_INTERVAL_S": "workload_log_interval_s",
+    "GPUPOOL_WORKLOAD_LOG_LINES_PER_S": "workload_log_lines_per_s",
+    "GPUPOOL_WORKLOAD_LOG_BYTES_PER_S": "workload_log_bytes_per_s",
+    "GPUPOOL_WORKLOAD_LOG_BURST_S": "workload_log_burst_s",
+    "GPUPOOL_WORKLOAD_LOG_BUFFER_LINES": "workload_log_buffer_lines",
 }
 
 

@@ -20,6 +20,8 @@ from typing import Any
 from nodes.agent.types import PREEMPTED, STOPPED, WorkloadHandle, WorkloadSpec, WorkloadStatus, rfc3339
 
 RUNTIME_KINDS = ("docker", "subprocess", "simulated")
+OutputLine = tuple[float, str, str]
+STREAMS = ("stdout", "stderr")
 GPU_SHARING_MODES = ("time-slicing", "mps")
 DEFAULT_MPS_PIPE_DIR = "/tmp/nvidia-mps"
 
@@ -32,6 +34,39 @@ def safe_name(workload_id: str) -> str:
     """A workload id as a file or container name: letters, digits, ``_.-`` only."""
     cleaned = re.sub(r"[^A-Za-z0-9_.-]", "_", workload_id)
     return cleaned or "_"
+
+
+READ_CHUNK_BYTES = 1 << 20
+LINE_MAX_BYTES = 16 * 1024  # a longer line without its newline yet is sent in pieces
+
+
+def read_new_lines(
+    path: str | Path, offset: int, limit: int, stream: str, *, final: bool
+) -> tuple[list[OutputLine], int]:
+    """Up to ``limit`` whole lines of a file after byte ``offset``, stamped now, and the offset
+    after them. An unfinished last line waits for its newline unless ``final`` (the writer ended)
+    or it is longer than ``LINE_MAX_BYTES``."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            chunk = handle.read(READ_CHUNK_BYTES)
+    except FileNotFoundError:
+        return [], offset
+    now = time.time()
+    pieces = chunk.split(b"\n")
+    rest = pieces.pop()  # after the last newline: b"" or an unfinished line
+    lines: list[OutputLine] = []
+    for piece in pieces:
+        if len(lines) >= limit:
+            return lines, offset
+        lines.append((now, stream, piece.decode("utf-8", "replace")))
+        offset += len(piece) + 1
+    at_end = len(chunk) < READ_CHUNK_BYTES
+    if rest and len(lines) < limit and ((final and at_end) or len(rest) >= LINE_MAX_BYTES):
+        rest = rest[:LINE_MAX_BYTES]
+        lines.append((now, stream, rest.decode("utf-8", "replace")))
+        offset += len(rest)
+    return lines, offset
 
 
 class RecordStore:
@@ -146,6 +181,15 @@ class Runtime(ABC):
     @abstractmethod
     def logs(self, workload_id: str, tail: int = 100) -> str:
         """The last ``tail`` lines of the workload's output."""
+
+    def output(
+        self, workload_id: str, cursor: dict[str, Any], limit: int
+    ) -> tuple[list[OutputLine], dict[str, Any]]:
+        """At most ``limit`` lines the workload wrote after ``cursor`` (``{}`` at first) and the
+        cursor after them: ``(at, stream, text)`` with ``at`` in seconds since the epoch, ``stream``
+        ``stdout`` or ``stderr``, ``text`` without its newline. The agent keeps the cursor and asks
+        again (``nodes.agent.logship``); a runtime that captures nothing answers no lines."""
+        return [], cursor
 
     @abstractmethod
     def prewarm(self, image: str) -> dict[str, Any]:

@@ -48,7 +48,7 @@ from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import DeviceRequest, LogConfig, Mount
 
 from nodes.agent import workload_rules
-from nodes.agent.runtimes import Runtime, RuntimeFailure, safe_name
+from nodes.agent.runtimes import STREAMS, OutputLine, Runtime, RuntimeFailure, safe_name
 from nodes.agent.types import (
     EXITED,
     FAILED,
@@ -84,6 +84,19 @@ def parse_docker_time(value: str | None) -> float | None:
         return datetime.fromisoformat(text).timestamp()
     except ValueError:
         return None
+
+
+def docker_time_ns(value: str) -> int | None:
+    """``2026-12-05T17:00:27.123456789Z`` (the engine's log timestamps) in nanoseconds."""
+    head, dot, rest = value.rstrip("Z").partition(".")
+    try:
+        seconds = int(datetime.fromisoformat(head + "+00:00").timestamp())
+    except ValueError:
+        return None
+    digits = rest[:9] if dot else ""
+    if digits and not digits.isdigit():
+        return None
+    return seconds * 1_000_000_000 + int(digits.ljust(9, "0") or 0)
 
 
 def _explain(exc: DockerException) -> str:
@@ -413,6 +426,53 @@ class DockerRuntime(Runtime):
         except DockerException as exc:
             raise RuntimeFailure(f"docker logs failed: {_explain(exc)}") from exc
         return output.decode("utf-8", "replace")
+
+    def output(
+        self, workload_id: str, cursor: dict[str, Any], limit: int
+    ) -> tuple[list[OutputLine], dict[str, Any]]:
+        """The container's new lines, each stream asked on its own (``docker logs`` with
+        timestamps, since the last line's second); the cursor holds, per stream, the last line's
+        time in nanoseconds and how many lines had exactly that time, so none is sent twice."""
+        record = self.store.records.get(workload_id)
+        if record is None or record.get("start_error") or not record.get("container_id"):
+            return [], cursor
+        lines: list[OutputLine] = []
+        cursor = dict(cursor)
+        for stream in STREAMS:
+            if len(lines) >= limit:
+                break
+            first_ns, first_same = cursor.get(stream, (0, 0))
+            last_ns, same, seen = first_ns, first_same, 0
+            try:
+                raw = self.client.api.logs(
+                    record["container_id"],
+                    stdout=stream == "stdout",
+                    stderr=stream == "stderr",
+                    timestamps=True,
+                    since=max(1, first_ns // 1_000_000_000),
+                )
+            except NotFound:
+                return lines, cursor
+            except DockerException as exc:
+                raise RuntimeFailure(f"docker logs failed: {_explain(exc)}") from exc
+            for entry in raw.decode("utf-8", "replace").split("\n"):
+                stamp, _, text = entry.partition(" ")
+                ns = docker_time_ns(stamp)
+                if ns is None or ns < first_ns:
+                    continue
+                if ns == first_ns:
+                    seen += 1
+                    if seen <= first_same:
+                        continue  # sent before
+                if len(lines) >= limit:
+                    break
+                if ns == last_ns:
+                    same += 1
+                else:
+                    last_ns, same = ns, 1
+                lines.append((ns / 1e9, stream, text))
+            cursor[stream] = (last_ns, same)
+        return lines, cursor
 
     def prewarm(self, image: str) -> dict[str, Any]:
         try:

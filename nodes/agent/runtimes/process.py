@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nodes.agent.runtimes import Runtime, RuntimeFailure, safe_name
+from nodes.agent.runtimes import OutputLine, Runtime, RuntimeFailure, read_new_lines, safe_name
 from nodes.agent.types import EXITED, FAILED, RUNNING, STOPPED, WorkloadHandle, WorkloadSpec, WorkloadStatus
 from nodes.agent.workload_rules import WorkloadRuleError, check_command, check_env, check_gpu_uuids
 
@@ -179,16 +179,17 @@ class SubprocessRuntime(Runtime):
             log_dir = self.state_dir / "process-logs"
             log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             log_path = log_dir / f"{safe_name(spec.workload_id)}.log"
+            err_path = log_dir / f"{safe_name(spec.workload_id)}.err"
             identity: dict[str, Any] = (
                 {"user": user.uid, "group": user.gid, "extra_groups": []} if user.switch else {}
             )
-            with open(log_path, "ab") as log_file:
+            with open(log_path, "ab") as log_file, open(err_path, "ab") as err_file:
                 try:
                     proc = subprocess.Popen(
                         spec.command,
                         stdin=subprocess.DEVNULL,
                         stdout=log_file,
-                        stderr=subprocess.STDOUT,
+                        stderr=err_file,
                         env=self._environment(spec, user, home),
                         cwd=home,
                         start_new_session=True,
@@ -203,6 +204,7 @@ class SubprocessRuntime(Runtime):
                 "pgid": proc.pid,
                 "gpu_uuids": spec.gpu_uuids,
                 "log": str(log_path),
+                "err": str(err_path),
                 "started_at": time.time(),
                 "finished_at": None,
                 "exit_code": None,
@@ -279,14 +281,36 @@ class SubprocessRuntime(Runtime):
             os.killpg(pgid, signum)
 
     def logs(self, workload_id: str, tail: int = 100) -> str:
+        """The last ``tail`` lines of stdout, then of stderr."""
         record = self.store.records.get(workload_id)
         if record is None:
             raise RuntimeFailure(f"no workload {workload_id} on this node")
-        try:
-            with open(record["log"], errors="replace") as handle:
-                return "".join(deque(handle, maxlen=tail))
-        except FileNotFoundError:
-            return ""
+        text = ""
+        for path in filter(None, (record["log"], record.get("err"))):
+            try:
+                with open(path, errors="replace") as handle:
+                    text += "".join(deque(handle, maxlen=tail))
+            except FileNotFoundError:
+                pass
+        return text
+
+    def output(
+        self, workload_id: str, cursor: dict[str, Any], limit: int
+    ) -> tuple[list[OutputLine], dict[str, Any]]:
+        with self.store.lock:
+            record = self.store.records.get(workload_id)
+            if record is None:
+                return [], cursor
+            finished = self._status(workload_id, record).terminal
+        lines: list[OutputLine] = []
+        cursor = dict(cursor)
+        for stream, path in (("stdout", record["log"]), ("stderr", record.get("err"))):
+            if path and len(lines) < limit:
+                new, cursor[stream] = read_new_lines(
+                    path, int(cursor.get(stream, 0)), limit - len(lines), stream, final=finished
+                )
+                lines.extend(new)
+        return lines, cursor
 
     def prewarm(self, image: str) -> dict[str, Any]:
         return {

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nodes.agent.runtimes import RecordStore, Runtime, RuntimeFailure
+from nodes.agent.runtimes import OutputLine, RecordStore, Runtime, RuntimeFailure
 from nodes.agent.types import (
     EXITED,
     FAILED,
@@ -28,6 +28,7 @@ from nodes.agent.types import (
     WorkloadStatus,
 )
 
+SIM_LOG_EVERY_S = 2.0
 STOP_EXIT_CODE = 143  # what a process killed by SIGTERM reports
 COLD_START_ENV = "GPUPOOL_SIM_COLD_START_S"
 
@@ -164,6 +165,48 @@ class SimulatedRuntime(Runtime):
             f"simulated workload {workload_id} on {', '.join(status.gpu_uuids) or 'no GPU'}: {status.state}"
         ]
         return "\n".join(lines[-tail:])
+
+    def output(
+        self, workload_id: str, cursor: dict[str, Any], limit: int
+    ) -> tuple[list[OutputLine], dict[str, Any]]:
+        """Lines labelled as simulated, so a demo shows the log view: one when the workload starts,
+        one every ``SIM_LOG_EVERY_S`` while it runs (a step, on stderr every fifth), one when it ends.
+        Made from the record and the clock, so a restarted agent goes on where it was."""
+        record = self.store.records.get(workload_id)
+        if record is None:
+            return [], cursor
+        status = self._status(workload_id, record, self.clock())
+        if status.state == STARTING:
+            return [], cursor
+        started = record["started_at"]
+        end = status.finished_at if status.terminal else self.clock()
+        steps = int(max(0.0, (end or started) - started) // SIM_LOG_EVERY_S)
+        lines: list[OutputLine] = [
+            (
+                started,
+                "stdout",
+                f"[simulated] workload {workload_id} started on {', '.join(record['gpu_uuids']) or 'no GPU'}",
+            )
+        ]
+        for k in range(1, steps + 1):
+            stream = "stderr" if k % 5 == 0 else "stdout"
+            text = (
+                f"[simulated] step {k}: loss {1.0 / (k + 1):.4f}"
+                if stream == "stdout"
+                else f"[simulated] step {k}: checkpoint written"
+            )
+            lines.append((started + k * SIM_LOG_EVERY_S, stream, text))
+        if status.terminal:
+            lines.append(
+                (
+                    status.finished_at or end,
+                    "stdout",
+                    f"[simulated] {status.state} with exit code {status.exit_code}",
+                )
+            )
+        done = int(cursor.get("n", 0))
+        new = lines[done : done + limit]
+        return new, {"n": done + len(new)}
 
     def prewarm(self, image: str) -> dict[str, Any]:
         started = self.clock()
