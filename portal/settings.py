@@ -531,6 +531,8 @@ WORKLOAD_LOG_RETENTION_DAYS = {
 }
 WORKLOAD_LOG_LINE_MAX_CHARS = 4096
 WORKLOAD_LOG_BATCH_MAX_LINES = 10_000
+# A follow stream with nothing new sends a comment this often (proxies close idle streams).
+WORKLOAD_LOG_FOLLOW_KEEPALIVE_S = env.float("WORKLOAD_LOG_FOLLOW_KEEPALIVE_S", default=15.0)
 # Follow streams (?follow=1) served on the event loop, not by the pages' thread pool: (path
 # pattern, a factory taking the fallback app), as ASGI_PREFIX_APPS.
 ASGI_STREAM_APPS = [(r"^/api/v1/(?:jobs|instances)/[0-9]+/logs/$", "scheduling.log_follow.follow_app")]

@@ -8,7 +8,7 @@ has it, acting for the tenant chosen in the session; a workload of another tenan
 stream first sends the backlog (the last ``tail`` lines, or those after ``since``), then every line
 as it is stored: the ingest wakes the workload's channel-layer group (``workload_logs_group``),
 and each wake reads the lines after the last one sent. Each event is ``id: <cursor>`` and ``data:``
-a line as the API gives it; a comment every ``KEEPALIVE_S`` keeps proxies from closing it.
+a line as the API gives it; a comment every ``WORKLOAD_LOG_FOLLOW_KEEPALIVE_S`` keeps proxies from closing it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import re
 from channels.auth import AuthMiddlewareStack
 from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
+from django.conf import settings
 from django.http import QueryDict
 
 from nodes.services.logs import workload_logs_group
@@ -35,7 +36,6 @@ from scheduling.selectors.shared import workload_log_lines
 
 PATH = re.compile(r"^/api/v1/(?P<kind>jobs|instances)/(?P<pk>[0-9]+)/logs/$")
 KINDS = {"jobs": WorkloadKind.JOB, "instances": WorkloadKind.INSTANCE}
-KEEPALIVE_S = 15.0
 PAGE = 1000  # lines read per query while catching up
 
 
@@ -161,7 +161,9 @@ class LogFollower:
             try:
                 while not self.gone.is_set():
                     done, _ = await asyncio.wait(
-                        {woken, gone}, timeout=KEEPALIVE_S, return_when=asyncio.FIRST_COMPLETED
+                        {woken, gone},
+                        timeout=settings.WORKLOAD_LOG_FOLLOW_KEEPALIVE_S,
+                        return_when=asyncio.FIRST_COMPLETED,
                     )
                     if self.gone.is_set():
                         break
