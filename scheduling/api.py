@@ -331,7 +331,7 @@ class _WorkloadViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
         qs = super().get_queryset().filter(kind=self.kind).select_related("region")
         # The agent's last message (up to SCHEDULING_LOG_TAIL_CHARS) is only in ``logs``: a list
         # page does not read fifty of them.
-        return qs.defer("log_tail") if self.action in ("list", "retrieve") else qs
+        return qs.defer("log_tail") if self.action in ("list", "retrieve", "logs") else qs
 
     def paginate_queryset(self, queryset):
         page = super().paginate_queryset(queryset)

@@ -79,7 +79,12 @@ async def follow_stream(scope, receive, send):
         await send({"type": "http.response.start", "status": exc.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
         return
-    await LogFollower(workload_id, query.validated_data, receive, send).run()
+    options = dict(query.validated_data)
+    # A browser's EventSource reconnects with the last id it got: go on after it.
+    resume = dict(scope.get("headers", ())).get(b"last-event-id", b"").decode("latin-1")
+    if resume.isdigit() and len(resume) < 19:
+        options["since"] = int(resume)
+    await LogFollower(workload_id, options, receive, send).run()
 
 
 @database_sync_to_async

@@ -14,6 +14,11 @@ urlpatterns = [
     path(
         "workloads/<int:pk>/telemetry/", workloads.WorkloadTelemetryView.as_view(), name="workload-telemetry"
     ),
+    path(
+        "workloads/<int:pk>/logs.txt",
+        workloads.WorkloadLogDownloadView.as_view(),
+        name="workload-log-download",
+    ),
     path("workloads/<int:pk>/stop/", workloads.WorkloadStopView.as_view(), name="workload-stop"),
     path("workloads/<int:pk>/restart/", workloads.WorkloadRestartView.as_view(), name="workload-restart"),
     path("panels/workloads/", workloads.WorkloadsPanel.as_view(), name="panel-workloads"),

@@ -14,10 +14,11 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 
 from django import forms
+from django.conf import settings
 from django.contrib import messages
 from django.core.paginator import Paginator
 from django.db.models import Count, Q, Sum
-from django.http import HttpResponse, JsonResponse
+from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 from django.shortcuts import redirect
 from django.urls import reverse
 from django.utils import timezone
@@ -41,6 +42,7 @@ from scheduling.models import (
 )
 from scheduling.selectors.shared import (
     workload_events,
+    workload_log_lines,
     workload_placement,
     workload_unconfirmed_stops,
     workloads_for_tenant,
@@ -51,6 +53,7 @@ from scheduling.services.submission import workload_submit
 
 PAGE_SIZES = (25, 50, 100)
 DEFAULT_PAGE_SIZE = 50
+LOG_DOWNLOAD_PAGE = 5000
 CHART_WINDOW = timedelta(hours=1)
 STATE_GROUPS = {
     "active": ("Active (not finished)", set(WAITING_STATES | HOLDING_STATES)),
@@ -245,7 +248,34 @@ class WorkloadDetailView(WorkloadsMixin, View):
 
     def get(self, request, pk: int):
         w = self.workload(pk)
-        return self.render({**detail_context(self, w), "telemetry": workload_telemetry(workload=w)})
+        retention = settings.WORKLOAD_LOG_RETENTION_DAYS.get(w.tenant.service_plan, 0)
+        return self.render(
+            {
+                **detail_context(self, w),
+                "telemetry": workload_telemetry(workload=w),
+                "log_retention_days": retention,
+            }
+        )
+
+
+class WorkloadLogDownloadView(WorkloadsMixin, View):
+    """The whole retained output as text, one line per stored line (``<at> <stream> <text>``),
+    read page by page so a long log is never held in memory."""
+
+    def get(self, request, pk: int):
+        w = self.workload(pk)
+
+        def lines():
+            cursor = 0
+            while True:
+                rows, cursor = workload_log_lines(workload=w, since=cursor, tail=LOG_DOWNLOAD_PAGE)
+                if not rows:
+                    return
+                yield "".join(f"{at.isoformat()} {stream} {text}\n" for _, at, stream, text in rows)
+
+        response = StreamingHttpResponse(lines(), content_type="text/plain; charset=utf-8")
+        response["Content-Disposition"] = f'attachment; filename="{w.kind}-{w.pk}.log"'
+        return response
 
 
 class WorkloadLiveView(WorkloadsMixin, View):

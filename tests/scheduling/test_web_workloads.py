@@ -228,6 +228,38 @@ def test_a_job_shows_its_log_tail(client, tenant, make_node, submit):
     assert "epoch 3/3 loss=0.12\n&lt;done&gt;" in html and f"/api/v1/jobs/{w.pk}/logs/" in html
 
 
+def test_the_output_view_and_its_download(client, tenant, make_node, submit, cycle, make_tenant):
+    from nodes.models import Node
+    from scheduling.models import WorkloadLogLine
+
+    make_node(gpus=1)
+    w = submit(tenant, name="train")
+    cycle()
+    html = client.get(f"/workloads/{w.pk}/").content.decode()
+    assert f'data-log-view data-log-url="/api/v1/jobs/{w.pk}/logs/"' in html
+    assert "js/logs.js" in html and "kept 7 days" in html
+    assert Node.objects.exists()
+    now = timezone.now()
+    WorkloadLogLine.objects.bulk_create(
+        [
+            WorkloadLogLine(workload=w, at=now, stream="stdout", text="epoch 1 <b>"),
+            WorkloadLogLine(workload=w, at=now, stream="stderr", text="warn"),
+        ]
+    )
+    response = client.get(f"/workloads/{w.pk}/logs.txt")
+    assert response.status_code == 200 and response["Content-Type"].startswith("text/plain")
+    assert response["Content-Disposition"] == f'attachment; filename="job-{w.pk}.log"'
+    body = b"".join(response.streaming_content).decode()
+    assert body.splitlines() == [f"{now.isoformat()} stdout epoch 1 <b>", f"{now.isoformat()} stderr warn"]
+    # Another tenant's member: 404.
+    other = make_tenant("other-logs")
+    from portal.models import Membership
+
+    outsider = Membership.objects.get(tenant=other).user
+    client.force_login(outsider)
+    assert client.get(f"/workloads/{w.pk}/logs.txt").status_code == 404
+
+
 def test_the_dashboard_panel(client, tenant, make_node, submit, cycle):
     assert "Nothing running or waiting." in client.get("/panels/workloads/", **HTMX).content.decode()
     make_node(gpus=1)
