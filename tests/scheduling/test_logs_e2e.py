@@ -18,9 +18,12 @@ import time
 
 import httpx
 import pytest
+from django.conf import settings as django_settings
+from django.test import Client
 
 from nodes.models import Gpu
 from portal.actors import Actor
+from portal.models import Membership
 from portal.services.tenants import tenant_create
 from portal.services.tokens import api_token_create
 from scheduling.models import Workload
@@ -161,6 +164,19 @@ def test_a_jobs_output_comes_back_through_the_api_and_a_follow_stream(process_ag
     stop.set()  # the client hangs up at the next keepalive
     thread.join(10)
     assert not thread.is_alive()
+
+    # A member's browser session follows too (the page's EventSource does).
+    owner = Membership.objects.get(tenant=tenant).user
+    browser = Client()
+    browser.force_login(owner)
+    cookie = {django_settings.SESSION_COOKIE_NAME: browser.cookies[django_settings.SESSION_COOKIE_NAME].value}
+    with (
+        httpx.Client(timeout=httpx.Timeout(5, read=10), cookies=cookie) as session,
+        session.stream("GET", url, params={"follow": 1, "tail": 1}) as response,
+    ):
+        assert response.status_code == 200
+        first = next(raw for raw in response.iter_lines() if raw.startswith("data: "))
+        assert json.loads(first[6:])["text"] == "after the stream opened"
 
     # GET logs has it too, and since= the cursor of the first four gives only it.
     wait_for(lambda: state(job) == S.SUCCEEDED, what="the job to end")
