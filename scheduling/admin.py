@@ -18,6 +18,8 @@ from scheduling.models import (
     WarmSlot,
     Workload,
     WorkloadEvent,
+    WorkloadLogBatch,
+    WorkloadLogLine,
     WorkloadTemplate,
 )
 from scheduling.services.lifecycle import workload_stop
@@ -288,3 +290,21 @@ class WorkloadTemplateAdmin(admin.ModelAdmin):
 
     def delete_model(self, request, obj):
         template_delete(template=obj, actor=Actor(user=request.user))
+
+
+@admin.register(WorkloadLogLine)
+class WorkloadLogLineAdmin(RecordAdmin):
+    """Read-only: lines come from the agents; the purge deletes them."""
+
+    list_display = ["id", "workload", "at", "stream", "text"]
+    list_filter = ["stream"]
+    search_fields = ["=workload__id"]
+    list_select_related = ["workload"]
+    show_full_result_count = False  # a count of millions of lines per changelist would be slow
+
+
+@admin.register(WorkloadLogBatch)
+class WorkloadLogBatchAdmin(RecordAdmin):
+    list_display = ["id", "node", "seq", "lines", "received_at"]
+    search_fields = ["node__hostname"]
+    list_select_related = ["node"]
