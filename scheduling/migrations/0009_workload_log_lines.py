@@ -8,7 +8,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
     dependencies = [
         ("nodes", "0007_rekey_tokens_and_gpu_conflict_alerts"),
-        ("scheduling", "0007_allocation_stop_confirmation"),
+        ("scheduling", "0008_workload_templates"),
     ]
 
     operations = [

@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("portal", "0005_authority_follows_the_person"),
+        ("portal", "0006_tenant_secrets"),
     ]
 
     operations = [
