@@ -147,6 +147,10 @@ class Node(models.Model):
         max_length=253, blank=True, help_text="A DNS name or IP address; empty: the hostname."
     )
     region = models.ForeignKey(Region, on_delete=models.PROTECT, related_name="nodes")
+    # The agent's SSH endpoint into workloads (nodes/agent/ssh.py): its port on ``reach_address``
+    # (null: the agent serves none) and its host key ("type base64"), for tenants' known_hosts.
+    ssh_port = models.PositiveIntegerField(null=True, blank=True)
+    ssh_host_key = models.TextField(blank=True)
     labels = models.JSONField(default=dict, blank=True)
     cpu_cores = models.PositiveIntegerField(default=0)
     ram_mib = models.PositiveBigIntegerField(default=0)

@@ -42,3 +42,24 @@ def tenant_owned_models() -> list[type[models.Model]]:
     from django.apps import apps
 
     return [m for m in apps.get_models() if issubclass(m, TenantOwnedModel)]
+
+
+class PersonQuerySet(models.QuerySet):
+    def for_person(self, user: Any) -> Self:
+        """The rows of one person; nobody's for an anonymous request or a token without a person."""
+        if user is None or not getattr(user, "is_authenticated", False):
+            return self.none()
+        return self.filter(user=user)
+
+
+class PersonOwnedModel(models.Model):
+    """A row that belongs to a person, not to a tenant (saved SSH keys): the API and pages reach it
+    through ``for_person`` with the request's person (a token's: its creator), so another person's
+    row answers 404 as another tenant's does."""
+
+    user = models.ForeignKey("portal.User", on_delete=models.CASCADE, related_name="+")
+
+    objects: Any = PersonQuerySet.as_manager()
+
+    class Meta:
+        abstract = True

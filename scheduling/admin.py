@@ -14,6 +14,7 @@ from scheduling.models import (
     Quota,
     QuotaModelLimit,
     Reservation,
+    SshKey,
     WarmPool,
     WarmSlot,
     Workload,
@@ -308,3 +309,21 @@ class WorkloadLogBatchAdmin(RecordAdmin):
     list_display = ["id", "node", "seq", "lines", "received_at"]
     search_fields = ["node__hostname"]
     list_select_related = ["node"]
+
+
+@admin.register(SshKey)
+class SshKeyAdmin(admin.ModelAdmin):
+    """Read-only: people add and delete their keys themselves (audited by the service)."""
+
+    list_display = ["name", "user", "fingerprint", "created"]
+    search_fields = ["user__email", "fingerprint", "name"]
+    readonly_fields = ["user", "name", "public_key", "fingerprint", "created"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False

@@ -30,6 +30,7 @@ from portal.api.serializers import BoundedDateTimeField, FieldsOnceModelSerializ
 from portal.api.viewsets import TenantReadOnlyViewSet
 from portal.errors import ValidationFailed
 from portal.models import Scope
+from scheduling.api_access import SshKeyViewSet, WorkloadAccessField
 from scheduling.api_fields import EnvValueField
 from scheduling.models import (
     GpuVendor,
@@ -144,9 +145,10 @@ class WorkloadSerializer(FieldsOnceModelSerializer):
 
 class WorkloadDetailSerializer(WorkloadSerializer):
     placement = serializers.SerializerMethodField()
+    access = WorkloadAccessField()
 
     class Meta(WorkloadSerializer.Meta):
-        fields = [*WorkloadSerializer.Meta.fields, "placement"]
+        fields = [*WorkloadSerializer.Meta.fields, "placement", "access"]
         read_only_fields = fields
 
     def get_placement(self, w: Workload) -> list[dict]:
@@ -739,5 +741,6 @@ router.register("jobs", JobViewSet, basename="job")
 router.register("gpu-types", GpuTypeViewSet, basename="gpu-type")
 router.register("reservations", ReservationViewSet, basename="reservation")
 extra_urlpatterns.append(path("quotas/", QuotaView.as_view(), name="quota-list"))
+router.register("ssh-keys", SshKeyViewSet, basename="ssh-key")
 
 from scheduling import api_templates  # noqa: E402,F401  (registers /templates/)

@@ -21,3 +21,7 @@ class SchedulingConfig(AppConfig):
         from scheduling.metrics import register_collector
 
         register_collector()
+        from nodes.agent_ssh import register_ssh_keys_source
+        from scheduling.selectors.access import ssh_authorized_keys
+
+        register_ssh_keys_source(ssh_authorized_keys)

@@ -30,7 +30,7 @@ from django.db.models import F, Q
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from portal.tenancy import TenantOwnedModel, TenantQuerySet
+from portal.tenancy import PersonOwnedModel, TenantOwnedModel, TenantQuerySet
 
 MILLI = 1000
 MAX_GPUS_PER_NODE = 8
@@ -552,3 +552,27 @@ class WorkloadLogBatch(models.Model):
 
     def __str__(self) -> str:
         return f"log batch {self.seq} of node {self.node_id}"
+
+
+class SshKey(PersonOwnedModel):
+    """A person's saved SSH public key. It opens the running instances of every tenant where the
+    person's role may operate workloads (``scheduling.selectors.access``), checked at each login."""
+
+    name = models.CharField(max_length=100)
+    # Normalised by nodes.agent.workload_rules.parse_ssh_public_key: "type base64[ comment]".
+    public_key = models.TextField()
+    fingerprint = models.CharField(max_length=64, help_text="SHA256:..., as ssh-keygen -l prints it.")
+    created = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        ordering = ["-created", "-id"]
+        constraints = [
+            models.UniqueConstraint(fields=["user", "fingerprint"], name="sshkey_unique_per_person")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.fingerprint})"
+
+    @property
+    def kind(self) -> str:
+        return self.public_key.split(" ", 1)[0]

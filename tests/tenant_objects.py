@@ -25,6 +25,17 @@ def make_tenant_object(model: type[Model], *, tenant, **fields) -> Model:
     return baker.make(model, tenant=tenant, **fields)
 
 
+def make_person_object(model: type[Model], *, person, **fields) -> Model:
+    """A row of a person (``PersonOwnedModel``): a saved SSH key is a real key of theirs."""
+    if model._meta.label == "scheduling.SshKey":
+        from nodes.agent.workload_rules import parse_ssh_public_key
+        from tests.ssh_keys import public_key
+
+        parsed = parse_ssh_public_key(public_key())
+        fields = {"name": "walker", "public_key": parsed.line, "fingerprint": parsed.fingerprint, **fields}
+    return baker.make(model, user=person, **fields)
+
+
 def catalog_gpu():
     """The catalog's H100 with one ready node of it, so a workload or reservation naming it is
     accepted (submission checks the fleet has the model)."""

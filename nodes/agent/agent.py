@@ -184,6 +184,8 @@ class Agent(CommandHandlers):
         self.fatal: BaseException | None = None
         self.heartbeats_built = 0
         self._readings: list[GpuSample] = []  # sampled, not yet in a batch
+        self.ssh: Any = None  # the SSH endpoint (nodes/agent/ssh.py) when ssh_listen is set
+        self._ssh_announce: asyncio.Task[None] | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -218,9 +220,21 @@ class Agent(CommandHandlers):
                 len(self.inventory.gpus),
                 self.runtime.name,
             )
+            if self.config.ssh_listen:
+                from nodes.agent.ssh import SshEndpoint
+
+                self.ssh = SshEndpoint(
+                    listen=self.config.ssh_listen,
+                    state_dir=self.state_dir,
+                    runtime=self.runtime,
+                    keys=self.ssh_keys,
+                )
+                await self.ssh.start()
             self._load_credential()
             if self.credential is None:
                 await self._register(initial=True)
+            else:
+                self._announce_ssh()
             if not self.stopping:
                 tasks = [
                     self._spawn(self._heartbeat_loop(), "heartbeats"),
@@ -254,6 +268,10 @@ class Agent(CommandHandlers):
     async def _shutdown(self, tasks: list[asyncio.Task[None]]) -> None:
         assert self._stop is not None
         self._stop.set()
+        if self._ssh_announce is not None:
+            tasks = [*tasks, self._ssh_announce]
+        if self.ssh is not None:
+            await self.ssh.close()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -371,6 +389,7 @@ class Agent(CommandHandlers):
                     self.log.warning("the portal gave a new node id %s (was %s)", self.node_id, previous)
                     self.buffer.renumber_heartbeats()
                 self.log.info("registered as node %s", self.node_id)
+                self._announce_ssh()
                 return
             if outcome == RETRY:
                 delay = backoff.next()
@@ -386,6 +405,63 @@ class Agent(CommandHandlers):
                 return  # another task already registered again
             self.log.warning("the portal rejected the node credential (401); registering again")
             await self._register(initial=False)
+
+    # -- the SSH endpoint -------------------------------------------------------------------------
+
+    def _announce_ssh(self) -> None:
+        """Tell the portal (in the background, until it has heard) where this node's SSH endpoint
+        listens and its host key, or that there is none: at every start, after registering."""
+        if self._ssh_announce is not None:
+            self._ssh_announce.cancel()
+        self._ssh_announce = asyncio.ensure_future(self._announce_ssh_until_heard())
+
+    async def _announce_ssh_until_heard(self) -> None:
+        assert self._client is not None
+        body: dict[str, Any] = {"port": None}
+        if self.ssh is not None:
+            body = {"port": self.ssh.port, "host_key": self.ssh.public_host_key}
+        backoff = Backoff(self.config.backoff_initial_s, self.config.backoff_max_s)
+        while not self.stopping:
+            credential = self.credential
+            try:
+                response = await self._client.request(
+                    "PUT", f"/agent/v1/nodes/{self.node_id}/ssh-endpoint", credential=credential, json=body
+                )
+            except PortalUnreachable:
+                await self._sleep(backoff.next())
+                continue
+            outcome = classify(response.status_code)
+            if outcome == OK:
+                return
+            if outcome == BAD:
+                self.log.error("the portal refused the SSH endpoint: %s", error_text(response))
+                return
+            if outcome == REAUTH:
+                await self._reauthenticate(credential)
+                return  # registering again announces again
+            await self._sleep(backoff.next())
+
+    async def ssh_keys(self, workload_id: str) -> list[str] | None:
+        """The public keys that may log in to ``workload_id`` now, as the portal answers at this
+        moment; None (nobody) when it cannot be asked or says no."""
+        if self._client is None or self.credential is None:
+            return None
+        try:
+            response = await self._client.request(
+                "GET",
+                f"/agent/v1/nodes/{self.node_id}/workloads/{workload_id}/ssh-keys",
+                credential=self.credential,
+            )
+        except PortalUnreachable as exc:
+            self.log.warning("SSH login to %s refused: the portal is unreachable (%s)", workload_id, exc)
+            return None
+        if response.status_code != 200:
+            self.log.info("SSH login to %s refused: %s", workload_id, error_text(response))
+            return None
+        keys = response.json().get("keys")
+        if not isinstance(keys, list):
+            return None
+        return [k["key"] for k in keys if isinstance(k, dict) and isinstance(k.get("key"), str)]
 
     # -- heartbeats -------------------------------------------------------------------------------
 

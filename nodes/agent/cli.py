@@ -60,6 +60,11 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         dest="advertise_address",
         help="how tenants and the portal reach this node: a DNS name or IP address (default: the hostname)",
     )
+    parser.add_argument(
+        "--ssh-listen",
+        dest="ssh_listen",
+        help="serve SSH into workloads on HOST:PORT, e.g. 0.0.0.0:2222 (port 0: any free port)",
+    )
     parser.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float)
     parser.add_argument("--sample-interval", dest="sample_interval_s", type=float)
     parser.add_argument("--commands-wait", dest="commands_wait_s", type=int)

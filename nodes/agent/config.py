@@ -57,6 +57,9 @@ class AgentConfig:
     # How tenants (SSH) and the portal (published ports) reach this node: a DNS name or IP address;
     # empty: the hostname.
     advertise_address: str = ""
+    # The SSH endpoint into workloads (nodes/agent/ssh.py): "host:port" to listen on, e.g.
+    # "0.0.0.0:2222" (port 0: any free port); empty: none.
+    ssh_listen: str = ""
     # How often the GPUs are read; every reading since the last batch goes in the next one.
     sample_interval_s: float = 1.0
     # Unset (None): the portal's answer to register decides.
@@ -129,6 +132,13 @@ class AgentConfig:
                 "commands would cross the network unencrypted. Use https://, or allow it explicitly "
                 "(allow_insecure_http = true, --allow-insecure-http or GPUPOOL_ALLOW_INSECURE_HTTP=1)"
             )
+        if self.ssh_listen:
+            from nodes.agent.ssh import parse_listen
+
+            try:
+                parse_listen(self.ssh_listen)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         if self.runtime == "subprocess":
             try:
                 process_user(single_tenant=self.single_tenant, user=self.process_user)
@@ -173,6 +183,7 @@ ENV = {
     "GPUPOOL_LABELS": "labels",
     "GPUPOOL_HOSTNAME": "hostname",
     "GPUPOOL_ADVERTISE_ADDRESS": "advertise_address",
+    "GPUPOOL_SSH_LISTEN": "ssh_listen",
     "GPUPOOL_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
     "GPUPOOL_SAMPLE_INTERVAL_S": "sample_interval_s",
     "GPUPOOL_COMMANDS_WAIT_S": "commands_wait_s",

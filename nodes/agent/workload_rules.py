@@ -22,15 +22,26 @@ The rules, once:
   the list is sorted. The tenant never chooses a host port: the runtime publishes each container
   port on a port the host picks.
 - What else a start payload carries that reaches a path or an argv: ``workload_id``,
-  ``gpu_uuids``, ``mig_profile``, ``gpu_vendor``, ``template``, ``ssh_public_key`` and the numbers
+  ``gpu_uuids``, ``mig_profile``, ``gpu_vendor``, ``template`` and the numbers
   (``cpu_millicores``, ``ram_mib``, ...), each with its own rule below.
+- ``ssh_public_key`` (a workload's, and every saved key): one OpenSSH public key that the
+  cryptography package loads, ed25519, ECDSA or RSA of at least 2048 bits
+  (:func:`parse_ssh_public_key`); the agent's SSH endpoint parses each key again before it trusts it.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
+
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 
 MAX_IMAGE_LENGTH = 255
 MAX_IMAGE_NAME_LENGTH = 255  # distribution/reference's NameTotalLengthMax
@@ -43,6 +54,15 @@ MAX_GPUS = 64
 MAX_WORKLOAD_ID_LENGTH = 64
 MAX_TEMPLATE_LENGTH = 100
 MAX_SSH_KEY_LENGTH = 16_000
+MAX_SSH_KEY_COMMENT = 200
+MIN_RSA_BITS = 2048
+SSH_KEY_TYPES = (
+    "ssh-ed25519",
+    "ecdsa-sha2-nistp256",
+    "ecdsa-sha2-nistp384",
+    "ecdsa-sha2-nistp521",
+    "ssh-rsa",
+)
 
 # Environment names the platform sets, or that choose the GPUs, the MPS limits or the code the
 # loader runs; a tenant may set none of them. Exact names first, then prefixes.
@@ -256,15 +276,68 @@ def check_template(value: Any) -> str:
     return value
 
 
+@dataclass(frozen=True)
+class SshPublicKey:
+    """A checked OpenSSH public key: ``line`` is ``type base64[ comment]`` as the key itself
+    encodes it (the tenant's spacing and options never survive), ``fingerprint`` what
+    ``ssh-keygen -l`` prints (``SHA256:...``)."""
+
+    line: str
+    fingerprint: str
+    kind: str
+    bits: int
+
+
+def parse_ssh_public_key(value: Any, field: str = "ssh_public_key") -> SshPublicKey:
+    """One OpenSSH public key (``type base64 [comment]``) that the cryptography package loads:
+    ed25519, ECDSA (P-256, P-384, P-521) or RSA of at least 2048 bits. DSA, security-key (``sk-``)
+    and certificate types, ``authorized_keys`` options and anything that is not one line are
+    refused with :class:`WorkloadRuleError` naming ``field``."""
+    if not isinstance(value, str):
+        raise WorkloadRuleError(field, "One line of text.")
+    value = value.strip()  # a pasted file's final newline; one inside would add a second key
+    if _CONTROL_RE.search(value):
+        raise WorkloadRuleError(field, "One line without control characters.")
+    if len(value) > MAX_SSH_KEY_LENGTH:
+        raise WorkloadRuleError(field, f"At most {MAX_SSH_KEY_LENGTH} characters.")
+    parts = value.split(None, 2)
+    if len(parts) < 2:
+        raise WorkloadRuleError(field, "An OpenSSH public key: 'type base64 [comment]'.")
+    kind, blob = parts[0], parts[1]
+    comment = parts[2].strip() if len(parts) > 2 else ""
+    if kind not in SSH_KEY_TYPES:
+        raise WorkloadRuleError(field, f"The key type must be one of {', '.join(SSH_KEY_TYPES)}.")
+    try:
+        raw = base64.b64decode(blob, validate=True)
+        key = serialization.load_ssh_public_key(f"{kind} {blob}".encode())
+    except (ValueError, UnsupportedAlgorithm, binascii.Error):
+        raise WorkloadRuleError(field, "Not a valid OpenSSH public key.") from None
+    if isinstance(key, rsa.RSAPublicKey):
+        bits = key.key_size
+        if bits < MIN_RSA_BITS:
+            raise WorkloadRuleError(
+                field, f"An RSA key needs at least {MIN_RSA_BITS} bits; this one has {bits}."
+            )
+    elif isinstance(key, ec.EllipticCurvePublicKey):
+        bits = key.curve.key_size
+    elif isinstance(key, ed25519.Ed25519PublicKey):
+        bits = 256
+    else:  # pragma: no cover - the type list above admits nothing else
+        raise WorkloadRuleError(field, "Not an ed25519, ECDSA or RSA key.")
+    canonical = key.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
+    if canonical.split()[1] != blob or base64.b64encode(raw).decode() != blob:
+        raise WorkloadRuleError(field, "Not a valid OpenSSH public key.")
+    digest = base64.b64encode(hashlib.sha256(raw).digest()).decode().rstrip("=")
+    line = f"{canonical} {comment[:MAX_SSH_KEY_COMMENT]}".strip()
+    return SshPublicKey(line=line, fingerprint=f"SHA256:{digest}", kind=kind, bits=bits)
+
+
 def check_ssh_public_key(value: Any) -> str:
-    """One OpenSSH public key on one line (a newline would add another key, with options)."""
+    """The per-workload key: empty, or one key as :func:`parse_ssh_public_key` takes it (its
+    normalised line)."""
     if value in (None, ""):
         return ""
-    if not isinstance(value, str) or _CONTROL_RE.search(value):
-        raise WorkloadRuleError("ssh_public_key", "One line without control characters.")
-    if len(value) > MAX_SSH_KEY_LENGTH:
-        raise WorkloadRuleError("ssh_public_key", f"At most {MAX_SSH_KEY_LENGTH} characters.")
-    return value
+    return parse_ssh_public_key(value).line
 
 
 def _check_number(payload: Mapping[str, Any], key: str, lo: float, hi: float, *, real: bool = False) -> Any:

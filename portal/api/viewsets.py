@@ -31,3 +31,12 @@ class TenantScopedViewSet(viewsets.GenericViewSet):
 
 class TenantReadOnlyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenantScopedViewSet):
     pass
+
+
+class PersonScopedViewSet(TenantScopedViewSet):
+    """Base for rows that belong to a person (saved SSH keys): the request's person's only, a
+    token's creator's for a token, so another person's rows answer 404. The tenant and scope checks
+    still apply (``write`` to change)."""
+
+    def get_queryset(self):
+        return self.queryset.all().for_person(self.actor.user)

@@ -192,7 +192,18 @@ def workload_placement(*, workload: Workload) -> list[dict]:
     return list(
         Allocation.objects.filter(workload=workload, ended_at__isnull=True)
         .order_by("node_id", "gpu__index")
-        .values("node__hostname", "node__region__code", "gpu__index", "gpu_model__name", "fraction_milli")
+        .values(
+            "node__hostname",
+            "node__region__code",
+            "gpu__index",
+            "gpu_model__name",
+            "fraction_milli",
+            # how to get into it (scheduling.selectors.access), in the same query
+            "node__address",
+            "node__simulated",
+            "node__ssh_port",
+            "node__ssh_host_key",
+        )
     )
 
 

@@ -90,8 +90,6 @@ def _start_payload(w: Workload, gpu_uuids: list[str], assignment: E.Assignment) 
     }
     if w.template:
         payload["template"] = w.template
-    if w.ssh_public_key:
-        payload["ssh_public_key"] = w.ssh_public_key
     if w.mig_profile:
         payload["mig_profile"] = w.mig_profile
     if w.kind == WorkloadKind.JOB and w.checkpoint_resume:

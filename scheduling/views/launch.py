@@ -103,7 +103,8 @@ class LaunchForm(forms.Form):
     ssh_public_key = forms.CharField(
         label="SSH public key", required=False, max_length=16_000,
         widget=forms.Textarea(attrs={"rows": 2, "placeholder": "ssh-ed25519 AAAA… you@laptop"}),
-        help_text="Instances only: the key that may log in.",
+        help_text="Instances only: a key that may log in besides your team's saved SSH keys "
+        "(ed25519, ECDSA, or RSA of 2048 bits or more).",
     )  # fmt: skip
     command = forms.CharField(
         label="Command", required=False, max_length=4000,

@@ -40,6 +40,7 @@ from scheduling.models import (
     WorkloadKind,
     WorkloadState,
 )
+from scheduling.selectors.access import workload_access
 from scheduling.selectors.shared import (
     workload_events,
     workload_log_lines,
@@ -221,10 +222,12 @@ def workload_telemetry(*, workload: Workload, now: datetime | None = None) -> di
 
 def detail_context(view: WorkloadsMixin, w: Workload) -> dict:
     can_write = view.has_scope(Scope.WRITE)
+    placement = workload_placement(workload=w)
     return {
         "w": w,
         "events": list(workload_events(workload=w)),
-        "placement": workload_placement(workload=w),
+        "placement": placement,
+        "access": workload_access(workload=w, placement=placement),
         "unconfirmed_stops": workload_unconfirmed_stops(workload=w),
         "stages": stages_of(w),
         "waiting": w.state in WAITING_STATES,

@@ -33,10 +33,11 @@ from portal.models import ROLE_SCOPES, Membership, Role, Scope, User
 from portal.services.members import membership_change_role
 from portal.services.tokens import api_token_create, scopes_clean
 from portal.staff_tokens import staff_token_create
-from portal.tenancy import TenantOwnedModel
+from portal.tenancy import PersonOwnedModel, TenantOwnedModel
 from scheduling.models import ReservationStatus
 from tests.routes import walk_urls
-from tests.tenant_objects import H100, catalog_gpu, make_tenant_object
+from tests.ssh_keys import public_key
+from tests.tenant_objects import H100, catalog_gpu, make_person_object, make_tenant_object
 
 pytestmark = pytest.mark.django_db
 
@@ -109,6 +110,16 @@ class Route:
         return getattr(self.view_class, "lookup_url_kwarg", None) or self.lookup_field
 
     @property
+    def person_owned(self) -> bool:
+        """A person's rows (saved SSH keys): another tenant's person's are as absent as another
+        tenant's rows, and the caller's own are made for the caller (``make``'s ``person``)."""
+        return self.model is not None and issubclass(self.model, PersonOwnedModel)
+
+    @property
+    def owned(self) -> bool:
+        return self.tenant_owned or self.person_owned
+
+    @property
     def is_detail(self) -> bool:
         return self.lookup in self.kwargs
 
@@ -152,13 +163,21 @@ class Route:
     def body(self, method: str) -> dict:
         if (self.name, method) == ("api:reservation-list", "post"):
             return _reservation_body()
+        if (self.name, method) == ("api:ssh-key-list", "post"):  # a new key each time: no duplicate
+            return {"name": "walker", "public_key": public_key()}
         body = dict(OWNER_BODIES.get((self.name, method), {}))
         if (self.name, method) in UNIQUE_NAMES:  # a second create by the same name is a 400
             body["name"] = f"{body['name']}-{next(_names)}"
         return body
 
-    def make(self, tenant, **fields):
-        """An object of the kind this route serves (a workload of the viewset's ``kind``)."""
+    def make(self, tenant, person=None, **fields):
+        """An object of the kind this route serves (a workload of the viewset's ``kind``); a
+        person's row is ``person``'s, by default the tenant's first owner's (whose tokens the
+        walker's ``two_tenants`` holds)."""
+        if self.person_owned:
+            if person is None:
+                person = Membership.objects.filter(tenant=tenant, role=Role.OWNER).order_by("pk").first().user
+            return make_person_object(self.model, person=person, **fields)
         kind = getattr(self.view_class, "kind", None)
         if kind:
             fields.setdefault("kind", kind)
@@ -198,6 +217,7 @@ def test_the_walker_sees_the_api():
     names = {r.name for r in ROUTES}
     assert {"api:me", "api:member-list", "api:member-detail", "api:token-list", "api:token-revoke"} <= names
     assert {"api:instance-stop", "api:job-logs", "api:reservation-cancel", "api:invoice-pdf"} <= names
+    assert {"api:ssh-key-list", "api:ssh-key-detail"} <= names
     assert {r.name for r in STAFF_ROUTES} >= {"metering:finance-api-revenue"}
 
 
@@ -246,11 +266,11 @@ def _call(client: Client, method: str, url: str, body: dict | None = None):
     return getattr(client, method)(url, data=json.dumps(body or {}), content_type="application/json")
 
 
-def _owner_call(client: Client, route: Route, method: str, tenant, obj=None):
-    """The positive control: the owner's call on ``obj`` (by default a fresh object of its own),
-    which must succeed."""
-    if obj is None and route.is_detail and route.tenant_owned:
-        obj = route.make(tenant)
+def _owner_call(client: Client, route: Route, method: str, tenant, obj=None, person=None):
+    """The positive control: the owner's call on ``obj`` (by default a fresh object of its own,
+    ``person``'s for a person's row), which must succeed."""
+    if obj is None and route.is_detail and route.owned:
+        obj = route.make(tenant, person)
     pk = (
         obj.pk
         if obj is not None
@@ -268,7 +288,7 @@ def _owner_call(client: Client, route: Route, method: str, tenant, obj=None):
 def test_another_tenants_objects_do_not_exist(call, two_tenants):
     route, method = call
     assert route.model is not None, f"{route.route}: a detail route must serve a model queryset"
-    if not route.tenant_owned:
+    if not route.owned:
         # Shared data (the GPU catalog): every tenant may read it, no tenant may change it.
         assert method not in UNSAFE, f"{route.route}: tenants must not write shared data"
         _owner_call(two_tenants["b_all"], route, method, two_tenants["b"])
@@ -288,7 +308,7 @@ def test_another_tenants_objects_do_not_exist(call, two_tenants):
 @pytest.mark.parametrize("route", [r for r in ROUTES if not r.is_detail and "get" in r.methods], ids=str)
 def test_lists_never_show_another_tenant(route, two_tenants):
     own_ids = set()
-    if route.tenant_owned:
+    if route.owned:
         own_ids.add(route.row_key(route.make(two_tenants["a"])))
     key = route.row_key_name
     own = two_tenants["a_all"].get(reverse(route.name))
@@ -310,7 +330,7 @@ def test_a_read_only_token_cannot_write(route, two_tenants):
     pk = None
     obj = None
     if route.is_detail:
-        obj = route.make(two_tenants["a"]) if route.tenant_owned else None
+        obj = route.make(two_tenants["a"]) if route.owned else None
         pk = obj.pk if obj is not None else 1
     before = _snapshot(obj) if obj is not None else None
     for method in set(route.methods) & set(UNSAFE):
@@ -447,13 +467,15 @@ def _open_scopes(scope: str) -> frozenset[str]:
     return frozenset(scopes_clean([scope]))
 
 
-def _opens_or_refuses(client: Client, route: Route, method: str, tenant, *, opens: bool, who: str) -> None:
+def _opens_or_refuses(
+    client: Client, route: Route, method: str, tenant, *, opens: bool, who: str, person=None
+) -> None:
     """Success on a fresh object of the tenant's where ``opens`` (the positive control), else a 403
     that leaves its object as it was."""
     if opens:
-        _owner_call(client, route, method, tenant)
+        _owner_call(client, route, method, tenant, person=person)
         return
-    obj = route.make(tenant) if route.is_detail and route.tenant_owned else None
+    obj = route.make(tenant, person) if route.is_detail and route.owned else None
     before = _snapshot(obj) if obj is not None else None
     pk = obj.pk if obj is not None else (1 if route.is_detail else None)
     response = _call(client, method, _url(route, pk), route.body(method))
@@ -483,9 +505,10 @@ def test_each_role_signed_in(call, two_tenants, add_member, signed_in):
     route, method = call
     a = two_tenants["a"]
     for role in Role.values:
-        client = signed_in(add_member(a, role).user, a)
+        person = add_member(a, role).user
+        client = signed_in(person, a)
         opens = route.scope(method) in ROLE_SCOPES[role]
-        _opens_or_refuses(client, route, method, a, opens=opens, who=f"a {role}'s session")
+        _opens_or_refuses(client, route, method, a, opens=opens, who=f"a {role}'s session", person=person)
 
 
 def _token_of(member: Membership, scopes) -> str:
@@ -529,9 +552,9 @@ def test_a_deactivated_creators_token_is_refused_everywhere(call, two_tenants, a
     a = two_tenants["a"]
     member, token = _member_token(a, Role.OWNER, Scope.values, add_member)
     client = _bearer(token)
-    _owner_call(client, route, method, a)
+    _owner_call(client, route, method, a, person=member.user)
     User.objects.filter(pk=member.user.pk).update(is_active=False)
-    obj = route.make(a) if route.is_detail and route.tenant_owned else None
+    obj = route.make(a, member.user) if route.is_detail and route.owned else None
     before = _snapshot(obj) if obj is not None else None
     pk = obj.pk if obj is not None else (1 if route.is_detail else None)
     response = _call(client, method, _url(route, pk), route.body(method))
@@ -572,7 +595,7 @@ def test_staff_credentials_never_open_the_tenant_api(two_tenants, staff_user, si
     a = two_tenants["a"]
     assert token.get(reverse(STAFF_ROUTES[0].name)).status_code == 200  # positive control
     for route, method in CALLS:
-        obj = route.make(a) if route.is_detail and route.tenant_owned else None
+        obj = route.make(a) if route.is_detail and route.owned else None
         before = _snapshot(obj) if obj is not None else None
         url = _url(route, obj.pk if obj is not None else (1 if route.is_detail else None))
         refused = _call(token, method, url, route.body(method))
@@ -622,7 +645,7 @@ def test_the_staff_api_is_for_staff_only(route, two_tenants, staff_user, add_mem
 def test_an_empty_body_is_a_clear_answer(call, two_tenants):
     """The owner's write with an empty body succeeds or is a 4xx naming what is missing; never a 500."""
     route, method = call
-    obj = route.make(two_tenants["a"]) if route.is_detail and route.tenant_owned else None
+    obj = route.make(two_tenants["a"]) if route.is_detail and route.owned else None
     response = _call(two_tenants["a_all"], method, _url(route, obj.pk if obj else None), {})
     assert response.status_code < 500, f"{method.upper()} {route.route} with {{}}: {response.status_code}"
     if response.status_code >= 400:

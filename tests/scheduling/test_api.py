@@ -9,6 +9,7 @@ from nodes.models import Gpu, GpuModel
 from scheduling.models import Allocation, Quota, Workload
 from scheduling.pricing import register_price_provider, unregister_price_provider
 from tests.scheduling.conftest import H100, reload
+from tests.ssh_keys import public_key
 
 pytestmark = pytest.mark.django_db
 
@@ -329,7 +330,7 @@ def test_workloads_render_every_field_in_order_and_times_in_the_active_zone(
     spot = submit(tenant, gpu_count=2, plan="spot", spot_max_price="1.2500000000", name="spot one")
     r = client.post(
         "/api/v1/instances/",
-        {**JOB, "ports": [22, 8888], "ssh_public_key": "ssh-ed25519 AAAA"},
+        {**JOB, "ports": [22, 8888], "ssh_public_key": public_key()},
         content_type="application/json",
     )
     assert r.status_code == 201, r.content

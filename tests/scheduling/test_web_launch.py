@@ -13,10 +13,11 @@ from scheduling.models import Quota, WarmPool, WarmSlot, Workload, WorkloadEvent
 from scheduling.pricing import register_price_provider, unregister_price_provider
 from tests.portal.conftest import HTMX, add_member, signed_in  # noqa: F401  (fixtures)
 from tests.scheduling.conftest import A100, H100
+from tests.ssh_keys import public_key
 
 pytestmark = pytest.mark.django_db
 
-KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHh0ZXN0a2V5 me@laptop"
+KEY = public_key()
 
 
 class FixedPrices:
@@ -168,7 +169,8 @@ def test_launching_goes_through_the_submission_service(client, fleet, tenant, ow
         ({"fraction": "500"}, "fraction", "A fraction applies to exactly one GPU"),
         ({"image": ""}, "image", "An instance needs an image or a template"),
         ({"kind": "job"}, "command", "A job needs a command"),
-        ({"ssh_public_key": "not a key"}, "ssh_public_key", "Not an OpenSSH public key"),
+        ({"ssh_public_key": "not a key"}, "ssh_public_key", "The key type must be one of"),
+        ({"ssh_public_key": public_key("rsa", bits=1024)}, "ssh_public_key", "at least 2048 bits"),
         ({"command": "python 'unclosed"}, "command", "Cannot split this command"),
         ({"gpu_count": "zero"}, "gpu_count", "Enter a whole number"),
     ],

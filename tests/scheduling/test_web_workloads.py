@@ -18,6 +18,7 @@ from scheduling.services.lifecycle import workload_on_running
 from scheduling.services.states import workload_transition
 from tests.portal.conftest import HTMX, add_member, signed_in  # noqa: F401  (fixtures)
 from tests.scheduling.conftest import H100, reload
+from tests.ssh_keys import public_key
 
 pytestmark = pytest.mark.django_db
 
@@ -183,7 +184,7 @@ def test_charts_show_the_workloads_gpus_only_while_it_held_them(client, tenant, 
 
 def test_stop_and_restart(client, tenant, make_node, submit, cycle):
     make_node(gpus=2)
-    w = submit(tenant, kind="instance", name="nb", ssh_public_key="ssh-ed25519 AAAAC3Nza me@x", ports=[8888])
+    w = submit(tenant, kind="instance", name="nb", ssh_public_key=public_key(comment="me@x"), ports=[8888])
     r = client.post(f"/workloads/{w.pk}/stop/", **HTMX)
     html = r.content.decode()
     assert r.status_code == 200 and html.startswith('<div id="workload-live"') and "Stopped." in html
@@ -202,7 +203,8 @@ def test_stop_and_restart(client, tenant, make_node, submit, cycle):
     workload_on_running(node_id=Allocation.objects.get(workload=new).node_id, workload_id=str(new.pk))
     assert reload(new).state == WorkloadState.RUNNING
     html = client.get(f"/workloads/{new.pk}/").content.decode()
-    assert "ssh " in html and "8888" in html
+    # the node's agent serves no SSH endpoint: the page says so rather than show a command
+    assert "serves no SSH endpoint" in html and "data-connect" not in html and "8888" in html
     r = client.post(f"/workloads/{new.pk}/restart/")
     assert r.status_code == 302 and Workload.objects.count() == 2  # not finished: no copy
     r = client.post(f"/workloads/{new.pk}/stop/")

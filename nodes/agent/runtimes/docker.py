@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from datetime import datetime
@@ -504,6 +505,57 @@ class DockerRuntime(Runtime):
             return
         self._remove(record)
         super().forget(workload_id)
+
+    # -- SSH sessions (nodes/agent/ssh.py) ----------------------------------------------------------
+
+    def exec_open(
+        self, workload_id: str, argv: list[str], *, tty: bool, env: dict[str, str]
+    ) -> tuple[str, socket.socket]:
+        """Start ``argv`` inside the workload's running container (``docker exec``, attached) and
+        answer the exec's id and a socket of its own on the attached stream: raw with a TTY,
+        docker's multiplexed frames (8-byte headers) without. The exec runs as the container's
+        process does: its user, working directory, environment and hardening (capabilities,
+        no-new-privileges, pids limit, cgroup)."""
+        record = self.store.records.get(workload_id)
+        status = self.get_status(workload_id) if record is not None else None
+        if record is None or status is None or status.state != RUNNING:
+            raise RuntimeFailure(f"workload {workload_id} is not running on this node")
+        try:
+            exec_id = self.client.api.exec_create(
+                record["container_id"],
+                argv,
+                stdin=True,
+                stdout=True,
+                stderr=True,
+                tty=tty,
+                environment=[f"{k}={v}" for k, v in env.items()],
+            )["Id"]
+            stream = self.client.api.exec_start(exec_id, tty=tty, socket=True)
+        except DockerException as exc:
+            raise RuntimeFailure(f"docker exec failed: {_explain(exc)}") from exc
+        # A socket object of our own on the attached connection (the SDK's is a file object of
+        # http.client's): asyncio can then read, write and half-close it.
+        sock = socket.socket(fileno=os.dup(stream.fileno()))
+        stream.close()
+        return exec_id, sock
+
+    def exec_resize(self, exec_id: str, width: int, height: int) -> None:
+        try:
+            self.client.api.exec_resize(exec_id, height=height, width=width)
+        except DockerException as exc:
+            log.debug("docker exec resize %s: %s", exec_id, _explain(exc))
+
+    def exec_exit_code(self, exec_id: str, wait_s: float = 5.0) -> int | None:
+        """The exec's exit code once it has ended (its stream closes a moment before)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                info = self.client.api.exec_inspect(exec_id)
+            except DockerException:
+                return None
+            if not info.get("Running") or time.monotonic() > deadline:
+                return info.get("ExitCode")
+            time.sleep(0.02)
 
     def workload_for_pid(self, pid: int) -> str | None:
         try:

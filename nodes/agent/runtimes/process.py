@@ -19,6 +19,10 @@ the agent's alone), so it cannot swap the log for a link to a file the agent wou
 sends SIGTERM to the group and SIGKILL after the grace period. The image field is ignored (there is
 nothing to pull) and CPU and memory limits are not enforced: use the docker runtime where they
 matter.
+
+SSH sessions into a workload (``nodes/agent/ssh.py``) start the same way as its command
+(``_launch_options``): its user, its home as working directory, exactly its environment (kept in
+the agent's private records), a session of their own; they end when the workload ends or stops.
 """
 
 from __future__ import annotations
@@ -124,6 +128,7 @@ class SubprocessRuntime(Runtime):
         if self.work_dir.stat().st_uid == os.geteuid():
             os.chmod(self.work_dir, 0o711)  # the user reaches its own directory, lists nobody's
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._sessions: dict[str, set[int]] = {}  # SSH sessions' process groups, per workload
 
     def _user(self) -> ProcessUser:
         return process_user(single_tenant=self.single_tenant, user=self.process_user)
@@ -161,6 +166,45 @@ class SubprocessRuntime(Runtime):
         env.update(self.sharing_env(spec))
         return env
 
+    @staticmethod
+    def _launch_options(user: ProcessUser, home: Path, env: dict[str, str]) -> dict[str, Any]:
+        """How every process of a workload starts, its command and its SSH sessions alike: as its
+        user (no supplementary groups), in its home, with exactly its environment, in a session of
+        its own, files private by default."""
+        identity: dict[str, Any] = (
+            {"user": user.uid, "group": user.gid, "extra_groups": []} if user.switch else {}
+        )
+        return {"env": env, "cwd": home, "start_new_session": True, "umask": 0o077, **identity}
+
+    def session_options(self, workload_id: str, term: str | None) -> dict[str, Any]:
+        """The ``Popen`` options of an SSH session into a running workload (nodes/agent/ssh.py):
+        the workload's own user, working directory and environment (plus ``TERM`` for a
+        terminal). :class:`RuntimeFailure` unless it runs on this node."""
+        with self.store.lock:
+            record = self.store.records.get(workload_id)
+            if record is None or self._status(workload_id, record).terminal:
+                raise RuntimeFailure(f"workload {workload_id} is not running on this node")
+            if "env" not in record:
+                raise RuntimeFailure(
+                    f"workload {workload_id} was started by an agent without SSH sessions; restart it"
+                )
+            user = self._user()
+            env = dict(record["env"])
+            if term:
+                env["TERM"] = term
+            return self._launch_options(user, Path(record["home"]), env)
+
+    def session_started(self, workload_id: str, pid: int) -> None:
+        """An SSH session's process (the leader of its own group): stopped with the workload."""
+        self._sessions.setdefault(workload_id, set()).add(pid)
+
+    def session_ended(self, workload_id: str, pid: int) -> None:
+        self._sessions.get(workload_id, set()).discard(pid)
+
+    def _end_sessions(self, workload_id: str) -> None:
+        for pgid in self._sessions.pop(workload_id, set()):
+            self._signal(pgid, signal.SIGKILL)
+
     def start(self, spec: WorkloadSpec) -> WorkloadHandle:
         with self.store.lock:
             record = self.store.records.get(spec.workload_id)
@@ -180,9 +224,7 @@ class SubprocessRuntime(Runtime):
             log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             log_path = log_dir / f"{safe_name(spec.workload_id)}.log"
             err_path = log_dir / f"{safe_name(spec.workload_id)}.err"
-            identity: dict[str, Any] = (
-                {"user": user.uid, "group": user.gid, "extra_groups": []} if user.switch else {}
-            )
+            environment = self._environment(spec, user, home)
             with open(log_path, "ab") as log_file, open(err_path, "ab") as err_file:
                 try:
                     proc = subprocess.Popen(
@@ -190,11 +232,7 @@ class SubprocessRuntime(Runtime):
                         stdin=subprocess.DEVNULL,
                         stdout=log_file,
                         stderr=err_file,
-                        env=self._environment(spec, user, home),
-                        cwd=home,
-                        start_new_session=True,
-                        umask=0o077,
-                        **identity,
+                        **self._launch_options(user, home, environment),
                     )
                 except OSError as exc:
                     raise RuntimeFailure(f"cannot run {spec.command[0]!r}: {exc}") from exc
@@ -202,6 +240,10 @@ class SubprocessRuntime(Runtime):
             self.store.records[spec.workload_id] = {
                 "pid": proc.pid,
                 "pgid": proc.pid,
+                # What an SSH session into the workload gets again (the agent's state directory
+                # is its alone, 0700: the env may hold the tenant's secrets).
+                "env": environment,
+                "home": str(home),
                 "gpu_uuids": spec.gpu_uuids,
                 "log": str(log_path),
                 "err": str(err_path),
@@ -231,6 +273,7 @@ class SubprocessRuntime(Runtime):
             record["message"] = "the process ended while the agent was not running; its exit code is unknown"
         record["finished_at"] = time.time()
         self.store.save()
+        self._end_sessions(workload_id)  # a workload that ended takes its SSH sessions along
 
     def _status(self, workload_id: str, record: dict[str, Any]) -> WorkloadStatus:
         self._refresh(workload_id, record)
@@ -271,8 +314,10 @@ class SubprocessRuntime(Runtime):
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and not self._status(workload_id, record).terminal:
                 time.sleep(0.05)
-        # The leader may be gone while others of its group live on; they go too.
+        # The leader may be gone while others of its group live on; they go too, and so do the
+        # SSH sessions into it.
         self._signal(record["pgid"], signal.SIGKILL)
+        self._end_sessions(workload_id)
         return self._status(workload_id, record)
 
     @staticmethod

@@ -1,0 +1,115 @@
+"""How a tenant gets into a running workload: ``access`` of the workload detail, and who may log in.
+
+The rule for SSH, once (docs/security.md, "SSH into a workload"): a running workload (an instance,
+or a job one wants to look into) opens to
+
+- its own key (``Workload.ssh_public_key``, an instance's, given at launch), and
+- the saved keys (``SshKey``) of the people whose membership in the instance's tenant may operate
+  workloads, now: owner, admin and member (not billing, not viewer), with an active account.
+
+Nothing else: no password, no other tenant's people, no key of a person who left or was demoted.
+It is checked at every login: the node's agent asks the portal for the keys of the workload being
+logged into (``ssh_authorized_keys``, through ``/agent/v1/nodes/<id>/workloads/<id>/ssh-keys``), so
+a removed member or a deleted key is refused from the next login on. The portal answers only the
+node that holds the workload now, and only while it runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nodes.agent.workload_rules import WorkloadRuleError, parse_ssh_public_key
+from portal.errors import NotFound
+from portal.models import Membership, Role
+from scheduling.models import SshKey, Workload, WorkloadState
+from scheduling.selectors.shared import workload_placement
+
+# Roles whose people may get into a tenant's instances: those that may start and stop them.
+SSH_ROLES = (Role.OWNER, Role.ADMIN, Role.MEMBER)
+
+
+def ssh_user(workload: Workload) -> str:
+    """The SSH user name of a workload: its id as the agent knows it (the start command's)."""
+    return str(workload.pk)
+
+
+def known_hosts_line(host: str, port: int, host_key: str) -> str:
+    """A ``known_hosts`` line: ``[host]:port type base64`` (plain ``host`` on port 22)."""
+    where = host if port == 22 else f"[{host}]:{port}"
+    return f"{where} {host_key}"
+
+
+def workload_ssh_access(
+    *, workload: Workload, placement: list[dict[str, Any]] | None = None
+) -> tuple[dict[str, Any] | None, str]:
+    """``(ssh, "")`` with ``host``, ``port``, ``user``, ``command`` and ``known_hosts`` when SSH
+    works now, or ``(None, reason)`` saying why not. ``placement``: the workload's rows of
+    ``workload_placement`` when the caller has them (no query then)."""
+    if workload.state != WorkloadState.RUNNING:
+        return None, f"SSH opens while it runs; it is {workload.get_state_display().lower()}."
+    rows = workload_placement(workload=workload) if placement is None else placement
+    node = rows[0] if rows else None
+    if node is None:
+        return None, "It holds no node at the moment."
+    if node["node__simulated"]:
+        return None, "SSH is not available on the simulated fleet: its workloads are timers, not shells."
+    port, host_key = node["node__ssh_port"], node["node__ssh_host_key"]
+    if not port or not host_key:
+        hostname = node["node__hostname"]
+        return None, f"The agent on {hostname} serves no SSH endpoint (its ssh_listen setting is off)."
+    host, user = node["node__address"] or node["node__hostname"], ssh_user(workload)
+    command = f"ssh -p {port} {user}@{host}" if port != 22 else f"ssh {user}@{host}"
+    return {
+        "host": host,
+        "port": port,
+        "user": user,
+        "command": command,
+        "known_hosts": known_hosts_line(host, port, host_key),
+    }, ""
+
+
+def workload_access(*, workload: Workload, placement: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The ``access`` object of a workload's detail (the API and the workload page)."""
+    ssh, reason = workload_ssh_access(workload=workload, placement=placement)
+    return {"ssh": ssh, "ssh_unavailable_reason": reason}
+
+
+def ssh_authorized_keys(*, node_id: int, workload_id: str) -> list[dict[str, str]]:
+    """The keys that may log in to ``workload_id`` on node ``node_id`` now, each
+    ``{"key", "fingerprint", "source"}``; :class:`NotFound` unless that node holds the workload
+    and it runs."""
+    missing = NotFound("No such running workload on this node.")
+    if not workload_id.isdigit() or len(workload_id) > 18:
+        raise missing
+    workload = (
+        Workload.objects.filter(
+            pk=int(workload_id),
+            state=WorkloadState.RUNNING,
+            allocations__node_id=node_id,
+            allocations__ended_at__isnull=True,
+        )
+        .only("id", "tenant_id", "ssh_public_key")
+        .first()
+    )
+    if workload is None:
+        raise missing
+    keys: list[dict[str, str]] = []
+    if workload.ssh_public_key:
+        try:  # stored normalised at submission; parsed again where it is used
+            parsed = parse_ssh_public_key(workload.ssh_public_key)
+        except WorkloadRuleError:
+            parsed = None
+        if parsed is not None:
+            keys.append({"key": parsed.line, "fingerprint": parsed.fingerprint, "source": "workload"})
+    people = Membership.objects.filter(
+        tenant_id=workload.tenant_id, role__in=SSH_ROLES, user__is_active=True
+    ).values("user_id")
+    for saved in SshKey.objects.filter(user_id__in=people).select_related("user").order_by("id"):
+        keys.append(
+            {
+                "key": saved.public_key,
+                "fingerprint": saved.fingerprint,
+                "source": f"{saved.user.email}: {saved.name}",
+            }
+        )
+    return keys
