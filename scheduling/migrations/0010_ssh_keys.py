@@ -8,7 +8,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("scheduling", "0007_allocation_stop_confirmation"),
+        ("scheduling", "0009_workload_log_lines"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
