@@ -338,6 +338,7 @@ class CommandKind(models.TextChoices):
     PREWARM = "prewarm", "Prewarm"
     CONFIGURE_MIG = "configure_mig", "Configure MIG"
     DRAIN = "drain", "Drain"
+    DELETE_VOLUME = "delete_volume", "Delete volume"
 
 
 class CommandState(models.TextChoices):

@@ -19,6 +19,8 @@ nodes knows nothing about scheduling: receivers connect in their own ``AppConfig
   these workloads (ids as the node reports them) ``starting`` or ``running``. Sent for every such
   heartbeat, changed or not, so that a receiver can check the node runs only what it was given
   (scheduling's reaper); keep receivers to one set-based query.
+- ``volumes_measured(sender=Node, node_id, volumes)``: a heartbeat carried measurements of tenant
+  volumes (``VolumeReport``: ``volume_id``, ``used_bytes``, ``measured_at``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ gpu_unhealthy = Signal()
 workload_running = Signal()
 node_ready = Signal()
 workloads_reported = Signal()
+volumes_measured = Signal()
 
 
 def send_on_commit(signal: Signal, sender: Any, **kwargs: Any) -> None:

@@ -491,6 +491,14 @@ SCHEDULING_DEFAULT_QUOTA = {
     "max_gpus_per_request": None,
 }
 SCHEDULING_LOG_TAIL_CHARS = 16_000
+# Volumes: each region's storage root, a shared filesystem (NFS, CephFS, ...) that every node of the
+# region mounts at that path, which is its agent's ``volumes_root``; "*" stands for every region not
+# named. A region with no root offers no volumes. Sizes in GiB; at most this many per workload.
+VOLUME_STORAGE_ROOTS = env.json("VOLUME_STORAGE_ROOTS", default={"*": "/srv/gpupool/volumes"})
+VOLUME_MIN_SIZE_GIB = env.int("VOLUME_MIN_SIZE_GIB", default=1)
+VOLUME_MAX_SIZE_GIB = env.int("VOLUME_MAX_SIZE_GIB", default=16384)
+VOLUME_MAX_PER_WORKLOAD = 8
+VOLUME_MAX_PER_TENANT = env.int("VOLUME_MAX_PER_TENANT", default=100)
 # /api/v1/gpu-types/ (unfiltered) is the same for every tenant: answered from the cache, fresh for
 # this many seconds; after that a worker computes the next answer (default queue) while requests get
 # the previous one (its availability is then at most about twice that old, plus the queue's wait).

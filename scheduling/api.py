@@ -51,6 +51,7 @@ from scheduling.selectors.shared import (
     workload_gpu_model_names,
     workload_log_lines,
     workload_placement,
+    workload_volumes,
 )
 from scheduling.selectors.workload_metrics import workload_gpu_metrics, workload_held, workload_last_placement
 from scheduling.services.lifecycle import workload_stop
@@ -146,10 +147,14 @@ class WorkloadSerializer(FieldsOnceModelSerializer):
 class WorkloadDetailSerializer(WorkloadSerializer):
     placement = serializers.SerializerMethodField()
     access = WorkloadAccessField()
+    volumes = serializers.SerializerMethodField()
 
     class Meta(WorkloadSerializer.Meta):
-        fields = [*WorkloadSerializer.Meta.fields, "placement", "access"]
+        fields = [*WorkloadSerializer.Meta.fields, "placement", "access", "volumes"]
         read_only_fields = fields
+
+    def get_volumes(self, w: Workload) -> list[dict]:
+        return workload_volumes(workload=w)
 
     def get_placement(self, w: Workload) -> list[dict]:
         return [
@@ -195,6 +200,8 @@ class _SpecSerializer(serializers.Serializer):
     max_runtime_s = serializers.IntegerField(required=False, allow_null=True)
     # Values reach the workload exactly as given; {"secret": "NAME"} puts a secret's value there.
     env = serializers.DictField(child=EnvValueField(), required=False)
+    # [{"volume": ID, "mount_path": "/workspace", "shared": false}]; the service checks each item.
+    volumes = serializers.ListField(child=serializers.DictField(), required=False, max_length=8)
 
 
 class InstanceCreateSerializer(_SpecSerializer):
@@ -743,4 +750,6 @@ router.register("reservations", ReservationViewSet, basename="reservation")
 extra_urlpatterns.append(path("quotas/", QuotaView.as_view(), name="quota-list"))
 router.register("ssh-keys", SshKeyViewSet, basename="ssh-key")
 
-from scheduling import api_templates  # noqa: E402,F401  (registers /templates/)
+from scheduling import api_templates, volumes_api  # noqa: E402,F401  (register /templates/, /volumes/)
+    volumes_api,  # noqa: F401  (registers /volumes/)
+)

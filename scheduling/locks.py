@@ -1,7 +1,8 @@
 """Every row lock and advisory lock scheduling takes, in one place (Saleor's ``lock_objects.py``).
 
 Lock order, to keep deadlocks out: the cycle's advisory lock, then a tenant's Quota row, then
-Workload rows (by id), then Allocation rows. Code that needs several takes them in that order.
+Volume rows (by id), then Workload rows (by id), then Allocation rows. Code that needs several takes
+them in that order.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import QuerySet
 
-from scheduling.models import Quota, Reservation, Workload
+from scheduling.models import Quota, Reservation, Volume, Workload
 
 # The key of the scheduling cycle's PostgreSQL advisory lock (a stable 32-bit number).
 CYCLE_LOCK_KEY = zlib.crc32(b"gpupool.scheduling.cycle")
@@ -61,6 +62,18 @@ def lock_workloads_where(**filters) -> QuerySet[Workload]:
     skipped (the cycle and the reconciler come back to them), so these never wait on a tenant's
     stop or a fleet report. Joins are not locked (``of=self``)."""
     return Workload.objects.select_for_update(skip_locked=True, of=("self",)).filter(**filters).order_by("pk")
+
+
+def lock_volume(*, volume_id: int) -> Volume:
+    """One volume row, locked until the transaction ends (deleting it waits for attaching, and the
+    other way round)."""
+    return Volume.objects.select_for_update().get(pk=volume_id)
+
+
+def lock_volumes(*, ids) -> dict[int, Volume]:
+    """Volume rows locked in id order: a submission attaches them one workload at a time, so two
+    exclusive users can never both pass the in-use check."""
+    return {v.pk: v for v in Volume.objects.select_for_update().filter(pk__in=list(ids)).order_by("pk")}
 
 
 def lock_reservation(*, reservation_id: int) -> Reservation:

@@ -576,3 +576,72 @@ class SshKey(PersonOwnedModel):
     @property
     def kind(self) -> str:
         return self.public_key.split(" ", 1)[0]
+
+
+class VolumeState(models.TextChoices):
+    AVAILABLE = "available", "Available"
+    DELETED = "deleted", "Deleted"
+
+
+class Volume(TenantOwnedModel):
+    """A tenant's persistent storage in one region: a directory on the region's shared filesystem
+    (``VOLUME_STORAGE_ROOTS``), which every node of the region mounts at its agent's
+    ``volumes_root``. The agent names the directory from the volume's id (``vol-<id>``), never
+    from anything a payload says. It outlives the workloads that use it and is billed per GiB-hour
+    of ``size_gib`` from ``created_at`` to ``deleted_at`` (metering's storage usage)."""
+
+    tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="volumes")
+    name = models.CharField(max_length=63)
+    region = models.ForeignKey("nodes.Region", on_delete=models.PROTECT, related_name="+")
+    size_gib = models.PositiveIntegerField()
+    state = models.CharField(max_length=16, choices=VolumeState.choices, default=VolumeState.AVAILABLE)
+    used_bytes = models.PositiveBigIntegerField(null=True, blank=True, help_text="As an agent last measured.")
+    used_measured_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    deleted_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "region", "name"],
+                condition=~Q(state="deleted"),
+                name="volume_unique_live_name",
+            ),
+            models.CheckConstraint(condition=Q(size_gib__gte=1), name="volume_size_positive"),
+            models.CheckConstraint(
+                condition=Q(deleted_at__isnull=True) | Q(deleted_at__gte=F("created_at")),
+                name="volume_deleted_after_created",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"volume {self.pk} ({self.name})"
+
+    @property
+    def size_bytes(self) -> int:
+        return self.size_gib * 1024**3
+
+
+class WorkloadVolume(TenantOwnedModel):
+    """A volume attached to a workload at ``mount_path``. The volume is in use while a workload it
+    is attached to is not terminal; ``shared``: this workload agreed to share it with others that
+    agreed too. The first one (lowest ``position``) holds a checkpointing job's checkpoints."""
+
+    tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="+")
+    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="volume_mounts")
+    volume = models.ForeignKey(Volume, on_delete=models.PROTECT, related_name="mounts")
+    mount_path = models.CharField(max_length=255)
+    shared = models.BooleanField(default=False)
+    position = models.PositiveSmallIntegerField(default=0)
+
+    class Meta:
+        ordering = ["workload_id", "position"]
+        constraints = [
+            models.UniqueConstraint(fields=["workload", "mount_path"], name="workloadvolume_one_per_path"),
+            models.UniqueConstraint(fields=["workload", "volume"], name="workloadvolume_once"),
+        ]
+        indexes = [models.Index(fields=["volume", "workload"], name="workloadvolume_volume")]
+
+    def __str__(self) -> str:
+        return f"volume {self.volume_id} at {self.mount_path} of workload {self.workload_id}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 from nodes import signals
 from nodes.models import CommandKind
 from scheduling.services import lifecycle, orphans, warm_pools
+from scheduling.services import volumes as volume_services
 from scheduling.services.triggers import cycle_request
 
 WORKLOAD_COMMANDS = (CommandKind.START_WORKLOAD, CommandKind.STOP_WORKLOAD, CommandKind.PREEMPT_WORKLOAD)
@@ -56,6 +57,10 @@ def on_workloads_reported(sender, node_id, workload_ids, **kwargs) -> None:
     orphans.workloads_reap(node_id=node_id, workload_ids=workload_ids)
 
 
+def on_volumes_measured(sender, node_id, volumes, **kwargs) -> None:
+    volume_services.volumes_on_measured(node_id=node_id, reports=volumes)
+
+
 def on_gpu_unhealthy(sender, gpu, node, reason, **kwargs) -> None:
     lifecycle.workloads_on_gpu_unhealthy(gpu_id=gpu.pk, node_id=node.pk, reason=reason)
     cycle_request(reason="gpu_unhealthy")
@@ -73,3 +78,4 @@ def connect() -> None:
     signals.workload_running.connect(on_workload_running, dispatch_uid="scheduling.workload_running")
     signals.node_ready.connect(on_node_ready, dispatch_uid="scheduling.node_ready")
     signals.workloads_reported.connect(on_workloads_reported, dispatch_uid="scheduling.workloads_reported")
+    signals.volumes_measured.connect(on_volumes_measured, dispatch_uid="scheduling.volumes_measured")

@@ -44,6 +44,7 @@ from nodes.agent.types import (
     WorkloadStatus,
     rfc3339,
 )
+from nodes.agent.volumes import Volumes
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,7 @@ class Agent(CommandHandlers):
             mps_pipe_dir=config.mps_pipe_dir,
             **config.runtime_options(),
         )
+        self.runtime.volumes = Volumes(config.volumes_root)
         self.collector = collector or make_collector(
             config.collector,
             gpus=config.sim_gpus,
@@ -549,6 +551,10 @@ class Agent(CommandHandlers):
             "samples": [reading.to_json() for reading in samples],
             "workloads": workloads,
         }
+        active = {status.workload_id for status in statuses if not status.terminal}
+        volumes = await asyncio.to_thread(self.runtime.volumes.report, active)
+        if volumes:
+            body["volumes"] = volumes
         seq = self.buffer.add_heartbeat(body)
         self.heartbeats_built += 1
         await self._forget_reported(statuses)

@@ -52,6 +52,9 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runtime", choices=RUNTIME_KINDS)
     parser.add_argument("--docker-host", dest="docker_host", help="the Engine API (default: $DOCKER_HOST)")
     parser.add_argument("--docker-pids-limit", dest="docker_pids_limit", type=int)
+    parser.add_argument(
+        "--volumes-root", dest="volumes_root", help="where the region's shared volume filesystem is mounted"
+    )
     parser.add_argument("--region")
     parser.add_argument("--label", dest="labels", action="append", metavar="KEY=VALUE")
     parser.add_argument("--hostname")

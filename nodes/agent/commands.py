@@ -20,7 +20,7 @@ from nodes.agent.types import (
     WorkloadSpec,
     rfc3339,
 )
-from nodes.agent.workload_rules import WorkloadRuleError, check_image
+from nodes.agent.workload_rules import WorkloadRuleError, check_image, check_volume_id
 
 
 def start_failed(payload: dict[str, Any], reason: str, *, rejected: bool = False) -> dict[str, Any]:
@@ -75,6 +75,7 @@ class CommandHandlers:
             "prewarm": self._prewarm,
             "configure_mig": self._configure_mig,
             "drain": self._drain,
+            "delete_volume": self._delete_volume,
         }
         handler = handlers.get(kind)
         try:
@@ -189,6 +190,10 @@ class CommandHandlers:
         )
         self.inventory = await asyncio.to_thread(self.collector.discover)
         return result
+
+    async def _delete_volume(self, payload: dict[str, Any]) -> dict[str, Any]:
+        volume_id = check_volume_id(payload.get("volume_id"))
+        return await asyncio.to_thread(self.runtime.volumes.delete, volume_id)
 
     async def _drain(self, payload: dict[str, Any]) -> dict[str, Any]:
         self.buffer.set("draining", "1")

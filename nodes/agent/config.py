@@ -51,6 +51,9 @@ class AgentConfig:
     single_tenant: bool = False
     process_user: str = ""
     process_work_dir: str = ""
+    # Where the region's shared filesystem for tenant volumes is mounted (the portal's
+    # VOLUME_STORAGE_ROOTS for the region); empty: no volume attaches on this node.
+    volumes_root: str = ""
     region: str = ""
     labels: dict[str, str] = field(default_factory=dict)
     hostname: str = ""
@@ -179,6 +182,7 @@ ENV = {
     "GPUPOOL_SINGLE_TENANT": "single_tenant",
     "GPUPOOL_PROCESS_USER": "process_user",
     "GPUPOOL_PROCESS_WORK_DIR": "process_work_dir",
+    "GPUPOOL_VOLUMES_ROOT": "volumes_root",
     "GPUPOOL_REGION": "region",
     "GPUPOOL_LABELS": "labels",
     "GPUPOOL_HOSTNAME": "hostname",

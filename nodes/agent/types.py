@@ -149,6 +149,10 @@ class WorkloadSpec:
     gpu_memory_limit_mib: int | None = None
     """GPU memory a fractional (non-MIG) share may use."""
     gpu_vendor: str = ""
+    volumes: list[dict[str, Any]] = field(default_factory=list)
+    """``{"volume_id", "mount_path", "size_gib"}`` each (see ``nodes.agent.volumes``)."""
+    checkpoint: dict[str, Any] | None = None
+    """``{"volume_id", "resume"}``: a checkpoint directory on that volume; ``resume`` after a requeue."""
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> WorkloadSpec:

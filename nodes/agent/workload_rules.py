@@ -21,6 +21,14 @@ The rules, once:
 - ``ports``: a list of container ports, integers 1-65535, at most 64; duplicates are dropped and
   the list is sorted. The tenant never chooses a host port: the runtime publishes each container
   port on a port the host picks.
+- ``volumes``: at most ``MAX_VOLUMES`` of ``{"volume_id", "mount_path", "size_gib"}``. The id is
+  the portal's (digits); the agent alone turns it into a directory (``<volumes_root>/vol-<id>``), so
+  no payload names a host path. ``mount_path`` is where the workload sees it: absolute, normalised
+  (no ``.``/``..`` components, no ``//``, no trailing ``/``), of ``[A-Za-z0-9._-]`` components, at
+  most 255 characters, not ``/`` and not at or under a system path (``FORBIDDEN_MOUNT_ROOTS``:
+  ``/proc``, ``/sys``, ``/dev``, ``/etc``, ``/usr``, ``/bin``, ``/lib``..., ``/run``, where the
+  platform's notice directory is); one volume per path and one path per volume, and no path
+  inside another's. ``checkpoint``: ``{"volume_id", "resume"}``, one of those volumes.
 - What else a start payload carries that reaches a path or an argv: ``workload_id``,
   ``gpu_uuids``, ``mig_profile``, ``gpu_vendor``, ``template`` and the numbers
   (``cpu_millicores``, ``ram_mib``, ...), each with its own rule below.
@@ -62,6 +70,29 @@ SSH_KEY_TYPES = (
     "ecdsa-sha2-nistp384",
     "ecdsa-sha2-nistp521",
     "ssh-rsa",
+)
+
+MAX_VOLUMES = 8
+MAX_MOUNT_PATH_LENGTH = 255
+MAX_VOLUME_SIZE_GIB = 1 << 20
+
+# A volume is never mounted at or under these: the system's own trees and the platform's /run/gpupool.
+FORBIDDEN_MOUNT_ROOTS = (
+    "/proc",
+    "/sys",
+    "/dev",
+    "/etc",
+    "/usr",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/boot",
+    "/run",
+    "/var/run",
+    "/var/lock",
 )
 
 # Environment names the platform sets, or that choose the GPUs, the MPS limits or the code the
@@ -111,6 +142,8 @@ _GPU_UUID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}", re.ASCII)
 _MIG_PROFILE_RE = re.compile(r"[1-7]g\.[0-9]{1,4}gb", re.ASCII)
 _TEMPLATE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]*", re.ASCII)
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+_MOUNT_COMPONENT_RE = re.compile(r"[A-Za-z0-9._-]+", re.ASCII)
+_VOLUME_ID_RE = re.compile(r"[1-9][0-9]{0,18}", re.ASCII)
 
 
 class WorkloadRuleError(ValueError):
@@ -340,6 +373,83 @@ def check_ssh_public_key(value: Any) -> str:
     return parse_ssh_public_key(value).line
 
 
+def check_mount_path(value: Any, field: str = "mount_path") -> str:
+    """Where a volume appears in the workload (see the module's docstring), returned as given."""
+    if not isinstance(value, str) or not value:
+        raise WorkloadRuleError(field, "An absolute path such as /workspace.")
+    if len(value) > MAX_MOUNT_PATH_LENGTH:
+        raise WorkloadRuleError(field, f"At most {MAX_MOUNT_PATH_LENGTH} characters.")
+    if not value.startswith("/"):
+        raise WorkloadRuleError(field, "Must be an absolute path (start with /).")
+    if value == "/":
+        raise WorkloadRuleError(field, "Must not be / itself.")
+    parts = value[1:].split("/")
+    for part in parts:
+        if part in ("", ".", ".."):
+            raise WorkloadRuleError(field, "Must be normalised: no empty, . or .. components, no trailing /.")
+        if not _MOUNT_COMPONENT_RE.fullmatch(part):
+            raise WorkloadRuleError(field, "Path components are letters, digits and . _ - only.")
+    for root in FORBIDDEN_MOUNT_ROOTS:
+        if value == root or value.startswith(root + "/"):
+            raise WorkloadRuleError(field, f"Must not be at or under {root} (a system path).")
+    return value
+
+
+def check_volume_id(value: Any, field: str = "volume_id") -> str:
+    """A volume's id as the portal sends it (its primary key, digits); it names a directory."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not _VOLUME_ID_RE.fullmatch(value):
+        raise WorkloadRuleError(field, "A volume id (a positive integer).")
+    return value
+
+
+def _nested(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + "/") or b.startswith(a + "/")
+
+
+def check_volumes(value: Any) -> list[dict[str, Any]]:
+    """A start payload's ``volumes``: each ``{"volume_id", "mount_path", "size_gib"}`` checked, no
+    volume or path twice, no path inside another's."""
+    if value in (None, ""):
+        return []
+    if not isinstance(value, list | tuple):
+        raise WorkloadRuleError("volumes", "Must be a list of volumes.")
+    if len(value) > MAX_VOLUMES:
+        raise WorkloadRuleError("volumes", f"At most {MAX_VOLUMES} volumes.")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        if not isinstance(item, Mapping):
+            raise WorkloadRuleError("volumes", f"volumes[{i}]: must be an object.")
+        volume_id = check_volume_id(item.get("volume_id"), "volumes")
+        path = check_mount_path(item.get("mount_path"), "volumes")
+        size = item.get("size_gib")
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_VOLUME_SIZE_GIB:
+            raise WorkloadRuleError("volumes", f"volumes[{i}].size_gib: an integer 1-{MAX_VOLUME_SIZE_GIB}.")
+        for other in out:
+            if other["volume_id"] == volume_id:
+                raise WorkloadRuleError("volumes", f"Volume {volume_id} is attached twice.")
+            if _nested(other["mount_path"], path):
+                raise WorkloadRuleError("volumes", f"{path} and {other['mount_path']}: one volume per path.")
+        out.append({"volume_id": volume_id, "mount_path": path, "size_gib": size})
+    return out
+
+
+def check_checkpoint(value: Any, volumes: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A start payload's ``checkpoint``: ``{"volume_id", "resume"}`` naming one of its volumes."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise WorkloadRuleError("checkpoint", "Must be an object.")
+    volume_id = check_volume_id(value.get("volume_id"), "checkpoint")
+    if volume_id not in {v["volume_id"] for v in volumes}:
+        raise WorkloadRuleError("checkpoint", "Checkpoints go on one of the workload's volumes.")
+    resume = value.get("resume", False)
+    if not isinstance(resume, bool):
+        raise WorkloadRuleError("checkpoint", "resume: true or false.")
+    return {"volume_id": volume_id, "resume": resume}
+
+
 def _check_number(payload: Mapping[str, Any], key: str, lo: float, hi: float, *, real: bool = False) -> Any:
     value = payload.get(key)
     if value is None:
@@ -385,6 +495,9 @@ def check_start_payload(payload: Any) -> dict[str, Any]:
     ):
         if key in payload:
             checked[key] = check(payload[key])
+    if "volumes" in payload or "checkpoint" in payload:
+        checked["volumes"] = check_volumes(payload.get("volumes"))
+        checked["checkpoint"] = check_checkpoint(payload.get("checkpoint"), checked["volumes"])
     for key, (lo, hi, real) in _NUMBERS.items():
         if key in payload:
             checked[key] = _check_number(payload, key, lo, hi, real=real)

@@ -48,6 +48,7 @@ REQUIRED_PAYLOAD_KEYS: dict[str, tuple[str, ...]] = {
     CommandKind.PREWARM: ("image",),
     CommandKind.CONFIGURE_MIG: ("gpu_uuid", "enable"),
     CommandKind.DRAIN: (),
+    CommandKind.DELETE_VOLUME: ("volume_id",),
 }
 REPORT_STATUSES = ("accepted", "succeeded", "failed")
 

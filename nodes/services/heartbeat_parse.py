@@ -63,6 +63,15 @@ class WorkloadReport:
     message: str
 
 
+@dataclass(frozen=True)
+class VolumeReport:
+    """What a node measured a tenant volume to hold (``volumes`` of a batch)."""
+
+    volume_id: int
+    used_bytes: int
+    measured_at: datetime
+
+
 @dataclass
 class HeartbeatData:
     seq: int
@@ -71,6 +80,7 @@ class HeartbeatData:
     samples: list[Sample]
     workloads: list[WorkloadReport] = field(default_factory=list)
     workloads_digest: str = ""
+    volumes: list[VolumeReport] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -302,8 +312,34 @@ def heartbeat_parse(raw: bytes, *, now: datetime | None = None) -> HeartbeatData
             )
         )  # fmt: skip
     return HeartbeatData(
-        seq=seq, sent_at=sent_at, status=status, samples=samples, workloads=workloads, workloads_digest=digest
+        seq=seq,
+        sent_at=sent_at,
+        status=status,
+        samples=samples,
+        workloads=workloads,
+        workloads_digest=digest,
+        volumes=_volumes(data.get("volumes", [])),
     )
+
+
+def _volumes(raw: Any) -> list[VolumeReport]:
+    """A batch's optional ``volumes``: ``[{"volume_id", "used_bytes", "measured_at"}]``."""
+    if not isinstance(raw, list):
+        raise fail("volumes", "Expected a list.")
+    if len(raw) > 1000:
+        raise fail("volumes", "At most 1000 volumes in one batch.")
+    out = []
+    for i, v in enumerate(raw):
+        require_object(v, f"volumes[{i}]")
+        volume_id = get_str(v, "volume_id", f"volumes[{i}].volume_id", required=True, max_length=19)
+        if not volume_id.isascii() or not volume_id.isdigit():
+            raise fail(f"volumes[{i}].volume_id", "A volume id (digits).")
+        used = get_int(
+            v, "used_bytes", f"volumes[{i}].used_bytes", required=True, min_value=0, max_value=2**63 - 1
+        )
+        at = parse_time(v.get("measured_at"), f"volumes[{i}].measured_at")
+        out.append(VolumeReport(volume_id=int(volume_id), used_bytes=used or 0, measured_at=at))
+    return out
 
 
 # --- ingest -------------------------------------------------------------------------------------------

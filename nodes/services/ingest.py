@@ -53,7 +53,14 @@ from nodes.services.heartbeat_parse import (
     WorkloadReport,
 )
 from nodes.services.registration import NotAuthenticated
-from nodes.signals import node_ready, send_on_commit, workload_exited, workload_running, workloads_reported
+from nodes.signals import (
+    node_ready,
+    send_on_commit,
+    volumes_measured,
+    workload_exited,
+    workload_running,
+    workloads_reported,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -301,6 +308,8 @@ def heartbeat_ingest(
             active = [w.workload_id for w in batch.workloads if w.state not in TERMINAL_WORKLOAD_STATES]
             if active:
                 send_on_commit(workloads_reported, sender=Node, node_id=n.id, workload_ids=active)
+        if batch.volumes:
+            send_on_commit(volumes_measured, sender=Node, node_id=n.id, volumes=batch.volumes)
         if n.state in (NodeState.SUSPECT, NodeState.DOWN) and not n.resume_state:  # back to READY
             send_on_commit(node_ready, sender=Node, node=Node.objects.get(pk=n.id))
         for gpu_id, reason in newly_unhealthy:

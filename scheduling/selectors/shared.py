@@ -25,6 +25,7 @@ from scheduling.models import (
     Workload,
     WorkloadEvent,
     WorkloadLogLine,
+    WorkloadVolume,
 )
 
 
@@ -205,6 +206,16 @@ def workload_placement(*, workload: Workload) -> list[dict]:
             "node__ssh_host_key",
         )
     )
+
+
+def workload_volumes(*, workload: Workload) -> list[dict]:
+    """The volumes attached to a workload: id, name, mount path, shared, first (checkpoints) first."""
+    return [
+        {"volume": vid, "name": name, "mount_path": path, "shared": shared}
+        for vid, name, path, shared in WorkloadVolume.objects.filter(workload=workload)
+        .order_by("position")
+        .values_list("volume_id", "volume__name", "mount_path", "shared")
+    ]
 
 
 def workload_unconfirmed_stops(*, workload: Workload) -> list[str]:

@@ -43,6 +43,7 @@ from scheduling.services.allocations import allocation_ranges_move, gpu_range_ch
 from scheduling.services.lifecycle import PREEMPTIBLE_STATES, preempt_begin
 from scheduling.services.snapshot import CycleContext, cycle_snapshot_load, from_epoch
 from scheduling.services.states import workloads_transition
+from scheduling.services.volumes import workload_volume_payloads
 from scheduling.services.warm_pools import bind_warm_slots, warm_slots_bind
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,14 @@ def _share_payload(w: Workload, assignment: E.Assignment, info: E.GpuModelInfo |
     }
 
 
-def _start_payload(w: Workload, gpu_uuids: list[str], assignment: E.Assignment) -> dict[str, Any]:
+def _resumes(w: Workload) -> bool:
+    """A checkpointing job placed again after it ran (preempted or requeued): it resumes."""
+    return w.kind == WorkloadKind.JOB and w.checkpoint_resume and w.started_at is not None
+
+
+def _start_payload(
+    w: Workload, gpu_uuids: list[str], assignment: E.Assignment, volumes: list[dict[str, Any]]
+) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "workload_id": str(w.pk),
         "image": w.image,
@@ -92,8 +100,11 @@ def _start_payload(w: Workload, gpu_uuids: list[str], assignment: E.Assignment) 
         payload["template"] = w.template
     if w.mig_profile:
         payload["mig_profile"] = w.mig_profile
-    if w.kind == WorkloadKind.JOB and w.checkpoint_resume:
-        payload["resume_from_checkpoint"] = w.retries > 0 or w.attempt > 1
+    if volumes:
+        payload["volumes"] = volumes
+    if w.kind == WorkloadKind.JOB and w.checkpoint_resume and volumes:
+        # Checkpoints go to the first volume, in a directory of this workload's own.
+        payload["checkpoint"] = {"volume_id": volumes[0]["volume_id"], "resume": _resumes(w)}
     return payload
 
 
@@ -106,6 +117,7 @@ class _Batch:
     messages: dict[int, str] = field(default_factory=dict)
     allocations: dict[int, Allocation] = field(default_factory=dict)  # negative key: not yet inserted
     commands: list[CommandRequest] = field(default_factory=list)  # start and preempt commands
+    volumes: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # start payloads' volumes
 
 
 def _plan_place(ctx: CycleContext, batch: _Batch, w: Workload, decision: E.Place) -> tuple[str, str] | None:
@@ -167,7 +179,8 @@ def _plan_place(ctx: CycleContext, batch: _Batch, w: Workload, decision: E.Place
     reason = warm.reason if warm else "backfilled" if decision.backfill else "placed"
     batch.placed[reason].append(w)
     where = ", ".join(sorted({a.node_id for a in decision.assignments}))
-    batch.messages[w.pk] = f"Placed on {where}{warm.note if warm else ''}."
+    resumed = " It resumes from its checkpoint (GPUPOOL_RESUME=1)." if _resumes(w) else ""
+    batch.messages[w.pk] = f"Placed on {where}{warm.note if warm else ''}.{resumed}"
     for a in decision.assignments:
         uuids = [ctx.gpus[(int(a.node_id), i)]["uuid"] for i in a.gpu_indices]
         model_id = ctx.gpus[(int(a.node_id), a.gpu_indices[0])]["model_id"] if a.gpu_indices else None
@@ -175,7 +188,8 @@ def _plan_place(ctx: CycleContext, batch: _Batch, w: Workload, decision: E.Place
             CommandRequest(
                 node_id=int(a.node_id),
                 kind=CommandKind.START_WORKLOAD,
-                payload=_start_payload(w, uuids, a) | _share_payload(w, a, ctx.model_info.get(model_id)),
+                payload=_start_payload(w, uuids, a, batch.volumes.get(w.pk, []))
+                | _share_payload(w, a, ctx.model_info.get(model_id)),
                 idempotency_key=f"start:{w.pk}:{w.attempt}",
             )
         )
@@ -273,6 +287,9 @@ def scheduling_cycle_run(*, now: datetime | None = None, config: CycleConfig | N
         decisions += schedule(snapshot, requests, config or CycleConfig(policy=settings.SCHEDULING_POLICY))
         changed: list[Workload] = []
         batch = _Batch()
+        batch.volumes = workload_volume_payloads(
+            workload_ids=[int(d.request_id) for d in decisions if isinstance(d, E.Place) and not d.preempt]
+        )
         for d in decisions:
             w = ctx.workloads[int(d.request_id)]
             if isinstance(d, E.Place) and d.preempt:

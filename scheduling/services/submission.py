@@ -11,7 +11,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -55,6 +55,7 @@ from scheduling.pricing import spot_price_floor
 from scheduling.selectors.shared import QuotaUsage, quota_usage
 from scheduling.services.env import env_validate
 from scheduling.services.templates import template_apply, template_for_launch
+from scheduling.services.volumes import VolumeRequest, volumes_attach, volumes_validate
 
 logger = logging.getLogger(__name__)
 PLAN_PRIORITY_RANK = {
@@ -132,6 +133,7 @@ class _Resolved:
     candidates: list[GpuModel]  # every catalog model this request accepts
     region: Region | None
     reservation: Reservation | None
+    volumes: list[VolumeRequest] = field(default_factory=list)
 
 
 def _explicit_models(spec: dict, catalog: list[GpuModel]) -> list[GpuModel]:
@@ -354,6 +356,13 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
         if region is None:
             raise _fail("region", f"Unknown region {code!r}.")
     f["other_regions_ok"] = _bool(spec, "other_regions_ok", True) and reservation is None
+    volumes = volumes_validate(tenant=tenant, spec=spec)
+    if volumes:
+        # The workload goes where its volumes are, and nowhere else.
+        home = volumes[0].volume.region
+        if region is not None and region.pk != home.pk:
+            raise _fail("region", f"Its volumes are in {home.code}; it runs only there.")
+        region, f["other_regions_ok"] = home, False
 
     # Count, gang, fraction, MIG.
     f["gang"] = _bool(spec, "gang", False)
@@ -405,6 +414,8 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
     f["requeue_on_preemption"] = _bool(spec, "requeue_on_preemption", True)
     f["checkpoint_resume"] = _bool(spec, "checkpoint_resume", False)
     f["max_retries"] = _int(spec, "max_retries", 0, 0, 100)
+    if f["checkpoint_resume"] and not volumes:
+        raise _fail("checkpoint_resume", "Checkpoints need a volume: attach one (volumes).")
     if kind == WorkloadKind.INSTANCE:
         if not f["image"] and not f["template"]:
             raise _fail("image", "An instance needs an image or a template.")
@@ -417,7 +428,9 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
             raise _fail("command", "A job needs a command.")
         if f["ssh_public_key"] or f["ports"]:
             raise _fail("ssh_public_key" if f["ssh_public_key"] else "ports", "Instances only.")
-    return f, _Resolved(models=explicit, candidates=candidates, region=region, reservation=reservation)
+    return f, _Resolved(
+        models=explicit, candidates=candidates, region=region, reservation=reservation, volumes=volumes
+    )
 
 
 # --- quotas ----------------------------------------------------------------------------------------
@@ -487,6 +500,7 @@ def workload_submit(*, tenant, kind: str, spec: dict[str, Any], actor: Actor) ->
         run_admission_checks(tenant=tenant, workload=workload, actor=actor)
         workload.save()
         with log_context(workload_id=workload.pk):  # what is logged about it from here on
+            volumes_attach(tenant=tenant, workload=workload, requests=resolved.volumes)
             if resolved.models:
                 workload.gpu_models.add(*resolved.models)  # a new row: nothing to read first
             WorkloadEvent.objects.create(

@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from nodes.models import Gpu, GpuModel, Node, NodeState, Region
 from portal.actors import Actor
-from scheduling.models import Workload
+from scheduling.models import Volume, Workload
 from scheduling.services.cycle import scheduling_cycle_run
 from scheduling.services.submission import workload_submit
 
@@ -74,8 +74,14 @@ def make_node(regions):
 
 
 @pytest.fixture
-def submit():
+def submit(regions):
     def do(tenant, kind: str = "job", **spec) -> Workload:
+        if spec.get("checkpoint_resume") and "volumes" not in spec:
+            # Checkpoints need a volume: one of the tenant's own in the default region.
+            volume = Volume.objects.create(
+                tenant=tenant, name=f"ckpt-{next(_seq)}", region=regions["us"], size_gib=10
+            )
+            spec["volumes"] = [{"volume": volume.pk, "mount_path": "/ckpt"}]
         if kind == "job":
             spec.setdefault("image", "ghcr.io/acme/train:1")
             spec.setdefault("command", ["python", "train.py"])

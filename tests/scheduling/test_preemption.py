@@ -107,8 +107,15 @@ def test_workload_preempt_requeues_a_job_that_resumes_from_its_checkpoint(tenant
     job = reload(job)
     assert job.state == S.QUEUED and "checkpoint" in job.state_reason
     cycle()
+    first = NodeCommand.objects.get(kind=CommandKind.START_WORKLOAD, payload__attempt=1)
     start = NodeCommand.objects.get(kind=CommandKind.START_WORKLOAD, payload__attempt=2)
-    assert start.payload["resume_from_checkpoint"] is True
+    (mount,) = job.volume_mounts.all()
+    volume = {"volume_id": str(mount.volume_id), "mount_path": "/ckpt", "size_gib": 10}
+    assert first.payload["volumes"] == start.payload["volumes"] == [volume]
+    assert first.payload["checkpoint"] == {"volume_id": str(mount.volume_id), "resume": False}
+    assert start.payload["checkpoint"] == {"volume_id": str(mount.volume_id), "resume": True}
+    placed = WorkloadEvent.objects.filter(workload=job, to_state=S.SCHEDULED).order_by("at", "id")
+    assert ["resumes from its checkpoint" in e.message for e in placed] == [False, True]
 
 
 def test_workload_preempt_stops_an_instance_and_uses_the_plans_notice(tenant, make_node, submit, cycle):

@@ -154,6 +154,10 @@ class Runtime(ABC):
         self.store = RecordStore(self.state_dir / f"runtime-{self.name}.json")
         self.gpu_sharing = gpu_sharing
         self.mps_pipe_dir = mps_pipe_dir
+        # The node's volumes (the agent sets its configured root); without a root, none attach.
+        from nodes.agent.volumes import Volumes
+
+        self.volumes = Volumes("")
 
     def sharing_env(self, spec: WorkloadSpec) -> dict[str, str]:
         return gpu_sharing_env(spec, self.gpu_sharing, self.mps_pipe_dir)
@@ -219,6 +223,17 @@ class Runtime(ABC):
     def workload_for_pid(self, pid: int) -> str | None:
         """Which workload a GPU process belongs to, when this runtime can tell."""
         return None
+
+
+def volume_env(prepared: Any, checkpoint_dir: str) -> dict[str, str]:
+    """The checkpoint variables: ``GPUPOOL_CHECKPOINT_DIR`` (the same directory on every placement)
+    and ``GPUPOOL_RESUME=1`` on a placement after a preemption or requeue."""
+    if prepared.checkpoint_host is None:
+        return {}
+    env = {"GPUPOOL_CHECKPOINT_DIR": checkpoint_dir}
+    if prepared.resume:
+        env["GPUPOOL_RESUME"] = "1"
+    return env
 
 
 def make_runtime(

@@ -20,7 +20,11 @@ instead of making another. A container runs hardened, whatever its image asks fo
   shares memory with the host's MPS daemon (NVIDIA's MPS-in-containers setup);
 - two read-only bind mounts, both the platform's: the workload's notice directory at
   ``/run/gpupool`` (the preemption notice ``/run/gpupool/preempt``) and, in MPS mode, the MPS pipe
-  directory at its own path; nothing else of the host;
+  directory at its own path; and the workload's volumes, read-write, each its directory under the
+  agent's ``volumes_root`` (``nodes.agent.volumes``: derived from the volume id, never a payload
+  path) at its checked ``mount_path``; nothing else of the host. The Engine API has no nosuid or
+  nodev option for a bind mount: ``no-new-privileges`` makes a setuid file powerless inside, and
+  the volumes root is mounted ``nosuid,nodev`` on the host;
 - no network (``network_mode: none``) unless the workload asks for ports; then a bridge network of
   its own, ``gpupool-<id>`` (inter-container traffic off; the engine's iptables rules keep bridges
   apart), removed when the workload is forgotten, and each port published on a host port the
@@ -49,7 +53,7 @@ from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import DeviceRequest, LogConfig, Mount
 
 from nodes.agent import workload_rules
-from nodes.agent.runtimes import STREAMS, OutputLine, Runtime, RuntimeFailure, safe_name
+from nodes.agent.runtimes import STREAMS, OutputLine, Runtime, RuntimeFailure, safe_name, volume_env
 from nodes.agent.types import (
     EXITED,
     FAILED,
@@ -60,6 +64,7 @@ from nodes.agent.types import (
     WorkloadSpec,
     WorkloadStatus,
 )
+from nodes.agent.volumes import Prepared
 
 log = logging.getLogger(__name__)
 
@@ -202,15 +207,18 @@ class DockerRuntime(Runtime):
         memory = ram_mib * 1024 * 1024 or max(64 << 20, int(self._engine["MemTotal"] * share))
         return nano, memory
 
-    def _environment(self, spec: WorkloadSpec, env: dict[str, str]) -> list[str]:
+    def _environment(self, spec: WorkloadSpec, env: dict[str, str], prepared: Prepared) -> list[str]:
         env = dict(env)
         env["GPUPOOL_WORKLOAD_ID"] = spec.workload_id
         env["GPUPOOL_PREEMPT_NOTICE_FILE"] = f"{NOTICE_DIR_IN_CONTAINER}/preempt"
         env["NVIDIA_VISIBLE_DEVICES"] = ",".join(spec.gpu_uuids) or "void"
         env.update(self.sharing_env(spec))
+        env.update(volume_env(prepared, prepared.checkpoint_in_workload))
         return [f"{key}={value}" for key, value in env.items()]
 
-    def _create_options(self, spec: WorkloadSpec, env: dict[str, str], ports: list[int]) -> dict[str, Any]:
+    def _create_options(
+        self, spec: WorkloadSpec, env: dict[str, str], ports: list[int], prepared: Prepared
+    ) -> dict[str, Any]:
         name = self.container_name(spec.workload_id)
         nano_cpus, memory = self._limits(spec)
         mounts = [
@@ -221,10 +229,13 @@ class DockerRuntime(Runtime):
                 read_only=True,
             )
         ]
+        mounts += [
+            Mount(v.mount_path, str(v.host_path), type="bind", read_only=False) for v in prepared.volumes
+        ]
         options: dict[str, Any] = {
             "name": name,
             "labels": {LABEL: spec.workload_id},
-            "environment": self._environment(spec, env),
+            "environment": self._environment(spec, env, prepared),
             "detach": True,
             "privileged": False,
             "cap_drop": ["ALL"],
@@ -282,7 +293,8 @@ class DockerRuntime(Runtime):
                     self._remove(record)
                 container = self._find(name)
                 if container is None:
-                    options = self._create_options(spec, env, ports)
+                    prepared = self.volumes.prepare(spec)  # refuses a volume over its size
+                    options = self._create_options(spec, env, ports, prepared)
                     if ports:
                         self._ensure_network(spec)
                     container = self.client.containers.create(spec.image, spec.command or None, **options)

@@ -13,7 +13,11 @@ UUIDs, ``GPUPOOL_WORKLOAD_ID``, ``GPUPOOL_PREEMPT_NOTICE_FILE``, the GPU share's
 the agent's environment (its bootstrap token) reaches it.
 
 Files: ``<process_work_dir>/<id>/`` (root's, readable) holds the preemption notice the agent
-writes; ``<id>/home/`` (the user's, 0700) is the working directory and ``HOME``. stdout and stderr
+writes; ``<id>/home/`` (the user's, 0700) is the working directory and ``HOME``. A process cannot
+be given a mount namespace of its own here, so each volume (its directory under ``volumes_root``,
+owned by the workload's user) is linked into the working directory under its mount path with the
+slashes made ``_`` (``/workspace``: ``$HOME/workspace``; ``/data/in``: ``$HOME/data_in``), and a
+checkpointing job's ``GPUPOOL_CHECKPOINT_DIR`` is the host path of its checkpoint directory. stdout and stderr
 go to ``<state dir>/process-logs/<id>.log``, which the workload cannot reach (the state directory is
 the agent's alone), so it cannot swap the log for a link to a file the agent would read out. Stop
 sends SIGTERM to the group and SIGKILL after the grace period. The image field is ignored (there is
@@ -38,8 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nodes.agent.runtimes import OutputLine, Runtime, RuntimeFailure, read_new_lines, safe_name
+from nodes.agent.runtimes import OutputLine, Runtime, RuntimeFailure, read_new_lines, safe_name, volume_env
 from nodes.agent.types import EXITED, FAILED, RUNNING, STOPPED, WorkloadHandle, WorkloadSpec, WorkloadStatus
+from nodes.agent.volumes import Prepared
 from nodes.agent.workload_rules import WorkloadRuleError, check_command, check_env, check_gpu_uuids
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -154,7 +159,24 @@ class SubprocessRuntime(Runtime):
         os.chmod(home, 0o700)
         return home
 
-    def _environment(self, spec: WorkloadSpec, user: ProcessUser, home: Path) -> dict[str, str]:
+    @staticmethod
+    def _link_volumes(home: Path, prepared: Prepared) -> None:
+        """Each volume as a link in the working directory (one level: ``home`` is the agent's
+        child, and a link or file the workload left there under that name is replaced or refused,
+        never followed)."""
+        for v in prepared.volumes:
+            link = home / v.mount_path.strip("/").replace("/", "_")
+            if link.is_symlink():
+                link.unlink()
+            elif link.exists():
+                raise RuntimeFailure(
+                    f"{link.name} in the working directory is in the way of volume {v.volume_id}"
+                )
+            os.symlink(v.host_path, link)
+
+    def _environment(
+        self, spec: WorkloadSpec, user: ProcessUser, home: Path, prepared: Prepared
+    ) -> dict[str, str]:
         env = {"PATH": os.environ.get("PATH") or DEFAULT_PATH}
         if os.environ.get("LANG"):
             env["LANG"] = os.environ["LANG"]
@@ -164,6 +186,7 @@ class SubprocessRuntime(Runtime):
         env["GPUPOOL_WORKLOAD_ID"] = spec.workload_id
         env["GPUPOOL_PREEMPT_NOTICE_FILE"] = str(self.workload_dir(spec.workload_id) / "preempt")
         env.update(self.sharing_env(spec))
+        env.update(volume_env(prepared, str(prepared.checkpoint_host)))
         return env
 
     @staticmethod
@@ -220,11 +243,13 @@ class SubprocessRuntime(Runtime):
             if not spec.command:
                 raise RuntimeFailure("the subprocess runtime needs a command")
             home = self._home(spec.workload_id, user)
+            prepared = self.volumes.prepare(spec, owner=(user.uid, user.gid) if user.switch else None)
+            self._link_volumes(home, prepared)
             log_dir = self.state_dir / "process-logs"
             log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             log_path = log_dir / f"{safe_name(spec.workload_id)}.log"
             err_path = log_dir / f"{safe_name(spec.workload_id)}.err"
-            environment = self._environment(spec, user, home)
+            environment = self._environment(spec, user, home, prepared)
             with open(log_path, "ab") as log_file, open(err_path, "ab") as err_file:
                 try:
                     proc = subprocess.Popen(

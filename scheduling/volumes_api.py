@@ -1,0 +1,87 @@
+"""``/api/v1/volumes/``: a tenant's persistent volumes (list, create, retrieve, delete).
+
+Registered on portal's shared router when ``scheduling.api`` is imported. The rules live in
+``scheduling.services.volumes``.
+"""
+
+from __future__ import annotations
+
+from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, serializers, status
+from rest_framework.response import Response
+
+from portal.api.routers import router
+from portal.api.viewsets import TenantReadOnlyViewSet
+from scheduling.models import Volume, VolumeState
+from scheduling.services.volumes import volume_create, volume_delete, volume_in_use_by
+
+
+class VolumeSerializer(serializers.ModelSerializer):
+    region = serializers.SlugRelatedField(read_only=True, slug_field="code")
+    in_use_by = serializers.SerializerMethodField(help_text="Ids of the live workloads it is attached to.")
+
+    class Meta:
+        model = Volume
+        fields = [
+            "id",
+            "name",
+            "region",
+            "size_gib",
+            "used_bytes",
+            "used_measured_at",
+            "state",
+            "created_at",
+            "in_use_by",
+        ]
+        read_only_fields = fields
+
+    def get_in_use_by(self, v: Volume) -> list[int]:
+        users = self.context.get("in_use")
+        if users is None:
+            users = volume_in_use_by(volume_ids=[v.pk])
+        return sorted(wid for wid, _ in users.get(v.pk, []))
+
+
+class VolumeCreateSerializer(serializers.Serializer):
+    name = serializers.CharField(max_length=63)
+    region = serializers.CharField(max_length=32)
+    size_gib = serializers.IntegerField()
+
+
+class VolumeViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin, mixins.DestroyModelMixin):
+    """Persistent storage in a region, attached to workloads at submission (``volumes``); kept
+    when they end. DELETE refuses (409) while a live workload uses it and removes its data."""
+
+    queryset = Volume.objects.exclude(state=VolumeState.DELETED).select_related("region")
+    serializer_class = VolumeSerializer
+    filterset_fields = ["region__code"]
+
+    def get_serializer_class(self):
+        return VolumeCreateSerializer if self.action == "create" else VolumeSerializer
+
+    def paginate_queryset(self, queryset):
+        page = super().paginate_queryset(queryset)
+        if page is not None:  # every volume's users in one query
+            self.in_use = volume_in_use_by(volume_ids=[v.pk for v in page])
+        return page
+
+    def get_serializer_context(self):
+        context = super().get_serializer_context()
+        if hasattr(self, "in_use"):
+            context["in_use"] = self.in_use
+        return context
+
+    @extend_schema(responses={201: VolumeSerializer})
+    def create(self, request, *args, **kwargs):
+        serializer = self.get_serializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        volume = volume_create(tenant=self.ctx.tenant, actor=self.actor, **serializer.validated_data)
+        volume = self.get_queryset().get(pk=volume.pk)
+        return Response(VolumeSerializer(volume).data, status=status.HTTP_201_CREATED)
+
+    def destroy(self, request, *args, **kwargs):
+        volume_delete(volume=self.get_object(), actor=self.actor)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+router.register("volumes", VolumeViewSet, basename="volume")
