@@ -114,6 +114,27 @@ def test_docker_checkpoint_env_and_resume(docker_runtime, volumes_root):
     assert "resume=0" in runtime.logs(fresh.workload_id)
 
 
+def test_docker_preemption_gives_notice_then_sigterm_and_time_to_write(docker_runtime, volumes_root):
+    """The notice file appears inside the container, then SIGTERM comes, and the grace period
+    lets the job write its checkpoint before it is killed."""
+    runtime, made = docker_runtime
+    script = (
+        'd="$GPUPOOL_CHECKPOINT_DIR"; '
+        "trap 'sleep 1; echo saved > \"$d/state\"; exit 143' TERM; "
+        'while [ ! -e "$GPUPOOL_PREEMPT_NOTICE_FILE" ]; do sleep 0.05; done; '
+        'echo noticed > "$d/notice"; '
+        "while true; do sleep 0.1; done"
+    )
+    spec = docker_spec(made, script, volumes=[vol()], checkpoint={"volume_id": "7", "resume": False})
+    runtime.start(spec)
+    wait_for(lambda: runtime.get_status(spec.workload_id).state == "running", what="the container to run")
+    status = runtime.preempt(spec.workload_id, notice_s=1.0, grace_s=10)
+    assert status.state == "preempted" and status.exit_code == 143
+    where = volumes_root / "vol-7" / CHECKPOINTS_DIR / spec.workload_id
+    assert (where / "notice").read_text() == "noticed\n"
+    assert (where / "state").read_text() == "saved\n"  # written in the grace period, after SIGTERM
+
+
 def test_docker_refuses_a_volume_over_its_size(docker_runtime, volumes_root, docker_engine):
     runtime, made = docker_runtime
     (volumes_root / "vol-7").mkdir()

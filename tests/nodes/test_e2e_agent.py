@@ -90,7 +90,8 @@ def e2e_database(django_db_blocker, tmp_path_factory) -> Iterator[str]:
     postgres = test_connection.vendor == "postgresql"
     with django_db_blocker.unblock():
         if postgres:
-            name = f"{saved}_agent_e2e"[:63]
+            # Named after this run's test database, so that runs sharing a server keep apart.
+            name = f"{os.environ.get('TEST_DB_NAME') or saved}_agent_e2e"[:63]
             with test_connection._nodb_cursor() as cursor:
                 cursor.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
                 cursor.execute(f'CREATE DATABASE "{name}"')
