@@ -79,6 +79,9 @@ class RateCardVersion(models.Model):
     effective_to = models.DateTimeField(null=True, blank=True, help_text="Exclusive; empty: open-ended.")
     vcpu_hour_price = _unit_price(null=True, blank=True)
     ram_gib_hour_price = _unit_price(null=True, blank=True)
+    storage_gib_hour_price = _unit_price(
+        null=True, blank=True, help_text="Per GiB-hour of a volume's size; empty: volumes are not billed."
+    )
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
@@ -99,6 +102,10 @@ class RateCardVersion(models.Model):
             models.CheckConstraint(
                 condition=Q(ram_gib_hour_price__isnull=True) | Q(ram_gib_hour_price__gte=0),
                 name="ratecardversion_ram_price_nonneg",
+            ),
+            models.CheckConstraint(
+                condition=Q(storage_gib_hour_price__isnull=True) | Q(storage_gib_hour_price__gte=0),
+                name="ratecardversion_storage_price_nonneg",
             ),
         ]
 
@@ -217,6 +224,44 @@ class UsageRecord(TenantOwnedModel):
         return f"usage {self.allocation_id} {self.start:%Y-%m-%d %H:%M:%S}..{self.end:%H:%M:%S}"
 
 
+class StorageUsageRecord(TenantOwnedModel):
+    """One piece of a volume's life, inside one billing period and one price version: its size
+    times its seconds, in GiB-seconds. Unique on (volume, period, version, start), like
+    :class:`UsageRecord`: rebuilding makes the same rows, so reruns never bill twice."""
+
+    tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="+", db_index=False)
+    volume = models.ForeignKey(
+        "scheduling.Volume", on_delete=models.PROTECT, related_name="+", db_index=False
+    )
+    region = models.ForeignKey("nodes.Region", on_delete=models.PROTECT, related_name="+", db_index=False)
+    period_start = models.DateField(help_text="First day (UTC) of the billing month.")
+    version = models.ForeignKey(RateCardVersion, on_delete=models.PROTECT, related_name="+", db_index=False)
+    start = models.DateTimeField()
+    end = models.DateTimeField()
+    size_gib = models.PositiveIntegerField()
+    gib_seconds = models.DecimalField(max_digits=24, decimal_places=6)
+    unit_price = _unit_price(help_text="Per GiB-hour, after the tenant's discount.")
+    amount = models.DecimalField(max_digits=AMOUNT_MAX_DIGITS, decimal_places=AMOUNT_PLACES)
+    invoice = models.ForeignKey(
+        "metering.Invoice", null=True, blank=True, on_delete=models.SET_NULL, related_name="storage_records"
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["start", "id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["volume", "period_start", "version", "start"], name="storageusage_unique_segment"
+            ),
+            models.CheckConstraint(condition=Q(end__gt=F("start")), name="storageusage_end_after_start"),
+            models.CheckConstraint(condition=Q(amount__gte=0), name="storageusage_amount_nonneg"),
+        ]
+        indexes = [models.Index(fields=["tenant", "period_start", "id"], name="storageusage_tenant_period")]
+
+    def __str__(self) -> str:
+        return f"storage {self.volume_id} {self.start:%Y-%m-%d %H:%M}..{self.end:%H:%M}"
+
+
 class InvoiceStatus(models.TextChoices):
     DRAFT = "draft", "Draft"
     FINALIZED = "finalized", "Finalized"
@@ -270,6 +315,7 @@ class LineKind(models.TextChoices):
     ON_DEMAND = "on_demand", "On-demand usage"
     SPOT = "spot", "Spot usage"
     RESERVED_OVERAGE = "reserved_overage", "Usage above reserved capacity"
+    STORAGE = "storage", "Volume storage"
     ADJUSTMENT = "adjustment", "Adjustment"
     CREDIT = "credit", "Credits applied"
     TAX = "tax", "Tax"

@@ -10,7 +10,8 @@
 3. attaches unattached usage to the drafts (two ``UPDATE``s for the whole batch: the period's
    records, and late records of periods whose invoice is closed);
 4. aggregates the drafts' usage in SQL, grouped by invoice, period, plan and model (one query), and
-   loads the reserved records for the overage sweep (one query);
+   their volumes' storage by invoice and period (one query), and loads the reserved records for the
+   overage sweep (one query);
 5. computes the lines in Python (the same functions for one tenant or a thousand), applies credits
    when finalizing (balances in one aggregate query), adds tax, deletes the drafts' old lines,
    inserts the new ones (COPY on PostgreSQL) and updates the invoices (one ``UPDATE``).
@@ -33,11 +34,13 @@ from django.db.models import Exists, OuterRef, Subquery, Sum
 from metering.locks import lock_period_invoices
 from metering.models import (
     CREDIT_ORDER,
+    LINE_ORDER,
     CreditEntry,
     Invoice,
     InvoiceLine,
     InvoiceStatus,
     LineKind,
+    StorageUsageRecord,
     UsageRecord,
 )
 from metering.money import HOUR, ZERO, quantize_money
@@ -285,6 +288,38 @@ def _attach_usage(drafts: list[Invoice], period_start: date) -> None:
     UsageRecord.objects.filter(
         Exists(closed), tenant_id__in=tenant_ids, invoice__isnull=True, period_start__lt=period_start
     ).update(invoice_id=Subquery(draft))
+    StorageUsageRecord.objects.filter(
+        tenant_id__in=tenant_ids, invoice__isnull=True, period_start=period_start
+    ).update(invoice_id=Subquery(draft))
+    StorageUsageRecord.objects.filter(
+        Exists(closed), tenant_id__in=tenant_ids, invoice__isnull=True, period_start__lt=period_start
+    ).update(invoice_id=Subquery(draft))
+
+
+def _storage_lines(invoice: Invoice, rows: list[dict]) -> list[dict]:
+    """Volume storage: one line for the invoice's month, and an adjustment for each earlier month
+    whose storage was recorded late (naming that month)."""
+    lines = []
+    for row in sorted(rows, key=lambda r: r["period_start"], reverse=True):
+        hours = row["gib_s"] / HOUR
+        current = row["period_start"] == invoice.period_start
+        label = (
+            "Volume storage"
+            if current
+            else f"Adjustment: late volume storage for {row['period_start']:%Y-%m}"
+        )
+        lines.append(
+            {
+                "kind": LineKind.STORAGE if current else LineKind.ADJUSTMENT,
+                "description": f"{label}, {hours:.3f} GiB-hours",
+                "quantity": hours,
+                "unit": "gib-hour",
+                "unit_price": None,
+                "amount": quantize_money(row["amount"], invoice.currency),
+                "original_period": None if current else row["period_start"],
+            }
+        )
+    return lines
 
 
 def _credit_lines(
@@ -359,6 +394,14 @@ def invoices_build_batch(
             .order_by()
         ):
             aggregates[row["invoice_id"]].append(row)
+        storage: dict[int, list[dict]] = defaultdict(list)
+        for row in (
+            StorageUsageRecord.objects.filter(invoice_id__in=draft_ids)
+            .values("invoice_id", "period_start")
+            .annotate(amount=Sum("amount"), gib_s=Sum("gib_seconds"))
+            .order_by()
+        ):
+            storage[row["invoice_id"]].append(row)
         reserved: dict[int, list[dict]] = defaultdict(list)
         for row in UsageRecord.objects.filter(
             invoice_id__in=draft_ids, period_start=period_start, plan=Plan.RESERVED
@@ -399,6 +442,8 @@ def invoices_build_batch(
             lines += _usage_lines(
                 invoice, aggregates[invoice.pk], reserved[invoice.pk], by_pk, book, discount, cache
             )
+            lines += _storage_lines(invoice, storage[invoice.pk])
+            lines.sort(key=lambda line: LINE_ORDER.index(line["kind"]))  # storage before adjustments
             taxable, _, _, _ = _totals(lines)
             if finalize:
                 credit, taxable = _credit_lines(invoice, taxable, balances, now, credit_entries)

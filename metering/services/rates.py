@@ -43,6 +43,7 @@ def rate_card_version_create(
     gpu_prices: dict[tuple[int, str], object],
     vcpu_hour_price=None,
     ram_gib_hour_price=None,
+    storage_gib_hour_price=None,
     now: datetime | None = None,
     allow_past: bool = False,
 ) -> RateCardVersion:
@@ -76,6 +77,7 @@ def rate_card_version_create(
         prices[(model_id, plan)] = _price(value, "price_per_gpu_hour")
     vcpu = _price(vcpu_hour_price, "vcpu_hour_price")
     ram = _price(ram_gib_hour_price, "ram_gib_hour_price")
+    storage = _price(storage_gib_hour_price, "storage_gib_hour_price")
     with transaction.atomic():
         lock_rate_card(rate_card_id=rate_card.pk)
         versions = list(RateCardVersion.objects.filter(rate_card=rate_card).order_by("effective_from"))
@@ -103,6 +105,7 @@ def rate_card_version_create(
                 effective_to=effective_to,
                 vcpu_hour_price=vcpu,
                 ram_gib_hour_price=ram,
+                storage_gib_hour_price=storage,
             )
         except IntegrityError as exc:
             raise ValidationFailed(

@@ -16,6 +16,8 @@ and ``ignore_conflicts`` keeps the first, so reruns and replays never bill twice
 recorded once it is final: when the allocation has ended, or when the piece ends at a boundary that
 is already past (an open allocation's completed months and price versions).
 
+Volumes are billed by the same run, per GiB-hour of their size (``metering.services.storage``).
+
 Per-second billing with a minimum (``METERING_MINIMUM_BILLABLE_S``, default 60): an allocation that
 ran less than the minimum bills the minimum; the difference is added to its last piece.
 """
@@ -31,11 +33,12 @@ from django.conf import settings
 from django.db.models import Exists, Max, OuterRef, Q, Sum
 from django.utils import timezone
 
-from metering.models import PlatformCost, UsageRecord
+from metering.models import PlatformCost, StorageUsageRecord, UsageRecord
 from metering.money import HOUR, ZERO, quantize_unit
 from metering.periods import period_bounds, period_of, period_starts_between, previous_period, split_interval
 from metering.services.rates import PriceBook, TenantPricing, discounted
 from metering.services.spot import SpotHistory
+from metering.services.storage import storage_accrued, storage_usage_build
 from nodes.models import GpuMinuteRollup
 from scheduling.models import MILLI, Allocation, Plan, WarmSlot, WorkloadEvent, WorkloadState
 
@@ -47,6 +50,7 @@ class UsageBuildResult:
     created: int = 0
     unchanged: int = 0
     unrated: list[str] = field(default_factory=list)
+    storage_created: int = 0  # volumes' records (metering.services.storage)
 
 
 def _seconds(delta) -> Decimal:
@@ -220,6 +224,7 @@ def usage_build(
         since = period_bounds(previous_period(period_of(now)))[0]
     if tenant is None:
         platform_costs_build(since=since, now=now)
+    storage_made, storage_unrated = storage_usage_build(since=since, now=now, tenant=tenant)
     # Open allocations, recently ended ones, and any without a record yet (late data: an allocation
     # whose end reached the portal after ``since``).
     recorded = UsageRecord.objects.filter(allocation=OuterRef("pk"))
@@ -229,7 +234,7 @@ def usage_build(
     if tenant is not None:
         qs = qs.filter(tenant=tenant)
     allocations = list(qs.order_by("tenant_id", "id"))
-    result = UsageBuildResult()
+    result = UsageBuildResult(storage_created=storage_made, unrated=list(storage_unrated))
     if not allocations:
         return result
     rater = _Rater(allocations)
@@ -254,7 +259,7 @@ def usage_build(
             row = rater.rate(a, s, e, topup=topup if last else ZERO, now=now)
             if row is not None:
                 rows.append(row)
-    result.unrated = rater.unrated
+    result.unrated += rater.unrated
     new = _not_recorded(rows)
     for row in new:  # telemetry only for the pieces not recorded yet
         row.avg_util_pct, row.avg_mem_used_mib = _telemetry(row.allocation.gpu_id, row.start, row.end)
@@ -279,10 +284,16 @@ def costs_to_date(*, tenant_ids=None, now: datetime | None = None) -> dict[int, 
         tenant_ids = [getattr(t, "pk", t) for t in tenant_ids]
         records, running = records.filter(tenant_id__in=tenant_ids), running.filter(tenant_id__in=tenant_ids)
     out: dict[int, Decimal] = defaultdict(lambda: ZERO)
-    for tenant_id, amount in (
-        records.values("tenant_id").annotate(s=Sum("amount")).values_list("tenant_id", "s")
-    ):
-        out[tenant_id] += amount or ZERO
+    storage = StorageUsageRecord.objects.filter(period_start=period)
+    if tenant_ids is not None:
+        storage = storage.filter(tenant_id__in=tenant_ids)
+    for rows in (records, storage):
+        for tenant_id, amount in (
+            rows.values("tenant_id").annotate(s=Sum("amount")).values_list("tenant_id", "s")
+        ):
+            out[tenant_id] += amount or ZERO
+    for tenant_id, amount in storage_accrued(tenant_ids=tenant_ids, now=now, month_start=month_start).items():
+        out[tenant_id] += amount
     allocations = list(running.select_related("workload", "node").order_by("id"))
     if allocations:
         rater = _Rater(allocations)
