@@ -751,5 +751,3 @@ extra_urlpatterns.append(path("quotas/", QuotaView.as_view(), name="quota-list")
 router.register("ssh-keys", SshKeyViewSet, basename="ssh-key")
 
 from scheduling import api_templates, volumes_api  # noqa: E402,F401  (register /templates/, /volumes/)
-    volumes_api,  # noqa: F401  (registers /volumes/)
-)

@@ -1,11 +1,15 @@
-"""The demo's template catalog (``make run``, ``manage.py seed_demo``): a few real public images a
-tenant can launch from at once. Idempotent: a template already there is left as staff made it."""
+"""Demo data of scheduling for ``make run`` (``manage.py seed_demo``), idempotent: the template
+catalog (a few real public images a tenant can launch from at once; a template already there is left
+as staff made it) and a volume or two of the demo tenant in the simulated regions (nodes' receiver,
+which makes the regions, runs first: nodes is installed before scheduling). The simulated runtime
+does not touch volumes, so they stay unmeasured."""
 
 from __future__ import annotations
 
 from portal.actors import Actor
-from scheduling.models import WorkloadTemplate
+from scheduling.models import Volume, VolumeState, WorkloadTemplate
 from scheduling.services.templates import template_create
+from scheduling.services.volumes import storage_root, volume_create
 
 DEMO_TEMPLATES = (
     {
@@ -49,7 +53,34 @@ def templates_demo_seed() -> int:
     return made
 
 
+DEMO_VOLUMES = (
+    ("datasets", "us-east-1", 200),
+    ("checkpoints", "us-east-1", 50),
+    ("scratch", "eu-west-1", 100),
+)
+
+
 def on_seed_demo_requested(sender, tenant=None, stdout=None, **kwargs) -> None:
+    from nodes.models import Region
+
     made = templates_demo_seed()
     if stdout is not None and made:
         stdout.write(f"Template catalog: {made} template(s) added.")
+    if tenant is None:
+        return
+    made = 0
+    for name, code, size in DEMO_VOLUMES:
+        region = Region.objects.filter(code=code).first()
+        if region is None or not storage_root(region):
+            continue
+        if (
+            Volume.objects.for_tenant(tenant)
+            .filter(name=name, region=region)
+            .exclude(state=VolumeState.DELETED)
+            .exists()
+        ):
+            continue
+        volume_create(tenant=tenant, name=name, region=code, size_gib=size, actor=Actor.system())
+        made += 1
+    if stdout is not None and made:
+        stdout.write(f"Demo volumes: {made} made.")

@@ -2,7 +2,7 @@
 
 from django.urls import path
 
-from scheduling.views import launch, ssh_keys, staff, workloads
+from scheduling.views import launch, ssh_keys, staff, volumes, workloads
 
 app_name = "scheduling"
 urlpatterns = [
@@ -23,6 +23,8 @@ urlpatterns = [
     path("workloads/<int:pk>/restart/", workloads.WorkloadRestartView.as_view(), name="workload-restart"),
     path("account/ssh-keys/", ssh_keys.SshKeysView.as_view(), name="ssh-keys"),
     path("account/ssh-keys/<int:pk>/delete/", ssh_keys.SshKeyDeleteView.as_view(), name="ssh-key-delete"),
+    path("volumes/", volumes.VolumesView.as_view(), name="volumes"),
+    path("volumes/<int:pk>/delete/", volumes.VolumeDeleteView.as_view(), name="volume-delete"),
     path("panels/workloads/", workloads.WorkloadsPanel.as_view(), name="panel-workloads"),
     path("staff/quotas/", staff.QuotaListView.as_view(), name="staff-quotas"),
     path("staff/quotas/bulk/", staff.QuotaBulkView.as_view(), name="staff-quotas-bulk"),

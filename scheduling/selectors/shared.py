@@ -22,6 +22,8 @@ from scheduling.models import (
     Plan,
     Quota,
     Reservation,
+    Volume,
+    VolumeState,
     Workload,
     WorkloadEvent,
     WorkloadLogLine,
@@ -206,6 +208,11 @@ def workload_placement(*, workload: Workload) -> list[dict]:
             "node__ssh_host_key",
         )
     )
+
+
+def live_volumes(*, tenant):
+    """The tenant's volumes that are not deleted, with their regions, newest first."""
+    return Volume.objects.for_tenant(tenant).exclude(state=VolumeState.DELETED).select_related("region")
 
 
 def workload_volumes(*, workload: Workload) -> list[dict]:

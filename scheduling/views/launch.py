@@ -27,13 +27,14 @@ from scheduling.models import (
     Plan,
     Reservation,
     ReservationStatus,
+    Volume,
     WarmSlot,
     Workload,
     WorkloadKind,
     WorkloadTemplate,
 )
 from scheduling.pricing import gpu_price_table, price_key, workload_estimate
-from scheduling.selectors.shared import gpu_availability, gpu_catalog, reservations_for_tenant
+from scheduling.selectors.shared import gpu_availability, gpu_catalog, live_volumes, reservations_for_tenant
 from scheduling.services.submission import SCHEDULABLE_VENDORS, QuotaExceeded, workload_submit
 
 FRACTIONS = [(1000, "Whole GPUs"), (500, "½ GPU"), (250, "¼ GPU"), (125, "⅛ GPU")]
@@ -48,6 +49,7 @@ FIELD_OF_SPEC_KEY = {
     "gang": "gpu_count",
     "cpu_millicores": "gpu_count",
     "ram_mib": "gpu_count",
+    "volumes": "volume",
 }
 # Quotas counted in GPUs: their error goes next to the count as well as on top of the form.
 GPU_QUOTAS = ("max_gpus_total", "max_spot_gpus", "max_gpus_per_request", "max_gpus[")
@@ -111,6 +113,20 @@ class LaunchForm(forms.Form):
         help_text="Jobs only: run as given, split like a shell would (no shell features).",
     )  # fmt: skip
 
+    volume = forms.TypedChoiceField(
+        label="Volume", required=False, coerce=int, empty_value=None,
+        help_text="One of your volumes; the workload then runs in its region. Kept when it ends.",
+    )  # fmt: skip
+    mount_path = forms.CharField(label="Mounted at", required=False, max_length=255, initial="/workspace")
+    volume_shared = forms.BooleanField(
+        label="Share the volume", required=False,
+        help_text="Others that share it may use it at the same time.",
+    )  # fmt: skip
+    checkpoint_resume = forms.BooleanField(
+        label="Checkpoint and resume", required=False,
+        help_text="Jobs: $GPUPOOL_CHECKPOINT_DIR on the volume; after a preemption it resumes with GPUPOOL_RESUME=1.",
+    )  # fmt: skip
+
     def __init__(
         self,
         *args,
@@ -118,11 +134,15 @@ class LaunchForm(forms.Form):
         regions: list[str],
         reservations: list[Reservation],
         templates: list[str] = (),
+        volumes: list[Volume] = (),
         **kw,
     ):
         super().__init__(*args, **kw)
         self.fields["template"].widget.choices = [("", "None"), *((t, t) for t in templates)]
         self.fields["template"].widget.attrs.pop("maxlength", None)
+        self.fields["volume"].choices = [("", "None")] + [
+            (v.pk, f"{v.name} ({v.size_gib} GiB in {v.region.code})") for v in volumes
+        ]
         self.fields["gpu_model"].widget.choices = [(m.name, m.name) for m in models]
         if models and not self.is_bound:
             self.fields["gpu_model"].initial = models[0].name
@@ -183,6 +203,16 @@ class LaunchForm(forms.Form):
             spec["reservation"] = d["reservation"]
         if d["spot_max_price"] is not None:
             spec["spot_max_price"] = str(d["spot_max_price"])
+        if d["volume"] is not None:
+            spec["volumes"] = [
+                {
+                    "volume": d["volume"],
+                    "mount_path": d["mount_path"] or "/workspace",
+                    "shared": d["volume_shared"],
+                }
+            ]
+        if d["checkpoint_resume"]:
+            spec["checkpoint_resume"] = True
         return spec
 
     def show_error(self, exc: DomainError) -> None:
@@ -355,6 +385,7 @@ class LaunchMixin(TenantScopedMixin):
                     .values_list("name", flat=True)
                     .distinct()
                 ),
+                volumes=list(live_volumes(tenant=self.tenant)),
             )
         values = form.data if form.is_bound else {name: f.initial for name, f in form.fields.items()}
         return {

@@ -46,6 +46,7 @@ from scheduling.selectors.shared import (
     workload_log_lines,
     workload_placement,
     workload_unconfirmed_stops,
+    workload_volumes,
     workloads_for_tenant,
 )
 from scheduling.selectors.workload_metrics import ceil_minute, workload_held, workload_last_placement
@@ -356,6 +357,11 @@ def spec_of(w: Workload) -> dict:
         "requeue_on_preemption": w.requeue_on_preemption,
         "checkpoint_resume": w.checkpoint_resume,
         "max_retries": w.max_retries,
+        # Its volumes again (the restart is refused if one is gone or now in use by another).
+        "volumes": [
+            {"volume": v["volume"], "mount_path": v["mount_path"], "shared": v["shared"]}
+            for v in workload_volumes(workload=w)
+        ],
     }
     return spec
 

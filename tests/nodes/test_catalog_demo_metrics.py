@@ -108,6 +108,18 @@ def test_seed_demo_command_seeds_the_fleet(db, tmp_path, settings, django_captur
         call_command("seed_demo", stdout=out)
     assert "Simulated fleet: 24 nodes" in out.getvalue()
     assert len(json.loads(settings.FLEET_FILE.read_text())["nodes"]) == 24
+    # A volume or two of the demo tenant in the simulated regions; a second run makes no more.
+    from scheduling.models import Volume
+
+    demo = {(v.name, v.region.code, v.size_gib) for v in Volume.objects.filter(tenant__slug="demo")}
+    assert demo == {
+        ("datasets", "us-east-1", 200),
+        ("checkpoints", "us-east-1", 50),
+        ("scratch", "eu-west-1", 100),
+    }
+    with django_capture_on_commit_callbacks(execute=True):
+        call_command("seed_demo", stdout=StringIO())
+    assert Volume.objects.filter(tenant__slug="demo").count() == 3
 
 
 def test_metrics_expose_dcgm_gauges_and_fleet_counts(agent, client):
