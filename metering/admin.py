@@ -20,6 +20,7 @@ from metering.models import (
     RateCard,
     RateCardVersion,
     SpotPrice,
+    StorageUsageRecord,
     StripeEvent,
     UsageRecord,
 )
@@ -55,6 +56,7 @@ class RateCardVersionAdmin(admin.ModelAdmin):
         "effective_to",
         "vcpu_hour_price",
         "ram_gib_hour_price",
+        "storage_gib_hour_price",
     ]
     inlines = [GpuPriceInline]
 
@@ -149,6 +151,22 @@ class InvoiceAdmin(admin.ModelAdmin):
 
         invoices = invoice_run(period_start=previous_period(period_of(timezone.now())))
         self.message_user(request, f"Invoice run: {len(invoices)} invoices built.")
+
+
+@admin.register(StorageUsageRecord)
+class StorageUsageRecordAdmin(RecordAdmin):
+    list_display = [
+        "tenant",
+        "volume",
+        "region",
+        "start",
+        "end",
+        "size_gib",
+        "unit_price",
+        "amount",
+        "invoice",
+    ]
+    list_filter = ["period_start"]
 
 
 @admin.register(UsageRecord)

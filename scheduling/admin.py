@@ -15,6 +15,7 @@ from scheduling.models import (
     QuotaModelLimit,
     Reservation,
     SshKey,
+    Volume,
     WarmPool,
     WarmSlot,
     Workload,
@@ -22,6 +23,7 @@ from scheduling.models import (
     WorkloadLogBatch,
     WorkloadLogLine,
     WorkloadTemplate,
+    WorkloadVolume,
 )
 from scheduling.services.lifecycle import workload_stop
 from scheduling.services.quotas import EDITABLE_FIELDS, quota_update
@@ -327,3 +329,27 @@ class SshKeyAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request, obj=None):
         return False
+
+
+@admin.register(Volume)
+class VolumeAdmin(RecordAdmin):
+    """Read-only: tenants create and delete volumes (the delete sends the data removal)."""
+
+    list_display = [
+        "id",
+        "tenant",
+        "name",
+        "region",
+        "size_gib",
+        "used_bytes",
+        "state",
+        "created_at",
+        "deleted_at",
+    ]
+    list_filter = ["state", "region"]
+    search_fields = ["name", "tenant__slug"]
+
+
+@admin.register(WorkloadVolume)
+class WorkloadVolumeAdmin(RecordAdmin):
+    list_display = ["workload", "volume", "mount_path", "shared"]

@@ -69,6 +69,12 @@ FIELD_BODIES: dict[str, dict] = {"reservation": {"plan": "reserved"}}
 FIELD_OBJECTS: dict[str, dict] = {"reservation": {"status": ReservationStatus.ACTIVE}}
 
 
+def _volume_body() -> dict:
+    """A new volume (names are unique per tenant and region: each call a new one)."""
+    catalog_gpu()  # its region
+    return {"name": f"walker-{timezone.now().timestamp():.6f}", "region": "us-east-1", "size_gib": 1}
+
+
 def _reservation_body() -> dict:
     start = timezone.now() + timedelta(days=1)
     return {
@@ -163,6 +169,8 @@ class Route:
     def body(self, method: str) -> dict:
         if (self.name, method) == ("api:reservation-list", "post"):
             return _reservation_body()
+        if (self.name, method) == ("api:volume-list", "post"):
+            return _volume_body()
         if (self.name, method) == ("api:ssh-key-list", "post"):  # a new key each time: no duplicate
             return {"name": "walker", "public_key": public_key()}
         body = dict(OWNER_BODIES.get((self.name, method), {}))
