@@ -273,3 +273,66 @@ def test_usage_reports(volumes_root):
     (last,) = volumes.report(active=set())  # it ended: measured once more
     assert last["used_bytes"] == 5000
     assert volumes.report(active=set()) == []
+
+
+def test_the_agent_attaches_measures_and_deletes_a_volume(
+    portal, make_config, run_agent, process_options, volumes_root
+):
+    """Through the agent loop (a fake portal over real HTTP): a start with a volume writes to it,
+    the heartbeats carry its measured use, a forged mount path is rejected, a volume over its size
+    fails the start with the reason, and ``delete_volume`` removes its directory."""
+    from nodes.agent.agent import Agent
+
+    agent = Agent(make_config(runtime="subprocess", volumes_root=str(volumes_root), **process_options))
+    thread = run_agent(agent)
+    wait_for(lambda: portal.seqs(1), what="registration")
+    uuid = portal.nodes[1]["register"]["gpus"][0]["uuid"]
+
+    def start(cid: str, wid: str, script: str, volumes: list[dict[str, Any]]) -> None:
+        payload = {
+            "workload_id": wid,
+            "image": "x",
+            "gpu_uuids": [uuid],
+            "command": ["/bin/sh", "-c", script],
+        }
+        portal.queue_command(
+            1, {"id": cid, "kind": "start_workload", "payload": {**payload, "volumes": volumes}}
+        )
+
+    start("c1", "51", "head -c 3000 /dev/zero > workspace/blob", [vol("5")])
+    wait_for(lambda: "succeeded" in portal.reports_for("c1"), what="the start")
+    wait_for(
+        lambda: (
+            (volumes_root / "vol-5" / "blob").exists()
+            and (volumes_root / "vol-5" / "blob").stat().st_size == 3000
+        ),
+        what="the write",
+    )
+
+    def measured(size: int) -> bool:
+        return any(
+            v == {"volume_id": "5", "used_bytes": size, "measured_at": v["measured_at"]}
+            for body in portal.heartbeats[1].values()
+            for v in body.get("volumes", [])
+        )
+
+    wait_for(lambda: measured(3000), timeout=15, what="the use in a heartbeat once the workload ended")
+
+    start("c2", "52", "true", [vol("5", mount_path="/etc")])
+    with open(volumes_root / "vol-5" / "big", "wb") as handle:
+        handle.truncate(GIB)
+    start("c3", "53", "true", [vol("5", size_gib=1)])
+    wait_for(
+        lambda: "failed" in portal.reports_for("c2") and "failed" in portal.reports_for("c3"), what="refusals"
+    )
+    results = {cid: result for cid, status, result, _ in portal.reports if status == "failed"}
+    assert results["c2"]["rejected"] is True and results["c2"]["reason"].startswith(
+        "volumes: Must not be at or under /etc"
+    )
+    assert results["c3"]["rejected"] is False and "over its size of 1 GiB" in results["c3"]["reason"]
+
+    portal.queue_command(1, {"id": "c4", "kind": "delete_volume", "payload": {"volume_id": "5"}})
+    wait_for(lambda: "succeeded" in portal.reports_for("c4"), what="the deletion")
+    assert not (volumes_root / "vol-5").exists()
+    thread.stop()
+    assert thread.error is None
