@@ -510,6 +510,12 @@ SCHEDULING_GPU_TYPES_CACHE_S = env.int("SCHEDULING_GPU_TYPES_CACHE_S", default=2
 SCHEDULING_FLEET_SHAPES_CACHE_S = env.int("SCHEDULING_FLEET_SHAPES_CACHE_S", default=10)
 # Workload.gpu_vendor and GpuModel.vendor share one choice set: one name for it in the schema.
 SPECTACULAR_SETTINGS.setdefault("ENUM_NAME_OVERRIDES", {})["GpuVendorEnum"] = "nodes.models.Vendor"
+SPECTACULAR_SETTINGS["ENUM_NAME_OVERRIDES"].update(
+    {
+        "VolumeStateEnum": "scheduling.models.VolumeState",
+        "WorkloadStateEnum": "scheduling.models.WorkloadState",
+    }
+)
 # Warm pools: time constant of the demand estimate, and how often targets and slots are reconciled.
 SCHEDULING_WARM_POOL_TAU_S = 900
 SCHEDULING_WARM_POOL_INTERVAL_S = 30

@@ -258,6 +258,7 @@ class WorkloadDetailView(WorkloadsMixin, View):
                 **detail_context(self, w),
                 "telemetry": workload_telemetry(workload=w),
                 "log_retention_days": retention,
+                "volumes": workload_volumes(workload=w),  # the specification card, not the live part
             }
         )
 

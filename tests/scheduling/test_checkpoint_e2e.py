@@ -47,7 +47,7 @@ from tests.nodes.test_e2e_agent import (  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.slow
 
-STEPS = 40
+STEPS = 60
 # Counts to STEPS, a step every 0.1 s, keeping its count in the checkpoint directory (written whole:
 # to a temporary file, then renamed); on SIGTERM it saves the count and notes whether the
 # preemption notice file was there first.

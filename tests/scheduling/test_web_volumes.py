@@ -123,3 +123,24 @@ def test_a_restart_keeps_the_volumes(client, tenant, regions, make_node):
     assert r.status_code == 302, r.content.decode()[:1000]
     again = Workload.objects.exclude(pk=first.pk).get()
     assert list(again.volume_mounts.values_list("volume_id", "mount_path")) == [(v.pk, "/data")]
+
+
+def test_the_workload_page_names_its_volumes(client, tenant, regions, make_node):
+    make_node()
+    v = Volume.objects.create(tenant=tenant, name="data", region=regions["us"], size_gib=10)
+    data = {
+        "kind": "job",
+        "gpu_model": H100,
+        "gpu_count": "1",
+        "fraction": "1000",
+        "plan": "on_demand",
+        "image": "ghcr.io/acme/train:1",
+        "command": "python train.py",
+        "volume": str(v.pk),
+        "mount_path": "/data",
+        "checkpoint_resume": "on",
+    }
+    assert client.post("/launch/", data).status_code == 302
+    html = client.get(f"/workloads/{Workload.objects.get().pk}/").content.decode()
+    assert f'href="/volumes/#volume-{v.pk}">data</a> at <code>/data</code>' in html
+    assert "checkpoints on data" in html
