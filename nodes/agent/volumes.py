@@ -12,7 +12,9 @@ workload may have left inside the volume, measures what the volume holds and ref
 when that is over its size. Use is the sum of the apparent sizes of its files (links not
 followed); a running workload is not stopped when it writes past its size, but its next start is
 refused. Measurements go to the portal in the heartbeats (``volumes``), at most one per volume per
-``MEASURE_INTERVAL_S`` while a workload of this node uses it, and one at each start.
+``MEASURE_INTERVAL_S`` while a workload of this node uses it, one at each start and one when the
+workload ends. Which workloads use which volumes is kept in memory: after an agent restart a
+running workload's volume is measured again from its next start on this node.
 """
 
 from __future__ import annotations

@@ -155,6 +155,7 @@ class Runtime(ABC):
         self.gpu_sharing = gpu_sharing
         self.mps_pipe_dir = mps_pipe_dir
         # The node's volumes (the agent sets its configured root); without a root, none attach.
+        # Imported here: nodes.agent.volumes imports this module.
         from nodes.agent.volumes import Volumes
 
         self.volumes = Volumes("")
