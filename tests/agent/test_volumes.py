@@ -336,3 +336,54 @@ def test_the_agent_attaches_measures_and_deletes_a_volume(
     assert not (volumes_root / "vol-5").exists()
     thread.stop()
     assert thread.error is None
+
+
+def test_the_agent_with_docker_gives_the_next_workload_what_the_last_wrote(
+    portal, make_config, run_agent, volumes_root, docker_engine
+):
+    """The agent loop with the docker runtime (busybox on the real engine): the second workload
+    finds the first one's file on the volume, as its exit code in the heartbeats shows."""
+    from nodes.agent.agent import Agent
+
+    agent = Agent(make_config(runtime="docker", volumes_root=str(volumes_root)))
+    thread = run_agent(agent)
+    wait_for(lambda: portal.seqs(1), what="registration")
+    made: list[str] = []
+
+    def start(cid: str, script: str) -> str:
+        wid = f"a{uuid.uuid4().hex[:10]}"
+        made.append(wid)
+        payload = {
+            "workload_id": wid,
+            "image": TEST_IMAGE,
+            "command": ["sh", "-c", script],
+            "gpu_uuids": [],
+            "cpu_millicores": 500,
+            "ram_mib": 64,
+            "volumes": [vol("3")],
+        }
+        portal.queue_command(1, {"id": cid, "kind": "start_workload", "payload": payload})
+        return wid
+
+    def exit_code(wid: str) -> int | None:
+        for seq in sorted(portal.seqs(1), reverse=True):
+            for w in portal.heartbeats[1][seq]["workloads"]:
+                if w["workload_id"] == wid and w["state"] in ("exited", "failed"):
+                    return w["exit_code"]
+        return None
+
+    try:
+        first = start("d1", "echo from-the-first > /workspace/note")
+        wait_for(lambda: exit_code(first) == 0, timeout=30, what="the first workload to end")
+        second = start("d2", "grep -q from-the-first /workspace/note")
+        wait_for(lambda: exit_code(second) is not None, timeout=30, what="the second workload to end")
+        assert exit_code(second) == 0
+        control = start("d3", "grep -q never-written /workspace/note")  # the check can fail
+        wait_for(lambda: exit_code(control) is not None, timeout=30, what="the control to end")
+        assert exit_code(control) == 1
+    finally:
+        thread.stop()
+        for wid in made:
+            with contextlib.suppress(NotFound):
+                docker_engine.api.remove_container(f"gpupool-{wid}", force=True)
+    assert thread.error is None
