@@ -10,6 +10,7 @@ from scheduling.services.cycle import scheduling_cycle_run
 from scheduling.services.lifecycle import scheduling_reconcile
 from scheduling.services.logs import workload_logs_purge
 from scheduling.services.triggers import cycle_request_clear
+from scheduling.services.volumes import volumes_data_removal
 from scheduling.services.warm_pools import warm_pools_reconcile
 
 
@@ -26,7 +27,9 @@ def run_cycle(token: str | None = None) -> dict:
 
 @shared_task(name="scheduling.tasks.reconcile", ignore_result=True)
 def reconcile() -> dict:
-    return scheduling_reconcile().as_dict()
+    result = scheduling_reconcile().as_dict()
+    result["volume_data_removals"] = volumes_data_removal()
+    return result
 
 
 @shared_task(name="scheduling.tasks.warm_pools", ignore_result=True)

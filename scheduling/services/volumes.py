@@ -13,7 +13,8 @@ The rules, once:
   the volume's row lock (``scheduling.locks.lock_volumes``): it is refused (409 naming ``volumes``)
   when the volume is in use and either this workload or one that uses it did not ask to share.
 - A volume in use cannot be deleted (409). Deleting marks it deleted (billing stops there) and
-  sends ``delete_volume`` to a node of its region that is up, whose agent removes the directory.
+  sends ``delete_volume`` to a node of its region that is up, whose agent removes the directory;
+  the reconciler asks again where none was up or the command failed (``volumes_data_removal``).
 - ``checkpoint_resume`` needs a volume: the job's checkpoints go to its first one.
 """
 
@@ -23,6 +24,7 @@ import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
@@ -30,7 +32,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from nodes.agent.workload_rules import WorkloadRuleError, check_mount_path
-from nodes.models import CommandKind, Node, NodeState, Region
+from nodes.models import CommandKind, CommandState, Node, NodeCommand, NodeState, Region
 from nodes.services.commands import node_command_enqueue
 from portal.actors import Actor
 from portal.errors import Conflict, ValidationFailed
@@ -145,6 +147,59 @@ def volume_delete(*, volume: Volume, actor: Actor, now=None) -> Volume:
             data={"data_removal_node": node.pk if node is not None else None},
         )
     return volume
+
+
+# Deleted volumes whose data no node has removed yet are retried for this long, this many times.
+DATA_REMOVAL_WINDOW = timedelta(days=7)
+DATA_REMOVAL_TRIES = 5
+IN_FLIGHT = (CommandState.PENDING, CommandState.DELIVERED, CommandState.ACCEPTED)
+
+
+def volumes_data_removal(*, now=None) -> list[int]:
+    """Ask again for the removal of deleted volumes' data where no node has done it: no ready node
+    of the region when it was deleted, or the command failed or expired. A ready node of the region
+    gets ``delete_volume`` (at most ``DATA_REMOVAL_TRIES`` per volume, within
+    ``DATA_REMOVAL_WINDOW`` of the deletion; past that it is logged for staff). Run by the
+    reconciler. Returns the volumes asked for."""
+    now = now or timezone.now()
+    deleted = list(
+        Volume.objects.filter(state=VolumeState.DELETED, deleted_at__gte=now - DATA_REMOVAL_WINDOW).order_by(
+            "pk"
+        )
+    )
+    if not deleted:
+        return []
+    states: dict[str, list[str]] = {}
+    for payload, state in NodeCommand.objects.filter(
+        kind=CommandKind.DELETE_VOLUME, payload__volume_id__in=[str(v.pk) for v in deleted]
+    ).values_list("payload", "state"):
+        states.setdefault(str(payload.get("volume_id")), []).append(state)
+    asked = []
+    for v in deleted:
+        tried = states.get(str(v.pk), [])
+        if CommandState.SUCCEEDED in tried or any(s in IN_FLIGHT for s in tried):
+            continue
+        if len(tried) >= DATA_REMOVAL_TRIES:
+            logger.error(
+                "Volume %s: its data was not removed after %d tries; staff must remove it", v.pk, len(tried)
+            )
+            continue
+        node = (
+            Node.objects.filter(region_id=v.region_id, state=NodeState.READY)
+            .order_by("-last_heartbeat_at", "pk")
+            .first()
+        )
+        if node is None:
+            continue
+        node_command_enqueue(
+            node=node,
+            kind=CommandKind.DELETE_VOLUME,
+            payload={"volume_id": str(v.pk)},
+            idempotency_key=f"delete_volume:{v.pk}:{len(tried) + 1}",
+            now=now,
+        )
+        asked.append(v.pk)
+    return asked
 
 
 # --- attaching at submission -----------------------------------------------------------------------

@@ -256,3 +256,29 @@ def test_measurements_are_kept_per_region_and_never_go_back_in_time(acme, region
     assert volumes_on_measured(node_id=us_node.pk, reports=[older]) == 0
     body = acme.get(f"/api/v1/volumes/{v['id']}/").json()
     assert body["used_bytes"] == 1234 and body["used_measured_at"] is not None
+
+
+def test_data_removal_is_asked_again_until_a_node_does_it(acme, regions, make_node):
+    from nodes.models import CommandState, NodeState
+    from scheduling.services.volumes import DATA_REMOVAL_TRIES, volumes_data_removal
+
+    node = make_node(state=NodeState.MAINTENANCE)
+    v = make_volume(acme)
+    assert acme.delete(f"/api/v1/volumes/{v['id']}/").status_code == 204
+    assert not NodeCommand.objects.filter(kind=CommandKind.DELETE_VOLUME).exists()  # no ready node
+    assert volumes_data_removal() == []
+    type(node).objects.filter(pk=node.pk).update(state=NodeState.READY)
+    assert volumes_data_removal() == [v["id"]]
+    assert volumes_data_removal() == []  # in flight: not asked twice
+    cmd = NodeCommand.objects.get(kind=CommandKind.DELETE_VOLUME)
+    assert cmd.node_id == node.pk and cmd.payload == {"volume_id": str(v["id"])}
+    NodeCommand.objects.filter(pk=cmd.pk).update(state=CommandState.EXPIRED)
+    assert volumes_data_removal() == [v["id"]]  # expired: asked again
+    NodeCommand.objects.filter(kind=CommandKind.DELETE_VOLUME).update(state=CommandState.SUCCEEDED)
+    assert volumes_data_removal() == []  # done
+    NodeCommand.objects.filter(kind=CommandKind.DELETE_VOLUME).update(state=CommandState.FAILED)
+    for _ in range(DATA_REMOVAL_TRIES - 2):
+        assert volumes_data_removal() == [v["id"]]
+        NodeCommand.objects.filter(kind=CommandKind.DELETE_VOLUME).update(state=CommandState.FAILED)
+    assert volumes_data_removal() == []  # given up after DATA_REMOVAL_TRIES: logged for staff
+    assert NodeCommand.objects.filter(kind=CommandKind.DELETE_VOLUME).count() == DATA_REMOVAL_TRIES
