@@ -11,7 +11,7 @@ class Migration(migrations.Migration):
         ("metering", "0006_usage_tenant_period_id"),
         ("nodes", "0008_node_address"),
         ("portal", "0005_authority_follows_the_person"),
-        ("scheduling", "0008_volumes"),
+        ("scheduling", "0011_volumes"),
     ]
 
     operations = [

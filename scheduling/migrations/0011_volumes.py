@@ -9,7 +9,7 @@ class Migration(migrations.Migration):
     dependencies = [
         ("nodes", "0008_node_address"),
         ("portal", "0005_authority_follows_the_person"),
-        ("scheduling", "0007_allocation_stop_confirmation"),
+        ("scheduling", "0010_ssh_keys"),
     ]
 
     operations = [

@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("nodes", "0008_node_address"),
+        ("nodes", "0009_node_ssh_endpoint"),
     ]
 
     operations = [
