@@ -68,6 +68,17 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         dest="ssh_listen",
         help="serve SSH into workloads on HOST:PORT, e.g. 0.0.0.0:2222 (port 0: any free port)",
     )
+    parser.add_argument(
+        "--publish-address",
+        dest="publish_address",
+        help="the IP address workloads' HTTP ports listen on: the private network the portal reaches "
+        "(default: 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--tcp-publish-address",
+        dest="tcp_publish_address",
+        help="the IP address workloads' TCP ports listen on (default: the publish address)",
+    )
     parser.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float)
     parser.add_argument("--sample-interval", dest="sample_interval_s", type=float)
     parser.add_argument("--commands-wait", dest="commands_wait_s", type=int)

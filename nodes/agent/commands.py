@@ -135,8 +135,11 @@ class CommandHandlers:
             deadlines[spec.workload_id] = time.time() + spec.max_runtime_s
             self.buffer.set("deadlines", json.dumps(deadlines))
         result: dict[str, Any] = {"workload_id": spec.workload_id, "ref": handle.ref}
-        if handle.ports:
+        if spec.ports:
+            # Container port -> host port; a port missing here was not published (the simulated
+            # runtime publishes none), and the portal says so rather than show an address.
             result["ports"] = handle.ports
+            result["runtime"] = self.runtime.name
         if mig:
             result["mig_uuid"] = spec.gpu_uuids[0]
         return result

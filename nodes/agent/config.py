@@ -7,6 +7,7 @@ The config file is ``--config PATH`` or ``$GPUPOOL_AGENT_CONFIG``; its keys are 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import os
 import socket
@@ -63,6 +64,12 @@ class AgentConfig:
     # The SSH endpoint into workloads (nodes/agent/ssh.py): "host:port" to listen on, e.g.
     # "0.0.0.0:2222" (port 0: any free port); empty: none.
     ssh_listen: str = ""
+    # Where workloads' published ports listen (an IP address of this node): HTTP ports on
+    # publish_address, the private network the portal's proxy reaches (advertise_address must lead
+    # there); TCP ports on tcp_publish_address (empty: publish_address). A port published on every
+    # interface (0.0.0.0) is reachable around the portal's access check: see docs/security.md.
+    publish_address: str = "127.0.0.1"
+    tcp_publish_address: str = ""
     # How often the GPUs are read; every reading since the last batch goes in the next one.
     sample_interval_s: float = 1.0
     # Unset (None): the portal's answer to register decides.
@@ -142,6 +149,13 @@ class AgentConfig:
                 parse_listen(self.ssh_listen)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
+        for name in ("publish_address", "tcp_publish_address"):
+            value = getattr(self, name)
+            if value or name == "publish_address":
+                try:
+                    ipaddress.ip_address(value)
+                except ValueError:
+                    raise ConfigError(f"{name} must be an IP address of this node, not {value!r}") from None
         if self.runtime == "subprocess":
             try:
                 process_user(single_tenant=self.single_tenant, user=self.process_user)
@@ -153,13 +167,15 @@ class AgentConfig:
 
     def runtime_options(self) -> dict[str, Any]:
         """The chosen runtime's own settings, as ``make_runtime`` takes them."""
+        publish = {"publish_address": self.publish_address, "tcp_publish_address": self.tcp_publish_address}
         if self.runtime == "docker":
-            return {"docker_host": self.docker_host, "pids_limit": self.docker_pids_limit}
+            return {"docker_host": self.docker_host, "pids_limit": self.docker_pids_limit, **publish}
         if self.runtime == "subprocess":
             return {
                 "single_tenant": self.single_tenant,
                 "process_user": self.process_user,
                 "process_work_dir": self.process_work_dir,
+                **publish,
             }
         return {}
 
@@ -188,6 +204,8 @@ ENV = {
     "GPUPOOL_HOSTNAME": "hostname",
     "GPUPOOL_ADVERTISE_ADDRESS": "advertise_address",
     "GPUPOOL_SSH_LISTEN": "ssh_listen",
+    "GPUPOOL_PUBLISH_ADDRESS": "publish_address",
+    "GPUPOOL_TCP_PUBLISH_ADDRESS": "tcp_publish_address",
     "GPUPOOL_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
     "GPUPOOL_SAMPLE_INTERVAL_S": "sample_interval_s",
     "GPUPOOL_COMMANDS_WAIT_S": "commands_wait_s",

@@ -18,9 +18,10 @@ The rules, once:
   (``RESERVED_ENV_NAMES`` and ``RESERVED_ENV_PREFIXES``), except the two simulation settings of
   ``TENANT_GPUPOOL_ENV``.
 - ``command``: a list of at most 1024 strings without NUL, at most 128 KiB together.
-- ``ports``: a list of container ports, integers 1-65535, at most 64; duplicates are dropped and
-  the list is sorted. The tenant never chooses a host port: the runtime publishes each container
-  port on a port the host picks.
+- ``ports``: a list of at most 64 container ports, each an integer 1-65535 (an HTTP port) or
+  ``{"port": N, "protocol": "http"|"tcp"}``; duplicates are dropped and the list is sorted. The
+  tenant never chooses a host port or address: the runtime publishes each container port on a port
+  the host picks, on the address the agent's configuration names for its protocol.
 - ``volumes``: at most ``MAX_VOLUMES`` of ``{"volume_id", "mount_path", "size_gib"}``. The id is
   the portal's (digits); the agent alone turns it into a directory (``<volumes_root>/vol-<id>``), so
   no payload names a host path. ``mount_path`` is where the workload sees it: absolute, normalised
@@ -120,6 +121,8 @@ RESERVED_ENV_PREFIXES = (
 TENANT_GPUPOOL_ENV = frozenset({"GPUPOOL_SIM_DURATION_S", "GPUPOOL_SIM_EXIT_CODE"})
 
 GPU_VENDORS = ("", "nvidia", "amd", "intel")
+# "http": reached through the portal's proxy only; "tcp": a raw port on the node (docs/security.md).
+PORT_PROTOCOLS = ("http", "tcp")
 
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 
@@ -239,18 +242,35 @@ def check_command(value: Any) -> list[str]:
     return list(value)
 
 
-def check_ports(value: Any) -> list[int]:
-    """Container ports to publish: a sorted list of distinct integers 1-65535. Each is published on
-    a host port the host picks (``docker run -p <port>``); there is no way to name a host port."""
+def check_ports(value: Any) -> list[dict[str, Any]]:
+    """Container ports to publish, as ``[{"port": 8888, "protocol": "http"}, ...]`` sorted by port.
+
+    Each item is a port number (an HTTP port) or an object ``{"port": N, "protocol": "http"|"tcp"}``
+    (protocol ``http`` when left out). A port named twice with the same protocol counts once; with
+    two protocols it is refused. Each is published on a host port the host picks (``docker run -p
+    <port>``); there is no way to name a host port."""
     if not isinstance(value, list | tuple):
-        raise WorkloadRuleError("ports", "Must be a list of port numbers (1-65535).")
-    for port in value:
+        raise WorkloadRuleError("ports", "Must be a list of ports: numbers (1-65535) or {port, protocol}.")
+    if len(value) > MAX_PORTS:
+        raise WorkloadRuleError("ports", f"At most {MAX_PORTS} ports.")
+    protocols: dict[int, str] = {}
+    for item in value:
+        if isinstance(item, Mapping):
+            unknown = set(item) - {"port", "protocol"}
+            if unknown:
+                raise WorkloadRuleError(
+                    "ports", f"Unknown key {sorted(map(str, unknown))[0]!r}: port, protocol."
+                )
+            port, protocol = item.get("port"), item.get("protocol", "http")
+        else:
+            port, protocol = item, "http"
         if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
             raise WorkloadRuleError("ports", f"{port!r} is not a port number (1-65535).")
-    ports = sorted(set(value))
-    if len(ports) > MAX_PORTS:
-        raise WorkloadRuleError("ports", f"At most {MAX_PORTS} ports.")
-    return ports
+        if protocol not in PORT_PROTOCOLS:
+            raise WorkloadRuleError("ports", f"{port}: protocol must be one of {', '.join(PORT_PROTOCOLS)}.")
+        if protocols.setdefault(port, protocol) != protocol:
+            raise WorkloadRuleError("ports", f"{port} is named twice with different protocols.")
+    return [{"port": port, "protocol": protocols[port]} for port in sorted(protocols)]
 
 
 def check_workload_id(value: Any) -> str:

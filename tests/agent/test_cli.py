@@ -144,6 +144,7 @@ def test_show_config_and_errors(capsys: pytest.CaptureFixture[str], monkeypatch:
     assert main(["show-config", "--label", "a=1", "--label", "b=2", "--hostname", "h1"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["advertise_address"] == "gpu-h1.dc1.example"
+    assert (shown["publish_address"], shown["tcp_publish_address"]) == ("127.0.0.1", "")
     assert shown["labels"] == {"a": "1", "b": "2"}
     assert shown["portal_url"] == "https://env:8000"
     assert shown["bootstrap_token"] == "gpb_1_ab..."  # never printed whole
@@ -298,3 +299,15 @@ def test_a_fleet_refuses_plain_http_off_loopback_with_exit_2(tmp_path: Path, cap
     argv = ["fleet", "--fleet-file", str(fleet_file), "--state-root", str(tmp_path / "agents")]
     assert main(argv) == 2
     assert "GPUPOOL_ALLOW_INSECURE_HTTP" in capsys.readouterr().err
+
+
+def test_published_ports_listen_on_a_configured_ip_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = {"GPUPOOL_PORTAL_URL": "https://portal.example"}
+    config = load_config(env={**base, "GPUPOOL_PUBLISH_ADDRESS": "10.0.0.7"}).validate()
+    assert config.runtime_options()["publish_address"] == "10.0.0.7"
+    config = load_config(cli={"tcp_publish_address": "0.0.0.0"}, env=base).validate()
+    assert (config.publish_address, config.tcp_publish_address) == ("127.0.0.1", "0.0.0.0")
+    for name in ("publish_address", "tcp_publish_address"):
+        for bad in ("gpu-1.example", "10.0.0.7:80", "-h"):
+            with pytest.raises(ConfigError, match=f"{name} must be an IP address"):
+                load_config(cli={name: bad}, env=base).validate()

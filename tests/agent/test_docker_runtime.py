@@ -101,6 +101,30 @@ def http_get(host: str, port: int, timeout: float = 5) -> str:
             time.sleep(0.05)
 
 
+def host_address() -> str | None:
+    """An address of this host other than loopback (the one its default route leaves from)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: nothing is sent
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+def test_tcp_ports_listen_on_their_own_address(
+    runtimes: Callable[..., DockerRuntime], docker_engine: docker.DockerClient, new_id: Callable[[], str]
+) -> None:
+    runtime = runtimes(publish_address="127.0.0.1", tcp_publish_address="0.0.0.0")
+    wid = new_id()
+    handle = runtime.start(spec(wid, "sleep", "30", ports=[{"port": 5432, "protocol": "tcp"}, 8888]))
+    assert inspect(docker_engine, wid)["HostConfig"]["PortBindings"] == {
+        "5432/tcp": [{"HostIp": "0.0.0.0", "HostPort": ""}],
+        "8888/tcp": [{"HostIp": "127.0.0.1", "HostPort": ""}],
+    }
+    assert set(handle.ports) == {"5432", "8888"}
+
+
 def run_in(engine: docker.DockerClient, workload_id: str, *argv: str) -> tuple[int, str]:
     """Run ``argv`` inside the workload's container (as a second process of the workload)."""
     code, output = engine.containers.get(f"gpupool-{workload_id}").exec_run(list(argv))
@@ -207,7 +231,8 @@ def test_ports_get_a_network_of_their_own_and_engine_picked_host_ports(
 ) -> None:
     serve = ("sh", "-c", "mkdir -p /www && echo ok > /www/index.html && exec httpd -f -p 8080 -h /www")
     first, second = new_id(), new_id()
-    handles = [runtime.start(spec(wid, *serve, ports=[8080, 9000])) for wid in (first, second)]
+    ports = [8080, {"port": 9000, "protocol": "tcp"}]
+    handles = [runtime.start(spec(wid, *serve, ports=ports)) for wid in (first, second)]
     infos = [inspect(docker_engine, wid) for wid in (first, second)]
     for wid, handle, info in zip((first, second), handles, infos, strict=True):
         network = f"gpupool-{wid}"
@@ -218,16 +243,25 @@ def test_ports_get_a_network_of_their_own_and_engine_picked_host_ports(
         assert set(handle.ports) == {"8080", "9000"}
         assert all(port > 0 for port in handle.ports.values())
         bound = info["HostConfig"]["PortBindings"]
+        # On the configured addresses only (loopback by default), never every interface.
         assert bound == {
-            "8080/tcp": [{"HostIp": "", "HostPort": ""}],
-            "9000/tcp": [{"HostIp": "", "HostPort": ""}],
+            "8080/tcp": [{"HostIp": "127.0.0.1", "HostPort": ""}],
+            "9000/tcp": [{"HostIp": "127.0.0.1", "HostPort": ""}],
         }
-    # A repeated start answers the same ports.
-    assert runtime.start(spec(first, *serve, ports=[8080, 9000])).ports == handles[0].ports
+    # A repeated start answers the same ports, and so does a runtime restarted on the same state.
+    assert runtime.start(spec(first, *serve, ports=ports)).ports == handles[0].ports
+    again = DockerRuntime(runtime.state_dir, node_gpus=NODE_GPUS)
+    assert again.start(spec(first, *serve, ports=ports)).ports == handles[0].ports
+    again.close()
 
     # Positive controls: the host reaches the first workload's server on the host port read back,
     # and so does the workload itself on its own address.
     assert http_get("127.0.0.1", handles[0].ports["8080"]).endswith("ok\n")
+    # Another address of this host does not lead to it.
+    other = host_address()
+    if other is not None:
+        with pytest.raises(OSError), socket.create_connection((other, handles[0].ports["8080"]), timeout=2):
+            pass
     address = infos[0]["NetworkSettings"]["Networks"][f"gpupool-{first}"]["IPAddress"]
     fetch = ("sh", "-c", f"printf 'GET / HTTP/1.0\\r\\n\\r\\n' | nc -w 1 {address} 8080")
     code, output = run_in(docker_engine, first, *fetch)

@@ -233,3 +233,23 @@ def test_records_survive_an_agent_restart(
     status = restarted.get_status("long")
     assert status.exit_code is None and "exit code is unknown" in status.message
     assert pid > 0
+
+
+def test_ports_are_free_host_ports_the_workload_is_told(
+    tmp_path: Path, process_options: dict[str, Any]
+) -> None:
+    runtime = SubprocessRuntime(tmp_path / "state", **{**process_options, "tcp_publish_address": "0.0.0.0"})
+    script = (
+        'echo "$GPUPOOL_PORT_8080 $GPUPOOL_PORT_8080_ADDRESS $GPUPOOL_PORT_22 $GPUPOOL_PORT_22_ADDRESS" > out'
+    )
+    ports = [8080, {"port": 22, "protocol": "tcp"}]
+    handle = runtime.start(WorkloadSpec("wp", command=sh(script), ports=ports))
+    assert done(runtime, "wp").exit_code == 0
+    assert set(handle.ports) == {"8080", "22"} and all(p > 1024 for p in handle.ports.values())
+    told = (home(runtime, "wp") / "out").read_text().split()
+    assert told == [str(handle.ports["8080"]), "127.0.0.1", str(handle.ports["22"]), "0.0.0.0"]
+    # The mapping survives the agent: a runtime on the same state answers it again.
+    again = SubprocessRuntime(tmp_path / "state", **process_options)
+    assert again.start(WorkloadSpec("wp", command=sh(script), ports=ports)).ports == handle.ports
+    with pytest.raises(RuntimeFailure, match="ports"):
+        runtime.start(WorkloadSpec("wbad", command=sh("true"), ports=[{"port": 1, "protocol": "udp"}]))

@@ -98,9 +98,27 @@ def test_command_ports_ids_and_gpus() -> None:
         check_command(["a\x00"])
     with pytest.raises(WorkloadRuleError, match="list of strings"):
         check_command("sh -c id")
-    assert check_ports([8888, 22, 8888]) == [22, 8888]
-    for bad in ([0], [65536], ["22"], [True], [{"host": 22, "container": 22}], list(range(1, 66))):
-        with pytest.raises(WorkloadRuleError) as e:
+    # A number is an HTTP port; an object names its protocol; duplicates count once.
+    assert check_ports([8888, 22, {"port": 8888, "protocol": "http"}, {"port": 5432, "protocol": "tcp"}]) == [
+        {"port": 22, "protocol": "http"},
+        {"port": 5432, "protocol": "tcp"},
+        {"port": 8888, "protocol": "http"},
+    ]
+    assert check_ports([{"port": 80}]) == [{"port": 80, "protocol": "http"}]
+    for bad, reason in (
+        ([0], "not a port"),
+        ([65536], "not a port"),
+        (["22"], "not a port"),
+        ([True], "not a port"),
+        ([{"port": "80"}], "not a port"),
+        ([{"host": 22, "container": 22}], "Unknown key"),
+        ([{"port": 80, "protocol": "udp"}], "protocol must be one of http, tcp"),
+        ([{"port": 80, "protocol": None}], "protocol must be"),
+        ([80, {"port": 80, "protocol": "tcp"}], "twice with different protocols"),
+        (list(range(1, 66)), "At most 64"),
+        ("8080", "Must be a list"),
+    ):
+        with pytest.raises(WorkloadRuleError, match=reason) as e:
             check_ports(bad)
         assert e.value.field == "ports"
     assert check_workload_id(42) == "42"
@@ -120,7 +138,7 @@ def test_a_start_payload_is_checked_field_by_field_and_keeps_unknown_fields() ->
         "command": ["python"],
         "env": {"A": "b"},
         "gpu_uuids": ["GPU-a"],
-        "ports": [8888],
+        "ports": [{"port": 8888, "protocol": "http"}],
         "cpu_millicores": 2000,
         "ram_mib": 4096,
         "mig_profile": "1g.10gb",

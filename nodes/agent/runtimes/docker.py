@@ -28,7 +28,11 @@ instead of making another. A container runs hardened, whatever its image asks fo
 - no network (``network_mode: none``) unless the workload asks for ports; then a bridge network of
   its own, ``gpupool-<id>`` (inter-container traffic off; the engine's iptables rules keep bridges
   apart), removed when the workload is forgotten, and each port published on a host port the
-  engine picks, read back from the container and answered by :meth:`DockerRuntime.start`;
+  engine picks, read back from the container, kept in the runtime's state file (a restarted agent
+  answers the same mapping) and answered by :meth:`DockerRuntime.start`. HTTP ports are bound to
+  ``publish_address`` (the private network the portal's proxy reaches, loopback by default), TCP
+  ports to ``tcp_publish_address`` (the same unless the operator opens them wider): never to every
+  interface by default, since a published port is reachable around the portal's access check;
 - ``NVIDIA_VISIBLE_DEVICES`` set to the workload's GPUs (``void`` for none), so a CUDA image's own
   ``NVIDIA_VISIBLE_DEVICES=all`` cannot reach every GPU on a node whose default runtime is NVIDIA's;
 - json-file logs capped (``LOG_MAX_SIZE`` x ``LOG_MAX_FILES``): a workload cannot fill the disk with
@@ -73,6 +77,8 @@ NOTICE_DIR_IN_CONTAINER = "/run/gpupool"
 DEFAULT_PIDS_LIMIT = 4096
 LOG_MAX_SIZE = "100m"
 LOG_MAX_FILES = "3"
+# Where published ports listen unless the agent's configuration says otherwise: only this host.
+DEFAULT_PUBLISH_ADDRESS = "127.0.0.1"
 
 
 def parse_docker_time(value: str | None) -> float | None:
@@ -133,11 +139,15 @@ class DockerRuntime(Runtime):
         pids_limit: int = DEFAULT_PIDS_LIMIT,
         command_timeout_s: float = 120,
         node_gpus: int = 0,
+        publish_address: str = DEFAULT_PUBLISH_ADDRESS,
+        tcp_publish_address: str = "",
         **sharing: str,
     ) -> None:
         super().__init__(state_dir, **sharing)
         if pids_limit < 1:
             raise ValueError("pids_limit must be positive")
+        self.publish_address = publish_address or DEFAULT_PUBLISH_ADDRESS
+        self.tcp_publish_address = tcp_publish_address or self.publish_address
         self.docker_host = docker_host  # empty: $DOCKER_HOST, else the local socket
         self.pids_limit = pids_limit
         self.command_timeout_s = command_timeout_s
@@ -176,7 +186,7 @@ class DockerRuntime(Runtime):
 
     # -- what a container runs with ---------------------------------------------------------------
 
-    def _checked(self, spec: WorkloadSpec) -> tuple[dict[str, str], list[int]]:
+    def _checked(self, spec: WorkloadSpec) -> tuple[dict[str, str], list[dict[str, Any]]]:
         if not spec.image:
             raise RuntimeFailure("the docker runtime needs an image")
         try:
@@ -217,7 +227,7 @@ class DockerRuntime(Runtime):
         return [f"{key}={value}" for key, value in env.items()]
 
     def _create_options(
-        self, spec: WorkloadSpec, env: dict[str, str], ports: list[int], prepared: Prepared
+        self, spec: WorkloadSpec, env: dict[str, str], ports: list[dict[str, Any]], prepared: Prepared
     ) -> dict[str, Any]:
         name = self.container_name(spec.workload_id)
         nano_cpus, memory = self._limits(spec)
@@ -259,7 +269,13 @@ class DockerRuntime(Runtime):
             mounts.append(Mount(self.mps_pipe_dir, self.mps_pipe_dir, type="bind", read_only=True))
         if ports:
             options["network"] = name
-            options["ports"] = {f"{port}/tcp": None for port in ports}  # None: the engine picks
+            # (address,): bound to that address, on a host port the engine picks.
+            options["ports"] = {
+                f"{p['port']}/tcp": (
+                    self.tcp_publish_address if p["protocol"] == "tcp" else self.publish_address,
+                )
+                for p in ports
+            }
         else:
             options["network_mode"] = "none"
         return options

@@ -27,6 +27,13 @@ matter.
 SSH sessions into a workload (``nodes/agent/ssh.py``) start the same way as its command
 (``_launch_options``): its user, its home as working directory, exactly its environment (kept in
 the agent's private records), a session of their own; they end when the workload ends or stops.
+
+Ports: a process shares the host's network, so the agent cannot publish a port for it. For each
+requested port the agent picks a free host port on the address of its protocol (``publish_address``
+or ``tcp_publish_address``) and tells the workload: ``GPUPOOL_PORT_<port>`` (the host port to listen
+on) and ``GPUPOOL_PORT_<port>_ADDRESS`` (the address to bind). The mapping is reported as the docker
+runtime's is; a workload that listens elsewhere is not reachable through the portal. Binding to the
+given address is the workload's to do: on a single-tenant host nothing stops it binding more widely.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import contextlib
 import os
 import pwd
 import signal
+import socket
 import subprocess
 import time
 from collections import deque
@@ -45,9 +53,24 @@ from typing import Any
 from nodes.agent.runtimes import OutputLine, Runtime, RuntimeFailure, read_new_lines, safe_name, volume_env
 from nodes.agent.types import EXITED, FAILED, RUNNING, STOPPED, WorkloadHandle, WorkloadSpec, WorkloadStatus
 from nodes.agent.volumes import Prepared
-from nodes.agent.workload_rules import WorkloadRuleError, check_command, check_env, check_gpu_uuids
+from nodes.agent.workload_rules import (
+    WorkloadRuleError,
+    check_command,
+    check_env,
+    check_gpu_uuids,
+    check_ports,
+)
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+DEFAULT_PUBLISH_ADDRESS = "127.0.0.1"
+
+
+def free_port(address: str) -> int:
+    """A port nothing listens on at ``address`` now (the kernel's pick); the workload binds it."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((address, 0))
+        return int(probe.getsockname()[1])
 
 
 @dataclass(frozen=True)
@@ -121,9 +144,13 @@ class SubprocessRuntime(Runtime):
         single_tenant: bool = False,
         process_user: str = "",
         process_work_dir: str | Path = "",
+        publish_address: str = DEFAULT_PUBLISH_ADDRESS,
+        tcp_publish_address: str = "",
         **sharing: str,
     ) -> None:
         super().__init__(state_dir, **sharing)
+        self.publish_address = publish_address or DEFAULT_PUBLISH_ADDRESS
+        self.tcp_publish_address = tcp_publish_address or self.publish_address
         self.single_tenant = single_tenant
         self.process_user = process_user
         self.user = self._user()  # refused here: the agent does not start
@@ -173,6 +200,21 @@ class SubprocessRuntime(Runtime):
                     f"{link.name} in the working directory is in the way of volume {v.volume_id}"
                 )
             os.symlink(v.host_path, link)
+
+    def _host_ports(self, ports: list[dict[str, Any]]) -> tuple[dict[str, int], dict[str, str]]:
+        """(container port -> host port, the variables that tell the workload where to listen)."""
+        mapping: dict[str, int] = {}
+        env: dict[str, str] = {}
+        for item in ports:
+            address = self.tcp_publish_address if item["protocol"] == "tcp" else self.publish_address
+            try:
+                host_port = free_port(address)
+            except OSError as exc:
+                raise RuntimeFailure(f"no free port on {address} for port {item['port']}: {exc}") from exc
+            mapping[str(item["port"])] = host_port
+            env[f"GPUPOOL_PORT_{item['port']}"] = str(host_port)
+            env[f"GPUPOOL_PORT_{item['port']}_ADDRESS"] = address
+        return mapping, env
 
     def _environment(
         self, spec: WorkloadSpec, user: ProcessUser, home: Path, prepared: Prepared
@@ -232,16 +274,18 @@ class SubprocessRuntime(Runtime):
         with self.store.lock:
             record = self.store.records.get(spec.workload_id)
             if record is not None:
-                return WorkloadHandle(spec.workload_id, str(record["pid"]))
+                return WorkloadHandle(spec.workload_id, str(record["pid"]), dict(record.get("ports") or {}))
             user = self._user()  # again at each start: the setting and the user as they are now
             try:  # the agent checked the payload; a runtime called directly checks it here
                 check_command(spec.command)
                 check_env(spec.env)
                 check_gpu_uuids(spec.gpu_uuids)
+                ports = check_ports(spec.ports)
             except WorkloadRuleError as exc:
                 raise RuntimeFailure(str(exc)) from exc
             if not spec.command:
                 raise RuntimeFailure("the subprocess runtime needs a command")
+            host_ports, port_env = self._host_ports(ports)
             home = self._home(spec.workload_id, user)
             prepared = self.volumes.prepare(spec, owner=(user.uid, user.gid) if user.switch else None)
             self._link_volumes(home, prepared)
@@ -249,7 +293,7 @@ class SubprocessRuntime(Runtime):
             log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             log_path = log_dir / f"{safe_name(spec.workload_id)}.log"
             err_path = log_dir / f"{safe_name(spec.workload_id)}.err"
-            environment = self._environment(spec, user, home, prepared)
+            environment = {**self._environment(spec, user, home, prepared), **port_env}
             with open(log_path, "ab") as log_file, open(err_path, "ab") as err_file:
                 try:
                     proc = subprocess.Popen(
@@ -277,9 +321,10 @@ class SubprocessRuntime(Runtime):
                 "exit_code": None,
                 "final_state": None,
                 "message": "",
+                "ports": host_ports,
             }
             self.store.save()
-            return WorkloadHandle(spec.workload_id, str(proc.pid))
+            return WorkloadHandle(spec.workload_id, str(proc.pid), dict(host_ports))
 
     def _refresh(self, workload_id: str, record: dict[str, Any]) -> None:
         """Record the exit of a finished process (once)."""
