@@ -67,6 +67,10 @@ application = ProtocolTypeRouter(
     }
 )
 
+# The portal's proxy to workloads' HTTP ports (settings.ASGI_PROXY_APP) wraps everything: its
+# requests and websockets under /proxy/ stay on the event loop, off the pages' thread pool.
+application = import_string(settings.ASGI_PROXY_APP)(application)
+
 # Imports the URL conf (views, serializers, filters) before the heap is frozen.
 get_resolver().url_patterns  # noqa: B018
 heap_freeze_loaded()

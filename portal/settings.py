@@ -157,6 +157,17 @@ if not 0 < WEB_GIL_SWITCH_INTERVAL_MS <= 1000:
 # portal/asgi.py: requests under a prefix go to that ASGI app (made with Django's ASGI handler as its
 # fallback) instead of the pages' thread pool. Named, not imported, as MIDDLEWARE's classes are.
 ASGI_PREFIX_APPS = [("/agent/", "nodes.agent_views.AgentProtocolHandler")]
+# portal/asgi.py wraps the application in this app: ``/proxy/<workload>/<port>/`` (HTTP and
+# websockets) goes to workloads' HTTP ports on the event loop, never on a pages thread, since a
+# proxied connection may last hours. Its timeouts and limits (scheduling/proxy.py):
+ASGI_PROXY_APP = "scheduling.proxy.WorkloadProxy"
+PROXY_CONNECT_TIMEOUT_S = env.float("PROXY_CONNECT_TIMEOUT_S", default=5.0)
+# The longest wait for the next bytes either way (an HTTP request); websockets are pinged instead.
+PROXY_IDLE_TIMEOUT_S = env.float("PROXY_IDLE_TIMEOUT_S", default=300.0)
+PROXY_MAX_BODY_BYTES = env.int("PROXY_MAX_BODY_BYTES", default=100 * 1024 * 1024)
+PROXY_MAX_WS_MESSAGE_BYTES = env.int("PROXY_MAX_WS_MESSAGE_BYTES", default=16 * 1024 * 1024)
+# Open requests and websockets per workload, per web process; more get 503.
+PROXY_MAX_CONNECTIONS_PER_WORKLOAD = env.int("PROXY_MAX_CONNECTIONS_PER_WORKLOAD", default=64)
 
 # --- Redis: Celery broker, cache, channel layer -------------------------------------------------
 REDIS_URL = env.str("REDIS_URL", default="")

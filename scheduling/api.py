@@ -16,9 +16,10 @@ from django.conf import settings
 from django.core.cache import cache
 from django.urls import path
 from django.utils import timezone
-from drf_spectacular.utils import OpenApiExample, extend_schema, extend_schema_view
+from drf_spectacular.utils import OpenApiExample, extend_schema, extend_schema_field, extend_schema_view
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
+from rest_framework.exceptions import NotFound
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -30,7 +31,7 @@ from portal.api.serializers import BoundedDateTimeField, FieldsOnceModelSerializ
 from portal.api.viewsets import TenantReadOnlyViewSet
 from portal.errors import ValidationFailed
 from portal.models import Scope
-from scheduling.api_access import SshKeyViewSet, WorkloadAccessField
+from scheduling.api_access import AccessSerializer, SshKeyViewSet
 from scheduling.api_fields import EnvValueField
 from scheduling.models import (
     GpuVendor,
@@ -43,6 +44,7 @@ from scheduling.models import (
     WorkloadState,
 )
 from scheduling.pricing import gpu_price_table, price_key
+from scheduling.selectors.access import SHARE_PARAM, proxy_url, workload_access, workload_ports
 from scheduling.selectors.shared import (
     gpu_availability,
     quota_for_tenant,
@@ -54,6 +56,7 @@ from scheduling.selectors.shared import (
     workload_volumes,
 )
 from scheduling.selectors.workload_metrics import workload_gpu_metrics, workload_held, workload_last_placement
+from scheduling.services.access import share_link_create, share_link_revoke
 from scheduling.services.lifecycle import workload_stop
 from scheduling.services.reservations import reservation_cancel, reservation_request
 from scheduling.services.submission import workload_submit
@@ -146,7 +149,7 @@ class WorkloadSerializer(FieldsOnceModelSerializer):
 
 class WorkloadDetailSerializer(WorkloadSerializer):
     placement = serializers.SerializerMethodField()
-    access = WorkloadAccessField()
+    access = serializers.SerializerMethodField()
     volumes = serializers.SerializerMethodField()
 
     class Meta(WorkloadSerializer.Meta):
@@ -155,6 +158,10 @@ class WorkloadDetailSerializer(WorkloadSerializer):
 
     def get_volumes(self, w: Workload) -> list[dict]:
         return workload_volumes(workload=w)
+
+    @extend_schema_field(AccessSerializer)
+    def get_access(self, w: Workload) -> dict:
+        return AccessSerializer(workload_access(workload=w, request=self.context.get("request"))).data
 
     def get_placement(self, w: Workload) -> list[dict]:
         return [
@@ -208,7 +215,13 @@ class InstanceCreateSerializer(_SpecSerializer):
     template = serializers.CharField(
         required=False, allow_blank=True, max_length=100, help_text="Fills what the request leaves unset."
     )
-    ports = serializers.ListField(child=serializers.IntegerField(), required=False, max_length=64)
+    ports = serializers.ListField(
+        child=serializers.JSONField(),
+        required=False,
+        max_length=64,
+        help_text='Container ports: a number (HTTP) or {"port": N, "protocol": "http"|"tcp"}. HTTP ports '
+        "are reached through the portal's proxy (access.ports[].url), TCP ports on the node.",
+    )
     ssh_public_key = serializers.CharField(required=False, allow_blank=True)
 
 
@@ -424,6 +437,13 @@ class _WorkloadViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
         return Response({"lines": [log_line_json(row) for row in rows], "next": str(cursor)})
 
 
+class ShareLinkSerializer(serializers.Serializer):
+    secret = serializers.CharField(help_text="Shown once; only its hash is kept.")
+    urls = serializers.ListField(
+        child=serializers.CharField(), help_text="Each HTTP port's proxy URL carrying the secret."
+    )
+
+
 @extend_schema_view(
     create=extend_schema(
         examples=[
@@ -436,11 +456,37 @@ class _WorkloadViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
     )
 )
 class InstanceViewSet(_WorkloadViewSet):
-    """GPU instances: long-running and interactive. POST to ask for one; POST ``{id}/stop/`` to stop it."""
+    """GPU instances: long-running and interactive. POST to ask for one; POST ``{id}/stop/`` to stop it.
+    ``{id}/share-link/``: POST makes a link that opens its HTTP ports to anyone holding it (shown
+    once, replacing any other), DELETE revokes it."""
 
     queryset = Workload.objects.all()
     kind = WorkloadKind.INSTANCE
     create_serializer = InstanceCreateSerializer
+
+    def get_serializer_context(self):
+        return {**super().get_serializer_context(), "request": self.request}
+
+    @extend_schema(request=None, responses={201: ShareLinkSerializer, 204: None})
+    @action(detail=True, methods=["post", "delete"], url_path="share-link")
+    def share_link(self, request, pk=None):
+        workload = self.get_object()
+        if request.method == "DELETE":
+            if not share_link_revoke(workload=workload, actor=self.actor):
+                raise NotFound("This instance has no share link.")
+            return Response(status=status.HTTP_204_NO_CONTENT)
+        http_ports = [p["port"] for p in workload_ports(workload=workload) if p["protocol"] == "http"]
+        if not http_ports:
+            raise ValidationFailed(
+                "This instance has no HTTP port to share.", fields={"ports": ["No HTTP port."]}
+            )
+        secret = share_link_create(workload=workload, actor=self.actor)
+        urls = [
+            f"{proxy_url(workload.pk, port, request=request)}?{SHARE_PARAM}={secret}" for port in http_ports
+        ]
+        return Response(
+            ShareLinkSerializer({"secret": secret, "urls": urls}).data, status=status.HTTP_201_CREATED
+        )
 
 
 @extend_schema_view(

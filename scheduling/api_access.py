@@ -5,13 +5,11 @@ Registered on portal's shared router by ``scheduling.api`` (which portal autodis
 
 from __future__ import annotations
 
-from drf_spectacular.utils import extend_schema_field
 from rest_framework import mixins, serializers, status
 from rest_framework.response import Response
 
 from portal.api.viewsets import PersonScopedViewSet
-from scheduling.models import SshKey, Workload
-from scheduling.selectors.access import workload_access
+from scheduling.models import SshKey
 from scheduling.services.ssh_keys import ssh_key_create, ssh_key_delete
 
 
@@ -23,24 +21,30 @@ class SshAccessSerializer(serializers.Serializer):
     known_hosts = serializers.CharField(help_text="The endpoint's host key as a known_hosts line.")
 
 
+class AccessPortSerializer(serializers.Serializer):
+    port = serializers.IntegerField()
+    protocol = serializers.ChoiceField(choices=["http", "tcp"])
+    host_port = serializers.IntegerField(allow_null=True, help_text="Null unless published and running.")
+    host = serializers.CharField(allow_null=True, help_text="TCP ports: the node's address.")
+    url = serializers.CharField(
+        allow_null=True, help_text="HTTP ports of a running instance: the portal's proxy."
+    )
+    note = serializers.CharField(
+        allow_blank=True, help_text="Why there is no url or address, or how to use it."
+    )
+
+
+class AccessShareLinkSerializer(serializers.Serializer):
+    created_at = serializers.DateTimeField()
+
+
 class AccessSerializer(serializers.Serializer):
     """How to get into a workload now. Each way in is null while it does not work, with a reason."""
 
     ssh = SshAccessSerializer(allow_null=True)
     ssh_unavailable_reason = serializers.CharField(allow_blank=True)
-
-
-class WorkloadAccessField(serializers.Field):
-    """``access`` of a workload's detail, from ``scheduling.selectors.access``."""
-
-    def __init__(self, **kwargs):
-        super().__init__(source="*", read_only=True, **kwargs)
-
-    def to_representation(self, value: Workload) -> dict:
-        return workload_access(workload=value)
-
-
-extend_schema_field(AccessSerializer)(WorkloadAccessField)
+    ports = AccessPortSerializer(many=True)
+    share_link = AccessShareLinkSerializer(allow_null=True)
 
 
 class SshKeySerializer(serializers.ModelSerializer):

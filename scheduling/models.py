@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 
+from django.conf import settings
 from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models import F, Q
@@ -218,6 +219,47 @@ class WorkloadEvent(TenantOwnedModel):
 
     def __str__(self) -> str:
         return f"{self.workload_id}: {self.from_state or '-'} -> {self.to_state} ({self.reason})"
+
+
+class PublishedPort(models.Model):
+    """A port of a running workload as its node published it (the start command's result): kept
+    while the workload holds its GPUs, deleted when it stops holding them. ``host_port`` is null
+    for a port the node did not publish (the simulated runtime publishes none); ``note`` says why."""
+
+    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="published_ports")
+    node = models.ForeignKey("nodes.Node", on_delete=models.CASCADE, related_name="+")
+    port = models.PositiveIntegerField()
+    protocol = models.CharField(max_length=8)
+    host_port = models.PositiveIntegerField(null=True, blank=True)
+    note = models.CharField(max_length=200, blank=True)
+
+    class Meta:
+        ordering = ["workload", "port"]
+        constraints = [
+            models.UniqueConstraint(fields=["workload", "node", "port"], name="publishedport_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.workload_id}:{self.port}/{self.protocol} -> {self.host_port}"
+
+
+class WorkloadShareLink(TenantOwnedModel):
+    """The share link of a workload's HTTP ports: anyone holding its secret may use them through the
+    portal's proxy while the workload runs. One per workload; revoking deletes it. Only the secret's
+    SHA-256 is kept (the link is shown once)."""
+
+    PREFIX = "gpl"
+
+    tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="+")
+    workload = models.OneToOneField(Workload, on_delete=models.CASCADE, related_name="share_link")
+    token_hash = models.CharField(max_length=64, unique=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return f"share link of {self.workload_id}"
 
 
 class AllocationQuerySet(TenantQuerySet):

@@ -25,6 +25,11 @@ urlpatterns = [
     path("account/ssh-keys/<int:pk>/delete/", ssh_keys.SshKeyDeleteView.as_view(), name="ssh-key-delete"),
     path("volumes/", volumes.VolumesView.as_view(), name="volumes"),
     path("volumes/<int:pk>/delete/", volumes.VolumeDeleteView.as_view(), name="volume-delete"),
+    path(
+        "workloads/<int:pk>/share-link/",
+        workloads.WorkloadShareLinkView.as_view(),
+        name="workload-share-link",
+    ),
     path("panels/workloads/", workloads.WorkloadsPanel.as_view(), name="panel-workloads"),
     path("staff/quotas/", staff.QuotaListView.as_view(), name="staff-quotas"),
     path("staff/quotas/bulk/", staff.QuotaBulkView.as_view(), name="staff-quotas-bulk"),

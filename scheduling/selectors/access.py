@@ -1,4 +1,14 @@
-"""How a tenant gets into a running workload: ``access`` of the workload detail, and who may log in.
+"""How a tenant gets into a running workload: ``access`` of the workload detail (the API and the
+workload page), who may log in over SSH, and where the portal's proxy sends a port's requests.
+Each kind of access is one key, built from what the node reported, so nothing is shown that does
+not work.
+
+- ``ssh``: ``{host, port, user, command, known_hosts}`` or null, with ``ssh_unavailable_reason``.
+- ``ports``: one entry per requested port, ``{port, protocol, host_port, host, url, note}``. An HTTP
+  port of a RUNNING workload has a ``url`` on the portal's proxy (``/proxy/<id>/<port>/``); a TCP
+  port has the node's ``host`` and ``host_port``; anything else has nulls and a ``note`` that says
+  why.
+- ``share_link``: whether the HTTP ports have a share link (its secret is shown only when made).
 
 The rule for SSH, once (docs/security.md, "SSH into a workload"): a running workload (an instance,
 or a job one wants to look into) opens to
@@ -16,13 +26,15 @@ node that holds the workload now, and only while it runs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from nodes.agent.workload_rules import WorkloadRuleError, parse_ssh_public_key
 from portal.errors import NotFound
-from portal.models import Membership, Role
-from scheduling.models import SshKey, Workload, WorkloadState
+from portal.models import Membership, Role, Tenant
+from scheduling.models import PublishedPort, SshKey, Workload, WorkloadShareLink, WorkloadState
 from scheduling.selectors.shared import workload_placement
+from scheduling.services.access import requested_ports
 
 # Roles whose people may get into a tenant's instances: those that may start and stop them.
 SSH_ROLES = (Role.OWNER, Role.ADMIN, Role.MEMBER)
@@ -68,12 +80,6 @@ def workload_ssh_access(
     }, ""
 
 
-def workload_access(*, workload: Workload, placement: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The ``access`` object of a workload's detail (the API and the workload page)."""
-    ssh, reason = workload_ssh_access(workload=workload, placement=placement)
-    return {"ssh": ssh, "ssh_unavailable_reason": reason}
-
-
 def ssh_authorized_keys(*, node_id: int, workload_id: str) -> list[dict[str, str]]:
     """The keys that may log in to ``workload_id`` on node ``node_id`` now, each
     ``{"key", "fingerprint", "source"}``; :class:`NotFound` unless that node holds the workload
@@ -113,3 +119,99 @@ def ssh_authorized_keys(*, node_id: int, workload_id: str) -> list[dict[str, str
             }
         )
     return keys
+
+
+PROXY_PREFIX = "/proxy/"
+SHARE_PARAM = "gpupool_share"  # the query parameter that carries a share link's secret
+TCP_NOTE = (
+    "Raw TCP on the node: the portal does not check who connects (the service must authenticate "
+    "its clients); reachable from the network the node publishes TCP ports on."
+)
+
+
+def proxy_path(workload_id: int, port: int) -> str:
+    return f"{PROXY_PREFIX}{workload_id}/{port}/"
+
+
+def proxy_url(workload_id: int, port: int, *, request: Any = None) -> str:
+    """The URL of a workload's HTTP port on the portal (a path, without a request)."""
+    path = proxy_path(workload_id, port)
+    return request.build_absolute_uri(path) if request is not None else path
+
+
+def workload_ports(*, workload: Workload, request: Any = None) -> list[dict[str, Any]]:
+    wanted = requested_ports(workload)
+    if not wanted:
+        return []
+    running = workload.state == WorkloadState.RUNNING
+    rows: dict[int, PublishedPort] = {}
+    if running:
+        # A gang's ports are on each of its nodes; the first node's are shown.
+        for row in PublishedPort.objects.filter(workload=workload).select_related("node").order_by("node_id"):
+            rows.setdefault(row.port, row)
+    entries = []
+    for item in wanted:
+        entry: dict[str, Any] = {**item, "host_port": None, "host": None, "url": None, "note": ""}
+        row = rows.get(item["port"])
+        if not running:
+            entry["note"] = "Reachable while it runs."
+        elif row is None:
+            entry["note"] = "Waiting for the node to report where it published this port."
+        elif row.host_port is None:
+            entry["note"] = row.note
+        else:
+            entry["host_port"] = row.host_port
+            if item["protocol"] == "http":
+                entry["url"] = proxy_url(workload.pk, item["port"], request=request)
+            else:
+                entry["host"] = row.node.reach_address
+                entry["note"] = TCP_NOTE
+        entries.append(entry)
+    return entries
+
+
+def workload_access(
+    *, workload: Workload, placement: list[dict[str, Any]] | None = None, request: Any = None
+) -> dict[str, Any]:
+    """The ``access`` object of a workload's detail (the API and the workload page). ``placement``:
+    the workload's rows of ``workload_placement`` when the caller has them (no query then)."""
+    ssh, reason = workload_ssh_access(workload=workload, placement=placement)
+    link = WorkloadShareLink.objects.filter(workload=workload).only("created_at").first()
+    ports = workload_ports(workload=workload, request=request)
+    return {
+        "ssh": ssh,
+        "ssh_unavailable_reason": reason,
+        "ports": ports,
+        # Whether a share link could open anything: the workload asked for an HTTP port.
+        "http": any(p["protocol"] == "http" for p in ports),
+        "share_link": {"created_at": link.created_at} if link is not None else None,
+    }
+
+
+@dataclass(frozen=True)
+class ProxyTarget:
+    tenant_id: int
+    host: str
+    host_port: int
+
+
+def proxy_target(*, workload_id: int, port: int) -> ProxyTarget | None:
+    """Where the proxy sends a request for ``workload_id``'s ``port``: a RUNNING workload's HTTP port
+    that its node published; None for anything else (the proxy answers 404)."""
+    row = (
+        PublishedPort.objects.filter(
+            workload_id=workload_id,
+            port=port,
+            protocol="http",
+            host_port__isnull=False,
+            workload__state=WorkloadState.RUNNING,
+        )
+        .exclude(workload__tenant__status=Tenant.Status.SUSPENDED)
+        .order_by("node_id")
+        .values_list("workload__tenant_id", "node__address", "node__hostname", "host_port")
+        .first()
+    )
+    if row is None:
+        return None
+    tenant_id, address, hostname, host_port = row
+    return ProxyTarget(tenant_id=tenant_id, host=address or hostname, host_port=host_port)

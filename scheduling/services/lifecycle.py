@@ -59,6 +59,7 @@ from scheduling.models import (
     WorkloadKind,
 )
 from scheduling.models import WorkloadState as S
+from scheduling.services.access import workload_ports_record
 from scheduling.services.orphans import (
     allocations_held,
     allocations_mark_forced,
@@ -317,6 +318,8 @@ def workload_on_command_finished(*, kind: str, payload: dict, node_id: int, stat
                 target = S.STARTING if result.get("state") == "starting" else S.RUNNING
                 if w.state == S.SCHEDULED or (w.state == S.STARTING and target == S.RUNNING):
                     workload_transition(workload=w, to=target, reason="started", actor=SYSTEM, now=now)
+                if w.state in (S.STARTING, S.RUNNING):
+                    workload_ports_record(workload=w, node_id=node_id, result=result)
             elif w.state == S.SCHEDULED:
                 why = result.get("reason") or result.get("error") or state
                 _avoid(w, [node_id])

@@ -28,6 +28,7 @@ from scheduling.models import (
     HOLDING_STATES,
     TERMINAL_STATES,
     Allocation,
+    PublishedPort,
     Workload,
     WorkloadEvent,
     WorkloadKind,
@@ -175,6 +176,8 @@ def workloads_transition(
             released = Allocation.objects.filter(workload_id__in=releasing, ended_at__isnull=True).update(
                 ended_at=now, end_reason=reason[:64]
             )
+            # What its node published goes with its placement (a requeued one gets new ports).
+            PublishedPort.objects.filter(workload_id__in=releasing).delete()
         events = [
             WorkloadEvent(
                 tenant_id=w.tenant_id,

@@ -40,7 +40,7 @@ from scheduling.models import (
     WorkloadKind,
     WorkloadState,
 )
-from scheduling.selectors.access import workload_access
+from scheduling.selectors.access import SHARE_PARAM, proxy_url, workload_access, workload_ports
 from scheduling.selectors.shared import (
     workload_events,
     workload_log_lines,
@@ -50,6 +50,7 @@ from scheduling.selectors.shared import (
     workloads_for_tenant,
 )
 from scheduling.selectors.workload_metrics import ceil_minute, workload_held, workload_last_placement
+from scheduling.services.access import share_link_create, share_link_revoke
 from scheduling.services.lifecycle import workload_stop
 from scheduling.services.submission import workload_submit
 
@@ -228,7 +229,7 @@ def detail_context(view: WorkloadsMixin, w: Workload) -> dict:
         "w": w,
         "events": list(workload_events(workload=w)),
         "placement": placement,
-        "access": workload_access(workload=w, placement=placement),
+        "access": workload_access(workload=w, placement=placement, request=view.request),
         "unconfirmed_stops": workload_unconfirmed_stops(workload=w),
         "stages": stages_of(w),
         "waiting": w.state in WAITING_STATES,
@@ -322,6 +323,27 @@ class WorkloadStopView(_ActionView):
         w = self.workload(pk)
         done = "Stopped." if w.state == WorkloadState.STOPPED else "Stopping: the node was told to stop it."
         return self.respond(w, done=done)
+
+
+class WorkloadShareLinkView(_ActionView):
+    """Make (``action=create``) or revoke (``action=revoke``) the share link of an instance's HTTP
+    ports; a new link's URLs are shown once, on the page that made them."""
+
+    def post(self, request, pk: int):
+        w = self.workload(pk)
+        if request.POST.get("action") == "revoke":
+            revoked = share_link_revoke(workload=w, actor=self.actor)
+            return self.respond(w, done="Share link revoked." if revoked else "There was no share link.")
+        ports = [p for p in workload_ports(workload=w, request=request) if p["protocol"] == "http"]
+        if not ports:
+            return self.respond(w, error="This instance has no HTTP port to share.", status=400)
+        secret = share_link_create(workload=w, actor=self.actor)
+        urls = [f"{proxy_url(w.pk, p['port'], request=request)}?{SHARE_PARAM}={secret}" for p in ports]
+        if not htmx_partial(request):
+            messages.success(request, "Share link made (shown once): " + " ".join(urls))
+            return redirect("scheduling:workload", pk=w.pk)
+        context = {**detail_context(self, w), "done": "Share link made.", "share_urls": urls}
+        return render_page(request, "scheduling/_workload_live.html", context)
 
 
 def spec_of(w: Workload) -> dict:

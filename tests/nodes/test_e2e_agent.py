@@ -90,8 +90,9 @@ def e2e_database(django_db_blocker, tmp_path_factory) -> Iterator[str]:
     postgres = test_connection.vendor == "postgresql"
     with django_db_blocker.unblock():
         if postgres:
-            # Named after this run's test database, so that runs sharing a server keep apart.
-            name = f"{os.environ.get('TEST_DB_NAME') or saved}_agent_e2e"[:63]
+            # After the test database's name (TEST_DB_NAME), so that suites running side by side
+            # on one server (each with its own) never drop each other's.
+            name = f"{(settings_dict.get('TEST') or {}).get('NAME') or saved}_agent_e2e"[:63]
             with test_connection._nodb_cursor() as cursor:
                 cursor.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
                 cursor.execute(f'CREATE DATABASE "{name}"')
@@ -195,7 +196,12 @@ def running_portal(portal: Portal) -> Portal:
 class AgentProcess:
     """``python -m nodes.agent.cli run`` for one simulated node, with short intervals."""
 
-    def __init__(self, portal: Portal, state_dir: Path, hostname: str, gpus: int) -> None:
+    def __init__(
+        self, portal: Portal, state_dir: Path, hostname: str, gpus: int, runtime: str = "simulated",
+        extra_args: tuple[str, ...] = (),
+    ) -> None:  # fmt: skip
+        self.runtime = runtime
+        self.extra_args = extra_args
         self.portal = portal
         self.state_dir = state_dir
         self.hostname = hostname
@@ -219,11 +225,11 @@ class AgentProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "nodes.agent.cli", "run", "--config", str(self.config),
              "--portal-url", self.portal.url, "--bootstrap-token", self.token,
-             "--state-dir", str(self.state_dir), "--collector", "simulated", "--runtime", "simulated",
+             "--state-dir", str(self.state_dir), "--collector", "simulated", "--runtime", self.runtime,
              "--hostname", self.hostname, "--region", "e2e-1",
              "--sim-gpus", json.dumps([{"model": H100, "count": self.gpus}]),
              "--sample-interval", str(SAMPLE_INTERVAL_S), "--heartbeat-interval", str(HEARTBEAT_INTERVAL_S),
-             "--commands-wait", "2", "--log-level", "INFO"],
+             "--commands-wait", "2", "--log-level", "INFO", *self.extra_args],
             cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         return self
@@ -285,8 +291,8 @@ class AgentProcess:
 def start_agent(running_portal: Portal, tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
     agents: list[AgentProcess] = []
 
-    def start(hostname: str, gpus: int = 2) -> AgentProcess:
-        agent = AgentProcess(running_portal, tmp_path / hostname, hostname, gpus).start()
+    def start(hostname: str, gpus: int = 2, **options: Any) -> AgentProcess:
+        agent = AgentProcess(running_portal, tmp_path / hostname, hostname, gpus, **options).start()
         agents.append(agent)
         return agent
 

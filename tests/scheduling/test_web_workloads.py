@@ -196,7 +196,8 @@ def test_stop_and_restart(client, tenant, make_node, submit, cycle):
     r = client.post(f"/workloads/{w.pk}/restart/", **HTMX)
     new = Workload.objects.exclude(pk=w.pk).get()
     assert r.status_code == 204 and r["HX-Redirect"] == f"/workloads/{new.pk}/"
-    assert (new.kind, new.name, new.ports, new.ssh_public_key) == ("instance", "nb", [8888], w.ssh_public_key)
+    ports = [{"port": 8888, "protocol": "http"}]
+    assert (new.kind, new.name, new.ports, new.ssh_public_key) == ("instance", "nb", ports, w.ssh_public_key)
     assert [m.name for m in new.gpu_models.all()] == [H100] and new.state == WorkloadState.PENDING
     # a running one: told to stop, placed ones stop when the agent reports
     cycle()
