@@ -161,6 +161,12 @@ ASGI_PREFIX_APPS = [("/agent/", "nodes.agent_views.AgentProtocolHandler")]
 # websockets) goes to workloads' HTTP ports on the event loop, never on a pages thread, since a
 # proxied connection may last hours. Its timeouts and limits (scheduling/proxy.py):
 ASGI_PROXY_APP = "scheduling.proxy.WorkloadProxy"
+# The origin workloads' apps are served on, e.g. https://apps.gpupool.example (a host of its own,
+# never a subdomain sharing the portal's cookies): an app's scripts then cannot act on the portal
+# with its visitor's session. Empty: under the portal's own origin (development and tests only; see
+# docs/security.md). Members' browsers reach it through a one-minute signed ticket.
+PROXY_ORIGIN = env.str("PROXY_ORIGIN", default="").rstrip("/")
+PROXY_MEMBER_COOKIE_MAX_AGE_S = env.int("PROXY_MEMBER_COOKIE_MAX_AGE_S", default=12 * 3600)
 PROXY_CONNECT_TIMEOUT_S = env.float("PROXY_CONNECT_TIMEOUT_S", default=5.0)
 # The longest wait for the next bytes either way (an HTTP request); websockets are pinged instead.
 PROXY_IDLE_TIMEOUT_S = env.float("PROXY_IDLE_TIMEOUT_S", default=300.0)

@@ -44,13 +44,22 @@ import websockets
 from channels.db import database_sync_to_async
 from django.conf import settings
 from django.contrib.auth import get_user
+from django.core import signing
 from django.utils.module_loading import import_string
 from websockets.asyncio.client import connect as ws_connect
 
 from portal.models import ApiToken, Membership, Scope, hash_secret
 from portal.services.tokens import api_token_authenticate
 from scheduling.models import WorkloadShareLink
-from scheduling.selectors.access import PROXY_PREFIX, SHARE_PARAM, ProxyTarget, proxy_target
+from scheduling.selectors.access import (
+    MEMBER_SALT,
+    PROXY_PREFIX,
+    SHARE_PARAM,
+    TICKET_PARAM,
+    TICKET_SALT,
+    ProxyTarget,
+    proxy_target,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +67,7 @@ Scope_ = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
+TICKET_MAX_AGE_S = 60
 _PATH_RE = re.compile(rf"^{re.escape(PROXY_PREFIX)}([0-9]{{1,18}})/([0-9]{{1,5}})(/.*)?$", re.DOTALL)
 HOP_BY_HOP = frozenset(
     {
@@ -79,8 +89,24 @@ WS_OWN_HEADERS = frozenset(
 )  # fmt: skip
 
 
+MEMBER_COOKIE = "gpupool_member"
+
+
 def share_cookie_name(workload_id: int) -> str:
     return f"{SHARE_PARAM}_{workload_id}"
+
+
+def member_cookie_name(workload_id: int) -> str:
+    return f"{MEMBER_COOKIE}_{workload_id}"
+
+
+def _separate_origin() -> str:
+    """The proxy origin's host[:port] when it has one of its own (``PROXY_ORIGIN``), else ''."""
+    return urlsplit(settings.PROXY_ORIGIN).netloc.lower() if settings.PROXY_ORIGIN else ""
+
+
+def _host_of(headers: list[tuple[bytes, bytes]]) -> str:
+    return next((v for k, v in headers if k == b"host"), b"").decode("latin-1").lower()
 
 
 def _portal_cookie(name: str) -> bool:
@@ -88,7 +114,7 @@ def _portal_cookie(name: str) -> bool:
         settings.SESSION_COOKIE_NAME,
         settings.CSRF_COOKIE_NAME,
         settings.LANGUAGE_COOKIE_NAME,
-    ) or (name.startswith(f"{SHARE_PARAM}_"))
+    ) or name.startswith((f"{SHARE_PARAM}_", f"{MEMBER_COOKIE}_"))
 
 
 def _cookies(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
@@ -189,6 +215,25 @@ def _member_by_token(plaintext: str, tenant_id: int) -> bool:
     )
 
 
+def _member_by_user_id(user_id: Any, tenant_id: int) -> bool:
+    return (
+        isinstance(user_id, int)
+        and Membership.objects.filter(tenant_id=tenant_id, user_id=user_id, user__is_active=True).exists()
+    )
+
+
+def _signed_user(value: str, *, salt: str, max_age: float, workload_id: int) -> int | None:
+    """The user a ticket or member cookie was signed for, if it is genuine, fresh and this
+    workload's."""
+    try:
+        data = signing.loads(value, salt=salt, max_age=max_age)
+    except signing.BadSignature:
+        return None
+    if not isinstance(data, dict) or data.get("w") != workload_id:
+        return None
+    return data.get("u")
+
+
 def _share_matches(secret: str, workload_id: int) -> bool:
     if not secret.startswith(f"{WorkloadShareLink.PREFIX}_"):
         return False
@@ -201,9 +246,15 @@ def _share_matches(secret: str, workload_id: int) -> bool:
 
 
 def _authorize(
-    workload_id: int, port: int, headers: list[tuple[bytes, bytes]], share: str | None
+    workload_id: int,
+    port: int,
+    headers: list[tuple[bytes, bytes]],
+    share: str | None,
+    ticket_user: Any = None,
 ) -> ProxyTarget | None:
-    """The target, if this request may reach it: one lookup, then the first credential that works."""
+    """The target, if this request may reach it: one lookup, then the first credential that works.
+    On a proxy origin of its own the portal's session is not a credential (it never goes there); a
+    member's ticket, then the member cookie made from it, are."""
     target = proxy_target(workload_id=workload_id, port=port)
     if target is None:
         return None
@@ -213,9 +264,21 @@ def _authorize(
             if _member_by_token(plaintext, target.tenant_id):
                 return target
     cookies = _cookies(headers)
-    session_key = cookies.get(settings.SESSION_COOKIE_NAME)
-    if session_key and _member_by_session(session_key, target.tenant_id):
-        return target
+    if not settings.PROXY_ORIGIN:
+        session_key = cookies.get(settings.SESSION_COOKIE_NAME)
+        if session_key and _member_by_session(session_key, target.tenant_id):
+            return target
+    else:
+        member = cookies.get(member_cookie_name(workload_id))
+        if member is not None:
+            ticket_user = ticket_user or _signed_user(
+                member,
+                salt=MEMBER_SALT,
+                max_age=settings.PROXY_MEMBER_COOKIE_MAX_AGE_S,
+                workload_id=workload_id,
+            )
+        if ticket_user is not None and _member_by_user_id(ticket_user, target.tenant_id):
+            return target
     secret = share or cookies.get(share_cookie_name(workload_id))
     if secret and _share_matches(secret, workload_id):
         return target
@@ -249,7 +312,19 @@ class WorkloadProxy:
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
 
     async def __call__(self, scope: Scope_, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or not scope["path"].startswith(PROXY_PREFIX):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.fallback(scope, receive, send)
+        proxied = scope["path"].startswith(PROXY_PREFIX)
+        origin = _separate_origin()
+        if origin:
+            # Workloads' apps only on their origin, and nothing of the portal there.
+            on_proxy_origin = _host_of(scope["headers"]) == origin
+            if proxied != on_proxy_origin:
+                if scope["type"] == "http":
+                    return await _plain(send, 404, "Not found.")
+                await receive()
+                return await _deny(scope, send, 404)
+        if not proxied:
             return await self.fallback(scope, receive, send)
         if scope["type"] == "http":
             return await self._serve_http(scope, receive, send)
@@ -281,14 +356,21 @@ class WorkloadProxy:
         return (workload_id, port) if 1 <= port <= 65535 else None
 
     @staticmethod
-    def _query(scope: Scope_) -> tuple[str | None, str]:
-        """(the share secret in the query, if any; the query without it)."""
+    def _query(scope: Scope_) -> tuple[str | None, str | None, str]:
+        """(the share secret in the query, a member's ticket, the query without either)."""
         raw = scope.get("query_string", b"").decode("latin-1")
-        if SHARE_PARAM not in raw:
-            return None, raw
+        if SHARE_PARAM not in raw and TICKET_PARAM not in raw:
+            return None, None, raw
         pairs = parse_qsl(raw, keep_blank_values=True)
         share = next((value for key, value in pairs if key == SHARE_PARAM), None)
-        return share, urlencode([(k, v) for k, v in pairs if k != SHARE_PARAM])
+        ticket = next((value for key, value in pairs if key == TICKET_PARAM), None)
+        return share, ticket, urlencode([(k, v) for k, v in pairs if k not in (SHARE_PARAM, TICKET_PARAM)])
+
+    @staticmethod
+    def _ticket_user(ticket: str | None, workload_id: int) -> Any:
+        if ticket is None or not settings.PROXY_ORIGIN:
+            return None
+        return _signed_user(ticket, salt=TICKET_SALT, max_age=TICKET_MAX_AGE_S, workload_id=workload_id)
 
     @contextlib.contextmanager
     def _slot(self, workload_id: int):
@@ -306,17 +388,25 @@ class WorkloadProxy:
 
     async def _serve_http(self, scope: Scope_, receive: Receive, send: Send) -> None:
         route = self._route(scope)
-        share, query = self._query(scope)
-        target = await authorize(*route, scope["headers"], share) if route is not None else None
+        share, ticket, query = self._query(scope)
+        ticket_user = self._ticket_user(ticket, route[0]) if route is not None else None
+        target = await authorize(*route, scope["headers"], share, ticket_user) if route is not None else None
         if target is None:
             return await _plain(send, 404, "Not found.")
         workload_id = route[0]
-        if share is not None:
-            # Keep the secret in a cookie for this workload's paths, and out of the address bar.
+        if share is not None or ticket_user is not None:
+            # Keep the secret (or the member's pass) in a cookie for this workload's paths, and out
+            # of the address bar.
             location = scope.get("root_path", "") + scope["path"] + (f"?{query}" if query else "")
             cookie = SimpleCookie()
-            name = share_cookie_name(workload_id)
-            cookie[name] = share
+            if share is not None:
+                name, value = share_cookie_name(workload_id), share
+            else:
+                name = member_cookie_name(workload_id)
+                value = signing.dumps({"u": ticket_user, "w": workload_id}, salt=MEMBER_SALT)
+            cookie[name] = value
+            if share is None:
+                cookie[name]["max-age"] = settings.PROXY_MEMBER_COOKIE_MAX_AGE_S
             cookie[name]["path"] = f"{PROXY_PREFIX}{workload_id}/"
             cookie[name]["httponly"] = True
             cookie[name]["samesite"] = "Lax"
@@ -436,7 +526,7 @@ class WorkloadProxy:
             # A browser's handshake from another site (it would carry the user's cookies).
             return await _deny(scope, send, 404)
         route = self._route(scope)
-        share, query = self._query(scope)
+        share, _ticket, query = self._query(scope)
         target = await authorize(*route, scope["headers"], share) if route is not None else None
         if target is None:
             return await _deny(scope, send, 404)

@@ -25,6 +25,7 @@ urlpatterns = [
     path("account/ssh-keys/<int:pk>/delete/", ssh_keys.SshKeyDeleteView.as_view(), name="ssh-key-delete"),
     path("volumes/", volumes.VolumesView.as_view(), name="volumes"),
     path("volumes/<int:pk>/delete/", volumes.VolumeDeleteView.as_view(), name="volume-delete"),
+    path("workloads/<int:pk>/open/<int:port>/", workloads.WorkloadOpenView.as_view(), name="workload-open"),
     path(
         "workloads/<int:pk>/share-link/",
         workloads.WorkloadShareLinkView.as_view(),

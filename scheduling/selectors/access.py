@@ -5,9 +5,9 @@ not work.
 
 - ``ssh``: ``{host, port, user, command, known_hosts}`` or null, with ``ssh_unavailable_reason``.
 - ``ports``: one entry per requested port, ``{port, protocol, host_port, host, url, note}``. An HTTP
-  port of a RUNNING workload has a ``url`` on the portal's proxy (``/proxy/<id>/<port>/``); a TCP
-  port has the node's ``host`` and ``host_port``; anything else has nulls and a ``note`` that says
-  why.
+  port of a RUNNING workload has a ``url`` on the portal's proxy (``/proxy/<id>/<port>/``, on
+  ``PROXY_ORIGIN`` when set); a TCP port has the node's ``host`` and ``host_port``; anything else
+  has nulls and a ``note`` that says why.
 - ``share_link``: whether the HTTP ports have a share link (its secret is shown only when made).
 
 The rule for SSH, once (docs/security.md, "SSH into a workload"): a running workload (an instance,
@@ -28,6 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from django.conf import settings
+from django.urls import reverse
 
 from nodes.agent.workload_rules import WorkloadRuleError, parse_ssh_public_key
 from portal.errors import NotFound
@@ -123,6 +126,9 @@ def ssh_authorized_keys(*, node_id: int, workload_id: str) -> list[dict[str, str
 
 PROXY_PREFIX = "/proxy/"
 SHARE_PARAM = "gpupool_share"  # the query parameter that carries a share link's secret
+TICKET_PARAM = "gpupool_ticket"  # a member's one-minute pass from the portal to PROXY_ORIGIN
+TICKET_SALT = "gpupool.proxy.ticket"
+MEMBER_SALT = "gpupool.proxy.member"
 TCP_NOTE = (
     "Raw TCP on the node: the portal does not check who connects (the service must authenticate "
     "its clients); reachable from the network the node publishes TCP ports on."
@@ -134,8 +140,11 @@ def proxy_path(workload_id: int, port: int) -> str:
 
 
 def proxy_url(workload_id: int, port: int, *, request: Any = None) -> str:
-    """The URL of a workload's HTTP port on the portal (a path, without a request)."""
+    """The URL of a workload's HTTP port: on ``PROXY_ORIGIN`` when set, else on the portal's own
+    origin (a path, without a request)."""
     path = proxy_path(workload_id, port)
+    if settings.PROXY_ORIGIN:
+        return f"{settings.PROXY_ORIGIN}{path}"
     return request.build_absolute_uri(path) if request is not None else path
 
 
@@ -163,6 +172,13 @@ def workload_ports(*, workload: Workload, request: Any = None) -> list[dict[str,
             entry["host_port"] = row.host_port
             if item["protocol"] == "http":
                 entry["url"] = proxy_url(workload.pk, item["port"], request=request)
+                # The page's link: on a proxy origin of its own, a member's browser goes through the
+                # portal first for its ticket (the portal's session does not reach that origin).
+                entry["page_url"] = (
+                    reverse("scheduling:workload-open", kwargs={"pk": workload.pk, "port": item["port"]})
+                    if settings.PROXY_ORIGIN
+                    else entry["url"]
+                )
             else:
                 entry["host"] = row.node.reach_address
                 entry["note"] = TCP_NOTE

@@ -16,9 +16,10 @@ from decimal import Decimal
 from django import forms
 from django.conf import settings
 from django.contrib import messages
+from django.core import signing
 from django.core.paginator import Paginator
 from django.db.models import Count, Q, Sum
-from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import Http404, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.shortcuts import redirect
 from django.urls import reverse
 from django.utils import timezone
@@ -40,7 +41,14 @@ from scheduling.models import (
     WorkloadKind,
     WorkloadState,
 )
-from scheduling.selectors.access import SHARE_PARAM, proxy_url, workload_access, workload_ports
+from scheduling.selectors.access import (
+    SHARE_PARAM,
+    TICKET_PARAM,
+    TICKET_SALT,
+    proxy_url,
+    workload_access,
+    workload_ports,
+)
 from scheduling.selectors.shared import (
     workload_events,
     workload_log_lines,
@@ -323,6 +331,21 @@ class WorkloadStopView(_ActionView):
         w = self.workload(pk)
         done = "Stopped." if w.state == WorkloadState.STOPPED else "Stopping: the node was told to stop it."
         return self.respond(w, done=done)
+
+
+class WorkloadOpenView(WorkloadsMixin, View):
+    """A member opens an instance's HTTP port: on ``PROXY_ORIGIN``, with a signed one-minute ticket
+    that the proxy turns into a cookie of that origin (the portal's session never goes there)."""
+
+    def get(self, request, pk: int, port: int):
+        w = self.workload(pk)
+        if not any(p["port"] == port and p["url"] for p in workload_ports(workload=w, request=request)):
+            raise Http404("No such port is open.")
+        url = proxy_url(w.pk, port, request=request)
+        if settings.PROXY_ORIGIN:
+            ticket = signing.dumps({"u": request.user.pk, "w": w.pk}, salt=TICKET_SALT)
+            url = f"{url}?{TICKET_PARAM}={ticket}"
+        return redirect(url)
 
 
 class WorkloadShareLinkView(_ActionView):

@@ -405,3 +405,66 @@ def test_websockets_headers_streams_and_limits_through_the_proxy(
         assert api.get(f"{prefix}headers").status_code == 200
     settings.PROXY_MAX_CONNECTIONS_PER_WORKLOAD = 64
     assert json.dumps(access(owner, url, w))  # still serialisable with the port published
+
+
+def test_on_a_proxy_origin_of_its_own_members_pass_by_ticket_and_the_portal_stays_apart(
+    start_agent, running_portal, upstream, settings  # noqa: F811
+):  # fmt: skip
+    """``PROXY_ORIGIN``: the apps on http://localhost:<port>, the portal on http://127.0.0.1:<port>
+    (two origins to a browser: cookies of one never go to the other)."""
+    url = running_portal.url
+    apps = f"http://localhost:{running_portal.port}"
+    settings.PROXY_ORIGIN = apps
+    owner, other = Team("origa"), Team("origb")
+    agent = start_agent("ports-origin", gpus=1, extra_args=("--advertise-address", "127.0.0.1"))
+    node = registered(agent)
+    w = submit(owner, url, image="ghcr.io/acme/notebook:1", ports=[8765])
+    assert scheduling_cycle_run().ran
+    wait_for(lambda: state(w) == S.RUNNING, what="the instance to run")
+    wait_for(lambda: PublishedPort.objects.filter(workload=w).exists(), what="the start report")
+    prefix = f"/proxy/{w.pk}/8765/"
+    upstream.start(prefix)
+    workload_ports_record(workload=w, node_id=node.pk, result={"ports": {"8765": upstream.port}})
+    (port,) = access(owner, url, w)["ports"]
+    assert port["url"] == f"{apps}{prefix}"
+
+    with owner.api(url) as api:
+        # A token works on the apps' origin only; the portal is not served there.
+        assert api.get(f"{apps}{prefix}headers").status_code == 200
+        assert api.get(f"{url}{prefix}headers").status_code == 404
+        assert api.get(f"{apps}/api/v1/instances/").status_code == 404
+        assert api.get(f"{url}/api/v1/instances/").status_code == 200
+    # A member's browser: the page's link goes through the portal for a ticket, which the apps'
+    # origin turns into a cookie of its own; the portal's session never goes there, and would not
+    # count if it did.
+    with owner.browser(url) as browser:
+        page = browser.get(f"/workloads/{w.pk}/live/").text
+        assert f'href="/workloads/{w.pk}/open/8765/"' in page
+        r = browser.get(f"/workloads/{w.pk}/open/8765/")
+        assert r.status_code == 302 and r.headers["location"].startswith(f"{apps}{prefix}?gpupool_ticket=")
+        ticket_url = r.headers["location"]
+    with httpx.Client(timeout=10, cookies={"sessionid": owner.session}) as app_browser:
+        assert app_browser.get(f"{apps}{prefix}headers").status_code == 404  # the session: not here
+        r = app_browser.get(ticket_url)
+        assert r.status_code == 303 and r.headers["location"] == prefix
+        assert f"gpupool_member_{w.pk}=" in r.headers["set-cookie"] and "HttpOnly" in r.headers["set-cookie"]
+        seen = app_browser.get(f"{apps}{prefix}headers")
+        assert seen.status_code == 200 and "Cookie" not in seen.json()["headers"], seen.json()["headers"].get(
+            "Cookie"
+        )  # none of the portal's
+        # The same cookie and ticket do not open another workload, and a forged ticket nothing.
+        assert app_browser.get(f"{apps}/proxy/{w.pk + 1}/8765/headers").status_code == 404
+    assert httpx.get(f"{apps}{prefix}headers?gpupool_ticket=forged", timeout=10).status_code == 404
+    # Another tenant's member gets no ticket for it.
+    with other.browser(url) as browser:
+        assert browser.get(f"/workloads/{w.pk}/open/8765/").status_code == 404
+    # A websocket on the apps' origin, from a page of that origin, by the member cookie.
+    with httpx.Client(timeout=10) as app_browser:
+        app_browser.get(ticket_url)
+        member = app_browser.cookies.get(f"gpupool_member_{w.pk}")
+    ws_url = f"ws://localhost:{running_portal.port}{prefix}ws"
+    with ws_connect(
+        ws_url, additional_headers={"Cookie": f"gpupool_member_{w.pk}={member}"}, origin=apps
+    ) as ws:
+        ws.send("hi")
+        assert ws.recv(timeout=5) == "echo:hi"
