@@ -4,7 +4,10 @@ websockets, as an ASGI app in front of the portal (``portal/asgi.py``), on the e
 Who may pass (everyone else gets 404, as for an object of another tenant):
 
 - a member of the workload's tenant, by the portal's session or by an API token with the ``read``
-  scope (the API's rules: a token acts within its creator's current role);
+  scope (the API's rules: a token acts within its creator's current role). With ``PROXY_ORIGIN``
+  (apps on an origin of their own, nothing of the portal there) the session is not a credential: a
+  member's browser brings a one-minute ticket the portal signed (``?gpupool_ticket=``,
+  ``/workloads/<id>/open/<port>/``), which becomes a signed cookie for ``/proxy/<id>/``;
 - anyone holding the workload's share link (``?gpupool_share=<secret>``): the first request sets a
   cookie for ``/proxy/<id>/`` and is redirected to the same URL without the secret.
 
