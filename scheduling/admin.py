@@ -11,6 +11,7 @@ from portal.admin_actions import RecordAdmin, run_each
 from portal.errors import DomainError
 from scheduling.models import (
     Allocation,
+    PublishedPort,
     Quota,
     QuotaModelLimit,
     Reservation,
@@ -22,6 +23,7 @@ from scheduling.models import (
     WorkloadEvent,
     WorkloadLogBatch,
     WorkloadLogLine,
+    WorkloadShareLink,
     WorkloadTemplate,
     WorkloadVolume,
 )
@@ -353,3 +355,24 @@ class VolumeAdmin(RecordAdmin):
 @admin.register(WorkloadVolume)
 class WorkloadVolumeAdmin(RecordAdmin):
     list_display = ["workload", "volume", "mount_path", "shared"]
+
+
+@admin.register(PublishedPort)
+class PublishedPortAdmin(RecordAdmin):
+    """What nodes published for running workloads (kept while they hold their GPUs)."""
+
+    list_display = ["workload", "node", "port", "protocol", "host_port", "note"]
+    list_filter = ["protocol"]
+    search_fields = ["workload__id", "node__hostname"]
+    list_select_related = ["workload", "node"]
+
+
+@admin.register(WorkloadShareLink)
+class WorkloadShareLinkAdmin(RecordAdmin):
+    """Which instances have a share link (the secret is not stored; tenants revoke it in the API
+    or on the workload's page)."""
+
+    list_display = ["workload", "tenant", "created_by", "created_at"]
+    search_fields = ["workload__id", "tenant__slug"]
+    list_select_related = ["workload", "tenant", "created_by"]
+    exclude = ["token_hash"]

@@ -25,7 +25,7 @@ from portal.models import ApiToken, Invitation, Membership, Role, User
 from portal.services.invitations import invitation_create
 from portal.tenancy import TenantOwnedModel
 from portal.views.base import TenantScopedMixin
-from scheduling.models import Reservation, ReservationStatus, Workload
+from scheduling.models import Reservation, ReservationStatus, Workload, WorkloadShareLink
 from scheduling.services.lifecycle import workload_stop
 from scheduling.services.submission import workload_submit
 from scheduling.views.staff import StaffOnlyMixin
@@ -93,9 +93,13 @@ PAGE_MODELS: dict[str, type[Model]] = {
     "portal:member-remove": Membership,
     "portal:invitation-revoke": Invitation,
     "portal:invitation-resend": Invitation,
+    "scheduling:workload-share-link": WorkloadShareLink,  # a link is a row of its own
 }
 # What a write sends so that it succeeds for its owner.
-PAGE_BODIES: dict[str, dict] = {"portal:member-role": {"role": Role.VIEWER}}
+PAGE_BODIES: dict[str, dict] = {
+    "portal:member-role": {"role": Role.VIEWER},
+    "scheduling:workload-share-link": {"action": "create"},
+}
 _emails = itertools.count(1)
 
 
@@ -111,8 +115,15 @@ def _invitation(tenant) -> Invitation:
 
 
 # An object a page can act on (a restart needs a finished workload with a spec that is valid).
+def _instance_with_http_port(tenant) -> Workload:
+    """An instance with an HTTP port (a share link needs one)."""
+    spec = {"gpu_models": [H100], "image": "ghcr.io/acme/notebook:1", "ports": [8888]}
+    return workload_submit(tenant=tenant, kind="instance", spec=spec, actor=Actor.system())
+
+
 PAGE_OBJECTS = {
     "scheduling:workload-restart": lambda tenant: _workload(tenant, finished=True),
+    "scheduling:workload-share-link": _instance_with_http_port,
     "portal:invitation-resend": _invitation,
     "portal:invitation-revoke": _invitation,
 }
@@ -154,7 +165,10 @@ def _pages(mixins: tuple[type, ...], *, with_pk: bool) -> list[Page]:
     return pages
 
 
-ID_PAGES = _pages((TenantScopedMixin,), with_pk=True)
+# Pages whose URL needs more than the id, tested with their own objects: opening a port
+# (tests/scheduling/test_proxy_e2e.py, another tenant's member gets 404).
+WALKED_ELSEWHERE = {"scheduling:workload-open"}
+ID_PAGES = [p for p in _pages((TenantScopedMixin,), with_pk=True) if p.name not in WALKED_ELSEWHERE]
 STAFF_PAGES = _pages((StaffRequiredMixin, StaffOnlyMixin, FinanceStaffMixin), with_pk=False) + _pages(
     (StaffRequiredMixin, StaffOnlyMixin, FinanceStaffMixin), with_pk=True
 )
