@@ -19,7 +19,6 @@ from django.utils import timezone
 from drf_spectacular.utils import OpenApiExample, extend_schema, extend_schema_field, extend_schema_view
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import NotFound
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -467,13 +466,12 @@ class InstanceViewSet(_WorkloadViewSet):
     def get_serializer_context(self):
         return {**super().get_serializer_context(), "request": self.request}
 
-    @extend_schema(request=None, responses={201: ShareLinkSerializer, 204: None})
+    @extend_schema(request=None, responses={200: ShareLinkSerializer, 204: None})
     @action(detail=True, methods=["post", "delete"], url_path="share-link")
     def share_link(self, request, pk=None):
         workload = self.get_object()
-        if request.method == "DELETE":
-            if not share_link_revoke(workload=workload, actor=self.actor):
-                raise NotFound("This instance has no share link.")
+        if request.method == "DELETE":  # idempotent: no link afterwards either way
+            share_link_revoke(workload=workload, actor=self.actor)
             return Response(status=status.HTTP_204_NO_CONTENT)
         http_ports = [p["port"] for p in workload_ports(workload=workload) if p["protocol"] == "http"]
         if not http_ports:
@@ -484,9 +482,7 @@ class InstanceViewSet(_WorkloadViewSet):
         urls = [
             f"{proxy_url(workload.pk, port, request=request)}?{SHARE_PARAM}={secret}" for port in http_ports
         ]
-        return Response(
-            ShareLinkSerializer({"secret": secret, "urls": urls}).data, status=status.HTTP_201_CREATED
-        )
+        return Response(ShareLinkSerializer({"secret": secret, "urls": urls}).data)
 
 
 @extend_schema_view(

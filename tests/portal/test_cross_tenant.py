@@ -189,6 +189,8 @@ class Route:
         kind = getattr(self.view_class, "kind", None)
         if kind:
             fields.setdefault("kind", kind)
+        if kind == "instance":
+            fields.setdefault("ports", [{"port": 8888, "protocol": "http"}])  # something to share
         return make_tenant_object(self.model, tenant=tenant, **fields)
 
 
