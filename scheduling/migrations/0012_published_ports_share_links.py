@@ -10,7 +10,7 @@ class Migration(migrations.Migration):
     dependencies = [
         ("nodes", "0008_node_address"),
         ("portal", "0005_authority_follows_the_person"),
-        ("scheduling", "0007_allocation_stop_confirmation"),
+        ("scheduling", "0011_volumes"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
