@@ -9,6 +9,7 @@ from inspect import iscoroutinefunction
 
 from asgiref.sync import markcoroutinefunction, sync_to_async
 from django.conf import settings
+from django.core.handlers.asgi import ASGIRequest
 
 from portal.api.errors import error_response
 from portal.logging import log_context_bind, log_context_reset, log_context_start
@@ -195,7 +196,12 @@ class RequestIdMiddleware(SyncAsyncMiddleware):
         try:
             return self.finish(request, self.get_response(request), started)
         finally:
-            log_context_reset(token)
+            # Under Django's ASGI handler a sync chain runs in a thread whose context changes come
+            # back to the request's task, where Django logs 4xx/5xx answers after the chain: the
+            # ids stay for that line (the task's context ends with the request). Under WSGI the
+            # thread serves the next request: reset.
+            if not isinstance(request, ASGIRequest):
+                log_context_reset(token)
 
     async def _acall(self, request):
         # No reset here: Django logs 4xx/5xx answers after the middleware chain has returned, and

@@ -192,14 +192,15 @@ def workload_access(
     """The ``access`` object of a workload's detail (the API and the workload page). ``placement``:
     the workload's rows of ``workload_placement`` when the caller has them (no query then)."""
     ssh, reason = workload_ssh_access(workload=workload, placement=placement)
-    link = WorkloadShareLink.objects.filter(workload=workload).only("created_at").first()
     ports = workload_ports(workload=workload, request=request)
+    http = any(p["protocol"] == "http" for p in ports)
+    link = WorkloadShareLink.objects.filter(workload=workload).only("created_at").first() if http else None
     return {
         "ssh": ssh,
         "ssh_unavailable_reason": reason,
         "ports": ports,
         # Whether a share link could open anything: the workload asked for an HTTP port.
-        "http": any(p["protocol"] == "http" for p in ports),
+        "http": http,
         "share_link": {"created_at": link.created_at} if link is not None else None,
     }
 

@@ -438,9 +438,9 @@ def test_events_and_logs_are_documented_as_answered(client, make_node):
     assert [p["name"] for p in events["parameters"]] == ["id"]
     assert events["responses"]["200"]["content"]["application/json"]["schema"]["type"] == "array"
     logs = doc["paths"]["/api/v1/jobs/{id}/logs/"]["get"]["responses"]["200"]["content"]
-    assert logs["application/json"]["schema"]["$ref"] == "#/components/schemas/JobLogs"
+    assert logs["application/json"]["schema"]["$ref"] == "#/components/schemas/WorkloadLogs"
     assert set(client.get(f"/api/v1/jobs/{jid}/logs/").json()) == set(
-        doc["components"]["schemas"]["JobLogs"]["properties"]
+        doc["components"]["schemas"]["WorkloadLogs"]["properties"]
     )
 
 

@@ -155,7 +155,7 @@ def test_launching_by_template_fills_the_spec(tapi, make_node, catalog):
         "pytorch",
         "nvcr.io/nvidia/pytorch:24.08-py3",
         ["jupyter", "lab"],
-        [8888],
+        [{"port": 8888, "protocol": "http"}],
     )
     assert w.env == {"JUPYTER_TOKEN": "", "MODE": "mine"}  # the request's variable wins
     assert w.min_gpu_memory_gib == 40
@@ -207,7 +207,7 @@ def test_templates_api_lists_both_kinds_and_crud_of_ones_own(
     r = post(tapi, "/api/v1/templates/", body)
     assert r.status_code == 201, r.content
     mine = r.json()
-    assert mine["catalog"] is False and mine["ports"] == [8000]
+    assert mine["catalog"] is False and mine["ports"] == [{"port": 8000, "protocol": "http"}]
     listed = {t["name"]: t["catalog"] for t in tapi.get("/api/v1/templates/").json()["results"]}
     assert listed == {"my-llm": False, "pytorch": True}
 

@@ -113,9 +113,12 @@ def test_a_secret_in_a_templated_jobs_env_reaches_its_process(agent, settings):
         60,
         "the job to end",
     )
-    logs = api.get(f"/api/v1/jobs/{job_id}/logs/").json()
-    assert (job.state, logs["exit_code"]) == (WorkloadState.FAILED, 3), agent.log[-3000:]
-    assert logs["log_tail"] == f"<a b><{SECRET}><t>"
+    assert (job.state, job.exit_code) == (WorkloadState.FAILED, 3), agent.log[-3000:]
+    assert job.log_tail == f"<a b><{SECRET}><t>"  # the agent's last message: the job's output
+    lines = wait_for(
+        lambda: api.get(f"/api/v1/jobs/{job_id}/logs/").json()["lines"], 30, "the job's output in its logs"
+    )
+    assert [line["text"] for line in lines] == [f"<a b><{SECRET}><t>"]
     # Stored: the reference, in the job and in its start command.
     assert job.env == {"FROM_TEMPLATE": "t", "PLAIN": "a b", "TOKEN": {"secret": "token"}}
     start = NodeCommand.objects.get(node=node, kind=CommandKind.START_WORKLOAD)

@@ -52,7 +52,11 @@ def test_the_launch_form_sends_env_secrets_and_a_template(web, tenant, owner, ma
     )
     assert r.status_code == 302, r.content.decode()[-3000:]
     w = Workload.objects.get()
-    assert (w.image, w.template, w.ports) == ("ghcr.io/acme/jupyter:1", "jupyter", [8888])
+    assert (w.image, w.template, w.ports) == (
+        "ghcr.io/acme/jupyter:1",
+        "jupyter",
+        [{"port": 8888, "protocol": "http"}],
+    )
     assert w.env == {"A": "mine=yes", "MODE": " train ", "HF_TOKEN": {"secret": "hf-token"}}
     # The workload page shows the variables, a secret by its name, never its value.
     page = web.get(f"/workloads/{w.pk}/").content.decode()
@@ -143,7 +147,11 @@ def test_staff_manage_the_catalog_in_the_admin_through_the_audited_service(clien
     r = client.post("/admin/scheduling/workloadtemplate/add/", form)
     assert r.status_code == 302, r.content.decode()[-2000:]
     t = WorkloadTemplate.objects.get(name="tgi")
-    assert t.is_catalog and t.ports == [80] and t.env == {"MAX_INPUT_TOKENS": "4096"}
+    assert (
+        t.is_catalog
+        and t.ports == [{"port": 80, "protocol": "http"}]
+        and t.env == {"MAX_INPUT_TOKENS": "4096"}
+    )
     event = AuditEvent.objects.get(action="template.create")
     assert event.tenant is None and event.actor_user == staff and event.data["env"] == ["MAX_INPUT_TOKENS"]
 
@@ -162,7 +170,10 @@ def test_staff_manage_the_catalog_in_the_admin_through_the_audited_service(clien
         ).status_code
         == 302
     )
-    assert WorkloadTemplate.objects.get(pk=t.pk).ports == [80, 443]
+    assert WorkloadTemplate.objects.get(pk=t.pk).ports == [
+        {"port": 80, "protocol": "http"},
+        {"port": 443, "protocol": "http"},
+    ]
     assert (
         client.post(f"/admin/scheduling/workloadtemplate/{t.pk}/delete/", {"post": "yes"}).status_code == 302
     )
