@@ -101,7 +101,8 @@ def test_a_viewer_sees_the_page_and_cannot_change_anything(signed_in, tenant, re
     assert Volume.objects.get(pk=v.pk).state == VolumeState.AVAILABLE
 
 
-def test_a_restart_keeps_the_volumes(client, tenant, regions, make_node):
+def launch_with_a_volume(client, tenant, regions, make_node) -> Volume:
+    """A checkpointing job launched from the form with volume "data" at /data; returns the volume."""
     make_node()
     v = Volume.objects.create(tenant=tenant, name="data", region=regions["us"], size_gib=10)
     data = {
@@ -117,6 +118,11 @@ def test_a_restart_keeps_the_volumes(client, tenant, regions, make_node):
         "checkpoint_resume": "on",
     }
     assert client.post("/launch/", data).status_code == 302
+    return v
+
+
+def test_a_restart_keeps_the_volumes(client, tenant, regions, make_node):
+    v = launch_with_a_volume(client, tenant, regions, make_node)
     first = Workload.objects.get()
     client.post(f"/workloads/{first.pk}/stop/")
     r = client.post(f"/workloads/{first.pk}/restart/")
@@ -126,21 +132,7 @@ def test_a_restart_keeps_the_volumes(client, tenant, regions, make_node):
 
 
 def test_the_workload_page_names_its_volumes(client, tenant, regions, make_node):
-    make_node()
-    v = Volume.objects.create(tenant=tenant, name="data", region=regions["us"], size_gib=10)
-    data = {
-        "kind": "job",
-        "gpu_model": H100,
-        "gpu_count": "1",
-        "fraction": "1000",
-        "plan": "on_demand",
-        "image": "ghcr.io/acme/train:1",
-        "command": "python train.py",
-        "volume": str(v.pk),
-        "mount_path": "/data",
-        "checkpoint_resume": "on",
-    }
-    assert client.post("/launch/", data).status_code == 302
+    v = launch_with_a_volume(client, tenant, regions, make_node)
     html = client.get(f"/workloads/{Workload.objects.get().pk}/").content.decode()
     assert f'href="/volumes/#volume-{v.pk}">data</a> at <code>/data</code>' in html
     assert "checkpoints on data" in html
