@@ -2,7 +2,7 @@
 
 from django.urls import path
 
-from nodes import agent_logs, agent_ssh, agent_views
+from nodes import agent_ssh, agent_views
 
 app_name = "agent"
 
@@ -15,7 +15,7 @@ urlpatterns = [
         agent_views.command_report,
         name="command-report",
     ),
-    path("nodes/<int:node_id>/logs", agent_logs.logs, name="logs"),
+    path("nodes/<int:node_id>/logs", agent_views.logs, name="logs"),
     path("nodes/<int:node_id>/ssh-endpoint", agent_ssh.ssh_endpoint, name="ssh-endpoint"),
     path(
         "nodes/<int:node_id>/workloads/<str:workload_id>/ssh-keys",

@@ -14,6 +14,7 @@ import time
 from datetime import UTC, datetime
 
 from asgiref.sync import sync_to_async
+from channels.layers import get_channel_layer
 from django.conf import settings
 from django.core.exceptions import RequestAborted
 from django.core.handlers.asgi import ASGIHandler
@@ -27,6 +28,7 @@ from nodes.models import Interconnect
 from nodes.services import commands as command_services
 from nodes.services.heartbeat_parse import heartbeat_parse
 from nodes.services.ingest import heartbeat_ingest
+from nodes.services.logs import log_batch_parse, node_logs_ingest, workload_logs_group
 from nodes.services.registration import (
     AuthenticatedNode,
     GpuInfo,
@@ -330,22 +332,58 @@ async def command_report(request, node_id: int, command_id: str):
     )
 
 
+# --- workload output ----------------------------------------------------------------------------------
+
+
+def _logs_sync(authorization: str, body: bytes, node_id: int):
+    authenticate_for(authorization, node_id)  # 401 / 404 before anything is read
+    batch = log_batch_parse(body, now=time.time())
+    return node_logs_ingest(node_id=node_id, batch=batch)
+
+
+@csrf_exempt
+@require_POST
+async def logs(request, node_id: int):
+    """Workload output (nodes/PROTOCOL.md): idempotent by the batch's ``seq``; lines of workloads
+    not placed on this node are refused (listed in the answer, not stored). Followers of the
+    workloads that got lines are woken through the channel layer once the lines are committed."""
+    try:
+        result = await in_db_thread(_logs_sync)(
+            request.headers.get("Authorization", ""), request.body, node_id
+        )
+    except DomainError as exc:
+        if isinstance(exc, NotAuthenticated) or exc.status_code == 400:
+            node_metrics.AGENT_REJECTED.labels(status=str(exc.status_code)).inc()
+        return _domain_error(exc)
+    layer = get_channel_layer()
+    if layer is not None:
+        for workload_id in result.written:
+            await layer.group_send(workload_logs_group(workload_id), {"type": "logs.appended"})
+    data: dict = {"status": result.status, "lines": result.lines}
+    if result.refused:
+        data["refused"] = result.refused
+    return JsonResponse(data)
+
+
 # --- the fast path ------------------------------------------------------------------------------------
 
 _FAST_ROUTES = re.compile(
-    r"^/agent/v1/nodes/(?P<node_id>[0-9]+)/(?:(?P<hb>heartbeat)|commands(?:/(?P<cmd>[^/]+)/report)?)$"
+    r"^/agent/v1/nodes/(?P<node_id>[0-9]+)/"
+    r"(?:(?P<hb>heartbeat)|(?P<logs>logs)|commands(?:/(?P<cmd>[^/]+)/report)?)$"
 )
 
 
 def fast_route(path: str, method: str):
-    """The view and its arguments for a heartbeat, command poll or command report; (None, None) for
-    anything else."""
+    """The view and its arguments for a heartbeat, command poll, command report or log batch; (None,
+    None) for anything else."""
     match = _FAST_ROUTES.match(path)
     if match is None:
         return None, None
     node_id = int(match["node_id"])
     if match["hb"]:
         return (heartbeat, {"node_id": node_id}) if method == "POST" else (None, None)
+    if match["logs"]:
+        return (logs, {"node_id": node_id}) if method == "POST" else (None, None)
     if match["cmd"]:
         if method != "POST":
             return None, None
@@ -371,7 +409,7 @@ async def serve_fast(request, view, kwargs) -> HttpResponse:
 
 class AgentProtocolHandler(ASGIHandler):
     """The agent protocol's one fast route, an ASGI app for ``/agent/`` (portal/asgi.py routes the
-    prefix here): heartbeats, command polls and command reports go from the server straight to
+    prefix here): heartbeats, command polls, command reports and log batches go from the server straight to
     their async views (``serve_fast``), without the session, authentication, CSRF, message, htmx
     and tenant middleware that the protocol does not use; everything else (register, another
     method, an unknown path, plain HTTP when SECURE_SSL_REDIRECT asks for HTTPS) goes to

@@ -1,11 +1,12 @@
-"""The agent protocol as uvicorn serves it (portal/asgi.py): heartbeats, polls and reports go straight
-to their views through ``AgentProtocolHandler``, registration and anything else through Django's
-ASGI handler; the answers are the ones Django's chain gives."""
+"""The agent protocol as uvicorn serves it (portal/asgi.py): heartbeats, polls, reports and log
+batches go straight to their views through ``AgentProtocolHandler``, registration and anything else
+through Django's ASGI handler; the answers are the ones Django's chain gives."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -54,10 +55,16 @@ def test_register_heartbeat_poll_and_report_through_the_asgi_app(make_bootstrap_
         "samples": [],
     }
     with capture_signal(signals.request_started) as started:
-        beat, poll, wrong, big = call(
+        beat, poll, logs, wrong, big = call(
             [
                 ("POST", f"/agent/v1/nodes/{node_id}/heartbeat", batch, auth),
                 ("GET", f"/agent/v1/nodes/{node_id}/commands?wait=0", None, auth),
+                (
+                    "POST",
+                    f"/agent/v1/nodes/{node_id}/logs",
+                    {"seq": 1, "workloads": [{"workload_id": "987654", "lines": [[time.time(), "stdout", "x"]]}]},
+                    auth,
+                ),
                 (
                     "POST",
                     f"/agent/v1/nodes/{node_id}/heartbeat",
@@ -77,6 +84,8 @@ def test_register_heartbeat_poll_and_report_through_the_asgi_app(make_bootstrap_
     assert beat.headers["X-Request-ID"] == "hb-1" and beat.headers["Content-Length"]
     assert Node.objects.get(pk=node_id).agent_version == "9.9"
     assert poll.status_code == 200 and poll.json() == {"commands": []}
+    assert logs.status_code == 200, logs.text
+    assert list(logs.json()["refused"]) == ["987654"]  # not placed on this node: nothing stored
     assert wrong.status_code == 401 and wrong.json()["error"]["code"]
     assert big.status_code == 413 and "larger than" in big.json()["error"]["message"]
 
