@@ -408,12 +408,12 @@ async def serve_fast(request, view, kwargs) -> HttpResponse:
 
 
 class AgentProtocolHandler(ASGIHandler):
-    """The agent protocol's one fast route, an ASGI app for ``/agent/`` (portal/asgi.py routes the
-    prefix here): heartbeats, command polls, command reports and log batches go from the server straight to
-    their async views (``serve_fast``), without the session, authentication, CSRF, message, htmx
-    and tenant middleware that the protocol does not use; everything else (register, another
-    method, an unknown path, plain HTTP when SECURE_SSL_REDIRECT asks for HTTPS) goes to
-    ``fallback``, Django's ASGI handler. The views are in the URL conf too, so a deployment of
+    """The agent protocol's one fast route, an ASGI route (settings.ASGI_ROUTES) claiming
+    ``/agent/``: heartbeats, command polls, command reports and log batches go from the server
+    straight to their async views (``serve_fast``), without the session, authentication, CSRF,
+    message, htmx and tenant middleware that the protocol does not use; everything else (register,
+    another method, an unknown path, plain HTTP when SECURE_SSL_REDIRECT asks for HTTPS) goes to
+    ``fallback``, the pages' Django handler. The views are in the URL conf too, so a deployment of
     Django's own handlers serves them through the whole chain, with the same answers, slower.
 
     Django's ASGI handler sends ``request_started`` and ``request_finished`` and closes the
@@ -426,13 +426,17 @@ class AgentProtocolHandler(ASGIHandler):
     def __init__(self, fallback):  # no middleware chain: BaseHandler's empty slots stay
         self.fallback = fallback
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.fallback(scope, receive, send)
+    def claims(self, scope) -> bool:
+        return scope["type"] == "http" and self.path(scope).startswith("/agent/")
+
+    @staticmethod
+    def path(scope) -> str:
         path = scope["path"]
         root = scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root) :]
+        return path[len(root) :] if root and path.startswith(root) else path
+
+    async def __call__(self, scope, receive, send):
+        path = self.path(scope)
         # Every agent request's body is read here, up to the limit, the rest too (register)
         # before Django's handler, which would spool any size to disk first.
         try:
@@ -443,13 +447,13 @@ class AgentProtocolHandler(ASGIHandler):
             return await self.send_response(refused, send)
         view, kwargs = fast_route(path, scope["method"])
         if view is None:
-            return await self.fallback(scope, _replay(body_file, receive), send)
+            return await self.fallback(*_replay(scope, body_file, receive), send)
         try:
             request, response = self.create_request(scope, body_file)
             # Whether it came over HTTPS is the request's to say (proxy headers, TRUSTED_PROXIES).
             if request is not None and settings.SECURE_SSL_REDIRECT and not request.is_secure():
                 # Django's chain redirects it.
-                return await self.fallback(scope, _replay(body_file, receive), send)
+                return await self.fallback(*_replay(scope, body_file, receive), send)
             if request is not None:
                 token, started = RequestIdMiddleware.start(request)
                 try:
@@ -463,17 +467,24 @@ class AgentProtocolHandler(ASGIHandler):
             body_file.close()
 
 
-def _replay(body_file, receive):
-    """An ASGI ``receive`` that gives the body already read, then the client's own messages (a
-    disconnect)."""
+def _replay(scope, body_file, receive):
+    """``(scope, receive)`` for the fallback: a ``receive`` that gives the body already read, then the
+    client's own messages (a disconnect), and the scope's headers saying the body's length (a chunked
+    body is whole now, and a WSGI handler reads only as much as ``Content-Length`` says)."""
     body_file.seek(0)
-    replayed = [{"type": "http.request", "body": body_file.read(), "more_body": False}]
+    body = body_file.read()
     body_file.close()
+    replayed = [{"type": "http.request", "body": body, "more_body": False}]
+    headers = [
+        (name, value)
+        for name, value in scope.get("headers", ())
+        if name.lower() not in (b"content-length", b"transfer-encoding")
+    ]
 
     async def replay():
         return replayed.pop() if replayed else await receive()
 
-    return replay
+    return {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}, replay
 
 
 async def read_body_limited(scope, receive):

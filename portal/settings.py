@@ -154,13 +154,14 @@ if not 0 < WEB_GIL_SWITCH_INTERVAL_MS <= 1000:
     raise ImproperlyConfigured(
         f"WEB_GIL_SWITCH_INTERVAL_MS: more than 0 and at most 1000, not {WEB_GIL_SWITCH_INTERVAL_MS}"
     )
-# portal/asgi.py: requests under a prefix go to that ASGI app (made with Django's ASGI handler as its
-# fallback) instead of the pages' thread pool. Named, not imported, as MIDDLEWARE's classes are.
-ASGI_PREFIX_APPS = [("/agent/", "nodes.agent_views.AgentProtocolHandler")]
-# portal/asgi.py wraps the application in this app: ``/proxy/<workload>/<port>/`` (HTTP and
-# websockets) goes to workloads' HTTP ports on the event loop, never on a pages thread, since a
-# proxied connection may last hours. Its timeouts and limits (scheduling/proxy.py):
-ASGI_PROXY_APP = "scheduling.proxy.WorkloadProxy"
+# portal/asgi.py: ASGI apps that claim requests before the pages' thread pool and Channels, tried in
+# this order (each built with the default app as its fallback). Named, not imported, as MIDDLEWARE's
+# classes are. The proxy first: on PROXY_ORIGIN's host it claims every request.
+ASGI_ROUTES = [
+    "scheduling.proxy.WorkloadProxy",  # /proxy/<workload>/<port>/, HTTP and websockets
+    "nodes.agent_views.AgentProtocolHandler",  # /agent/
+    "scheduling.log_follow.LogFollow",  # GET /api/v1/{jobs|instances}/<id>/logs/?follow=1
+]
 # The origin workloads' apps are served on, e.g. https://apps.gpupool.example (a host of its own,
 # never a subdomain sharing the portal's cookies): an app's scripts then cannot act on the portal
 # with its visitor's session. Empty: under the portal's own origin (development and tests only; see
@@ -564,9 +565,6 @@ WORKLOAD_LOG_LINE_MAX_CHARS = 4096
 WORKLOAD_LOG_BATCH_MAX_LINES = 10_000
 # A follow stream with nothing new sends a comment this often (proxies close idle streams).
 WORKLOAD_LOG_FOLLOW_KEEPALIVE_S = env.float("WORKLOAD_LOG_FOLLOW_KEEPALIVE_S", default=15.0)
-# Follow streams (?follow=1) served on the event loop, not by the pages' thread pool: (path
-# pattern, a factory taking the fallback app), as ASGI_PREFIX_APPS.
-ASGI_STREAM_APPS = [(r"^/api/v1/(?:jobs|instances)/[0-9]+/logs/$", "scheduling.log_follow.follow_app")]
 CELERY_BEAT_SCHEDULE["scheduling-purge-logs"] = {
     "task": "scheduling.tasks.purge_logs",
     "schedule": timedelta(hours=1),

@@ -1,7 +1,7 @@
 """``GET /api/v1/{jobs|instances}/<id>/logs/?follow=1``: a workload's new lines as
 ``text/event-stream``, served on the event loop so that a stream open for hours holds none of the
-pages' ``WEB_THREADS`` threads (portal/asgi.py routes the path here by ``ASGI_STREAM_APPS``;
-requests without ``follow`` go on to the API).
+pages' ``WEB_THREADS`` threads (``LogFollow``, an ASGI route of settings.ASGI_ROUTES, claims the
+requests with ``follow``; the others are the API's).
 
 Same authority as the API: a bearer token with the ``read`` scope, or a signed-in member whose role
 has it, acting for the tenant chosen in the session; a workload of another tenant is 404. The
@@ -45,19 +45,25 @@ class Refused(Exception):
         self.status, self.message, self.fields = status, message, fields
 
 
-def follow_app(fallback):
-    """The ASGI app for the logs path: follow requests to the stream, the rest to ``fallback``."""
-    stream = AuthMiddlewareStack(follow_stream)
+class LogFollow:
+    """An ASGI route (settings.ASGI_ROUTES): claims ``GET`` on a workload's logs path with a true
+    ``follow`` and streams it."""
 
-    async def app(scope, receive, send):
+    def __init__(self, fallback) -> None:
+        self.fallback = fallback  # not used: whatever this route claims, it answers
+        self.stream = AuthMiddlewareStack(follow_stream)
+
+    def claims(self, scope) -> bool:
+        if scope["type"] != "http" or scope["method"] != "GET" or not PATH.match(scope["path"]):
+            return False
         query = QueryDict(scope.get("query_string", b"").decode("latin-1"))
-        if scope["type"] == "http" and scope["method"] == "GET" and "follow" in query:
-            serializer = LogQuerySerializer(data={"follow": query.get("follow")})
-            if serializer.is_valid() and serializer.validated_data["follow"]:
-                return await stream(scope, receive, send)
-        return await fallback(scope, receive, send)
+        if "follow" not in query:
+            return False
+        serializer = LogQuerySerializer(data={"follow": query.get("follow")})
+        return serializer.is_valid() and serializer.validated_data["follow"]
 
-    return app
+    async def __call__(self, scope, receive, send):
+        return await self.stream(scope, receive, send)
 
 
 async def follow_stream(scope, receive, send):

@@ -306,29 +306,28 @@ class _Refused(Exception):
 
 
 class WorkloadProxy:
-    """Wraps the portal's ASGI application: ``/proxy/`` requests and websockets are served here,
-    everything else goes to ``fallback``."""
+    """An ASGI route (settings.ASGI_ROUTES): serves ``/proxy/`` requests and websockets, and with a
+    ``PROXY_ORIGIN`` of its own every request to that host too (404 for anything but the proxy
+    there, as for the proxy on the portal's origin)."""
 
     def __init__(self, fallback: Callable[[Scope_, Receive, Send], Awaitable[None]]) -> None:
-        self.fallback = fallback
+        self.fallback = fallback  # not used: whatever this route claims, it answers
         self.open: Counter[int] = Counter()  # open requests and websockets per workload
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
 
+    def claims(self, scope: Scope_) -> bool:
+        origin = _separate_origin()
+        return scope["path"].startswith(PROXY_PREFIX) or bool(origin and _host_of(scope["headers"]) == origin)
+
     async def __call__(self, scope: Scope_, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket"):
-            return await self.fallback(scope, receive, send)
         proxied = scope["path"].startswith(PROXY_PREFIX)
         origin = _separate_origin()
-        if origin:
-            # Workloads' apps only on their origin, and nothing of the portal there.
-            on_proxy_origin = _host_of(scope["headers"]) == origin
-            if proxied != on_proxy_origin:
-                if scope["type"] == "http":
-                    return await _plain(send, 404, "Not found.")
-                await receive()
-                return await _deny(scope, send, 404)
-        if not proxied:
-            return await self.fallback(scope, receive, send)
+        # Workloads' apps only on their origin, and nothing of the portal there.
+        if origin and proxied != (_host_of(scope["headers"]) == origin):
+            if scope["type"] == "http":
+                return await _plain(send, 404, "Not found.")
+            await receive()
+            return await _deny(scope, send, 404)
         if scope["type"] == "http":
             return await self._serve_http(scope, receive, send)
         return await self._serve_websocket(scope, receive, send)

@@ -62,7 +62,10 @@ def test_register_heartbeat_poll_and_report_through_the_asgi_app(make_bootstrap_
                 (
                     "POST",
                     f"/agent/v1/nodes/{node_id}/logs",
-                    {"seq": 1, "workloads": [{"workload_id": "987654", "lines": [[time.time(), "stdout", "x"]]}]},
+                    {
+                        "seq": 1,
+                        "workloads": [{"workload_id": "987654", "lines": [[time.time(), "stdout", "x"]]}],
+                    },
                     auth,
                 ),
                 (

@@ -1,6 +1,6 @@
-"""portal/asgi.py: pages and the API on the WSGI thread pool (a2wsgi), the agent protocol's hot paths
-straight to their async views (the long poll must never hold a thread) and the rest of it through
-Django's ASGI handler, websockets through Channels."""
+"""portal/asgi.py: the routes of ASGI_ROUTES claim what must stay on the event loop (the proxy, the
+agent protocol, log follow streams); pages and the API go to the WSGI thread pool (a2wsgi),
+websockets to Channels."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ def _get(path: str, headers: dict | None = None) -> httpx.Response:
     return asyncio.run(go())
 
 
-def test_the_agent_protocol_goes_to_its_handler_and_the_rest_to_the_thread_pool(monkeypatch):
+def test_the_first_route_that_claims_a_request_serves_it_and_the_rest_go_to_the_pages(monkeypatch):
     seen = []
 
-    def recorder(name):
+    def answer(name):
         async def app(scope, receive, send):
             seen.append((name, scope["path"]))
             await send({"type": "http.response.start", "status": 204, "headers": []})
@@ -35,16 +35,70 @@ def test_the_agent_protocol_goes_to_its_handler_and_the_rest_to_the_thread_pool(
 
         return app
 
-    monkeypatch.setattr(asgi, "PREFIX_APPS", [("/agent/", recorder("agent"))])
-    monkeypatch.setattr(asgi, "threaded_app", recorder("threads"))
-    for path in ("/agent/v1/nodes/7/commands", "/api/v1/jobs/", "/launch/", "/healthz"):
+    class Route:
+        def __init__(self, name, prefix):
+            self.name, self.prefix, self.app = name, prefix, answer(name)
+
+        def claims(self, scope):
+            return scope["path"].startswith(self.prefix)
+
+        async def __call__(self, scope, receive, send):
+            await self.app(scope, receive, send)
+
+    routes = [Route("first", "/agent/v1/"), Route("second", "/agent/")]
+    monkeypatch.setattr(asgi, "ROUTES", routes)
+    monkeypatch.setattr(asgi, "default_app", answer("pages"))
+    for path in ("/agent/v1/nodes/7/commands", "/agent/other", "/api/v1/jobs/", "/healthz"):
         assert _get(path).status_code == 204
     assert seen == [
-        ("agent", "/agent/v1/nodes/7/commands"),
-        ("threads", "/api/v1/jobs/"),
-        ("threads", "/launch/"),
-        ("threads", "/healthz"),
+        ("first", "/agent/v1/nodes/7/commands"),
+        ("second", "/agent/other"),
+        ("pages", "/api/v1/jobs/"),
+        ("pages", "/healthz"),
     ]
+
+
+def test_the_real_routes_claim_only_their_requests(settings):
+    def scope(path, *, method="GET", query=b"", kind="http", host=b"portal.test"):
+        return {
+            "type": kind,
+            "path": path,
+            "method": method,
+            "query_string": query,
+            "headers": [(b"host", host)],
+        }
+
+    proxy = asgi.ROUTES[0]
+    claimed = {
+        name: [route.claims(s) for route in asgi.ROUTES]
+        for name, s in {
+            "proxy": scope("/proxy/1/8888/"),
+            "proxy ws": scope("/proxy/1/8888/ws", kind="websocket"),
+            "heartbeat": scope("/agent/v1/nodes/1/heartbeat", method="POST"),
+            "register": scope("/agent/v1/register", method="POST"),
+            "follow": scope("/api/v1/jobs/3/logs/", query=b"follow=1"),
+            "logs page": scope("/api/v1/jobs/3/logs/", query=b"tail=10"),
+            "follow=0": scope("/api/v1/jobs/3/logs/", query=b"follow=0"),
+            "jobs": scope("/api/v1/jobs/"),
+            "events ws": scope("/ws/events/", kind="websocket"),
+        }.items()
+    }
+    assert claimed == {
+        "proxy": [True, False, False],
+        "proxy ws": [True, False, False],
+        "heartbeat": [False, True, False],
+        "register": [False, True, False],
+        "follow": [False, False, True],
+        "logs page": [False, False, False],
+        "follow=0": [False, False, False],
+        "jobs": [False, False, False],
+        "events ws": [False, False, False],
+    }
+    # With an origin of its own, the proxy claims every request to that host (and answers 404 for
+    # anything but itself there).
+    settings.PROXY_ORIGIN = "https://apps.test"
+    assert proxy.claims(scope("/api/v1/jobs/", host=b"apps.test"))
+    assert not proxy.claims(scope("/api/v1/jobs/"))
 
 
 @pytest.mark.django_db(transaction=True)
@@ -68,18 +122,18 @@ def test_the_api_is_answered_by_a_pool_thread_through_the_whole_chain(tenant, ma
     assert len(threads) == 1 and threads[0] != threading.main_thread().name
 
 
-def test_the_agent_prefix_is_served_by_the_handler_the_settings_name(settings):
-    """One route for the agent protocol's fast path: the handler named in ASGI_PREFIX_APPS (portal
-    imports no app), with Django's ASGI handler behind it; the pages' chain is Django's own,
-    settings.MIDDLEWARE as it stands, with nothing of the agent protocol in it."""
+def test_the_routes_are_the_ones_the_settings_name(settings):
+    """The routes are named in ASGI_ROUTES (portal imports no app), each with the default app behind
+    it; the pages' chain is Django's own, settings.MIDDLEWARE as it stands, with nothing of the
+    agent protocol in it."""
     from django.core.handlers.wsgi import WSGIHandler
 
     from nodes.agent_views import AgentProtocolHandler
+    from scheduling.log_follow import LogFollow
+    from scheduling.proxy import WorkloadProxy
 
-    assert settings.ASGI_PREFIX_APPS == [("/agent/", "nodes.agent_views.AgentProtocolHandler")]
-    ((prefix, app),) = asgi.PREFIX_APPS
-    assert prefix == "/agent/" and type(app) is AgentProtocolHandler
-    assert app.fallback is asgi.django_asgi_app
+    assert [type(route) for route in asgi.ROUTES] == [WorkloadProxy, AgentProtocolHandler, LogFollow]
+    assert all(route.fallback is asgi.default_app for route in asgi.ROUTES)
     assert not [m for m in settings.MIDDLEWARE if m.startswith("nodes.")]
     assert type(asgi.pages_app) is WSGIHandler
 
