@@ -13,6 +13,7 @@ import pytest
 
 from nodes.agent.buffer import Buffer
 from nodes.agent.logship import LINE_MAX_CHARS, LogLimits, LogShipper
+from nodes.agent.runtimes.docker import docker_since
 from nodes.agent.runtimes.process import SubprocessRuntime
 from nodes.agent.runtimes.simulated import SIM_LOG_EVERY_S, SimulatedRuntime
 from nodes.agent.types import WorkloadSpec
@@ -94,6 +95,48 @@ def test_docker_output_is_the_containers_streams_with_their_times(runtime, new_i
     first, partial = runtime.output(wid, {}, 2)
     rest, _ = runtime.output(wid, partial, 100)
     assert len(first) == 2 and len(first) + len(rest) == 5
+
+
+def test_docker_output_of_a_fast_writer_is_every_line_once_in_order(
+    runtime,  # noqa: F811
+    new_id,  # noqa: F811
+    docker_engine,
+) -> None:
+    count = 10_000
+    wid = new_id()
+    runtime.start(
+        spec(
+            wid,
+            "sh",
+            "-c",
+            f"i=0; while [ $i -lt {count} ]; do echo out $i; echo err $i >&2; i=$((i+1)); done",
+        )
+    )
+    got: dict[str, list[tuple[float, str]]] = {"stdout": [], "stderr": []}
+    cursor: dict = {}
+    polls = 0
+    while True:
+        status = runtime.get_status(wid)
+        ended = status is not None and status.terminal
+        lines, cursor = runtime.output(wid, cursor, 997)  # cuts inside a second, maybe a microsecond
+        for at, stream, text in lines:
+            got[stream].append((at, text))
+        polls += 1
+        if ended and not lines:
+            break
+    assert [t for _, t in got["stdout"]] == [f"out {i}" for i in range(count)]
+    assert [t for _, t in got["stderr"]] == [f"err {i}" for i in range(count)]
+    assert polls > 2 * count // 997
+    # Each poll asks the engine only from the last line sent on: the boundary's microsecond, not
+    # its second. Positive control: from the time of the 100th line before the end, 100 lines.
+    name = f"gpupool-{wid}"
+    stamps = [round(at * 1e9) for at, _ in got["stdout"]]
+
+    def lines_since(ns: int) -> int:
+        return docker_engine.api.logs(name, stdout=True, stderr=False, since=docker_since(ns)).count(b"\n")
+
+    assert 100 <= lines_since(stamps[-100]) <= 103
+    assert 1 <= lines_since(stamps[-1]) <= 3
 
 
 def test_simulated_runtime_writes_lines_labelled_as_simulated(tmp_path: Path) -> None:

@@ -48,6 +48,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,30 @@ def docker_time_ns(value: str) -> int | None:
     if digits and not digits.isdigit():
         return None
     return seconds * 1_000_000_000 + int(digits.ljust(9, "0") or 0)
+
+
+def docker_since(ns: int) -> float | None:
+    """``docker logs``'s ``since`` for lines at or after ``ns``: seconds as a float (docker-py's
+    type; the engine takes the fraction to the nanosecond), one microsecond early so the float's
+    rounding never passes a line not yet sent. None at first: the whole log."""
+    if ns <= 0:
+        return None
+    return max(ns // 1000 - 1, 1) / 1_000_000
+
+
+def _log_entries(frames: Iterator[bytes]) -> Iterator[str]:
+    """The log's lines from the engine's frames (one message each, but a line is not trusted to
+    end where a frame does); a last piece without its newline is a line too."""
+    pending = b""
+    for frame in frames:
+        pending += frame
+        if b"\n" not in frame:
+            continue
+        *complete, pending = pending.split(b"\n")
+        for raw in complete:
+            yield raw.decode("utf-8", "replace")
+    if pending:
+        yield pending.decode("utf-8", "replace")
 
 
 def _explain(exc: DockerException) -> str:
@@ -460,8 +485,9 @@ class DockerRuntime(Runtime):
         self, workload_id: str, cursor: dict[str, Any], limit: int
     ) -> tuple[list[OutputLine], dict[str, Any]]:
         """The container's new lines, each stream asked on its own (``docker logs`` with
-        timestamps, since the last line's second); the cursor holds, per stream, the last line's
-        time in nanoseconds and how many lines had exactly that time, so none is sent twice."""
+        timestamps, streamed, ``since`` a microsecond before the last line sent); the cursor holds,
+        per stream, the last line's time in nanoseconds and how many lines had exactly that time,
+        so none is sent twice. Lines past ``limit`` are not decoded; the next poll starts at them."""
         record = self.store.records.get(workload_id)
         if record is None or record.get("start_error") or not record.get("container_id"):
             return [], cursor
@@ -473,33 +499,41 @@ class DockerRuntime(Runtime):
             first_ns, first_same = cursor.get(stream, (0, 0))
             last_ns, same, seen = first_ns, first_same, 0
             try:
-                raw = self.client.api.logs(
+                entries = self.client.api.logs(
                     record["container_id"],
                     stdout=stream == "stdout",
                     stderr=stream == "stderr",
                     timestamps=True,
-                    since=max(1, first_ns // 1_000_000_000),
+                    stream=True,
+                    follow=False,
+                    since=docker_since(first_ns),
                 )
             except NotFound:
                 return lines, cursor
             except DockerException as exc:
                 raise RuntimeFailure(f"docker logs failed: {_explain(exc)}") from exc
-            for entry in raw.decode("utf-8", "replace").split("\n"):
-                stamp, _, text = entry.partition(" ")
-                ns = docker_time_ns(stamp)
-                if ns is None or ns < first_ns:
-                    continue
-                if ns == first_ns:
-                    seen += 1
-                    if seen <= first_same:
-                        continue  # sent before
-                if len(lines) >= limit:
-                    break
-                if ns == last_ns:
-                    same += 1
-                else:
-                    last_ns, same = ns, 1
-                lines.append((ns / 1e9, stream, text))
+            try:
+                for entry in _log_entries(entries):
+                    stamp, _, text = entry.partition(" ")
+                    ns = docker_time_ns(stamp)
+                    if ns is None or ns < first_ns:
+                        continue
+                    if ns == first_ns:
+                        seen += 1
+                        if seen <= first_same:
+                            continue  # sent before
+                    if len(lines) >= limit:
+                        break
+                    if ns == last_ns:
+                        same += 1
+                    else:
+                        last_ns, same = ns, 1
+                    lines.append((ns / 1e9, stream, text))
+            finally:
+                # Read to the end without decoding: a stream closed early leaves its socket open
+                # until collected (docker-py's CancellableStream.close only shuts it down).
+                for _ in entries:
+                    pass
             cursor[stream] = (last_ns, same)
         return lines, cursor
 
