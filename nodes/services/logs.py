@@ -123,7 +123,7 @@ def _lines(lines: list[Any], i: int, now: float, max_chars: int) -> list[tuple[d
         at, stream, text = line
         if type(at) not in (int, float) or not math.isfinite(at) or at < 0:
             raise fail(f"workloads[{i}].lines[{j}].at", "Expected seconds since the epoch.")
-        if stream not in STREAMS:
+        if type(stream) is not str or stream not in STREAMS:  # a list is not hashable: no 500
             raise fail(f"workloads[{i}].lines[{j}].stream", "Expected stdout or stderr.")
         if type(text) is not str or len(text) > max_chars:
             raise fail(f"workloads[{i}].lines[{j}].text", f"Expected text of at most {max_chars} characters.")
