@@ -92,10 +92,15 @@ async def ingest(base: str, node_id: int, credential: str, job_id: int, args) ->
     url = f"{base}/agent/v1/nodes/{node_id}/logs"
     headers = {"Authorization": f"Node {credential}", "Content-Type": "application/json"}
 
+    # The client must not be what is measured: a batch is built from bytes made once (building
+    # 5,000 lists and dumping them was most of this process's CPU), with the time of sending.
+    line = orjson.dumps([0.0, "stdout", text])[len(b"[0.0") :]  # b',"stdout","..."]'
+    head = b'{"seq":%d,"workloads":[{"workload_id":"%d","lines":['
+    tail = b"]}]}"
+
     def body(seq: int) -> bytes:
-        now = time.time()
-        lines = [[now, "stdout", text] for _ in range(args.batch)]
-        return orjson.dumps({"seq": seq, "workloads": [{"workload_id": str(job_id), "lines": lines}]})
+        at = b"[" + orjson.dumps(time.time())
+        return head % (seq, job_id) + b",".join([at + line] * args.batch) + tail
 
     async def worker(client: httpx.AsyncClient, until: float) -> None:
         nonlocal stored
