@@ -208,6 +208,11 @@ class _SpecSerializer(serializers.Serializer):
     env = serializers.DictField(child=EnvValueField(), required=False)
     # [{"volume": ID, "mount_path": "/workspace", "shared": false}]; the service checks each item.
     volumes = serializers.ListField(child=serializers.DictField(), required=False, max_length=8)
+    # Arguments reach the workload exactly as given: no trimming (the service applies the workload
+    # rules, the same for instances and jobs). An instance without one runs its image's default.
+    command = serializers.ListField(
+        child=serializers.CharField(allow_blank=True, trim_whitespace=False), required=False
+    )
 
 
 class InstanceCreateSerializer(_SpecSerializer):
@@ -227,11 +232,6 @@ class InstanceCreateSerializer(_SpecSerializer):
 class JobCreateSerializer(_SpecSerializer):
     template = serializers.CharField(
         required=False, allow_blank=True, max_length=100, help_text="Fills what the request leaves unset."
-    )
-    # Arguments and values reach the workload exactly as given: no trimming (the service applies
-    # the workload rules).
-    command = serializers.ListField(
-        child=serializers.CharField(allow_blank=True, trim_whitespace=False), required=False
     )
     estimated_runtime_s = serializers.IntegerField(required=False, allow_null=True)
     requeue_on_preemption = serializers.BooleanField(required=False)

@@ -271,8 +271,6 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
     if kind not in WorkloadKind.values:
         raise _fail("kind", f"One of {', '.join(WorkloadKind.values)}.")
     f: dict[str, Any] = {"kind": kind, "name": _str(spec, "name", 100)}
-    # An instance runs its template's command, never one of its own.
-    own_command = spec.get("command")
     template_name = _rule(check_template, _str(spec, "template", 100))
     if template_name:
         template = template_for_launch(tenant=tenant, name=template_name)
@@ -419,8 +417,8 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
     if kind == WorkloadKind.INSTANCE:
         if not f["image"] and not f["template"]:
             raise _fail("image", "An instance needs an image or a template.")
-        if own_command or f["estimated_runtime_s"] is not None:
-            raise _fail("command" if own_command else "estimated_runtime_s", "Jobs only.")
+        if f["estimated_runtime_s"] is not None:
+            raise _fail("estimated_runtime_s", "Jobs only.")
     else:
         if not f["image"]:
             raise _fail("image", "A job needs an image.")

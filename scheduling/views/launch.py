@@ -110,7 +110,8 @@ class LaunchForm(forms.Form):
     )  # fmt: skip
     command = forms.CharField(
         label="Command", required=False, max_length=4000,
-        help_text="Jobs only: run as given, split like a shell would (no shell features).",
+        help_text="Run as given, split like a shell would (no shell features). "
+        "An instance may leave it empty to run its image's default.",
     )  # fmt: skip
 
     volume = forms.TypedChoiceField(

@@ -393,8 +393,7 @@ def spec_of(w: Workload) -> dict:
         "priority_class": w.priority_class,
         "image": w.image,
         "template": w.template,
-        # An instance's command came from its template, which the new submission applies again.
-        "command": list(w.command) if w.kind == WorkloadKind.JOB else [],
+        "command": list(w.command),
         "env": dict(w.env),
         "ports": list(w.ports),
         "ssh_public_key": w.ssh_public_key,
