@@ -630,7 +630,8 @@ class Volume(TenantOwnedModel):
     (``VOLUME_STORAGE_ROOTS``), which every node of the region mounts at its agent's
     ``volumes_root``. The agent names the directory from the volume's id (``vol-<id>``), never
     from anything a payload says. It outlives the workloads that use it and is billed per GiB-hour
-    of ``size_gib`` from ``created_at`` to ``deleted_at`` (metering's storage usage)."""
+    of its size from ``created_at`` to ``deleted_at`` (metering's storage usage): ``size_gib`` now,
+    earlier sizes from its ``resizes``."""
 
     tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="volumes")
     name = models.CharField(max_length=63)
@@ -663,6 +664,29 @@ class Volume(TenantOwnedModel):
     @property
     def size_bytes(self) -> int:
         return self.size_gib * 1024**3
+
+
+class VolumeResize(TenantOwnedModel):
+    """One change of a volume's size, at ``at``: storage billing charges ``from_gib`` before it and
+    ``to_gib`` after it (metering's storage usage), so GiB-hours on either side are billed right."""
+
+    tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="+")
+    volume = models.ForeignKey(Volume, on_delete=models.CASCADE, related_name="resizes")
+    at = models.DateTimeField(default=timezone.now)
+    from_gib = models.PositiveIntegerField()
+    to_gib = models.PositiveIntegerField()
+
+    class Meta:
+        ordering = ["volume_id", "at", "id"]
+        indexes = [models.Index(fields=["volume", "at"], name="volumeresize_volume_at")]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(from_gib__gte=1) & Q(to_gib__gte=1), name="volumeresize_positive"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"volume {self.volume_id}: {self.from_gib} -> {self.to_gib} GiB at {self.at:%Y-%m-%d %H:%M}"
 
 
 class WorkloadVolume(TenantOwnedModel):

@@ -64,13 +64,17 @@ def env_resolve(env: Mapping[str, Any], *, tenant_id: int) -> dict[str, str]:
 
 def start_payload_for_node(payload: dict[str, Any]) -> dict[str, Any]:
     """A stored start command's payload as its node receives it: secret references resolved for
-    the workload's tenant (``nodes.services.commands.wire_payload_register``). A secret gone since
-    submission fails the start, naming it."""
+    the workload's tenant (``nodes.services.commands.wire_payload_register``) and its volumes'
+    sizes as they are now. A secret gone since submission fails the start, naming it."""
     from nodes.services.commands import PayloadRefused
     from portal.services.secrets import SecretMissing
     from scheduling.models import Workload
     from scheduling.services.orphans import workload_id_of
+    from scheduling.services.volumes import volume_sizes_for_payload
 
+    volumes = payload.get("volumes")
+    if isinstance(volumes, list) and volumes:  # each volume's size as it is now (a resize counts)
+        payload = {**payload, "volumes": volume_sizes_for_payload(volumes)}
     env = payload.get("env") or {}
     if not isinstance(env, Mapping) or not secret_refs(env):
         return payload
