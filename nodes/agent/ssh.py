@@ -127,6 +127,7 @@ class SshEndpoint:
         self._acceptor: asyncssh.SSHAcceptor | None = None
         self._pending_logins = 0
         self._connections: set[_Server] = set()  # logged in and not yet gone
+        self._sessions: dict[Any, set[Any]] = {}  # connection -> its open sessions (processes)
         self._recheck: asyncio.Task[None] | None = None
 
     @property
@@ -163,7 +164,7 @@ class SshEndpoint:
                 await self._recheck
             self._recheck = None
         for server in list(self._connections):
-            server.disconnect("the node's agent is shutting down")
+            server.disconnect("gpupool: the node's agent is shutting down")
         if self._acceptor is not None:
             self._acceptor.close()
             await self._acceptor.wait_closed()
@@ -192,7 +193,7 @@ class SshEndpoint:
         """How many logged-in connections are open (to ``workload_id``, or to any workload)."""
         return sum(1 for s in self._connections if workload_id is None or s.username == workload_id)
 
-    def close_workload(self, workload_id: str, reason: str = "the workload is stopping") -> int:
+    def close_workload(self, workload_id: str, reason: str = "gpupool: the workload is stopping") -> int:
         """Disconnect every connection to ``workload_id`` (it stops); answers how many."""
         servers = [s for s in self._connections if s.username == workload_id]
         for server in servers:
@@ -233,11 +234,18 @@ class SshEndpoint:
     async def _session(self, process: asyncssh.SSHServerProcess) -> None:
         """Run the session until it ends or its channel closes (the client left, or it was
         disconnected): then the session's process is ended as well (the body's ``finally``)."""
+        conn = process.get_extra_info("connection")
+        self._sessions.setdefault(conn, set()).add(process)
         body = asyncio.ensure_future(self._session_body(process))
         gone = asyncio.ensure_future(process.channel.wait_closed())
         try:
             await asyncio.wait({body, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            sessions = self._sessions.get(conn)
+            if sessions is not None:
+                sessions.discard(process)
+                if not sessions:
+                    del self._sessions[conn]
             if not body.done():
                 body.cancel()
             gone.cancel()
@@ -438,6 +446,8 @@ def _end(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # reaped: killed, it goes at once
+            proc.wait(timeout=2)
 
 
 class _Server(asyncssh.SSHServer):
@@ -463,9 +473,15 @@ class _Server(asyncssh.SSHServer):
         self.endpoint._connections.add(self)
 
     def disconnect(self, reason: str) -> None:
+        """Close the connection; its sessions read ``reason`` on stderr first (a client may not
+        show the disconnect message itself)."""
         self.endpoint._connections.discard(self)
-        if self.conn is not None:
-            self.conn.disconnect(asyncssh.DISC_BY_APPLICATION, reason)
+        if self.conn is None:
+            return
+        for process in self.endpoint._sessions.get(self.conn, ()):
+            with contextlib.suppress(Exception):  # a channel already closing
+                process.stderr.write(f"{reason}\r\n".encode())
+        self.conn.disconnect(asyncssh.DISC_BY_APPLICATION, reason)
 
     async def begin_auth(self, username: str) -> bool:
         self.username = username
