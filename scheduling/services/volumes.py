@@ -13,7 +13,7 @@ The rules, once:
   the volume's row lock (``scheduling.locks.lock_volumes``): it is refused (409 naming ``volumes``)
   when the volume is in use and either this workload or one that uses it did not ask to share.
 - A volume grows at any time and shrinks only to a size above what it holds (its last measurement;
-  one never measured holds nothing): ``volume_resize``, under its row lock, with a
+  one never measured holds nothing; one in use needs a measurement from the last 90 s): ``volume_resize``, under its row lock, with a
   ``VolumeResize`` row so storage billing charges each size for its own hours. The agent checks a
   start against the size current when the start command is delivered
   (``volume_sizes_for_payload``), so it refuses a start over the new size.
@@ -101,6 +101,8 @@ def volume_create(*, tenant, name: Any, region: Any, size_gib: Any, actor: Actor
 
 
 GIB = 1024**3
+# A volume in use shrinks only on a measurement at most this old (agents measure every 30 s).
+SHRINK_MEASUREMENT_MAX_AGE = timedelta(seconds=90)
 
 
 def volume_resize(*, volume: Volume, size_gib: Any, actor: Actor, now=None) -> Volume:
@@ -117,6 +119,17 @@ def volume_resize(*, volume: Volume, size_gib: Any, actor: Actor, now=None) -> V
         if size_gib == old:
             return volume
         used = volume.used_bytes or 0
+        if size_gib < old and volume_in_use_by(volume_ids=[volume.pk]).get(volume.pk):
+            # In use, it may be growing: only a measurement from the last minute and a half (one
+            # comes every 30 s while a workload uses it) tells what it holds now.
+            measured = volume.used_measured_at
+            if measured is None or now - measured > SHRINK_MEASUREMENT_MAX_AGE:
+                raise Conflict(
+                    "size_gib: the volume is in use and has not been measured in the last "
+                    f"{int(SHRINK_MEASUREMENT_MAX_AGE.total_seconds())} s; try again after its next measurement.",
+                    fields={"size_gib": ["In use: waiting for a recent measurement of what it holds."]},
+                    code="volume_measurement_stale",
+                )
         if size_gib < old and size_gib * GIB <= used:
             raise Conflict(
                 f"size_gib: the volume holds {used / GIB:.2f} GiB; it shrinks only to a size above that.",

@@ -154,3 +154,25 @@ def test_the_agent_checks_a_start_against_the_size_at_delivery(
     runtime.start(spec)
     status = wait_for(lambda: (s := runtime.get_status(spec.workload_id)) is not None and s.terminal and s)
     assert (status.state, status.exit_code) == ("exited", 0)
+
+
+def test_a_volume_in_use_shrinks_only_on_a_recent_measurement(acme, regions, make_node):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    make_node()
+    v = make_volume(acme, 10)
+    r = acme.post(
+        "/api/v1/jobs/", {**JOB, "volumes": [{"volume": v["id"], "mount_path": "/data"}]},
+        content_type="application/json",
+    )  # fmt: skip
+    assert r.status_code == 201, r.content
+    stale = timezone.now() - timedelta(seconds=120)
+    Volume.objects.filter(pk=v["id"]).update(used_bytes=GIB, used_measured_at=stale)
+    r = patch(acme, v["id"], {"size_gib": 5})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "volume_measurement_stale", r.content
+    assert patch(acme, v["id"], {"size_gib": 20}).status_code == 200  # growing needs no measurement
+    Volume.objects.filter(pk=v["id"]).update(used_measured_at=timezone.now())
+    assert patch(acme, v["id"], {"size_gib": 5}).status_code == 200
+    assert Volume.objects.get(pk=v["id"]).size_gib == 5
