@@ -106,8 +106,12 @@ def test_the_launch_form_takes_an_instances_command(signed_in, owner, tenant, ma
 
 
 def test_the_process_runtime_runs_an_instances_command(
-    tapi, make_node, cycle, tmp_path: Path, process_options
-):  # noqa: F811
+    tapi,
+    make_node,
+    cycle,
+    tmp_path: Path,
+    process_options,  # noqa: F811  (the fixture)
+):
     node = make_node()
     r = post(
         tapi,
