@@ -248,7 +248,17 @@ class WorkloadTemplateForm(forms.ModelForm):
 
     class Meta:
         model = WorkloadTemplate
-        fields = ["name", "description", "image", "command", "ports", "env", "min_gpu_memory_gib"]
+        fields = [
+            "name",
+            "description",
+            "image",
+            "command",
+            "ports",
+            "env",
+            "min_gpu_memory_gib",
+            "volume_mount_path",
+            "volume_required",
+        ]
 
     def clean(self):
         data = super().clean()

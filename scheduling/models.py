@@ -512,8 +512,9 @@ class WorkloadTemplateQuerySet(TenantQuerySet):
 class WorkloadTemplate(TenantOwnedModel):
     """What to run, ready to launch: the catalog's (``tenant`` empty, managed by staff) or a
     tenant's own. Launching by template fills the request's spec at submission
-    (``scheduling.services.templates.template_apply``): the image, command, ports, env and minimum
-    GPU memory the request does not set itself. A workload records the template's name in
+    (``scheduling.services.templates.template_apply``): the image, command, ports, env, minimum
+    GPU memory and volume mount path the request does not set itself; a template with
+    ``volume_required`` is launched only with a volume. A workload records the template's name in
     ``Workload.template`` (warm pools match it) and keeps the filled-in values, so a later change
     to the template changes no workload."""
 
@@ -527,6 +528,15 @@ class WorkloadTemplate(TenantOwnedModel):
     ports = models.JSONField(default=list, blank=True, help_text="Container ports, as a JSON list.")
     env = models.JSONField(default=dict, blank=True, help_text="Variables, as a JSON object of strings.")
     min_gpu_memory_gib = models.PositiveIntegerField(default=0)
+    volume_mount_path = models.CharField(
+        max_length=255,
+        blank=True,
+        help_text="Where a volume launched with it is mounted when the launch names no path; empty: none.",
+    )
+    volume_required = models.BooleanField(
+        default=False,
+        help_text="Launching from it needs a volume (the launch form offers to make one).",
+    )
     created_at = models.DateTimeField(default=timezone.now, editable=False)
     updated_at = models.DateTimeField(default=timezone.now)
 
@@ -535,6 +545,10 @@ class WorkloadTemplate(TenantOwnedModel):
     class Meta:
         ordering = ["name", "id"]
         constraints = [
+            models.CheckConstraint(
+                condition=Q(volume_required=False) | ~Q(volume_mount_path=""),
+                name="workloadtemplate_required_volume_has_path",
+            ),
             models.UniqueConstraint(
                 fields=["name"], condition=Q(tenant__isnull=True), name="workloadtemplate_catalog_name"
             ),
