@@ -99,6 +99,11 @@ PAGE_MODELS: dict[str, type[Model]] = {
 PAGE_BODIES: dict[str, dict] = {
     "portal:member-role": {"role": Role.VIEWER},
     "scheduling:workload-share-link": {"action": "create"},
+    "scheduling:template-edit": {
+        "name": "walker-edited",
+        "image": "ghcr.io/acme/walker:2",
+        "min_gpu_memory_gib": "0",
+    },
 }
 _emails = itertools.count(1)
 
