@@ -8,6 +8,7 @@ import pytest
 
 from portal.actors import Actor
 from portal.models import AuditEvent, Role
+from scheduling.demo import DEMO_TEMPLATES, JUPYTER, templates_demo_seed
 from scheduling.models import PublishedPort, Volume, Workload, WorkloadState, WorkloadTemplate, WorkloadVolume
 from scheduling.services.templates import template_create
 from tests.portal.conftest import HTMX, add_member, signed_in  # noqa: F401  (fixtures)
@@ -292,3 +293,25 @@ def test_the_share_link_button_shows_only_for_a_reachable_http_port(web, tenant,
     PublishedPort.objects.filter(workload=w).update(host_port=31000, note="")
     page = web.get(f"/workloads/{w.pk}/live/").content.decode()
     assert f'/proxy/{w.pk}/8888/" target="_blank"' in page and "data-share-create" in page
+
+
+# --- the demo ----------------------------------------------------------------------------------------
+
+
+def test_the_demo_team_launches_its_own_template_with_a_new_volume(web, tenant, make_node):
+    make_node()
+    assert templates_demo_seed(tenant) == len(DEMO_TEMPLATES) + 1
+    assert templates_demo_seed(tenant) == 0
+    html = web.get("/templates/").content.decode()
+    assert 'href="/launch/?template=lab-notebook"' in html and 'data-template="pytorch-jupyter"' in html
+    r = web.post("/launch/", launch_data(template="lab-notebook", new_volume_name="notebooks",
+                                         new_volume_size_gib="10", region="us-east-1"))  # fmt: skip
+    assert r.status_code == 302, r.content.decode()[-2000:]
+    w = Workload.objects.get()
+    # Jupyter serves under the proxy's path, in the volume.
+    assert w.command == ["sh", "-c", JUPYTER]
+    assert "--ServerApp.base_url=/proxy/$GPUPOOL_WORKLOAD_ID/8888/" in JUPYTER
+    assert w.ports == [{"port": 8888, "protocol": "http"}]
+    assert list(WorkloadVolume.objects.filter(workload=w).values_list("volume__name", "mount_path")) == [
+        ("notebooks", "/workspace")
+    ]
