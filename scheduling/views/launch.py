@@ -125,11 +125,11 @@ class LaunchForm(forms.Form):
         help_text="Left empty with a template: where the template mounts its volume.",
     )  # fmt: skip
     new_volume_name = forms.CharField(
-        label="Or a new volume named", required=False, max_length=63,
-        help_text="Made in the chosen region when you launch (kept when the workload ends).",
+        label="Or a new volume", required=False, max_length=63,
+        help_text="Its name: made in the chosen region when you launch, kept when the workload ends.",
     )  # fmt: skip
     new_volume_size_gib = forms.IntegerField(
-        label="Its size (GiB)", required=False, min_value=1, max_value=1_000_000, initial=10
+        label="New volume size (GiB)", required=False, min_value=1, max_value=1_000_000, initial=10
     )
     volume_shared = forms.BooleanField(
         label="Share the volume", required=False,
