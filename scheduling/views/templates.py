@@ -9,7 +9,6 @@ and shows the service's errors next to the field they name.
 
 from __future__ import annotations
 
-import json
 import shlex
 from typing import Any
 
@@ -56,6 +55,11 @@ class TemplateForm(forms.Form):
         widget=forms.Textarea(attrs={"rows": 3, "placeholder": "MODE=train"}),
         help_text="One NAME=value a line.",
     )  # fmt: skip
+    secret_env = forms.CharField(
+        label="Secrets as variables", required=False,
+        widget=forms.Textarea(attrs={"rows": 2, "placeholder": "HF_TOKEN=hf-token"}),
+        help_text="One NAME=SECRET a line: the variable gets your team's secret when the workload starts.",
+    )  # fmt: skip
     min_gpu_memory_gib = forms.IntegerField(
         label="Minimum GPU memory (GiB)", min_value=0, max_value=4096, initial=0
     )
@@ -85,9 +89,10 @@ class TemplateForm(forms.Form):
             out.append({"port": int(number), "protocol": protocol} if protocol else int(number))
         return out
 
-    def clean_env(self) -> dict[str, str]:
+    @staticmethod
+    def _lines(text: str) -> dict[str, str]:
         pairs = {}
-        for number, line in enumerate((self.cleaned_data.get("env") or "").splitlines(), 1):
+        for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             name, sep, value = line.partition("=")
@@ -96,8 +101,17 @@ class TemplateForm(forms.Form):
             pairs[name.strip()] = value
         return pairs
 
+    def clean_env(self) -> dict[str, str]:
+        return self._lines(self.cleaned_data.get("env") or "")
+
+    def clean_secret_env(self) -> dict[str, dict[str, str]]:
+        pairs = self._lines(self.cleaned_data.get("secret_env") or "")
+        return {k: {"secret": v.strip()} for k, v in pairs.items()}
+
     def data_for_service(self) -> dict[str, Any]:
-        return {f: self.cleaned_data[f] for f in FORM_FIELDS}
+        data = {f: self.cleaned_data[f] for f in FORM_FIELDS}
+        data["env"] = {**data["env"], **self.cleaned_data["secret_env"]}
+        return data
 
     def show_error(self, exc: DomainError) -> None:
         self.add_error(None, exc.message)
@@ -117,8 +131,9 @@ class TemplateForm(forms.Form):
             "image": template.image,
             "command": shlex.join(template.command or []),
             "ports": ", ".join(ports),
-            "env": "\n".join(
-                f"{k}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in template.env.items()
+            "env": "\n".join(f"{k}={v}" for k, v in template.env.items() if not isinstance(v, dict)),
+            "secret_env": "\n".join(
+                f"{k}={v['secret']}" for k, v in template.env.items() if isinstance(v, dict)
             ),
             "min_gpu_memory_gib": template.min_gpu_memory_gib,
             "volume_mount_path": template.volume_mount_path,

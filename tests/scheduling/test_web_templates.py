@@ -8,6 +8,7 @@ import pytest
 
 from portal.actors import Actor
 from portal.models import AuditEvent, Role
+from portal.services.secrets import secret_create
 from scheduling.demo import DEMO_TEMPLATES, JUPYTER, templates_demo_seed
 from scheduling.models import PublishedPort, Volume, Workload, WorkloadState, WorkloadTemplate, WorkloadVolume
 from scheduling.services.templates import template_create
@@ -195,6 +196,24 @@ def test_the_page_lists_the_catalog_and_the_teams_own_and_launches_from_one(
     assert "/templates/" in web.get("/launch/").content.decode()
 
 
+def test_a_secret_reference_survives_an_edit_in_the_page(web, tenant, owner):
+    secret_create(tenant=tenant, name="hf-token", value="hf_secret_value", actor=Actor(user=owner))
+    t = template_create(
+        tenant=tenant,
+        data={"name": "llm", "image": "a/b:1", "env": {"MODE": "x", "HF_TOKEN": {"secret": "hf-token"}}},
+        actor=Actor.system(),
+    )
+    form = web.get(f"/templates/{t.pk}/edit/").content.decode()
+    assert "HF_TOKEN=hf-token" in form and "hf_secret_value" not in form
+    r = web.post(f"/templates/{t.pk}/edit/", {**_values(t), "image": "a/b:2"})
+    assert r.status_code == 302, r.content.decode()[-1500:]
+    t.refresh_from_db()
+    assert t.env == {"MODE": "x", "HF_TOKEN": {"secret": "hf-token"}} and t.image == "a/b:2"
+    # A reference to a secret the team lacks is the service's error, on the field.
+    r = web.post(f"/templates/{t.pk}/edit/", {**_values(t), "secret_env": "K=missing"})
+    assert r.status_code == 400 and "missing" in r.content.decode()
+
+
 def test_create_edit_and_delete_ones_own(web, tenant):
     r = web.post("/templates/", {"name": "trainer", "image": "ghcr.io/acme/train:2",
                                  "command": "python 'train it.py' --epochs 3", "ports": "8888, 22/tcp",
@@ -241,7 +260,7 @@ def test_create_edit_and_delete_ones_own(web, tenant):
 def _values(t: WorkloadTemplate) -> dict:
     from scheduling.views.templates import TemplateForm
 
-    return {k: v for k, v in TemplateForm.initial_of(t).items() if v not in (None, False)}
+    return {k: v for k, v in TemplateForm.initial_of(t).items() if v is not None and v is not False}
 
 
 def test_permissions_are_the_apis(signed_in, tenant, notebook, make_tenant, add_member):  # noqa: F811
