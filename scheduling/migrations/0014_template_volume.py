@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
     dependencies = [
         ("portal", "0007_tenant_service_plan"),
-        ("scheduling", "0012_published_ports_share_links"),
+        ("scheduling", "0013_volume_resize"),
     ]
 
     operations = [
