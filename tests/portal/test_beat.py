@@ -132,3 +132,22 @@ def test_visibility_timeout_outlasts_every_task_and_limits_are_set():
         assert hard + 60 <= longest, name  # 60: the longest countdown (a payment submission's retry)
     assert ours["metering.tasks.invoice_run"].time_limit == 3600
     assert app.conf.task_acks_late and app.conf.task_reject_on_worker_lost
+
+
+@pytest.mark.django_db(transaction=True)  # the probe is another process: it must see committed rows
+def test_the_liveness_probe_reads_when_beat_last_saved_an_entry():
+    from django.db import connection
+
+    from tests.conftest import postgres_only, python_run
+
+    postgres_only("the probe's process reads the test database by URL")
+    db = connection.settings_dict
+    url = f"postgres://{db['USER']}@{db['HOST']}:{db['PORT'] or 5432}/{db['NAME']}"
+    beat_schedule_sync(app=app)
+    PeriodicTask.objects.update(last_run_at=datetime.now(UTC) - timedelta(minutes=30))
+    probe = "import sys; from portal.beat_probe import main; sys.exit(main(['600']))"
+    stale = python_run(probe, DATABASE_URL=url)
+    assert stale.returncode == 1, stale.stderr  # beat has saved nothing for 30 minutes
+    PeriodicTask.objects.filter(name="nodes-expire-commands").update(last_run_at=datetime.now(UTC))
+    live = python_run(probe, DATABASE_URL=url)
+    assert live.returncode == 0, live.stderr
