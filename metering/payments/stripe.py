@@ -29,7 +29,7 @@ from metering.locks import lock_billing_account
 from metering.models import BillingAccount, Invoice, InvoiceLine
 from metering.money import to_minor_units
 from metering.payments import Submission
-from portal.errors import Conflict, ValidationFailed
+from portal.errors import Conflict, DomainError, ValidationFailed
 
 # Transient failures a task may retry (same idempotency keys); anything else is a real refusal.
 TRANSIENT_ERRORS = (stripe.APIConnectionError, stripe.RateLimitError)
@@ -70,6 +70,13 @@ def stripe_customer_ensure(*, client: stripe.StripeClient, tenant) -> str:
     return account.stripe_customer_id
 
 
+class ProviderFailed(DomainError):
+    """The provider could not do what was asked (unreachable, or it refused); nothing changed here."""
+
+    status_code = 502
+    code = "provider_failed"
+
+
 # Stripe statuses of an invoice that stand for ours: it was sent and is (or was) being collected.
 SENT_STATUSES = ("open", "paid", "uncollectible")
 
@@ -106,7 +113,14 @@ class StripeProvider:
 
     def void(self, *, invoice: Invoice) -> str:
         """Void ours at Stripe before it is voided here: the Stripe invoice (its id, or found by
-        metadata) is voided, a draft deleted. Refused (Conflict) when Stripe has it paid."""
+        metadata) is voided, a draft deleted. Refused (Conflict) when Stripe has it paid, or
+        (ProviderFailed) when Stripe cannot be reached or refuses: ours stays finalized."""
+        try:
+            return self._void(invoice)
+        except stripe.StripeError as e:
+            raise ProviderFailed(f"Stripe did not void invoice {invoice.pk}: {e}") from e
+
+    def _void(self, invoice: Invoice) -> str:
         client = stripe_client()
         targets = [invoice.external_id] if invoice.external_id else []
         if not targets:

@@ -10,6 +10,7 @@ from decimal import Decimal
 
 import pytest
 
+from metering import tasks
 from metering.models import (
     BillingAccount,
     BillingAlert,
@@ -19,7 +20,7 @@ from metering.models import (
     InvoiceStatus,
     StripeEvent,
 )
-from metering.payments.stripe import StripeProvider
+from metering.payments.stripe import ProviderFailed, StripeProvider
 from metering.services.invoices import credit_grant, invoice_run, invoice_void
 from metering.services.payments import dunning_run, invoice_payment_submit, invoice_payments_sweep
 from portal.actors import Actor
@@ -158,10 +159,29 @@ def test_an_invoice_paid_at_stripe_is_not_voided(submitted, stripe_api):
 
 def test_a_stripe_error_while_voiding_leaves_the_invoice_finalized(submitted, stripe_api):
     stripe_api.fail_next("POST", f"/v1/invoices/{submitted.external_id}/void", status=400)
-    with pytest.raises(Exception, match="test failure"):
+    with pytest.raises(ProviderFailed, match="test failure"):
         invoice_void(invoice=submitted, actor=Actor.system(), reason="oops")
     submitted.refresh_from_db()
     assert submitted.status == InvoiceStatus.FINALIZED
+
+
+def test_the_admin_void_action_voids_at_stripe_and_reports_a_refusal(admin_client, submitted, stripe_api):
+    url = "/admin/metering/invoice/"
+    stripe_api.fail_next("POST", f"/v1/invoices/{submitted.external_id}/void", status=400)
+    response = admin_client.post(url, {"action": "void", "_selected_action": [submitted.pk]}, follow=True)
+    assert response.status_code == 200 and "Stripe did not void" in response.content.decode()
+    submitted.refresh_from_db()
+    assert submitted.status == InvoiceStatus.FINALIZED
+    response = admin_client.post(url, {"action": "void", "_selected_action": [submitted.pk]}, follow=True)
+    assert response.status_code == 200
+    submitted.refresh_from_db()
+    assert submitted.status == InvoiceStatus.VOID
+    assert stripe_api.invoices[submitted.external_id]["status"] == "void"
+
+
+def test_the_sweeper_task(stripe_api, finalized):
+    assert tasks.invoice_payments_sweep.run() == {"sent": 1, "retry": 0, "failed": 0}  # long overdue
+    assert tasks.invoice_payments_sweep.run() == {"sent": 0, "retry": 0, "failed": 0}
 
 
 # --- Stripe's answers -------------------------------------------------------------------------
