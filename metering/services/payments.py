@@ -175,7 +175,10 @@ def invoice_payments_sweep(*, now: datetime | None = None) -> dict[str, list[int
             continue
         if invoice.external_id:
             outcome["sent"].append(invoice_id)
-            invoice_provider_sync(invoice_id=invoice_id)
+            try:
+                invoice_provider_sync(invoice_id=invoice_id)
+            except (stripe.StripeError, DomainError):  # its webhook, or the next look, brings it
+                logger.exception("invoice %s: sent, but its Stripe state could not be read", invoice_id)
     return outcome
 
 

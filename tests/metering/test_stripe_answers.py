@@ -129,6 +129,13 @@ def test_transient_errors_alert_only_once_the_invoice_is_late(stripe_api, finali
     assert "still unreachable" in alert.message and alert.data["transient"] is True
 
 
+def test_a_sent_invoice_whose_state_cannot_be_read_counts_as_sent(stripe_api, finalized):
+    stripe_api.fail_next("GET", "/v1/invoices/", status=404)  # the read after sending fails
+    assert _sweep_after(finalized)["sent"] == [finalized.pk]
+    finalized.refresh_from_db()
+    assert finalized.external_id == "in_test2" and finalized.status == InvoiceStatus.FINALIZED
+
+
 def test_manual_invoices_are_not_swept(finalized):
     assert finalized.payment_provider == "manual" and finalized.external_id == ""
     assert _sweep_after(finalized) == {"sent": [], "retry": [], "failed": []}
