@@ -115,6 +115,18 @@ def test_a_refused_submission_alerts_staff_keeps_dunning_off_and_resolves_when_s
     assert [t.pk for t in dunning_run(now=finalized.due_at + timedelta(days=30))] == [tenant.pk]
 
 
+def test_open_billing_alerts_are_exported_for_prometheus(client, stripe_api, finalized):
+    from metering.metrics import _cache
+
+    _cache.clear()
+    line = 'gpupool_billing_alerts_open{kind="submission_failed"}'
+    assert f"{line} 0.0" in client.get("/metrics").content.decode()
+    stripe_api.fail_next("POST", "/v1/customers", status=400, code="parameter_invalid_string")
+    _sweep_after(finalized)
+    _cache.clear()  # the figure is cached for a minute
+    assert f"{line} 1.0" in client.get("/metrics").content.decode()
+
+
 def test_transient_errors_alert_only_once_the_invoice_is_late(stripe_api, finalized, settings):
     Invoice.objects.filter(pk=finalized.pk).update(payment_provider="stripe")
     for _ in range(3):  # the library's own retries see 429s too
