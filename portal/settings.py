@@ -277,6 +277,10 @@ CELERY_BEAT_SCHEDULE: dict[str, dict] = {
         "task": "portal.tasks.purge_expired_invitations",
         "schedule": crontab(minute=7),
     },
+    "portal-purge-expired-idempotency-keys": {
+        "task": "portal.tasks.purge_expired_idempotency_keys",
+        "schedule": timedelta(hours=1),
+    },
 }
 
 # --- Auth -----------------------------------------------------------------------------------------
@@ -391,7 +395,7 @@ REST_FRAMEWORK = {
     "DEFAULT_THROTTLE_CLASSES": ["portal.api.throttling.TokenRateThrottle"],
     "DEFAULT_THROTTLE_RATES": {"token": API_RATE_LIMIT},
     "EXCEPTION_HANDLER": "portal.api.errors.exception_handler",
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_SCHEMA_CLASS": "portal.api.schema.AutoSchema",
     "DEFAULT_RENDERER_CLASSES": ["portal.api.renderers.JSONRenderer"]
     + (["rest_framework.renderers.BrowsableAPIRenderer"] if DEBUG else []),
     "TEST_REQUEST_DEFAULT_FORMAT": "json",
@@ -421,6 +425,8 @@ STRIPE_API_BASE = env.str("STRIPE_API_BASE", default="")
 
 # --- gpupool ------------------------------------------------------------------------------------------
 GPUPOOL_INVITATION_TTL = timedelta(days=env.int("GPUPOOL_INVITATION_TTL_DAYS", default=7))
+# How long the API remembers a create's Idempotency-Key (portal/services/idempotency.py).
+IDEMPOTENCY_KEY_TTL = timedelta(hours=env.int("IDEMPOTENCY_KEY_TTL_HOURS", default=24))
 GPUPOOL_TOKEN_LAST_USED_RESOLUTION = timedelta(seconds=60)
 GPUPOOL_LOGIN_FAILURE_LIMIT = env.int("GPUPOOL_LOGIN_FAILURE_LIMIT", default=10)
 GPUPOOL_LOGIN_FAILURE_WINDOW_S = env.int("GPUPOOL_LOGIN_FAILURE_WINDOW_S", default=900)
