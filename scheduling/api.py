@@ -176,7 +176,18 @@ class WorkloadDetailSerializer(WorkloadSerializer):
 
 
 class _SpecSerializer(serializers.Serializer):
-    """Shape and types only; the service checks the spec against the catalog, fleet and quotas."""
+    """Shape and types only; the service checks the spec against the catalog, fleet and quotas.
+    A field this portal does not know is refused, naming it, never silently dropped (a job sent with
+    a feature the portal lacks must not run without it)."""
+
+    def validate(self, attrs):
+        if isinstance(self.initial_data, dict):
+            unknown = sorted(set(self.initial_data) - set(self.fields))
+            if unknown:
+                raise serializers.ValidationError(
+                    {name: ["Unknown field: this portal does not support it."] for name in unknown}
+                )
+        return attrs
 
     name = serializers.CharField(required=False, allow_blank=True, max_length=100)
     gpu_models = serializers.ListField(
