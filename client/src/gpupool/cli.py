@@ -698,7 +698,7 @@ def invoices_pdf(ctx: click.Context, as_json: bool, id: int, output: str | None)
 
 
 @api_command(cli, "budget")
-@click.option("--set", "monthly_limit", help="A monthly limit in the tenant's currency ('none' removes it).")
+@click.option("--set", "monthly_limit", help="The monthly limit, in the tenant's currency.")
 @click.option("--hard/--soft", "hard_limit", default=None, help="Hard: no new work past the limit.")
 @click.option("--alerts", help="Alert thresholds in percent, e.g. 50,80,100.")
 def budget(ctx: click.Context, as_json: bool, monthly_limit: str | None, hard_limit: bool | None,
@@ -707,15 +707,23 @@ def budget(ctx: click.Context, as_json: bool, monthly_limit: str | None, hard_li
     c = _client(ctx)
     changes: dict[str, Any] = {}
     if monthly_limit is not None:
-        changes["monthly_limit"] = None if monthly_limit.lower() == "none" else monthly_limit
+        changes["monthly_limit"] = monthly_limit
     if hard_limit is not None:
         changes["hard_limit"] = hard_limit
     if alerts is not None:
-        changes["alert_thresholds"] = [a.strip() for a in alerts.split(",") if a.strip()]
+        try:
+            changes["alert_thresholds"] = [int(a) for a in alerts.split(",") if a.strip()]
+        except ValueError as exc:
+            raise click.BadParameter(
+                f"{alerts!r}: expected percents like 50,80,100", param_hint="--alerts"
+            ) from exc
     if changes:
         current = c.budget()
-        body = {"monthly_limit": current.monthly_limit, "hard_limit": current.hard_limit,
-                "alert_thresholds": current.alert_thresholds or [], **changes}  # fmt: skip
+        body = {"monthly_limit": current.monthly_limit, "hard_limit": current.hard_limit, **changes}
+        if current.alert_thresholds and "alert_thresholds" not in body:
+            body["alert_thresholds"] = current.alert_thresholds
+        if body["monthly_limit"] is None:
+            raise click.UsageError("There is no budget yet: give its limit with --set AMOUNT.")
         b = c.set_budget(**body)
     else:
         b = c.budget()
