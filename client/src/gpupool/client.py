@@ -18,7 +18,7 @@ import email.utils
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -331,7 +331,9 @@ class Client(_Api, _Transport):
         deployment answers ``follow`` with a 400)."""
         with self.http.stream("GET", self.follow_url(kind, id, since), timeout=None) as response:
             if response.status_code == 200:
-                yield from _sse_lines(response.iter_lines())
+                # The stream stays open; a quiet spell (its keepalive) after the end closes it here.
+                ended = lambda: self.workload(kind, id).state in TERMINAL_STATES  # noqa: E731
+                yield from _sse_lines(response.iter_lines(), ended)
                 return
             response.read()
             error = ApiError.from_response(response.status_code, _json_or_none(response), response.text)
@@ -415,12 +417,15 @@ def _json_or_none(response: httpx.Response) -> Any:
         return None
 
 
-def _sse_lines(lines: Iterator[str]) -> Iterator[dict]:
-    """The ``data:`` of each server-sent event, parsed (comments and ids skipped)."""
+def _sse_lines(lines: Iterable[str], ended: Callable[[], bool]) -> Iterator[dict]:
+    """The ``data:`` of each server-sent event, parsed; at each comment (the server's keepalive, sent
+    when it has been quiet), stops if ``ended()``."""
     data: list[str] = []
     for line in lines:
         if line.startswith("data:"):
             data.append(line[5:].lstrip())
+        elif line.startswith(":") and ended():
+            return
         elif line == "" and data:
             yield json.loads("\n".join(data))
             data = []
