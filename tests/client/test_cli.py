@@ -16,7 +16,7 @@ from django.db import connections
 
 from gpupool.cli import cli
 from portal.models import ApiToken, TenantSecret
-from scheduling.models import Volume, Workload
+from scheduling.models import PublishedPort, Volume, Workload
 from scheduling.services.lifecycle import workload_on_exited, workload_on_running
 from tests.scheduling.conftest import H100
 
@@ -286,3 +286,19 @@ def test_quiet_in_a_pipe(gp, make_node):
     r = CliRunner().invoke(cli, ["--json", "run", *job()], catch_exceptions=False)
     assert r.exit_code == 0 and r.stderr == ""  # no spinner, no chatter: only the object
     json.loads(r.stdout)
+
+
+def test_open_prints_a_running_instances_proxy_url(gp, tenant, make_node, cycle):
+    node = make_node(H100, gpus=8)
+    inst = gp.json("run", "--instance", *JOB, "--port", "8888")
+    cycle()
+    workload_on_running(node_id=node.pk, workload_id=inst["id"])
+    r = gp("open", inst["id"], "8888", code=1)  # the node has not said where it published it
+    assert "Waiting for the node" in r.stderr
+    # As the start command's result records it.
+    PublishedPort.objects.create(
+        workload_id=inst["id"], node=node, port=8888, protocol="http", host_port=31000
+    )
+    url = gp("open", inst["id"], "8888").stdout.strip()
+    assert url.endswith(f"/proxy/{inst['id']}/8888/"), url
+    assert gp.json("open", inst["id"], "8888")["url"] == url
