@@ -466,12 +466,20 @@ def logs(ctx: click.Context, as_json: bool, id: int, kind: str | None, follow: b
         sys.stdout.flush()
 
 
-@api_command(cli, "ssh", context_settings={"allow_interspersed_args": False})
+@api_command(cli, "ssh")
 @click.argument("id", type=int)
 @click.argument("ssh_args", nargs=-1, type=click.UNPROCESSED)
+@click.option(
+    "--identity", "-i", type=click.Path(exists=True, dir_okay=False), help="A private key file for ssh."
+)
+@click.option(
+    "--option", "-o", "options", multiple=True, help="An ssh -o option, e.g. -o BatchMode=yes (repeatable)."
+)
 @click.option("--print", "print_only", is_flag=True, help="Print the ssh command instead of running it.")
-def ssh(ctx: click.Context, as_json: bool, id: int, ssh_args: tuple[str, ...], print_only: bool) -> None:
-    """A shell in a running workload through its node's agent (runs the real ssh)."""
+def ssh(ctx: click.Context, as_json: bool, id: int, ssh_args: tuple[str, ...], identity: str | None,
+        options: tuple[str, ...], print_only: bool) -> None:  # fmt: skip
+    """A shell in a running workload through its node's agent (runs the real ssh); after `--`, a
+    command to run there instead."""
     _, w = _find_workload(_client(ctx), id, None)
     if ssh_args[:1] == ("--",):
         ssh_args = ssh_args[1:]
@@ -485,7 +493,9 @@ def ssh(ctx: click.Context, as_json: bool, id: int, ssh_args: tuple[str, ...], p
     known_hosts = config.config_dir() / "known_hosts.d" / str(int(w.id))
     known_hosts.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     known_hosts.write_text(info["known_hosts"] + "\n")
-    argv = [os.environ.get("GPUPOOL_SSH", "ssh"), "-p", str(info["port"]), "-o", f"UserKnownHostsFile={known_hosts}",
+    keys = ["-i", identity, "-o", "IdentitiesOnly=yes"] if identity else []
+    keys += [arg for option in options for arg in ("-o", option)]
+    argv = ["ssh", "-p", str(info["port"]), *keys, "-o", f"UserKnownHostsFile={known_hosts}",
             "-o", "StrictHostKeyChecking=yes", f"{info['user']}@{info['host']}", *ssh_args]  # fmt: skip
     if as_json:
         _print_json({"ssh": info, "argv": argv})
