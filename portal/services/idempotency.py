@@ -20,6 +20,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from cryptography.fernet import InvalidToken
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import IntegrityError, transaction
@@ -78,7 +79,14 @@ def idempotency_key_claim(*, tenant: Tenant, key: str, route: str, body: bytes) 
         )
     if row.status_code is None:  # only while its own transaction runs, which the insert waited for
         raise DomainError("A request with this Idempotency-Key is still running.", code="conflict")
-    return Replay(status_code=row.status_code, body=json.loads(secret_decrypt(row.response_encrypted)))
+    try:
+        body = json.loads(secret_decrypt(row.response_encrypted))
+    except InvalidToken:  # stored under a key since removed from SECRETS_ENCRYPTION_KEYS
+        raise KeyReused(
+            f"The first answer to this {HEADER} can no longer be read; use a new key.",
+            fields={HEADER: ["Its answer is unreadable."]},
+        ) from None
+    return Replay(status_code=row.status_code, body=body)
 
 
 def idempotency_key_store(*, row: IdempotencyKey, status_code: int, body: object) -> None:

@@ -111,3 +111,14 @@ def test_concurrent_repeats_create_one_object(tenant, make_token):
     assert [code for code, _ in answers] == [201] * 6
     assert all(body == answers[0][1] for _, body in answers)
     assert TenantSecret.objects.filter(tenant=tenant, name="raced").count() == 1
+
+
+def test_an_answer_stored_under_a_removed_key_is_422_not_500(acme, settings):
+    from cryptography.fernet import Fernet
+
+    settings.SECRETS_ENCRYPTION_KEYS = [Fernet.generate_key().decode()]
+    assert post(acme, "/api/v1/secrets/", {"name": "a", "value": "1"}, key="k-6").status_code == 201
+    assert post(acme, "/api/v1/secrets/", {"name": "a", "value": "1"}, key="k-6").status_code == 201
+    settings.SECRETS_ENCRYPTION_KEYS = [Fernet.generate_key().decode()]  # the old key dropped
+    r = post(acme, "/api/v1/secrets/", {"name": "a", "value": "1"}, key="k-6")
+    assert r.status_code == 422 and "no longer be read" in r.json()["error"]["message"]
