@@ -28,11 +28,13 @@ from portal.api.filters import TenantFilterSet, UTCDateTimeFilter
 from portal.api.routers import extra_urlpatterns, router
 from portal.api.serializers import BoundedDateTimeField, FieldsOnceModelSerializer
 from portal.api.viewsets import TenantReadOnlyViewSet
-from portal.errors import ValidationFailed
+from portal.errors import NotFound, ValidationFailed
 from portal.models import Scope
+from scheduling import api_work  # noqa: F401  (registers /api/v1/work/)
 from scheduling.api_access import AccessSerializer, SshKeyViewSet
 from scheduling.api_fields import EnvValueField
 from scheduling.models import (
+    DependencyCondition,
     GpuVendor,
     LogStream,
     Plan,
@@ -44,6 +46,7 @@ from scheduling.models import (
 )
 from scheduling.pricing import gpu_price_table, price_key
 from scheduling.selectors.access import SHARE_PARAM, proxy_url, workload_access, workload_ports
+from scheduling.selectors.arrays import array_summary, array_tasks, workload_dependencies
 from scheduling.selectors.shared import (
     gpu_availability,
     quota_for_tenant,
@@ -120,6 +123,10 @@ class WorkloadSerializer(FieldsOnceModelSerializer):
             "retries",
             "attempt",
             "exit_code",
+            "array_count",
+            "array_parallelism",
+            "array_parent",
+            "array_index",
             "submitted_at",
             "scheduled_at",
             "started_at",
@@ -146,14 +153,46 @@ class WorkloadSerializer(FieldsOnceModelSerializer):
         }
 
 
+class WorkItemsSerializer(serializers.Serializer):
+    items = serializers.IntegerField()
+    lease_s = serializers.IntegerField()
+    pending = serializers.IntegerField()
+    leased = serializers.IntegerField()
+    done = serializers.IntegerField()
+
+
+class ArraySummarySerializer(serializers.Serializer):
+    count = serializers.IntegerField()
+    parallelism = serializers.IntegerField()
+    made = serializers.IntegerField(help_text="Tasks made so far (at most parallelism unfinished at once).")
+    states = serializers.DictField(child=serializers.IntegerField(), help_text="Tasks by state.")
+    work = WorkItemsSerializer(allow_null=True, help_text="Work-queue mode: its items by state.")
+
+
+class DependencySerializer(serializers.Serializer):
+    job = serializers.IntegerField()
+    condition = serializers.ChoiceField(choices=DependencyCondition.choices)
+    state = serializers.CharField(help_text="That job's state now.")
+
+
 class WorkloadDetailSerializer(WorkloadSerializer):
     placement = serializers.SerializerMethodField()
     access = serializers.SerializerMethodField()
     volumes = serializers.SerializerMethodField()
+    array = serializers.SerializerMethodField()
+    depends_on = serializers.SerializerMethodField()
 
     class Meta(WorkloadSerializer.Meta):
-        fields = [*WorkloadSerializer.Meta.fields, "placement", "access", "volumes"]
+        fields = [*WorkloadSerializer.Meta.fields, "placement", "access", "volumes", "array", "depends_on"]
         read_only_fields = fields
+
+    @extend_schema_field(ArraySummarySerializer(allow_null=True))
+    def get_array(self, w: Workload) -> dict | None:
+        return array_summary(workload=w)
+
+    @extend_schema_field(DependencySerializer(many=True))
+    def get_depends_on(self, w: Workload) -> list[dict]:
+        return workload_dependencies(workload=w)
 
     def get_volumes(self, w: Workload) -> list[dict]:
         return workload_volumes(workload=w)
@@ -223,6 +262,19 @@ class _SpecSerializer(serializers.Serializer):
     # rules, the same for instances and jobs). An instance without one runs its image's default.
     command = serializers.ListField(
         child=serializers.CharField(allow_blank=True, trim_whitespace=False), required=False
+    )
+    # Jobs only (the service refuses them on an instance, naming the field).
+    array = serializers.DictField(
+        required=False,
+        help_text='{"count": N, "parallelism": P}: N tasks, at most P at once, each told GPUPOOL_ARRAY_INDEX '
+        'and GPUPOOL_ARRAY_COUNT. Work-queue mode: {"parallelism": P, "work": {"first": 1, "last": 100, '
+        '"chunk": 5, "lease_s": 300}}: P workers pull frame ranges from GPUPOOL_WORK_URL.',
+    )
+    depends_on = serializers.ListField(
+        child=serializers.DictField(),
+        required=False,
+        max_length=32,
+        help_text='[{"job": ID, "condition": "succeeded" | "finished"}]: waits until each has ended so.',
     )
 
 
@@ -514,11 +566,22 @@ class InstanceViewSet(_WorkloadViewSet):
     )
 )
 class JobViewSet(_WorkloadViewSet):
-    """Batch jobs: run to completion. ``{id}/logs/`` gives their output."""
+    """Batch jobs: run to completion. ``{id}/logs/`` gives their output; an array job's
+    ``{id}/tasks/`` lists its tasks (jobs of their own: their logs, events and stop are theirs)."""
 
     queryset = Workload.objects.all()
     kind = WorkloadKind.JOB
     create_serializer = JobCreateSerializer
+
+    @extend_schema(responses=WorkloadSerializer(many=True))
+    @action(detail=True, methods=["get"], filter_backends=[])
+    def tasks(self, request, pk=None):
+        job = self.get_object()  # another tenant's: 404
+        if job.array_count is None:
+            raise NotFound(f"Job {job.pk} is not an array job.")
+        tasks = array_tasks(workload=job)
+        page = self.paginate_queryset(tasks)
+        return self.get_paginated_response(WorkloadSerializer(page, many=True).data)
 
 
 # --- GPU types -------------------------------------------------------------------------------------

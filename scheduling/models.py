@@ -152,6 +152,17 @@ class Workload(TenantOwnedModel):
         "unless no other node could ever take it.",
     )
 
+    # Job arrays (scheduling.services.arrays): the array job keeps the spec, the counts and, in
+    # work-queue mode, the items' lease; it never holds GPUs. Its tasks are jobs of their own
+    # (state, retries, logs, usage) pointing at it by ``array_parent`` and ``array_index``.
+    array_count = models.PositiveIntegerField(null=True, blank=True, help_text="Array job: its tasks.")
+    array_parallelism = models.PositiveIntegerField(null=True, blank=True)
+    work_lease_s = models.PositiveIntegerField(null=True, blank=True, help_text="Work-queue mode.")
+    array_parent = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.CASCADE, related_name="array_tasks"
+    )
+    array_index = models.PositiveIntegerField(null=True, blank=True)
+
     # Why it waits, as the scheduler last saw it.
     pending_reason = models.CharField(max_length=32, blank=True)
     pending_message = models.CharField(max_length=255, blank=True)
@@ -185,6 +196,11 @@ class Workload(TenantOwnedModel):
                 condition=~Q(plan="reserved") | Q(reservation__isnull=False),
                 name="workload_reserved_has_reservation",
             ),
+            models.UniqueConstraint(
+                fields=["array_parent", "array_index"],
+                condition=Q(array_parent__isnull=False),
+                name="workload_array_task_unique",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -198,6 +214,11 @@ class Workload(TenantOwnedModel):
     @property
     def is_terminal(self) -> bool:
         return self.state in TERMINAL_STATES
+
+    @property
+    def is_array(self) -> bool:
+        """An array job: its tasks run, it does not."""
+        return self.array_count is not None
 
 
 class WorkloadEvent(TenantOwnedModel):
@@ -725,3 +746,52 @@ class WorkloadVolume(TenantOwnedModel):
 
     def __str__(self) -> str:
         return f"volume {self.volume_id} at {self.mount_path} of workload {self.workload_id}"
+
+
+class DependencyCondition(models.TextChoices):
+    SUCCEEDED = "succeeded", "Succeeded"  # Slurm's afterok
+    FINISHED = "finished", "Finished"  # afterany: succeeded, failed or stopped
+
+
+class WorkloadDependency(TenantOwnedModel):
+    """A job that waits for another job of its tenant (``scheduling.services.dependencies``)."""
+
+    tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="+")
+    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="dependencies")
+    on = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="dependents")
+    condition = models.CharField(max_length=16, choices=DependencyCondition.choices)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["workload", "on"], name="workload_dependency_once"),
+            models.CheckConstraint(condition=~Q(workload=F("on")), name="workload_dependency_not_self"),
+        ]
+
+
+class WorkItemState(models.TextChoices):
+    PENDING = "pending", "Pending"
+    LEASED = "leased", "Leased"
+    DONE = "done", "Done"
+
+
+class WorkItem(TenantOwnedModel):
+    """One item (a frame range) of a work-queue array job, leased to one task at a time
+    (``scheduling.services.work``)."""
+
+    tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="+")
+    job = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="work_items")
+    index = models.PositiveIntegerField()
+    first = models.IntegerField()
+    last = models.IntegerField()
+    state = models.CharField(max_length=8, choices=WorkItemState.choices, default=WorkItemState.PENDING)
+    leased_to = models.ForeignKey(
+        Workload, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    leased_attempt = models.PositiveIntegerField(null=True, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    leases = models.PositiveIntegerField(default=0, help_text="Times it was handed out.")
+    done_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["job", "index"], name="work_item_once")]
+        indexes = [models.Index(fields=["job", "state", "index"], name="work_item_next")]

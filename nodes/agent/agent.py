@@ -582,10 +582,14 @@ class Agent(CommandHandlers):
             seen = self._terminal_seen.get(status.workload_id, 0) + 1
             self._terminal_seen[status.workload_id] = seen
             if seen >= TERMINAL_REPORTS:
-                await self.logship.collect_one(status.workload_id)  # its last lines first
-                await asyncio.to_thread(self.runtime.forget, status.workload_id)
-                self._terminal_seen.pop(status.workload_id, None)
-                self._fail_messages.pop(status.workload_id, None)
+                await self.forget_ended(status.workload_id)
+
+    async def forget_ended(self, workload_id: str) -> None:
+        """Drop an ended workload's record, after shipping its last lines."""
+        await self.logship.collect_one(workload_id)
+        await asyncio.to_thread(self.runtime.forget, workload_id)
+        self._terminal_seen.pop(workload_id, None)
+        self._fail_messages.pop(workload_id, None)
 
     def _deadlines(self) -> dict[str, float]:
         return json.loads(self.buffer.get("deadlines", "{}") or "{}")

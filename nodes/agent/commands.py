@@ -101,6 +101,11 @@ class CommandHandlers:
     async def _start_workload(self, payload: dict[str, Any]) -> dict[str, Any]:
         spec = WorkloadSpec.from_payload(payload)
         known = await asyncio.to_thread(self.runtime.get_status, spec.workload_id)
+        if known is not None and known.terminal and self.runtime.attempt_of(spec.workload_id) != spec.attempt:
+            # Another placement of a workload whose earlier run here has ended (a retry, a requeue):
+            # it starts afresh, never with the ended run's handle. Its last lines go first.
+            await self.forget_ended(spec.workload_id)
+            known = None
         if known is None:
             if self.draining:
                 raise RuntimeFailure("this node is draining and accepts no new work")
@@ -130,6 +135,7 @@ class CommandHandlers:
                 raise
         finally:
             self.mig.starting.discard(spec.workload_id)
+        await asyncio.to_thread(self.runtime.attempt_record, spec.workload_id, spec.attempt or 0)
         if spec.max_runtime_s and known is None:
             deadlines = self._deadlines()
             deadlines[spec.workload_id] = time.time() + spec.max_runtime_s

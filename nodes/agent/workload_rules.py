@@ -120,6 +120,12 @@ RESERVED_ENV_PREFIXES = (
 # (how long it runs, its exit code); no real runtime reads them.
 TENANT_GPUPOOL_ENV = frozenset({"GPUPOOL_SIM_DURATION_S", "GPUPOOL_SIM_EXIT_CODE"})
 
+# Names the portal may set in a start payload's ``platform_env`` (never the tenant's ``env``): a job
+# array task's index and the array's size, and a work-queue worker's endpoint and token.
+PLATFORM_ENV_NAMES = frozenset(
+    {"GPUPOOL_ARRAY_INDEX", "GPUPOOL_ARRAY_COUNT", "GPUPOOL_WORK_URL", "GPUPOOL_WORK_TOKEN"}
+)
+
 GPU_VENDORS = ("", "nvidia", "amd", "intel")
 # "http": reached through the portal's proxy only; "tcp": a raw port on the node (docs/security.md).
 PORT_PROTOCOLS = ("http", "tcp")
@@ -470,6 +476,20 @@ def check_checkpoint(value: Any, volumes: list[dict[str, Any]]) -> dict[str, Any
     return {"volume_id": volume_id, "resume": resume}
 
 
+def check_platform_env(mapping: Any) -> dict[str, str]:
+    """The platform's own variables of a start payload: known names only, short printable values."""
+    if not isinstance(mapping, Mapping):
+        raise WorkloadRuleError("platform_env", "Must be an object of strings.")
+    out: dict[str, str] = {}
+    for key, value in mapping.items():
+        if key not in PLATFORM_ENV_NAMES:
+            raise WorkloadRuleError("platform_env", f"{key!r} is not a platform variable.")
+        if not isinstance(value, str) or len(value) > 2048 or not value.isprintable():
+            raise WorkloadRuleError("platform_env", f"{key}: a printable string of at most 2048 characters.")
+        out[key] = value
+    return out
+
+
 def _check_number(payload: Mapping[str, Any], key: str, lo: float, hi: float, *, real: bool = False) -> Any:
     value = payload.get(key)
     if value is None:
@@ -489,6 +509,7 @@ _NUMBERS: dict[str, tuple[float, float, bool]] = {
     "max_runtime_s": (0, 366 * 86400, False),
     "gpu_memory_limit_mib": (0, 1 << 30, False),
     "sim_duration_s": (0, 366 * 86400, True),
+    "attempt": (0, 1 << 31, False),
 }
 
 
@@ -507,6 +528,7 @@ def check_start_payload(payload: Any) -> dict[str, Any]:
     checked["env"] = check_env(payload.get("env") or {})
     checked["ports"] = check_ports(payload.get("ports") or [])
     checked["gpu_uuids"] = check_gpu_uuids(payload.get("gpu_uuids") or [])
+    checked["platform_env"] = check_platform_env(payload.get("platform_env") or {})
     for key, check in (
         ("mig_profile", check_mig_profile),
         ("gpu_vendor", check_gpu_vendor),

@@ -40,11 +40,14 @@ from scheduling.models import (
     WorkloadState,
 )
 from scheduling.services.allocations import allocation_ranges_move, gpu_range_choose
+from scheduling.services.arrays import arrays_advance
+from scheduling.services.dependencies import dependencies_gate
 from scheduling.services.lifecycle import PREEMPTIBLE_STATES, preempt_begin
 from scheduling.services.snapshot import CycleContext, cycle_snapshot_load, from_epoch
 from scheduling.services.states import workloads_transition
 from scheduling.services.volumes import workload_volume_payloads
 from scheduling.services.warm_pools import bind_warm_slots, warm_slots_bind
+from scheduling.services.work import work_url
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +81,34 @@ def _resumes(w: Workload) -> bool:
     return w.kind == WorkloadKind.JOB and w.checkpoint_resume and w.started_at is not None
 
 
+def _platform_env(w: Workload, arrays: dict[int, tuple[int, bool]]) -> dict[str, str]:
+    """The variables the platform sets for this placement (the start payload's ``platform_env``,
+    names in ``workload_rules.PLATFORM_ENV_NAMES``): an array task's index and its array's size,
+    and a work-queue worker's endpoint (its token is added on the way to the node,
+    ``scheduling.services.env.start_payload_for_node``). ``arrays``: array job -> (count, work)."""
+    env: dict[str, str] = {}
+    if w.array_parent_id is not None:
+        if w.array_parent_id not in arrays:
+            arrays.update(
+                (pk, (count, lease is not None))
+                for pk, count, lease in Workload.objects.filter(pk=w.array_parent_id).values_list(
+                    "pk", "array_count", "work_lease_s"
+                )
+            )
+        count, work = arrays[w.array_parent_id]
+        env["GPUPOOL_ARRAY_INDEX"] = str(w.array_index)
+        env["GPUPOOL_ARRAY_COUNT"] = str(count)
+        if work:
+            env["GPUPOOL_WORK_URL"] = work_url()
+    return env
+
+
 def _start_payload(
-    w: Workload, gpu_uuids: list[str], assignment: E.Assignment, volumes: list[dict[str, Any]]
+    w: Workload,
+    gpu_uuids: list[str],
+    assignment: E.Assignment,
+    volumes: list[dict[str, Any]],
+    arrays: dict[int, tuple[int, bool]],
 ) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "workload_id": str(w.pk),
@@ -96,6 +125,9 @@ def _start_payload(
         "kind": w.kind,
         "attempt": w.attempt,
     }
+    platform_env = _platform_env(w, arrays)
+    if platform_env:
+        payload["platform_env"] = platform_env
     if w.template:
         payload["template"] = w.template
     if w.mig_profile:
@@ -118,6 +150,7 @@ class _Batch:
     allocations: dict[int, Allocation] = field(default_factory=dict)  # negative key: not yet inserted
     commands: list[CommandRequest] = field(default_factory=list)  # start and preempt commands
     volumes: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # start payloads' volumes
+    arrays: dict[int, tuple[int, bool]] = field(default_factory=dict)  # array job -> (count, work)
 
 
 def _plan_place(ctx: CycleContext, batch: _Batch, w: Workload, decision: E.Place) -> tuple[str, str] | None:
@@ -188,7 +221,7 @@ def _plan_place(ctx: CycleContext, batch: _Batch, w: Workload, decision: E.Place
             CommandRequest(
                 node_id=int(a.node_id),
                 kind=CommandKind.START_WORKLOAD,
-                payload=_start_payload(w, uuids, a, batch.volumes.get(w.pk, []))
+                payload=_start_payload(w, uuids, a, batch.volumes.get(w.pk, []), batch.arrays)
                 | _share_payload(w, a, ctx.model_info.get(model_id)),
                 idempotency_key=f"start:{w.pk}:{w.attempt}",
             )
@@ -265,7 +298,15 @@ def scheduling_cycle_run(*, now: datetime | None = None, config: CycleConfig | N
         if not try_cycle_lock():
             return result
         result.ran = True
-        admitted = list(lock_workloads_where(state=WorkloadState.PENDING))
+        # Dependencies first (jobs whose dependencies are not met wait, or fail when they never
+        # can be), then arrays make the tasks their parallelism allows; array jobs never queue.
+        blocked = dependencies_gate(now=now)
+        arrays_advance(now=now, blocked=blocked)
+        admitted = list(
+            lock_workloads_where(state=WorkloadState.PENDING, array_count__isnull=True).exclude(
+                pk__in=blocked
+            )
+        )
         workloads_transition(
             workloads=admitted, to=WorkloadState.QUEUED, reason="admitted", actor=SYSTEM, now=now
         )

@@ -62,6 +62,25 @@ def env_resolve(env: Mapping[str, Any], *, tenant_id: int) -> dict[str, str]:
     return {k: (values[refs[k]] if k in refs else v) for k, v in env.items()}
 
 
+def _with_work_token(payload: dict[str, Any]) -> dict[str, Any]:
+    """A work-queue worker's token (``scheduling.services.work``), signed for this placement's
+    task and attempt as it leaves for the node: never stored with the command."""
+    from scheduling.services.orphans import workload_id_of
+    from scheduling.services.work import WORK_TOKEN_ENV, WORK_URL_ENV, work_token_for
+
+    platform = payload.get("platform_env")
+    if not isinstance(platform, Mapping) or WORK_URL_ENV not in platform:
+        return payload
+    wid = workload_id_of(payload.get("workload_id"))
+    attempt = payload.get("attempt")
+    if wid is None or not isinstance(attempt, int):
+        return payload
+    return {
+        **payload,
+        "platform_env": {**platform, WORK_TOKEN_ENV: work_token_for(task_id=wid, attempt=attempt)},
+    }
+
+
 def start_payload_for_node(payload: dict[str, Any]) -> dict[str, Any]:
     """A stored start command's payload as its node receives it: secret references resolved for
     the workload's tenant (``nodes.services.commands.wire_payload_register``) and its volumes'
@@ -72,6 +91,7 @@ def start_payload_for_node(payload: dict[str, Any]) -> dict[str, Any]:
     from scheduling.services.orphans import workload_id_of
     from scheduling.services.volumes import volume_sizes_for_payload
 
+    payload = _with_work_token(payload)
     volumes = payload.get("volumes")
     if isinstance(volumes, list) and volumes:  # each volume's size as it is now (a resize counts)
         payload = {**payload, "volumes": volume_sizes_for_payload(volumes)}

@@ -261,7 +261,9 @@ def workload_stop(
             raise Conflict(f"This {w.kind} is already {w.state}.", fields={"state": [w.state]})
         w.stop_requested_at = now
         w.save(update_fields=["stop_requested_at"])
-        if w.state in WAITING_STATES:
+        if w.array_count is not None:
+            _array_stop(w, actor=actor, now=now, reason=reason, message=message)
+        elif w.state in WAITING_STATES:
             workload_transition(
                 workload=w,
                 to=S.STOPPED,
@@ -290,6 +292,25 @@ def workload_stop(
             data={"reason": reason} if reason else None,
         )
     return w
+
+
+def _array_stop(w: Workload, *, actor: Actor, now: datetime, reason: str, message: str) -> None:
+    """An array job stops at once and makes no more tasks; each unfinished task is stopped as a
+    job is (``scheduling.services.arrays``)."""
+    workload_transition(
+        workload=w, to=S.STOPPED, reason=reason or "stopped_by_user", message=message, actor=actor, now=now
+    )
+    tasks = Workload.objects.filter(array_parent=w, stop_requested_at__isnull=True).exclude(
+        state__in=[*TERMINAL_STATES, S.STOPPING]
+    )
+    for task in tasks.order_by("pk"):
+        workload_stop(
+            workload=task,
+            actor=actor,
+            now=now,
+            reason=reason or "array_stopped",
+            message=message or f"Array job {w.pk} was stopped.",
+        )
 
 
 # --- the fleet's reports ---------------------------------------------------------------------------
@@ -578,7 +599,9 @@ def scheduling_reconcile(*, now: datetime | None = None) -> ReconcileResult:
             out.stop_forced.append(w.pk)
 
         # Over the maximum runtime.
-        for w in lock_workloads_where(state=S.RUNNING, max_runtime_s__isnull=False, started_at__isnull=False):
+        for w in lock_workloads_where(
+            state=S.RUNNING, max_runtime_s__isnull=False, started_at__isnull=False, array_count__isnull=True
+        ):
             if w.started_at + timedelta(seconds=w.max_runtime_s) <= now:
                 nodes = _nodes_of(w.pk)
                 w.stop_requested_at = now

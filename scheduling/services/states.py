@@ -2,6 +2,7 @@
 
     PENDING -> QUEUED -> SCHEDULED -> STARTING -> RUNNING -> STOPPING -> STOPPED / SUCCEEDED / FAILED
     PREEMPTED -> QUEUED (jobs that requeue on preemption)
+    Array jobs: PENDING -> RUNNING -> SUCCEEDED / FAILED / STOPPED (their tasks hold the GPUs)
 
 A workload holds GPUs (open Allocation rows) exactly while it is SCHEDULED, STARTING, RUNNING,
 STOPPING or PREEMPTED: ``workload_transition`` closes its allocations when it leaves those states,
@@ -63,7 +64,17 @@ class InvalidTransition(Conflict):
     code = "invalid_transition"
 
 
+# An array job never holds GPUs: it is PENDING until a task starts, RUNNING while tasks run, and
+# ends when its tasks have (scheduling.services.arrays).
+ARRAY_TRANSITIONS: dict[str, frozenset[str]] = {
+    S.PENDING: frozenset({S.RUNNING, S.SUCCEEDED, S.FAILED, S.STOPPED}),
+    S.RUNNING: frozenset({S.SUCCEEDED, S.FAILED, S.STOPPED}),
+}
+
+
 def can_transition(workload: Workload, to: str) -> bool:
+    if workload.array_count is not None:
+        return to in ARRAY_TRANSITIONS.get(workload.state, frozenset())
     if to not in TRANSITIONS[workload.state]:
         return False
     job_only_from = JOB_ONLY_TARGETS.get(to, frozenset())

@@ -249,6 +249,7 @@ class DockerRuntime(Runtime):
         env["GPUPOOL_PREEMPT_NOTICE_FILE"] = f"{NOTICE_DIR_IN_CONTAINER}/preempt"
         env["NVIDIA_VISIBLE_DEVICES"] = ",".join(spec.gpu_uuids) or "void"
         env.update(self.sharing_env(spec))
+        env.update(spec.platform_env)
         env.update(volume_env(prepared, prepared.checkpoint_in_workload))
         return [f"{key}={value}" for key, value in env.items()]
 

@@ -228,6 +228,7 @@ class SubprocessRuntime(Runtime):
         env["GPUPOOL_WORKLOAD_ID"] = spec.workload_id
         env["GPUPOOL_PREEMPT_NOTICE_FILE"] = str(self.workload_dir(spec.workload_id) / "preempt")
         env.update(self.sharing_env(spec))
+        env.update(spec.platform_env)
         env.update(volume_env(prepared, str(prepared.checkpoint_host)))
         return env
 
