@@ -17,6 +17,7 @@ from scheduling.selectors.shared import quota_usage
 from scheduling.services.env import start_payload_for_node
 from scheduling.services.lifecycle import workload_stop
 from scheduling.services.work import WorkTokenInvalid, work_done, work_next, work_task_for_token
+from tests.portal.conftest import signed_in  # noqa: F401  (fixture)
 from tests.scheduling.conftest import reload
 
 pytestmark = pytest.mark.django_db
@@ -283,3 +284,36 @@ def test_work_queue_leases_returns_items_of_a_dead_worker_and_finishes_each_once
     _exit(node, reload(b), code=0)
     cycle()
     assert reload(parent).state == S.SUCCEEDED
+
+
+def test_the_job_page_shows_the_tasks_their_summary_and_the_dependencies(
+    signed_in,
+    owner,
+    tenant,
+    make_node,
+    submit,
+    cycle,  # noqa: F811
+):
+    make_node(gpus=1)
+    first = submit(tenant)
+    parent = submit(
+        tenant,
+        name="sweep",
+        array={"count": 3, "parallelism": 2},
+        depends_on=[{"job": first.pk, "condition": "finished"}],
+    )
+    client = signed_in(owner, tenant)
+    html = client.get(f"/workloads/{parent.pk}/").content.decode()
+    assert 'id="array-tasks"' in html and "No task made yet." in html
+    assert f'href="/workloads/{first.pk}/"' in html and "finishes" in html  # the dependency
+    workload_stop(workload=first, actor=Actor.system())
+    cycle()
+    html = client.get(f"/workloads/{parent.pk}/").content.decode()
+    made = tasks(parent)
+    assert len(made) == 2
+    for t in made:
+        assert f'data-array-task-row="{t.array_index}"' in html and f'href="/workloads/{t.pk}/"' in html
+    assert 'data-array-state="scheduled">1 scheduled' in html and 'data-array-state="queued">1 queued' in html
+    assert 'data-array-state="pending">1 pending' in html  # the third, not made yet
+    task_html = client.get(f"/workloads/{made[0].pk}/").content.decode()
+    assert "Task 0 of array job" in task_html and f'href="/workloads/{parent.pk}/"' in task_html
