@@ -528,7 +528,9 @@ def check_start_payload(payload: Any) -> dict[str, Any]:
     checked["env"] = check_env(payload.get("env") or {})
     checked["ports"] = check_ports(payload.get("ports") or [])
     checked["gpu_uuids"] = check_gpu_uuids(payload.get("gpu_uuids") or [])
-    checked["platform_env"] = check_platform_env(payload.get("platform_env") or {})
+    if "platform_env" in payload:
+        raw = payload["platform_env"]
+        checked["platform_env"] = check_platform_env({} if raw is None else raw)
     for key, check in (
         ("mig_profile", check_mig_profile),
         ("gpu_vendor", check_gpu_vendor),

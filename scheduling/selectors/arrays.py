@@ -6,7 +6,14 @@ from typing import Any
 
 from django.db.models import Count, QuerySet
 
-from scheduling.models import WorkItem, WorkItemState, Workload, WorkloadDependency, WorkloadState
+from scheduling.models import (
+    WorkItem,
+    WorkItemState,
+    Workload,
+    WorkloadDependency,
+    WorkloadKind,
+    WorkloadState,
+)
 
 
 def array_tasks(*, workload: Workload) -> QuerySet[Workload]:
@@ -53,10 +60,27 @@ def array_summary(*, workload: Workload) -> dict[str, Any] | None:
 
 
 def workload_dependencies(*, workload: Workload) -> list[dict[str, Any]]:
-    """Each job it depends on, the condition and that job's state now."""
+    """Each job it depends on, the condition and that job's state now (an instance has none)."""
+    if workload.kind != WorkloadKind.JOB:
+        return []
     return [
         {"job": on, "condition": c, "state": s}
         for on, c, s in WorkloadDependency.objects.filter(workload=workload)
         .order_by("on_id")
         .values_list("on_id", "condition", "on__state")
     ]
+
+
+def array_spec_of(*, workload: Workload) -> dict[str, Any]:
+    """An array job's ``array`` as it was submitted (for a restart)."""
+    if workload.work_lease_s is None:
+        return {"count": workload.array_count, "parallelism": workload.array_parallelism}
+    items = WorkItem.objects.filter(job=workload).order_by("index")
+    head, tail = items.values("first", "last").first(), items.reverse().values("last").first()
+    work = {
+        "first": head["first"],
+        "last": tail["last"],
+        "chunk": head["last"] - head["first"] + 1,
+        "lease_s": workload.work_lease_s,
+    }
+    return {"parallelism": workload.array_parallelism, "work": work}

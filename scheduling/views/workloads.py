@@ -49,7 +49,7 @@ from scheduling.selectors.access import (
     workload_access,
     workload_ports,
 )
-from scheduling.selectors.arrays import array_summary, array_tasks, workload_dependencies
+from scheduling.selectors.arrays import array_spec_of, array_summary, array_tasks, workload_dependencies
 from scheduling.selectors.shared import (
     workload_events,
     workload_log_lines,
@@ -418,6 +418,8 @@ def spec_of(w: Workload) -> dict:
             for v in workload_volumes(workload=w)
         ],
     }
+    if w.array_count is not None:  # the same array again (its dependencies have ended: not carried)
+        spec["array"] = array_spec_of(workload=w)
     return spec
 
 

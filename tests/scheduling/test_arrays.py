@@ -287,12 +287,12 @@ def test_work_queue_leases_returns_items_of_a_dead_worker_and_finishes_each_once
 
 
 def test_the_job_page_shows_the_tasks_their_summary_and_the_dependencies(
-    signed_in,
+    signed_in,  # noqa: F811
     owner,
     tenant,
     make_node,
     submit,
-    cycle,  # noqa: F811
+    cycle,
 ):
     make_node(gpus=1)
     first = submit(tenant)
@@ -317,3 +317,30 @@ def test_the_job_page_shows_the_tasks_their_summary_and_the_dependencies(
     assert 'data-array-state="pending">1 pending' in html  # the third, not made yet
     task_html = client.get(f"/workloads/{made[0].pk}/").content.decode()
     assert "Task 0 of array job" in task_html and f'href="/workloads/{parent.pk}/"' in task_html
+
+
+def test_restarting_a_work_queue_array_submits_the_same_array(signed_in, owner, tenant, make_node, submit):  # noqa: F811
+    make_node(gpus=8)
+    work = {"first": 10, "last": 31, "chunk": 4, "lease_s": 120}
+    parent = submit(tenant, array={"parallelism": 3, "work": work})
+    workload_stop(workload=parent, actor=Actor.system())
+    client = signed_in(owner, tenant)
+    assert client.post(f"/workloads/{parent.pk}/restart/").status_code == 302
+    new = Workload.objects.filter(array_count__isnull=False).exclude(pk=parent.pk).get()
+    assert (new.array_count, new.array_parallelism, new.work_lease_s) == (3, 3, 120)
+    items = list(WorkItem.objects.filter(job=new).order_by("index").values_list("first", "last"))
+    assert items == list(WorkItem.objects.filter(job=parent).order_by("index").values_list("first", "last"))
+    assert items[0] == (10, 13) and items[-1] == (30, 31)
+
+
+def test_the_agent_takes_only_the_platform_variables_it_knows():
+    from nodes.agent.workload_rules import WorkloadRuleError, check_start_payload
+
+    base = {"workload_id": "7", "image": "x:1", "command": ["true"]}
+    ok = check_start_payload({**base, "platform_env": {"GPUPOOL_ARRAY_INDEX": "3"}})
+    assert ok["platform_env"] == {"GPUPOOL_ARRAY_INDEX": "3"}
+    for bad in ({"LD_PRELOAD": "/x.so"}, {"GPUPOOL_ARRAY_INDEX": 3}, {"GPUPOOL_WORK_TOKEN": "a\nb"}, []):
+        with pytest.raises(WorkloadRuleError):
+            check_start_payload({**base, "platform_env": bad})
+    with pytest.raises(WorkloadRuleError):  # and the tenant's env may still not name them
+        check_start_payload({**base, "env": {"GPUPOOL_ARRAY_INDEX": "0"}})
