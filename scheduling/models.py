@@ -182,6 +182,10 @@ class Workload(TenantOwnedModel):
         indexes = [
             models.Index(fields=["state", "submitted_at"], name="workload_state_submitted"),
             models.Index(fields=["tenant", "state"], name="workload_tenant_state"),
+            # The cycle's look for unfinished array jobs (few rows among many running workloads).
+            models.Index(
+                fields=["state"], name="workload_array_state", condition=Q(array_count__isnull=False)
+            ),
         ]
         constraints = [
             models.CheckConstraint(

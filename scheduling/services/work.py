@@ -23,7 +23,7 @@ from typing import Any
 from django.conf import settings
 from django.core import signing
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import Exists, OuterRef, Q
 
 from portal.errors import Conflict, DomainError, NotFound, ValidationFailed
 from scheduling.locks import lock_next_work_item, lock_work_item
@@ -121,13 +121,17 @@ def work_task_for_token(token: str | None) -> Workload:
 
 
 def _lapsed(now: datetime) -> Q:
-    """Leases that no longer hold: run out, or their task is not running the attempt that took it."""
-    return Q(state=WorkItemState.LEASED) & (
-        Q(lease_expires_at__lt=now)
-        | Q(leased_to__isnull=True)
-        | ~Q(leased_to__state__in=HOLDING_STATES)
-        | ~Q(leased_to__attempt=F("leased_attempt"))
+    """Leases that no longer hold: run out, or their task is not running the attempt that took it.
+
+    The holder is checked by a subquery, not a join: a worker that finds the row it wants locked
+    by another, just leased, has PostgreSQL re-check this condition on the new row version, and a
+    join's columns would still be the old (absent) holder's, handing the item out twice."""
+    holder_runs = Exists(
+        Workload.objects.filter(
+            pk=OuterRef("leased_to_id"), attempt=OuterRef("leased_attempt"), state__in=HOLDING_STATES
+        )
     )
+    return Q(state=WorkItemState.LEASED) & (Q(lease_expires_at__lt=now) | ~Q(holder_runs))
 
 
 def work_next(*, task: Workload, now: datetime) -> tuple[WorkItem | None, bool]:
@@ -135,7 +139,11 @@ def work_next(*, task: Workload, now: datetime) -> tuple[WorkItem | None, bool]:
     item is done (the worker may end) rather than all being leased to others for now."""
     job_id = task.array_parent_id
     with transaction.atomic():
-        item = lock_next_work_item(job_id=job_id, available=Q(state=WorkItemState.PENDING) | _lapsed(now))
+        # A lapsed lease first (few rows: the leased ones), so a dead worker's frames come back
+        # soon; then the next pending one (the index's next row, whatever the queue's length).
+        item = lock_next_work_item(job_id=job_id, available=_lapsed(now)) or lock_next_work_item(
+            job_id=job_id, available=Q(state=WorkItemState.PENDING)
+        )
         if item is None:
             return None, not WorkItem.objects.filter(job_id=job_id).exclude(state=WorkItemState.DONE).exists()
         item.state = WorkItemState.LEASED
