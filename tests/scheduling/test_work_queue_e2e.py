@@ -108,9 +108,9 @@ def run_until(predicate, timeout: float, what: str):
 
 def test_100_frames_over_4_workers_of_different_speeds_each_done_once(
     start_agent,
-    running_portal,
+    running_portal,  # noqa: F811
     out_dir,
-    settings,  # noqa: F811
+    settings,
 ):
     settings.SITE_URL = running_portal.url
     begun = time.monotonic()
@@ -156,9 +156,9 @@ def test_100_frames_over_4_workers_of_different_speeds_each_done_once(
 
 def test_a_retried_task_placed_again_on_the_same_node_runs_afresh(
     start_agent,
-    running_portal,
+    running_portal,  # noqa: F811
     out_dir,
-    settings,  # noqa: F811
+    settings,
 ):
     """The agent's record of the first, ended attempt is still there when the retry's start comes
     (it is forgotten only after a few heartbeats): the retry must start a new process, not be
