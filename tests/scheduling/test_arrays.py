@@ -168,6 +168,23 @@ def test_array_api_tasks_summary_and_refusals(tenant, make_tenant, make_token, a
     r = client.post("/api/v1/instances/", inst, content_type="application/json")
     assert r.status_code == 400 and "array" in r.json()["error"]["fields"]
     assert client.get(f"/api/v1/jobs/{listed[0]['id']}/tasks/").status_code == 404  # a task is no array
+    # depends_on over HTTP: another tenant's job reads exactly as an unknown id.
+    foreign = other.post("/api/v1/jobs/", spec, content_type="application/json").json()["id"]
+    unknown = foreign + 1000
+    answers = []
+    for job_id in (foreign, unknown):
+        r = client.post(
+            "/api/v1/jobs/", {**spec, "depends_on": [{"job": job_id}]}, content_type="application/json"
+        )
+        assert r.status_code == 400
+        answers.append(r.json()["error"]["fields"]["depends_on"][0].replace(str(job_id), "ID"))
+    assert answers[0] == answers[1] == "No job of yours with id ID."
+    r = client.post(
+        "/api/v1/jobs/", {**spec, "depends_on": [{"job": job["id"]}]}, content_type="application/json"
+    )
+    assert r.status_code == 201 and r.json()["depends_on"] == [
+        {"job": job["id"], "condition": "succeeded", "state": "pending"}
+    ]
 
 
 def test_dependencies_wait_then_run_or_fail_with_the_reason(tenant, make_tenant, make_node, submit, cycle):
