@@ -8,7 +8,7 @@ class Migration(migrations.Migration):
     dependencies = [
         ("nodes", "0010_command_delete_volume"),
         ("portal", "0007_tenant_service_plan"),
-        ("scheduling", "0012_published_ports_share_links"),
+        ("scheduling", "0014_template_volume"),
     ]
 
     operations = [
