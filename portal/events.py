@@ -20,6 +20,8 @@ from typing import Any
 from channels.layers import get_channel_layer
 from django.db import transaction
 
+from portal.signals import tenant_events
+
 logger = logging.getLogger(__name__)
 
 STAFF_GROUP = "staff"
@@ -79,7 +81,9 @@ def publish(
     *, tenant_id: int | None, event: dict[str, Any], staff: bool = False, scope: str = "read"
 ) -> None:
     """Push ``event`` to the tenant's members whose role holds ``scope`` (and to the staff group)
-    once the transaction commits."""
+    once the transaction commits. A tenant's event is also announced (``tenant_events``) now."""
+    if tenant_id is not None:
+        tenant_events.send(sender=None, events=[(tenant_id, event)])
 
     def send() -> None:
         if tenant_id is not None:
@@ -113,6 +117,7 @@ def publish_many(*, events: list[tuple[int | None, dict[str, Any]]]) -> None:
     published one at a time)."""
     if not events:
         return
+    tenant_events.send(sender=None, events=[(t, e) for t, e in events if t is not None])
     by_group: dict[str, list[dict[str, Any]]] = {}
     for tenant_id, event in events:
         if tenant_id is not None:

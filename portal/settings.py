@@ -60,6 +60,7 @@ INSTALLED_APPS = [
     "nodes",
     "scheduling",
     "metering",
+    "webhooks",
 ]
 
 MIDDLEWARE = [
@@ -680,3 +681,30 @@ SPECTACULAR_SETTINGS.setdefault("ENUM_NAME_OVERRIDES", {}).update(
     {"InvoiceLineKindEnum": "metering.models.LineKind", "KindEnum": "scheduling.models.WorkloadKind"}
 )
 # --- end of the metering block ---------------------------------------------------------------------
+
+# --- Webhooks (webhooks/) ----------------------------------------------------------------------------
+# Deliveries go to public addresses only; this allows loopback (and plain http) for tests and demos.
+WEBHOOK_ALLOW_LOOPBACK = env.bool("WEBHOOK_ALLOW_LOOPBACK", default=False)
+# One attempt, connect to last byte read, and how much of an answer is read.
+WEBHOOK_TIMEOUT_S = env.float("WEBHOOK_TIMEOUT_S", default=10.0)
+WEBHOOK_CONNECT_TIMEOUT_S = env.float("WEBHOOK_CONNECT_TIMEOUT_S", default=5.0)
+WEBHOOK_MAX_RESPONSE_BYTES = env.int("WEBHOOK_MAX_RESPONSE_BYTES", default=64 * 1024)
+# Retries: base * 2^(n-1) seconds after the n-th failure, at most the max delay, until the window
+# (three days from the event) closes.
+WEBHOOK_RETRY_BASE_S = env.float("WEBHOOK_RETRY_BASE_S", default=30.0)
+WEBHOOK_RETRY_MAX_DELAY_S = env.float("WEBHOOK_RETRY_MAX_DELAY_S", default=6 * 3600.0)
+WEBHOOK_RETRY_WINDOW_S = env.float("WEBHOOK_RETRY_WINDOW_S", default=3 * 86400.0)
+WEBHOOK_MAX_ENDPOINTS = env.int("WEBHOOK_MAX_ENDPOINTS", default=20)
+# Events and their delivery logs are kept this long once no delivery of them is pending.
+WEBHOOK_RETENTION_DAYS = env.int("WEBHOOK_RETENTION_DAYS", default=30)
+CELERY_BEAT_SCHEDULE.update(
+    {
+        # Retries due (and attempts a dead worker left claimed) are sent from the database's state.
+        "webhooks-deliver-due": {
+            "task": "webhooks.tasks.deliver_due",
+            "schedule": timedelta(seconds=30),
+            "options": {"expires": 30},
+        },
+        "webhooks-purge": {"task": "webhooks.tasks.purge", "schedule": timedelta(hours=1)},
+    }
+)

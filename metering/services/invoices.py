@@ -33,6 +33,7 @@ from metering.models import (
 from metering.money import ZERO, quantize_money
 from metering.periods import period_bounds, period_of, previous_period
 from metering.services.invoice_build import RunCache, invoices_build_batch
+from metering.services.invoice_events import invoice_event_publish
 from portal.actors import Actor
 from portal.errors import Conflict, ValidationFailed
 from portal.models import Tenant
@@ -122,6 +123,7 @@ def invoice_mark_paid(
             target=invoice,
             data={"total": str(quantize_money(invoice.total, invoice.currency)), **(data or {})},
         )
+        invoice_event_publish(invoice=invoice, type="invoice.paid", now=now)
         dunning_release(invoice=invoice, now=now)
     return invoice
 

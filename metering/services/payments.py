@@ -45,6 +45,7 @@ from metering.models import (
 )
 from metering.money import from_minor_units, quantize_money, to_minor_units
 from metering.payments import provider_get
+from metering.services.invoice_events import invoice_event_publish
 from portal.actors import Actor
 from portal.errors import DomainError, ValidationFailed
 from portal.models import Tenant
@@ -759,6 +760,13 @@ def _dunning_apply(tenant: Tenant, *, status: str, invoice: Invoice) -> None:
     if stop:  # counted before: the suspension stops them (workloads_stop_on_suspension)
         data["workloads_stopped"] = _stoppable(tenant).count()
     tenant_set_status(tenant=tenant, status=status, reason=reason, actor=Actor.system())
+    invoice_event_publish(
+        invoice=invoice,
+        type="invoice.overdue",
+        now=timezone.now(),
+        tenant_status=status,
+        suspend_on=data["suspend_on"],
+    )
     audit_record(
         tenant=tenant,
         actor=Actor.system(),

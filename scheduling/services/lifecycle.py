@@ -46,6 +46,7 @@ from nodes.models import (
 from nodes.services.commands import CommandRequest, node_command_enqueue, node_commands_enqueue_many
 from portal.actors import Actor
 from portal.errors import Conflict, ValidationFailed
+from portal.events import publish
 from portal.logging import log_context
 from portal.services.audit import audit_record
 from scheduling.locks import lock_workload, lock_workload_if_exists, lock_workloads, lock_workloads_where
@@ -175,6 +176,20 @@ def preempt_begin(
         message=message.replace("{notice}", str(notice)),
         data={**(data or {}), "notice_s": notice},
         now=now,
+    )
+    # The tenant's notice (live and webhooks): the workload is stopped after notice_s seconds.
+    publish(
+        tenant_id=w.tenant_id,
+        event={
+            "type": "workload.preemption_notice",
+            "workload_id": w.pk,
+            "kind": w.kind,
+            "reason": reason,
+            "notice_s": notice,
+            "stop_at": (now + timedelta(seconds=notice)).isoformat(),
+            "requeues": w.kind == WorkloadKind.JOB and w.requeue_on_preemption,
+            "at": now.isoformat(),
+        },
     )
     return [
         CommandRequest(

@@ -139,6 +139,32 @@ _FIELDS = [
 ]
 
 
+def completion_events(
+    workloads: list[Workload], *, to: str, reason: str, at: str
+) -> list[tuple[int, dict[str, Any]]]:
+    """The events that say a group of work ended, published with the state changes that end it:
+    ``gang.completed`` when a gang (one job across nodes) reaches a terminal state. Kinds of group
+    that finish with one of their workloads (arrays, when they land) add their event here."""
+    if to not in TERMINAL_STATES:
+        return []
+    return [
+        (
+            w.tenant_id,
+            {
+                "type": "gang.completed",
+                "workload_id": w.pk,
+                "kind": w.kind,
+                "state": to,
+                "reason": reason,
+                "gpu_count": w.gpu_count,
+                "at": at,
+            },
+        )
+        for w in workloads
+        if w.gang
+    ]
+
+
 def workloads_transition(
     *,
     workloads: list[Workload],
@@ -210,20 +236,23 @@ def workloads_transition(
         at = now.isoformat()
         publish_many(
             events=[
-                (
-                    w.tenant_id,
-                    {
-                        "type": "workload.state",
-                        "workload_id": w.pk,
-                        "kind": w.kind,
-                        "from": olds[w.pk],
-                        "to": to,
-                        "reason": reason,
-                        "message": messages.get(w.pk, ""),
-                        "at": at,
-                    },
-                )
-                for w in workloads
+                *(
+                    (
+                        w.tenant_id,
+                        {
+                            "type": "workload.state",
+                            "workload_id": w.pk,
+                            "kind": w.kind,
+                            "from": olds[w.pk],
+                            "to": to,
+                            "reason": reason,
+                            "message": messages.get(w.pk, ""),
+                            "at": at,
+                        },
+                    )
+                    for w in workloads
+                ),
+                *completion_events(workloads, to=to, reason=reason, at=at),
             ]
         )
         if len(workloads) == 1:

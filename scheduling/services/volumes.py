@@ -34,6 +34,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import F, Q
 from django.utils import timezone
 
 from nodes.agent.workload_rules import WorkloadRuleError, check_mount_path
@@ -41,6 +42,7 @@ from nodes.models import CommandKind, CommandState, Node, NodeCommand, NodeState
 from nodes.services.commands import node_command_enqueue
 from portal.actors import Actor
 from portal.errors import Conflict, ValidationFailed
+from portal.events import publish
 from portal.services.audit import audit_record
 from scheduling.locks import lock_volume, lock_volumes
 from scheduling.models import ACTIVE_STATES, Volume, VolumeResize, VolumeState, Workload, WorkloadVolume
@@ -393,9 +395,34 @@ def volumes_on_measured(*, node_id: int, reports: list) -> int:
             newest[r.volume_id] = r
     changed = 0
     for vid, r in newest.items():
-        changed += (
-            Volume.objects.filter(pk=vid, region_id=region_id)
-            .exclude(used_measured_at__gte=r.measured_at)
-            .update(used_bytes=r.used_bytes, used_measured_at=r.measured_at)
+        newer = Volume.objects.filter(pk=vid, region_id=region_id).exclude(
+            used_measured_at__gte=r.measured_at
         )
+        # First the update that crosses into full (it was below its size, or unmeasured): the row's
+        # lock makes exactly one measurement the crossing, which is announced (volume.full).
+        with transaction.atomic():
+            filled = (
+                newer.filter(Q(used_bytes__isnull=True) | Q(used_bytes__lt=F("size_gib") * 1024**3))
+                .filter(size_gib__lte=r.used_bytes // 1024**3)
+                .update(used_bytes=r.used_bytes, used_measured_at=r.measured_at)
+            )
+            if filled:
+                _volume_full_publish(volume_id=vid, used_bytes=r.used_bytes, measured_at=r.measured_at)
+        changed += filled or newer.update(used_bytes=r.used_bytes, used_measured_at=r.measured_at)
     return changed
+
+
+def _volume_full_publish(*, volume_id: int, used_bytes: int, measured_at) -> None:
+    v = Volume.objects.filter(pk=volume_id).values("tenant_id", "name", "size_gib", "region__code").get()
+    publish(
+        tenant_id=v["tenant_id"],
+        event={
+            "type": "volume.full",
+            "volume_id": volume_id,
+            "name": v["name"],
+            "region": v["region__code"],
+            "size_gib": v["size_gib"],
+            "used_bytes": used_bytes,
+            "at": measured_at.isoformat(),
+        },
+    )
