@@ -34,7 +34,8 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import F, Q
+from django.db.models import BigIntegerField, Q
+from django.db.models.functions import Cast
 from django.utils import timezone
 
 from nodes.agent.workload_rules import WorkloadRuleError, check_mount_path
@@ -402,7 +403,10 @@ def volumes_on_measured(*, node_id: int, reports: list) -> int:
         # lock makes exactly one measurement the crossing, which is announced (volume.full).
         with transaction.atomic():
             filled = (
-                newer.filter(Q(used_bytes__isnull=True) | Q(used_bytes__lt=F("size_gib") * 1024**3))
+                newer.filter(
+                    Q(used_bytes__isnull=True)
+                    | Q(used_bytes__lt=Cast("size_gib", BigIntegerField()) * 1024**3)
+                )
                 .filter(size_gib__lte=r.used_bytes // 1024**3)
                 .update(used_bytes=r.used_bytes, used_measured_at=r.measured_at)
             )

@@ -114,7 +114,7 @@ def delivery_attempt(*, delivery_id: int) -> WebhookAttempt | None:
             pass  # finished meanwhile (deleted endpoint's cascade, or a redelivery's own attempt)
         elif outcome.ok:
             d.state, d.delivered_at, d.next_attempt_at = DeliveryState.SUCCEEDED, done, None
-        elif d.manual or d.next_attempt_at > done + timedelta(seconds=5):
+        elif d.manual:
             pass  # a redelivery was asked for during this attempt: it is due as asked
         else:
             delay = retry_delay_s(number)
