@@ -6,12 +6,14 @@ amounts included) to a system outside gpupool, as a token lets one in.
 
 from __future__ import annotations
 
+from django.urls import path
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, serializers, status
 from rest_framework.decorators import action
 from rest_framework.response import Response
+from rest_framework.views import APIView
 
-from portal.api.routers import router
+from portal.api.routers import extra_urlpatterns, router
 from portal.api.viewsets import TenantReadOnlyViewSet
 from portal.errors import ValidationFailed
 from portal.models import Scope
@@ -173,12 +175,6 @@ class WebhookEndpointViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin, mix
         endpoint, secret = endpoint_roll_secret(endpoint=self.get_object(), actor=self.actor)
         return Response(WebhookEndpointCreatedSerializer(endpoint, context={"secret": secret}).data)
 
-    @extend_schema(responses=EventTypeSerializer(many=True))
-    @action(detail=False, methods=["get"], url_path="event-types", pagination_class=None)
-    def event_types(self, request):
-        """The event types an endpoint may ask for."""
-        return Response([{"name": k, "description": v} for k, v in EVENT_TYPES.items()])
-
 
 class WebhookDeliveryViewSet(TenantReadOnlyViewSet):
     """Each event sent to each endpoint, newest first (``?endpoint=ID``, ``?state=``); the detail
@@ -208,5 +204,14 @@ class WebhookDeliveryViewSet(TenantReadOnlyViewSet):
         return Response(WebhookDeliverySerializer(delivery).data)
 
 
+class EventTypesView(APIView):
+    """The event types a webhook endpoint may ask for (any member may read them)."""
+
+    @extend_schema(responses=EventTypeSerializer(many=True))
+    def get(self, request):
+        return Response([{"name": k, "description": v} for k, v in EVENT_TYPES.items()])
+
+
 router.register("webhooks", WebhookEndpointViewSet, basename="webhook")
+extra_urlpatterns.append(path("webhook-event-types/", EventTypesView.as_view(), name="webhook-event-types"))
 router.register("webhook-deliveries", WebhookDeliveryViewSet, basename="webhook-delivery")

@@ -66,6 +66,8 @@ def test_create_shows_the_secret_once_and_stores_it_encrypted(owner_api, tenant)
         ({"url": URL, "event_types": ["*"], "description": 5}, "description"),
         ({"url": URL, "event_types": ["*"], "description": "x" * 201}, "description"),
         ({"url": URL, "event_types": ["*"], "description": "a\x00b"}, "description"),
+        ({"url": URL, "event_types": ["*"], "enabled": "yes"}, "enabled"),
+        ({"url": URL, "event_types": ["*"], "enabled": None}, "enabled"),
         ({"url": URL, "event_types": ["*"], "secret": "mine"}, "secret"),
         ({"url": URL, "event_types": ["*"], "headers": {"X": "1"}}, "headers"),
         ({"event_types": ["*"]}, "url"),
@@ -78,6 +80,18 @@ def test_hostile_input_is_a_400_naming_the_field_and_writes_nothing(owner_api, b
     assert field in r.json()["error"]["fields"], r.json()
     assert not WebhookEndpoint.objects.exists()
     assert not AuditEvent.objects.filter(action__startswith="webhook.").exists()
+
+
+def test_an_endpoint_made_disabled_is_sent_nothing(owner_api, tenant):
+    r = _create(owner_api, url=URL, event_types=["*"], enabled=False)
+    assert r.status_code == 201 and r.json()["enabled"] is False
+    from portal.events import publish
+
+    publish(tenant_id=tenant.pk, event={"type": "budget.alert", "threshold": 50})
+    assert not WebhookDelivery.objects.exists()
+    owner_api.patch(f"/api/v1/webhooks/{r.json()['id']}/", {"enabled": True}, content_type="application/json")
+    publish(tenant_id=tenant.pk, event={"type": "budget.alert", "threshold": 80})
+    assert WebhookDelivery.objects.get().event.payload == {"threshold": 80}
 
 
 def test_a_body_that_is_not_an_object_is_a_400(owner_api):
@@ -110,7 +124,7 @@ def test_patch_changes_what_it_names_and_refuses_the_rest(owner_api):
 
 
 def test_event_types_are_listed(owner_api):
-    r = owner_api.get("/api/v1/webhooks/event-types/")
+    r = owner_api.get("/api/v1/webhook-event-types/")
     assert r.status_code == 200
     names = [t["name"] for t in r.json()]
     assert {"workload.state", "invoice.finalized", "invoice.paid", "invoice.overdue", "budget.alert"} <= set(

@@ -81,12 +81,14 @@ def endpoint_secret(endpoint: WebhookEndpoint) -> str:
 
 
 def endpoint_create(
-    *, tenant: Tenant, url: Any, event_types: Any, description: Any = "", actor: Actor
+    *, tenant: Tenant, url: Any, event_types: Any, description: Any = "", enabled: Any = True, actor: Actor
 ) -> tuple[WebhookEndpoint, str]:
-    """Make an endpoint; returns it and its secret (shown this once)."""
+    """Make an endpoint (``enabled=False``: made, but sent nothing until enabled); returns it and
+    its secret (shown this once)."""
     url = endpoint_url_check(url)
     types = event_types_check(event_types)
     description = _description_check(description)
+    enabled = _enabled_check(enabled)
     plaintext = _new_secret()
     now = timezone.now()
     with transaction.atomic():
@@ -98,6 +100,7 @@ def endpoint_create(
             url=url,
             event_types=types,
             description=description,
+            enabled=enabled,
             secret_ciphertext=secret_encrypt(plaintext),
             created_at=now,
             updated_at=now,
