@@ -12,3 +12,7 @@ class WebhooksConfig(AppConfig):
         from webhooks.services.events import on_tenant_events
 
         tenant_events.connect(on_tenant_events, dispatch_uid="webhooks.tenant_events")
+        from portal.crypto import reencrypt_register
+        from webhooks.services.endpoints import endpoints_reencrypt
+
+        reencrypt_register("webhook secret(s)", endpoints_reencrypt)

@@ -8,7 +8,7 @@ request runs between the two, holding no lock and no transaction.
 
 from __future__ import annotations
 
-from webhooks.models import WebhookDelivery
+from webhooks.models import WebhookDelivery, WebhookEndpoint
 
 
 def lock_delivery_claim(*, delivery_id: int) -> WebhookDelivery | None:
@@ -31,3 +31,9 @@ def lock_tenant_endpoints(*, tenant_id: int) -> None:
     from portal.models import Tenant
 
     Tenant.objects.select_for_update().filter(pk=tenant_id).exists()
+
+
+def lock_endpoints_after(*, after_id: int, limit: int) -> list[WebhookEndpoint]:
+    """The next ``limit`` endpoints by id, locked while ``rotate_secrets`` re-encrypts their
+    secrets, so a concurrent roll of one is not overwritten."""
+    return list(WebhookEndpoint.objects.select_for_update().filter(pk__gt=after_id).order_by("pk")[:limit])

@@ -46,3 +46,6 @@ def wait_for(check: Callable[[], object], timeout: float = 30.0, what: str = "co
             return value
         time.sleep(0.1)
     raise AssertionError(f"{what} not met in {timeout} s")
+
+
+from tests.portal.conftest import add_member, owner_client, signed_in  # noqa: E402, F401

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 
 from portal.crypto import secret_decrypt
@@ -227,3 +229,19 @@ def test_delete_removes_the_endpoint_and_its_log(owner_api):
     _delivery(WebhookEndpoint.objects.get(pk=pk))
     assert owner_api.delete(f"/api/v1/webhooks/{pk}/").status_code == 204
     assert not WebhookEndpoint.objects.exists() and not WebhookDelivery.objects.exists()
+
+
+def test_rotate_secrets_re_encrypts_webhook_secrets(owner_api, settings):
+    from cryptography.fernet import Fernet
+    from django.core.management import call_command
+
+    old, new = Fernet.generate_key().decode(), Fernet.generate_key().decode()
+    settings.SECRETS_ENCRYPTION_KEYS = [old]
+    r = _create(owner_api, url=URL, event_types=["*"])
+    secret, before = r.json()["secret"], WebhookEndpoint.objects.get().secret_ciphertext
+    settings.SECRETS_ENCRYPTION_KEYS = [new, old]
+    call_command("rotate_secrets", stdout=io.StringIO())
+    after = WebhookEndpoint.objects.get().secret_ciphertext
+    assert after != before and Fernet(new.encode()).decrypt(after.encode()).decode() == secret
+    settings.SECRETS_ENCRYPTION_KEYS = [new]
+    assert secret_decrypt(after) == secret
