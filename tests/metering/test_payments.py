@@ -116,7 +116,8 @@ def test_stripe_customer_invoice_items_and_finalize_with_idempotency_keys(
     draft = invoice_build(tenant=tenant, period_start=MARCH, now=utc(2024, 4, 1))
     with django_capture_on_commit_callbacks() as callbacks:
         invoice = invoice_finalize(invoice=draft, actor=Actor.system(), now=utc(2024, 4, 5))
-    assert len(callbacks) == 1 and invoice.payment_provider == "stripe"  # the submit task, after commit
+    # After commit: the submit task, and the invoice.finalized live event.
+    assert len(callbacks) == 2 and invoice.payment_provider == "stripe"
     assert stripe_api.requests == []
 
     assert tasks.invoice_payment_submit.run(invoice.pk) == "in_test2"
