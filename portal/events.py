@@ -6,6 +6,10 @@ amounts), and each socket is in the groups of the scopes its person's role holds
 person's memberships or account sends a note to their own group (``user.<id>``); their sockets then
 look again and follow it (leave a scope's group, or close when they are no longer a member). Each
 message names its group, so a socket also drops what was queued for a group it has just left.
+
+A tenant's events are also announced at once, inside the caller's transaction
+(``portal.signals.tenant_events``): the webhooks app records the ones endpoints asked for there, so
+they commit or roll back with the change that made them.
 """
 
 from __future__ import annotations
