@@ -245,3 +245,38 @@ def test_rotate_secrets_re_encrypts_webhook_secrets(owner_api, settings):
     assert after != before and Fernet(new.encode()).decrypt(after.encode()).decode() == secret
     settings.SECRETS_ENCRYPTION_KEYS = [new]
     assert secret_decrypt(after) == secret
+
+
+def test_a_pending_delivery_of_a_disabled_endpoint_fails_without_a_request(owner_api, tenant):
+    from portal.events import publish
+    from webhooks.services.deliveries import delivery_attempt
+
+    pk = _create(owner_api, url=URL, event_types=["*"]).json()["id"]
+    publish(tenant_id=tenant.pk, event={"type": "budget.alert", "threshold": 50})
+    delivery = WebhookDelivery.objects.get()
+    owner_api.patch(f"/api/v1/webhooks/{pk}/", {"enabled": False}, content_type="application/json")
+    assert delivery_attempt(delivery_id=delivery.pk) is None
+    delivery.refresh_from_db()
+    assert delivery.state == "failed" and delivery.last_error == "endpoint disabled"
+    assert delivery.attempt_log.count() == 0
+
+
+def test_purge_keeps_recent_events_and_pending_deliveries(owner_api, tenant, settings):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from portal.events import publish
+    from webhooks.services.deliveries import webhooks_purge
+
+    settings.WEBHOOK_RETENTION_DAYS = 30
+    _create(owner_api, url=URL, event_types=["*"])
+    for threshold in (50, 80, 100):
+        publish(tenant_id=tenant.pk, event={"type": "budget.alert", "threshold": threshold})
+    old = timezone.now() - timedelta(days=31)
+    done, pending, recent = WebhookDelivery.objects.order_by("pk")
+    WebhookEvent.objects.filter(pk__in=[done.event_id, pending.event_id]).update(created_at=old)
+    WebhookDelivery.objects.filter(pk=done.pk).update(state="succeeded", next_attempt_at=None)
+    assert webhooks_purge() == 1
+    assert set(WebhookEvent.objects.values_list("pk", flat=True)) == {pending.event_id, recent.event_id}
+    assert not WebhookDelivery.objects.filter(pk=done.pk).exists()

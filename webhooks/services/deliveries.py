@@ -112,10 +112,10 @@ def delivery_attempt(*, delivery_id: int) -> WebhookAttempt | None:
         d.last_status, d.last_error = outcome.status, outcome.error[:500]
         if d.state != DeliveryState.PENDING:
             pass  # finished meanwhile (deleted endpoint's cascade, or a redelivery's own attempt)
-        elif outcome.ok:
-            d.state, d.delivered_at, d.next_attempt_at = DeliveryState.SUCCEEDED, done, None
         elif d.manual:
             pass  # a redelivery was asked for during this attempt: it is due as asked
+        elif outcome.ok:
+            d.state, d.delivered_at, d.next_attempt_at = DeliveryState.SUCCEEDED, done, None
         else:
             delay = retry_delay_s(number)
             due = done + timedelta(seconds=delay)
@@ -188,5 +188,5 @@ def webhooks_purge(*, now: datetime | None = None) -> int:
     now = now or timezone.now()
     cutoff = now - timedelta(days=settings.WEBHOOK_RETENTION_DAYS)
     old = WebhookEvent.objects.filter(created_at__lt=cutoff).exclude(deliveries__state=DeliveryState.PENDING)
-    deleted, _ = WebhookEvent.objects.filter(pk__in=list(old.values_list("pk", flat=True)[:10000])).delete()
-    return deleted
+    _, per_model = WebhookEvent.objects.filter(pk__in=list(old.values_list("pk", flat=True)[:10000])).delete()
+    return per_model.get(WebhookEvent._meta.label, 0)
