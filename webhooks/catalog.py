@@ -12,6 +12,7 @@ EVENT_TYPES: dict[str, str] = {
     "workload.state": "A workload (instance or job) changed state: from, to, reason and message.",
     "workload.preemption_notice": "A workload is being preempted: it is stopped after notice_s seconds.",
     "gang.completed": "A gang (one job across several nodes) ended: succeeded, failed or stopped.",
+    "array.completed": "An array job ended (every task ended, or it was stopped): its state and task count.",
     "invoice.finalized": "An invoice was finalized: its total and due date.",
     "invoice.paid": "An invoice was paid.",
     "invoice.overdue": "An invoice is past its due date (the team is warned, or suspended past the grace).",

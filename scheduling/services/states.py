@@ -143,26 +143,21 @@ def completion_events(
     workloads: list[Workload], *, to: str, reason: str, at: str
 ) -> list[tuple[int, dict[str, Any]]]:
     """The events that say a group of work ended, published with the state changes that end it:
-    ``gang.completed`` when a gang (one job across nodes) reaches a terminal state. Kinds of group
-    that finish with one of their workloads (arrays, when they land) add their event here."""
+    ``gang.completed`` when a gang (one job across nodes) reaches a terminal state,
+    ``array.completed`` when an array job does (all its tasks ended, or it was stopped)."""
     if to not in TERMINAL_STATES:
         return []
-    return [
-        (
-            w.tenant_id,
-            {
-                "type": "gang.completed",
-                "workload_id": w.pk,
-                "kind": w.kind,
-                "state": to,
-                "reason": reason,
-                "gpu_count": w.gpu_count,
-                "at": at,
-            },
-        )
-        for w in workloads
-        if w.gang
-    ]
+    events = []
+    for w in workloads:
+        if w.is_array:
+            group = {"type": "array.completed", "array_count": w.array_count}
+        elif w.gang:
+            group = {"type": "gang.completed", "gpu_count": w.gpu_count}
+        else:
+            continue
+        common = {"workload_id": w.pk, "kind": w.kind, "state": to, "reason": reason, "at": at}
+        events.append((w.tenant_id, {"type": group.pop("type"), **common, **group}))
+    return events
 
 
 def workloads_transition(

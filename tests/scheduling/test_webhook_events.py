@@ -110,6 +110,18 @@ def test_a_gang_that_ends_is_announced_and_a_single_job_is_not(tenant, hook, sub
     assert done["workload_id"] == gang.pk and done["state"] == S.STOPPED and done["gpu_count"] == 16
 
 
+def test_an_array_that_ends_is_announced_once_and_its_tasks_are_not(tenant, hook, submit, make_node, cycle):
+    hook(["array.completed", "gang.completed"])
+    make_node(gpus=8)
+    parent = submit(tenant, array={"count": 3, "parallelism": 2})
+    cycle()
+    assert _events("array.completed") == []
+    workload_stop(workload=parent, actor=Actor.system())
+    [done] = _events("array.completed")
+    assert done["workload_id"] == parent.pk and done["state"] == S.STOPPED and done["array_count"] == 3
+    assert _events("gang.completed") == []
+
+
 def test_a_volume_is_announced_full_once_per_crossing(tenant, hook, regions, make_node):
     hook(["volume.full"])
     node = make_node(region="us")
