@@ -40,7 +40,7 @@ class GpuPriceInline(admin.TabularInline):
     model = GpuPrice
     extra = 0
     can_delete = False
-    readonly_fields = ["gpu_model", "plan", "price_per_gpu_hour"]
+    readonly_fields = ["gpu_model", "plan", "region", "price_per_gpu_hour"]
 
     def has_add_permission(self, request, obj=None):
         return False
@@ -58,6 +58,7 @@ class RateCardVersionAdmin(admin.ModelAdmin):
         "vcpu_hour_price",
         "ram_gib_hour_price",
         "storage_gib_hour_price",
+        "gpu_memory_gib_hour_price",
     ]
     inlines = [GpuPriceInline]
 
@@ -78,7 +79,7 @@ class BillingAccountAdmin(admin.ModelAdmin):
 
 @admin.register(Budget)
 class BudgetAdmin(admin.ModelAdmin):
-    list_display = ["tenant", "monthly_limit", "hard_limit"]
+    list_display = ["tenant", "monthly_limit", "limit_action"]
 
 
 @admin.register(CreditEntry)

@@ -17,7 +17,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from metering.documents import invoice_filename, invoice_pdf
-from metering.models import Invoice, InvoiceLine, UsageRecord
+from metering.models import BudgetLimitAction, Invoice, InvoiceLine, UsageRecord
 from metering.money import quantize_money
 from metering.selectors.shared import hourly_estimate, invoice_csv
 from metering.services.budgets import budget_set, budget_status
@@ -278,7 +278,17 @@ class BudgetInput(serializers.Serializer):
     monthly_limit = serializers.DecimalField(
         max_digits=18, decimal_places=3, min_value=Decimal(0), help_text="In the tenant's currency."
     )
-    hard_limit = serializers.BooleanField(default=False, help_text="Refuse new workloads past the budget.")
+    limit_action = serializers.ChoiceField(
+        choices=BudgetLimitAction.choices,
+        required=False,
+        help_text="What the limit does: alert (only), refuse (new workloads that would pass it), stop (also "
+        "stop running on-demand and spot work once it is passed, after notice). Default: refuse with "
+        "hard_limit, otherwise alert.",
+    )
+    hard_limit = serializers.BooleanField(
+        required=False,
+        help_text="Older form of limit_action: true is refuse (when limit_action is not given).",
+    )
     alert_thresholds = serializers.ListField(
         child=serializers.IntegerField(min_value=1, max_value=1000),
         required=False,
@@ -294,7 +304,8 @@ class BudgetOutput(serializers.Serializer):
     as_of = serializers.DateTimeField(allow_null=True, help_text="When the cost was computed (every minute).")
     monthly_limit = serializers.CharField(allow_null=True)
     percent = serializers.CharField(allow_null=True, help_text="Cost so far as a percent of the budget.")
-    hard_limit = serializers.BooleanField()
+    hard_limit = serializers.BooleanField(help_text="The limit refuses new work (refuse or stop).")
+    limit_action = serializers.CharField(allow_null=True)
     alert_thresholds = serializers.ListField(child=serializers.IntegerField())
     alerts_fired = serializers.ListField(child=serializers.IntegerField(), help_text="This month.")
 
@@ -311,6 +322,7 @@ def _budget_body(status) -> dict:
         else str(quantize_money(status.monthly_limit, cur)),
         "percent": None if status.percent is None else str(status.percent),
         "hard_limit": status.hard_limit,
+        "limit_action": status.limit_action,
         "alert_thresholds": status.alert_thresholds,
         "alerts_fired": status.alerts_fired,
     }

@@ -82,6 +82,12 @@ class RateCardVersion(models.Model):
     storage_gib_hour_price = _unit_price(
         null=True, blank=True, help_text="Per GiB-hour of a volume's size; empty: volumes are not billed."
     )
+    gpu_memory_gib_hour_price = _unit_price(
+        null=True,
+        blank=True,
+        help_text="Per GiB-hour of GPU memory held (the GPU's memory times the share of it held); "
+        "empty: GPU memory is not billed apart.",
+    )
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
@@ -107,6 +113,10 @@ class RateCardVersion(models.Model):
                 condition=Q(storage_gib_hour_price__isnull=True) | Q(storage_gib_hour_price__gte=0),
                 name="ratecardversion_storage_price_nonneg",
             ),
+            models.CheckConstraint(
+                condition=Q(gpu_memory_gib_hour_price__isnull=True) | Q(gpu_memory_gib_hour_price__gte=0),
+                name="ratecardversion_gpu_memory_price_nonneg",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -115,17 +125,36 @@ class RateCardVersion(models.Model):
 
 class GpuPrice(models.Model):
     """Price of one GPU-hour of ``gpu_model`` on ``plan`` in one rate-card version. For the
-    reserved plan it is the hourly rate a reservation's monthly fee is computed from."""
+    reserved plan it is the hourly rate a reservation's monthly fee is computed from. With a
+    ``region`` it is that region's price (power and space cost differ), which wins there over the
+    price without one."""
 
     version = models.ForeignKey(RateCardVersion, on_delete=models.CASCADE, related_name="gpu_prices")
     gpu_model = models.ForeignKey("nodes.GpuModel", on_delete=models.PROTECT, related_name="+")
     plan = models.CharField(max_length=16, choices=Plan.choices)
+    region = models.ForeignKey(
+        "nodes.Region",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="+",
+        help_text="Empty: every region without a price of its own.",
+    )
     price_per_gpu_hour = _unit_price()
 
     class Meta:
-        ordering = ["version_id", "gpu_model_id", "plan"]
+        ordering = ["version_id", "gpu_model_id", "plan", "region_id"]
         constraints = [
-            models.UniqueConstraint(fields=["version", "gpu_model", "plan"], name="gpuprice_unique"),
+            models.UniqueConstraint(
+                fields=["version", "gpu_model", "plan"],
+                condition=Q(region__isnull=True),
+                name="gpuprice_unique",
+            ),
+            models.UniqueConstraint(
+                fields=["version", "gpu_model", "plan", "region"],
+                condition=Q(region__isnull=False),
+                name="gpuprice_unique_region",
+            ),
             models.CheckConstraint(condition=Q(price_per_gpu_hour__gte=0), name="gpuprice_nonneg"),
         ]
 
@@ -191,6 +220,18 @@ class UsageRecord(TenantOwnedModel):
     gpu_seconds = models.DecimalField(max_digits=24, decimal_places=9)
     vcpu_seconds = models.DecimalField(max_digits=24, decimal_places=9, default=0)
     ram_gib_seconds = models.DecimalField(max_digits=24, decimal_places=9, default=0)
+    gpu_memory_gib_seconds = models.DecimalField(
+        max_digits=24,
+        decimal_places=9,
+        default=0,
+        help_text="GPU memory held: GPU-seconds x the model's GiB.",
+    )
+    gpu_memory_amount = models.DecimalField(
+        max_digits=AMOUNT_MAX_DIGITS,
+        decimal_places=AMOUNT_PLACES,
+        default=0,
+        help_text="The part of ``amount`` that is GPU memory (its own invoice line).",
+    )
     unit_price = _unit_price(help_text="Per GPU-hour, after the tenant's discount.")
     amount = models.DecimalField(max_digits=AMOUNT_MAX_DIGITS, decimal_places=AMOUNT_PLACES)
     avg_util_pct = models.FloatField(null=True, blank=True)
@@ -321,9 +362,11 @@ class Invoice(TenantOwnedModel):
 
 class LineKind(models.TextChoices):
     RESERVED_FEE = "reserved_fee", "Reserved instances"
+    CANCEL_FEE = "cancel_fee", "Reservation cancellation fees"
     ON_DEMAND = "on_demand", "On-demand usage"
     SPOT = "spot", "Spot usage"
     RESERVED_OVERAGE = "reserved_overage", "Usage above reserved capacity"
+    GPU_MEMORY = "gpu_memory", "GPU memory"
     STORAGE = "storage", "Volume storage"
     ADJUSTMENT = "adjustment", "Adjustment"
     CREDIT = "credit", "Credits applied"
@@ -427,13 +470,26 @@ def default_alert_thresholds() -> list[int]:
     return [50, 80, 100]
 
 
+class BudgetLimitAction(models.TextChoices):
+    ALERT = "alert", "Alert only"
+    REFUSE = "refuse", "Refuse new work past the limit"
+    STOP = "stop", "Refuse new work and stop running on-demand and spot work (with notice)"
+
+
 class Budget(TenantOwnedModel):
-    """A tenant's monthly budget; with ``hard_limit`` new workloads are refused past it. An alert
-    fires once per month at each of ``alert_thresholds`` (percent of ``monthly_limit``)."""
+    """A tenant's monthly budget. What its limit does is ``limit_action``: alert only, refuse new
+    workloads that would pass it, or also stop running on-demand and spot work once it is passed
+    (after ``METERING_BUDGET_STOP_NOTICE_S`` of notice). An alert fires once per month at each of
+    ``alert_thresholds`` (percent of ``monthly_limit``)."""
 
     tenant = models.OneToOneField("portal.Tenant", on_delete=models.CASCADE, related_name="budget")
     monthly_limit = _money(validators=[MinValueValidator(0)])
-    hard_limit = models.BooleanField(default=False)
+    limit_action = models.CharField(
+        max_length=8, choices=BudgetLimitAction.choices, default=BudgetLimitAction.ALERT
+    )
+    stop_notice_at = models.DateTimeField(
+        null=True, blank=True, help_text="When the notice that running work stops was sent (stop budgets)."
+    )
     alert_thresholds = models.JSONField(
         default=default_alert_thresholds, blank=True, help_text="Percent, e.g. [50, 80, 100]."
     )
@@ -444,6 +500,11 @@ class Budget(TenantOwnedModel):
 
     def __str__(self) -> str:
         return f"budget {self.monthly_limit} of tenant {self.tenant_id}"
+
+    @property
+    def hard_limit(self) -> bool:
+        """The limit refuses new work (``refuse`` or ``stop``)."""
+        return self.limit_action != BudgetLimitAction.ALERT
 
 
 class CostToDate(TenantOwnedModel):

@@ -24,7 +24,7 @@ from django.utils import timezone
 from django.views.generic import View
 
 from metering.charts import bar_chart
-from metering.models import Budget
+from metering.models import Budget, BudgetLimitAction
 from metering.money import quantize_money
 from metering.periods import period_of
 from metering.selectors.billing_pages import (
@@ -143,6 +143,8 @@ class UsageView(BillingMixin, View):
             ],
             "total_gpu_hours": total.gpu_hours,
             "total_gpu_seconds": total.gpu_seconds,
+            "memory_gib_hours": usage.memory_gib_hours,
+            "memory_cost": _money(usage.memory_amount, currency) if usage.memory_amount else None,
             "total_cost": _money(total.amount, currency),
             "records": usage.records,
             "currency": currency,
@@ -318,14 +320,18 @@ class ReservationCancelView(ReservationsMixin, View):
 class BudgetForm(forms.Form):
     monthly_limit = forms.DecimalField(
         label="Monthly budget", min_value=0, max_digits=15, decimal_places=3,
-        help_text="In your billing currency; 0 with a hard limit refuses every new workload.",
+        help_text="In your billing currency; 0 with a limit that refuses refuses every new workload.",
     )  # fmt: skip
     alert_thresholds = forms.CharField(
         label="Alert at (percent of the budget)", max_length=200, initial="50, 80, 100",
         help_text="Comma-separated whole percents; each alert is e-mailed once a month.",
     )  # fmt: skip
-    hard_limit = forms.BooleanField(
-        label="Hard limit: refuse new workloads once the month's cost passes the budget", required=False
+    limit_action = forms.ChoiceField(
+        label="When the month's cost reaches the budget",
+        choices=BudgetLimitAction.choices,
+        initial=BudgetLimitAction.ALERT,
+        required=False,
+        help_text="Stopping gives notice first (by e-mail and on the dashboard); reserved work runs on.",
     )
 
     def thresholds(self) -> list[str]:
@@ -352,7 +358,7 @@ class BudgetView(BillingMixin, View):
         if budget is not None:
             initial = {
                 "monthly_limit": quantize_money(budget.monthly_limit, self.currency()),
-                "hard_limit": budget.hard_limit,
+                "limit_action": budget.limit_action,
                 "alert_thresholds": ", ".join(str(t) for t in budget.alert_thresholds or []),
             }
         return self.page(BudgetForm(initial=initial))
@@ -365,7 +371,7 @@ class BudgetView(BillingMixin, View):
             budget_set(
                 tenant=self.tenant,
                 monthly_limit=form.cleaned_data["monthly_limit"],
-                hard_limit=form.cleaned_data["hard_limit"],
+                limit_action=form.cleaned_data["limit_action"] or BudgetLimitAction.ALERT,
                 alert_thresholds=form.thresholds(),
                 actor=self.actor,
             )

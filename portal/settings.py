@@ -9,6 +9,7 @@ DEBUG=0; `python manage.py check --deploy` is then clean.
 from __future__ import annotations
 
 from datetime import timedelta
+from decimal import Decimal
 from pathlib import Path
 
 import environ
@@ -600,6 +601,17 @@ CELERY_BEAT_SCHEDULE["scheduling-purge-logs"] = {
     "task": "scheduling.tasks.purge_logs",
     "schedule": crontab(minute=27),
 }
+# Reservations are commitments: who may cancel an active one ("staff", or "tenant": its owners and
+# admins too), and the fee, a percent of what the rest of the term would have cost, billed with the
+# month of the cancellation. A cancelled reservation is billed to the second up to its cancellation.
+RESERVATION_CANCEL_ACTIVE_BY = env.str("RESERVATION_CANCEL_ACTIVE_BY", default="staff").strip().lower()
+if RESERVATION_CANCEL_ACTIVE_BY not in ("staff", "tenant"):
+    raise ImproperlyConfigured(
+        f"RESERVATION_CANCEL_ACTIVE_BY must be staff or tenant, not {RESERVATION_CANCEL_ACTIVE_BY!r}."
+    )
+RESERVATION_CANCEL_FEE_PERCENT = Decimal(env.str("RESERVATION_CANCEL_FEE_PERCENT", default="0"))
+if not 0 <= RESERVATION_CANCEL_FEE_PERCENT <= 100:
+    raise ImproperlyConfigured("RESERVATION_CANCEL_FEE_PERCENT must be between 0 and 100.")
 # --- end of the scheduling block -------------------------------------------------------------------
 
 # --- gpupool: metering ------------------------------------------------------------------------------
@@ -667,6 +679,9 @@ if METERING_SUSPEND_RUNNING not in ("keep", "stop"):
     raise ImproperlyConfigured(
         f"METERING_SUSPEND_RUNNING must be keep or stop, not {METERING_SUSPEND_RUNNING!r}."
     )
+# A budget whose limit action is "stop": seconds of notice between passing the limit and stopping
+# the tenant's running on-demand and spot work.
+METERING_BUDGET_STOP_NOTICE_S = env.int("METERING_BUDGET_STOP_NOTICE_S", default=900)
 # Dunning counts in days: once a day, after the invoice run, in European working hours.
 CELERY_BEAT_SCHEDULE["metering-dunning"] = {
     "task": "metering.tasks.dunning_run",

@@ -98,13 +98,26 @@ class ReservationAdmin(admin.ModelAdmin):
     list_filter = ["status", "region", "gpu_model"]
     search_fields = ["tenant__slug", "note"]
     autocomplete_fields = ["tenant", "gpu_model"]
-    readonly_fields = ["status", "created_at"]
-    actions = ["activate", "cancel"]
+    readonly_fields = ["status", "created_at", "activated_at", "cancelled_at", "cancel_fee_percent"]
+    actions = ["activate", "activate_over_capacity", "cancel"]
 
     @admin.action(description="Confirm (guarantee and bill) the selected reservations")
     def activate(self, request, queryset):
         run_each(
             self, request, queryset, lambda r, a: reservation_activate(reservation=r, actor=a), "Confirmed"
+        )
+
+    @admin.action(
+        description="Confirm even beyond the region's capacity (overbooks it: some reserved GPUs may "
+        "not be there when every reservation is used at once)"
+    )
+    def activate_over_capacity(self, request, queryset):
+        run_each(
+            self,
+            request,
+            queryset,
+            lambda r, a: reservation_activate(reservation=r, actor=a, override_capacity=True),
+            "Confirmed over capacity",
         )
 
     @admin.action(description="Cancel or end the selected reservations")

@@ -1,8 +1,9 @@
 """Every row lock and advisory lock scheduling takes, in one place (Saleor's ``lock_objects.py``).
 
 Lock order, to keep deadlocks out: the cycle's advisory lock, then a tenant's Quota row, then
-Volume rows (by id), then Workload rows (by id), then Allocation rows, then WorkItem rows. Code that
-needs several takes them in that order.
+Volume rows (by id), then Workload rows (by id), then Allocation rows, then WorkItem rows; a
+Reservation row, then its (model, region) capacity advisory lock. Code that needs several takes
+them in that order.
 """
 
 from __future__ import annotations
@@ -93,6 +94,17 @@ def lock_volumes(*, ids) -> dict[int, Volume]:
 
 def lock_reservation(*, reservation_id: int) -> Reservation:
     return Reservation.objects.select_for_update().get(pk=reservation_id)
+
+
+def lock_reservation_capacity(*, gpu_model_id: int, region_id: int) -> None:
+    """A transaction-long advisory lock on one (GPU model, region)'s reserved capacity, so two staff
+    confirming reservations of it at once cannot both pass the capacity check. On SQLite (no
+    advisory locks) every write transaction already runs alone (BEGIN IMMEDIATE)."""
+    if connection.vendor != "postgresql":
+        return
+    key = zlib.crc32(f"gpupool.scheduling.reservation:{gpu_model_id}:{region_id}".encode())
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_xact_lock(%s)", [key])
 
 
 def try_cycle_lock() -> bool:

@@ -438,6 +438,23 @@ class Reservation(TenantOwnedModel):
     )
     note = models.CharField(max_length=255, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
+    activated_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="When staff confirmed it; a reservation never confirmed is never billed.",
+    )
+    cancelled_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="When it was cancelled: it is billed up to here (or its end, if earlier).",
+    )
+    cancel_fee_percent = models.DecimalField(
+        max_digits=6,
+        decimal_places=3,
+        default=0,
+        help_text="Set at cancellation (RESERVATION_CANCEL_FEE_PERCENT): the fee, a percent of what the "
+        "rest of the term would have cost.",
+    )
 
     class Meta:
         ordering = ["-starts_at", "-id"]
@@ -454,6 +471,13 @@ class Reservation(TenantOwnedModel):
 
     def is_in_force(self, at) -> bool:
         return self.status == ReservationStatus.ACTIVE and self.starts_at <= at < self.ends_at
+
+    @property
+    def billed_until(self):
+        """The end of what it is billed for: its term's end, or its cancellation if that came first."""
+        if self.cancelled_at is not None and self.cancelled_at < self.ends_at:
+            return max(self.cancelled_at, self.starts_at)
+        return self.ends_at
 
 
 class WarmPool(models.Model):

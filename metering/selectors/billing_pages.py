@@ -50,6 +50,12 @@ class MonthUsage:
     cells: dict[tuple[date, int], ModelUsage] = field(default_factory=dict)
     by_model: dict[int, ModelUsage] = field(default_factory=dict)
     records: int = 0
+    memory_gib_seconds: Decimal = ZERO  # GPU memory held, all models (its own invoice line)
+    memory_amount: Decimal = ZERO
+
+    @property
+    def memory_gib_hours(self) -> Decimal:
+        return self.memory_gib_seconds / HOUR
 
     @property
     def total(self) -> ModelUsage:
@@ -69,17 +75,33 @@ def _day_start(at: datetime) -> datetime:
 
 
 def usage_by_day(*, tenant, period_start: date) -> MonthUsage:
-    """A tenant's usage records of one billing month, by UTC day and GPU model (two queries)."""
+    """A tenant's usage records of one billing month, by UTC day and GPU model (two queries), and
+    the month's GPU memory (GiB-hours and amount; included in the models' amounts too)."""
     rows = (
         UsageRecord.objects.filter(tenant=tenant, period_start=period_start)
         .order_by()
-        .values_list("gpu_model_id", "start", "end", "seconds", "minimum_topup_s", "gpu_seconds", "amount")
+        .values_list(
+            "gpu_model_id",
+            "start",
+            "end",
+            "seconds",
+            "minimum_topup_s",
+            "gpu_seconds",
+            "amount",
+            "gpu_memory_gib_seconds",
+            "gpu_memory_amount",
+        )
     )
+    memory_s, memory_amount = ZERO, ZERO
     cells: dict[tuple[date, int], ModelUsage] = defaultdict(ModelUsage)
     by_model: dict[int, ModelUsage] = defaultdict(ModelUsage)
     count = 0
-    for model_id, start, end, seconds, topup, gpu_seconds, amount in rows.iterator(chunk_size=5000):
+    for model_id, start, end, seconds, topup, gpu_seconds, amount, mem_s, mem_a in rows.iterator(
+        chunk_size=5000
+    ):
         count += 1
+        memory_s += mem_s
+        memory_amount += mem_a
         by_model[model_id].gpu_seconds += gpu_seconds
         by_model[model_id].amount += amount
         first = _day_start(start)
@@ -115,6 +137,8 @@ def usage_by_day(*, tenant, period_start: date) -> MonthUsage:
         cells=dict(cells),
         by_model={m: by_model[m] for m in order},
         records=count,
+        memory_gib_seconds=memory_s,
+        memory_amount=memory_amount,
     )
 
 

@@ -7,11 +7,9 @@ import io
 from datetime import datetime
 from decimal import Decimal
 
-from django.utils import timezone
-
 from metering.models import Invoice
 from metering.money import ZERO
-from metering.services.rates import billing_account_for, current_price_table, discounted, rate_card_for_tenant
+from metering.services.rates import billing_account_for, current_price_table, current_version, discounted
 from nodes.models import Region
 from scheduling.models import MILLI, Plan
 
@@ -34,46 +32,57 @@ def hourly_estimate(
     cpu_millicores: int = 0,
     ram_mib: int = 0,
     regions=None,
+    priced_only: bool = False,
 ) -> dict[str, Decimal | None]:
     """Price of one hour of a workload spec per plan: the dearest of the candidate models and of
-    ``regions`` (None: every region that has the model; the scheduler may place it in any), after the
-    tenant's discount, with vCPU and RAM where the rate card prices them. Spot is the region's market
-    price where there is one, as usage is billed (``services.usage``). None: no price for that plan.
-    The launch form shows the same figure (the price provider's ``estimate``)."""
+    ``regions`` (None: every region that has the model; the scheduler may place it in any), each
+    region at its own price where the card has one, after the tenant's discount, with GPU memory
+    (the share of the model's memory held), vCPU and RAM where the rate card prices them. Spot is
+    the region's market price where there is one, as usage is billed (``services.usage``). None: no
+    price for that plan (for some candidate; with ``priced_only``, for every candidate: a model
+    without a price bills nothing, so the dearest priced one is what the request may cost). The
+    launch form shows the same figure (the price provider's ``estimate``)."""
     from metering.services.spot import current_spot_prices
 
     gpus = Decimal(gpu_count) * Decimal(fraction_milli) / MILLI
     out: dict[str, Decimal | None] = {}
     discount = billing_account_for(tenant=tenant).discount_percent
     gpu_models = list(gpu_models)
-    listed = current_price_table(gpu_models=gpu_models, tenant=tenant)
     where = {
         m.pk: list(regions if regions is not None else Region.objects.filter(nodes__gpus__model=m).distinct())
         for m in gpu_models
     }
+    all_regions = {None} | {r for rs in where.values() for r in rs}
+    listed = current_price_table(gpu_models=gpu_models, tenant=tenant, regions=all_regions)
     market = current_spot_prices(pairs=[(m, r) for m in gpu_models for r in where[m.pk]])
+    version = current_version(tenant=tenant)
+    memory_price = None
+    extra = ZERO
+    if version is not None:
+        memory_price = discounted(version.gpu_memory_gib_hour_price, discount)
+        if version.vcpu_hour_price is not None:
+            extra += Decimal(cpu_millicores) / 1000 * discounted(version.vcpu_hour_price, discount)
+        if version.ram_gib_hour_price is not None:
+            extra += Decimal(ram_mib) / 1024 * discounted(version.ram_gib_hour_price, discount)
     per_model = []
     for m in gpu_models:
-        prices = listed[m.pk]
-        spots = []
-        for region in where[m.pk]:
-            price = market.get((m.pk, region.pk))
-            spots.append(discounted(price, discount) if price is not None else prices.get("spot"))
-        if spots:
-            prices["spot"] = None if any(s is None for s in spots) else max(spots)
+        memory = Decimal(m.memory_gib) * memory_price if memory_price is not None else ZERO
+        prices: dict[str, Decimal | None] = {}
+        for plan in Plan.values:
+            found = []
+            for region in where[m.pk] or [None]:
+                price = listed[(m.pk, getattr(region, "pk", None))][plan]
+                if plan == Plan.SPOT and region is not None:
+                    spot = market.get((m.pk, region.pk))
+                    price = discounted(spot, discount) if spot is not None else price
+                found.append(price)
+            held = memory if plan != Plan.RESERVED else ZERO  # reserved usage: covered by the fee
+            prices[plan] = None if any(p is None for p in found) else max(found) + held
         per_model.append(prices)
-    extra = ZERO
-    card = rate_card_for_tenant(tenant=tenant)
-    if card is not None:
-        now = timezone.now()
-        version = card.versions.filter(effective_from__lte=now).order_by("-effective_from").first()
-        if version is not None and (version.effective_to is None or version.effective_to > now):
-            if version.vcpu_hour_price is not None:
-                extra += Decimal(cpu_millicores) / 1000 * discounted(version.vcpu_hour_price, discount)
-            if version.ram_gib_hour_price is not None:
-                extra += Decimal(ram_mib) / 1024 * discounted(version.ram_gib_hour_price, discount)
     for plan in Plan.values:
         prices = [p.get(plan) for p in per_model]
+        if priced_only:
+            prices = [p for p in prices if p is not None]
         if not prices or any(p is None for p in prices):
             out[plan] = None
             continue

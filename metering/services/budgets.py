@@ -8,7 +8,13 @@ month, guarded by the unique (tenant, month, threshold) row, so a rerun or a sec
 alerts twice. An alert is audited, e-mailed to the tenant's owners and billing members (and its
 billing address) and pushed to the tenant's browsers as a live event.
 
-The hard limit (refusing new workloads) is the admission check in ``metering.admission``.
+What the limit does is the budget's ``limit_action``: ``alert`` only; ``refuse`` new workloads
+that would pass it (the admission check in ``metering.admission``, estimated at the dearest model
+and region a request could land on, counting work admitted but not yet running); ``stop`` also
+stops the tenant's running on-demand and spot work once the month's cost passes the limit: a
+notice first (audited, e-mailed, pushed live), then, ``METERING_BUDGET_STOP_NOTICE_S`` later and
+still over, each such workload is stopped through scheduling's stop service (its event's reason
+``budget_exceeded``). Reserved work runs on: its reservation is paid for.
 """
 
 from __future__ import annotations
@@ -20,16 +26,17 @@ from decimal import Decimal, InvalidOperation
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import Q
 from django.utils import timezone
 
-from metering.models import Budget, BudgetAlert, CostToDate, default_alert_thresholds
+from metering.models import Budget, BudgetAlert, BudgetLimitAction, CostToDate, default_alert_thresholds
 from metering.money import ZERO, quantize_money
-from metering.periods import period_of
+from metering.periods import period_bounds, period_of
 from metering.services.notify import billing_contacts_mail
 from metering.services.rates import TenantPricing
 from metering.services.usage import costs_to_date, usage_build
 from portal.actors import Actor
-from portal.errors import ValidationFailed
+from portal.errors import DomainError, ValidationFailed
 from portal.events import publish
 from portal.models import Scope, Tenant
 from portal.services.audit import audit_record
@@ -47,7 +54,7 @@ class BudgetStatus:
     currency: str
     as_of: datetime | None
     monthly_limit: Decimal | None
-    hard_limit: bool
+    limit_action: str | None
     alert_thresholds: list[int]
     alerts_fired: list[int]
 
@@ -58,6 +65,10 @@ class BudgetStatus:
         if self.monthly_limit == 0:
             return None if self.amount == 0 else Decimal(MAX_THRESHOLD)
         return (self.amount * 100 / self.monthly_limit).quantize(Decimal("0.1"))
+
+    @property
+    def hard_limit(self) -> bool:
+        return self.limit_action in (BudgetLimitAction.REFUSE, BudgetLimitAction.STOP)
 
 
 def _percent(amount: Decimal, limit: Decimal) -> Decimal:
@@ -110,8 +121,27 @@ def thresholds_of(budget: Budget) -> list[int]:
         return default_alert_thresholds()
 
 
+def clean_limit_action(value, hard_limit=None) -> str:
+    """``limit_action`` as one of the choices; without one, ``hard_limit`` (the older flag) means
+    ``refuse`` and its absence ``alert``."""
+    if value is None or value == "":
+        return BudgetLimitAction.REFUSE if hard_limit else BudgetLimitAction.ALERT
+    if value not in BudgetLimitAction.values:
+        raise ValidationFailed(
+            f"limit_action: one of {', '.join(BudgetLimitAction.values)}.",
+            fields={"limit_action": [f"One of {', '.join(BudgetLimitAction.values)}."]},
+        )
+    return value
+
+
 def budget_set(
-    *, tenant: Tenant, monthly_limit, hard_limit: bool = False, alert_thresholds=None, actor: Actor
+    *,
+    tenant: Tenant,
+    monthly_limit,
+    hard_limit: bool | None = None,
+    limit_action: str | None = None,
+    alert_thresholds=None,
+    actor: Actor,
 ) -> Budget:
     """Create or change the tenant's monthly budget (audited)."""
     try:
@@ -125,13 +155,15 @@ def budget_set(
             "monthly_limit: must be 0 or more.", fields={"monthly_limit": ["Must be a number, 0 or more."]}
         )
     thresholds = clean_thresholds(alert_thresholds)
+    action = clean_limit_action(limit_action, hard_limit)
     with transaction.atomic():
         budget, _ = Budget.objects.update_or_create(
             tenant=tenant,
             defaults={
                 "monthly_limit": quantize_money(limit, tenant.currency),
-                "hard_limit": bool(hard_limit),
+                "limit_action": action,
                 "alert_thresholds": thresholds,
+                "stop_notice_at": None,
             },
         )
         audit_record(
@@ -141,7 +173,7 @@ def budget_set(
             target=budget,
             data={
                 "monthly_limit": str(budget.monthly_limit),
-                "hard_limit": budget.hard_limit,
+                "limit_action": budget.limit_action,
                 "thresholds": thresholds,
             },
         )
@@ -172,7 +204,7 @@ def budget_status(*, tenant: Tenant, now: datetime | None = None) -> BudgetStatu
         currency=currency,
         as_of=as_of,
         monthly_limit=budget.monthly_limit if budget else None,
-        hard_limit=budget.hard_limit if budget else False,
+        limit_action=budget.limit_action if budget else None,
         alert_thresholds=thresholds_of(budget) if budget else [],
         alerts_fired=fired,
     )
@@ -227,7 +259,116 @@ def costs_to_date_update(*, now: datetime | None = None) -> int:
                     currency=currency.get(tenant_id, budget.tenant.currency),
                     now=now,
                 )
+        if budget.limit_action == BudgetLimitAction.STOP:
+            budget_stop_enforce(
+                budget=budget,
+                amount=amount,
+                currency=currency.get(tenant_id, budget.tenant.currency),
+                now=now,
+            )
     return len(rows)
+
+
+BUDGET_STOP_REASON = "budget_exceeded"  # the workload events' reason when a stop budget stops them
+
+
+def _stoppable(tenant_id: int):
+    from scheduling.models import Plan, Workload, WorkloadState
+
+    return (
+        Workload.objects.filter(
+            tenant_id=tenant_id, plan__in=[Plan.ON_DEMAND, Plan.SPOT], stop_requested_at__isnull=True
+        )
+        .exclude(state__in=[WorkloadState.STOPPED, WorkloadState.SUCCEEDED, WorkloadState.FAILED])
+        .order_by("pk")
+    )
+
+
+def budget_stop_enforce(*, budget: Budget, amount: Decimal, currency: str, now: datetime) -> int:
+    """A ``stop`` budget: under its limit, nothing (a notice of an earlier month or a raised limit
+    is forgotten). Over it, the first time this month a notice (audited, e-mailed, live) that the
+    tenant's on-demand and spot work stops in ``METERING_BUDGET_STOP_NOTICE_S``; once that has
+    passed, each such workload not yet stopping is stopped. Returns how many were stopped."""
+    from scheduling.services.lifecycle import workload_stop
+
+    period = period_of(now)
+    notice_s = settings.METERING_BUDGET_STOP_NOTICE_S
+    over = amount > budget.monthly_limit
+    noticed = (
+        budget.stop_notice_at
+        if budget.stop_notice_at and period_of(budget.stop_notice_at) == period
+        else None
+    )
+    if not over:
+        if budget.stop_notice_at is not None:
+            Budget.objects.filter(pk=budget.pk).update(stop_notice_at=None)
+        return 0
+    if noticed is None:
+        with transaction.atomic():
+            # Only the run that sets the mark sends the notice (a second worker finds it set).
+            marked = (
+                Budget.objects.filter(pk=budget.pk, limit_action=BudgetLimitAction.STOP)
+                .filter(Q(stop_notice_at__isnull=True) | Q(stop_notice_at__lt=period_bounds(period)[0]))
+                .update(stop_notice_at=now)
+            )
+            if marked:
+                _stop_notice(budget=budget, amount=amount, currency=currency, now=now, notice_s=notice_s)
+        return 0
+    if now < noticed + timedelta(seconds=notice_s):
+        return 0
+    stopped = 0
+    limit = quantize_money(budget.monthly_limit, currency)
+    for w in _stoppable(budget.tenant_id):
+        try:
+            workload_stop(
+                workload=w,
+                actor=Actor.system(),
+                now=now,
+                reason=BUDGET_STOP_REASON,
+                message=f"Stopped: the month's cost passed the budget of {limit} {currency} (its limit stops work).",
+            )
+            stopped += 1
+        except DomainError:  # already stopping or finished since it was read
+            continue
+    return stopped
+
+
+def _stop_notice(*, budget: Budget, amount: Decimal, currency: str, now: datetime, notice_s: int) -> None:
+    tenant = budget.tenant
+    spent, limit = quantize_money(amount, currency), quantize_money(budget.monthly_limit, currency)
+    count = _stoppable(tenant.pk).count()
+    audit_record(
+        tenant=tenant,
+        actor=Actor.system(),
+        action="budget.stop_notice",
+        target=budget,
+        data={"amount": str(spent), "monthly_limit": str(limit), "notice_s": notice_s, "workloads": count},
+    )
+    publish(
+        tenant_id=tenant.pk,
+        scope=Scope.BILLING,
+        event={
+            "type": "budget.stop_notice",
+            "amount": str(spent),
+            "monthly_limit": str(limit),
+            "currency": currency,
+            "notice_s": notice_s,
+            "at": now.isoformat(),
+        },
+    )
+    message = (
+        f"{tenant.name}: the month's cost, {spent} {currency}, has passed the monthly budget of "
+        f"{limit} {currency}, whose limit stops work.\n\n"
+        f"In {notice_s} seconds ({(now + timedelta(seconds=notice_s)):%Y-%m-%d %H:%M} UTC) the team's "
+        f"running and queued on-demand and spot workloads ({count} now) will be stopped, unless the "
+        "budget is raised or its limit action changed. Reserved work runs on.\n\n"
+        f"Budget: {settings.SITE_URL.rstrip('/')}/billing/budget/\n"
+    )
+    transaction.on_commit(
+        lambda: billing_contacts_mail(
+            tenant=tenant, subject="running work stops: budget passed", message=message
+        )
+    )
 
 
 def budget_alert_fire(
@@ -273,6 +414,7 @@ def budget_alert_fire(
                     "currency": currency,
                     "period": f"{period:%Y-%m}",
                     "hard_limit": budget.hard_limit,
+                    "limit_action": budget.limit_action,
                     "at": now.isoformat(),
                 },
             )
@@ -285,11 +427,13 @@ def budget_alert_fire(
 def _email_alert(alert: BudgetAlert, budget: Budget) -> None:
     tenant = budget.tenant
     what = "reached" if alert.threshold < 100 else "passed" if alert.threshold > 100 else "used up"
-    hard = (
-        " New workloads are refused while the month's cost is over the budget (hard limit)."
-        if budget.hard_limit
-        else ""
-    )
+    hard = {
+        BudgetLimitAction.REFUSE: " New workloads that would pass the budget are refused.",
+        BudgetLimitAction.STOP: (
+            " New workloads that would pass the budget are refused, and once it is passed running "
+            "on-demand and spot work is stopped after notice."
+        ),
+    }.get(budget.limit_action, "")
     message = (
         f"{tenant.name}: {alert.threshold}% of the monthly budget {what} for "
         f"{alert.period_start:%B %Y}.\n\n"

@@ -29,7 +29,7 @@ from decimal import Decimal
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Exists, OuterRef, Subquery, Sum
+from django.db.models import Exists, OuterRef, Q, Subquery, Sum
 
 from metering.locks import lock_period_invoices
 from metering.models import (
@@ -44,7 +44,7 @@ from metering.models import (
     UsageRecord,
 )
 from metering.money import HOUR, ZERO, quantize_money
-from metering.periods import days_in_period, next_period, period_bounds
+from metering.periods import days_in_period, next_period, period_bounds, period_of
 from metering.services.invoice_events import invoice_event_publish
 from metering.services.rates import PriceBook, TenantPricing, discounted
 from nodes.models import GpuModel, Region
@@ -72,14 +72,74 @@ def term_discount_percent(months: int) -> Decimal:
     return table[max(eligible)] if eligible else ZERO
 
 
-def reserved_days(reservation: Reservation, period_start: date) -> int:
-    """Calendar days of the month on which the reservation is in force for any part of the day."""
-    p_end = next_period(period_start)
-    first = max(period_start, reservation.starts_at.date())
-    last_day = (reservation.ends_at - timedelta(microseconds=1)).date()
-    # Compared before adding the day, so that an end at the edge of the calendar cannot overflow.
-    last_excl = p_end if last_day >= p_end else last_day + timedelta(days=1)
-    return max((last_excl - first).days, 0)
+def reserved_seconds(reservation: Reservation, period_start: date) -> Decimal:
+    """Seconds of the month in which the reservation was in force: from its start to its term's end
+    or its cancellation, whichever came first."""
+    start, end = period_bounds(period_start)
+    first, last = max(start, reservation.starts_at), min(end, reservation.billed_until)
+    if last <= first:
+        return ZERO
+    delta = last - first
+    return Decimal(delta.days * 86400 + delta.seconds) + Decimal(delta.microseconds) / Decimal(1_000_000)
+
+
+def billable_reservations(start: datetime, end: datetime) -> Q:
+    """Reservations with something to bill in ``[start, end)``: in force for part of it (active, or
+    cancelled after staff confirmed it, up to the cancellation), or cancelled in it (the fee)."""
+    confirmed = Q(status=ReservationStatus.ACTIVE) | Q(
+        status=ReservationStatus.CANCELLED, activated_at__isnull=False
+    )
+    in_force = Q(starts_at__lt=end, ends_at__gt=start) & (
+        Q(cancelled_at__isnull=True) | Q(cancelled_at__gt=start)
+    )
+    cancelled_in = Q(cancelled_at__gte=start, cancelled_at__lt=end, cancel_fee_percent__gt=0)
+    return confirmed & (in_force | cancelled_in)
+
+
+def reserved_monthly(reservation: Reservation, priced, discount) -> Decimal | None:
+    """The monthly fee of one GPU of the reservation: the region's reserved price (after the
+    tenant's discount) times 730 hours, less the term's discount. None: no reserved price."""
+    hourly = priced.price(reservation.gpu_model_id, Plan.RESERVED, reservation.region_id) if priced else None
+    if hourly is None:
+        return None
+    months = term_months(reservation.starts_at, reservation.ends_at)
+    return discounted(discounted(hourly, discount) * HOURS_PER_MONTH, term_discount_percent(months))
+
+
+def cancel_fee(reservation: Reservation, book: PriceBook, discount) -> Decimal:
+    """Unrounded fee of a cancelled reservation: its percent of what the rest of the term (from the
+    cancellation, or the start if it had not begun, to the term's end) would have cost at the
+    monthly fee per 730 hours."""
+    if reservation.cancelled_at is None or not reservation.cancel_fee_percent:
+        return ZERO
+    rest_from = max(reservation.cancelled_at, reservation.starts_at)
+    if rest_from >= reservation.ends_at:
+        return ZERO
+    monthly = reserved_monthly(reservation, book.at(rest_from) or book.at(reservation.starts_at), discount)
+    if monthly is None:
+        return ZERO
+    hours = Decimal((reservation.ends_at - rest_from).total_seconds()) / HOUR
+    return (
+        monthly / HOURS_PER_MONTH * reservation.count * hours * reservation.cancel_fee_percent / Decimal(100)
+    )
+
+
+def reserved_accrued(reservation: Reservation, book: PriceBook, discount, *, now: datetime) -> Decimal:
+    """Unrounded fee of the current month so far (to ``now``), and its cancellation fee if it was
+    cancelled this month: what the month's invoice will bill for it, for the cost to date."""
+    period = period_of(now)
+    start, _ = period_bounds(period)
+    first = max(start, reservation.starts_at)
+    last = min(now, reservation.billed_until)
+    amount = ZERO
+    if last > first:
+        monthly = reserved_monthly(reservation, book.at(first), discount)
+        if monthly is not None:
+            seconds = Decimal((last - first).total_seconds())
+            amount += monthly * reservation.count * seconds / (Decimal(days_in_period(period)) * 86400)
+    if reservation.cancelled_at is not None and period_of(reservation.cancelled_at) == period:
+        amount += cancel_fee(reservation, book, discount)
+    return amount
 
 
 def reserved_overage(
@@ -125,46 +185,72 @@ class RunCache:
         )
 
 
+def _days(seconds: Decimal) -> str:
+    """Days in force as a line shows them: whole days as such, otherwise to two places."""
+    return f"{seconds / 86400:.0f}" if seconds % 86400 == 0 else f"{seconds / 86400:.2f}"
+
+
 def _reserved_fee_lines(reservations, period_start: date, book: PriceBook, discount, currency, cache):
-    start, _ = period_bounds(period_start)
+    """A reservation's fee for the seconds of the month it was in force (to the second: a
+    cancellation ends it), and the cancellation fee in the month it was cancelled."""
+    start, end = period_bounds(period_start)
     names, regions = cache.names, cache.regions
+    month_s = Decimal(days_in_period(period_start) * 86400)
     out = []
     for r in reservations:
-        days = reserved_days(r, period_start)
-        if days == 0:
-            continue
-        priced = book.at(max(start, r.starts_at))
-        hourly = priced.gpu.get((r.gpu_model_id, Plan.RESERVED)) if priced else None
-        if hourly is None:
-            raise ValidationFailed(
-                f"No reserved price for {names.get(r.gpu_model_id)} in force on {max(start, r.starts_at):%Y-%m-%d}.",
-                fields={"rate_card": ["Missing reserved price."]},
+        seconds = reserved_seconds(r, period_start)
+        what = f"{r.count}x {names.get(r.gpu_model_id)} in {regions.get(r.region_id)}"
+        if seconds > 0:
+            at = max(start, r.starts_at)
+            monthly = reserved_monthly(r, book.at(at), discount)
+            if monthly is None:
+                raise ValidationFailed(
+                    f"No reserved price for {names.get(r.gpu_model_id)} in force on {at:%Y-%m-%d}.",
+                    fields={"rate_card": ["Missing reserved price."]},
+                )
+            months = term_months(r.starts_at, r.ends_at)
+            ended = " (cancelled)" if r.billed_until < min(end, r.ends_at) else ""
+            out.append(
+                {
+                    "kind": LineKind.RESERVED_FEE,
+                    "description": (
+                        f"Reserved: {what}, {months}-month term ({term_discount_percent(months)}% off), "
+                        f"{_days(seconds)} of {month_s / 86400:.0f} days{ended}"
+                    ),
+                    "gpu_model_id": r.gpu_model_id,
+                    "plan": Plan.RESERVED,
+                    "quantity": Decimal(r.count) * seconds / month_s,
+                    "unit": "gpu-month",
+                    "unit_price": monthly,
+                    "amount": quantize_money(monthly * r.count * seconds / month_s, currency),
+                }
             )
-        months = term_months(r.starts_at, r.ends_at)
-        term_disc = term_discount_percent(months)
-        monthly = discounted(discounted(hourly, discount) * HOURS_PER_MONTH, term_disc)
-        total_days = days_in_period(period_start)
-        amount = quantize_money(monthly * r.count * days / total_days, currency)
-        out.append(
-            {
-                "kind": LineKind.RESERVED_FEE,
-                "description": (
-                    f"Reserved: {r.count}x {names.get(r.gpu_model_id)} in {regions.get(r.region_id)}, "
-                    f"{months}-month term ({term_disc}% off), {days} of {total_days} days"
-                ),
-                "gpu_model_id": r.gpu_model_id,
-                "plan": Plan.RESERVED,
-                "quantity": Decimal(r.count * days) / Decimal(total_days),
-                "unit": "gpu-month",
-                "unit_price": monthly,
-                "amount": amount,
-            }
-        )
+        if r.cancelled_at is not None and start <= r.cancelled_at < end:
+            fee = cancel_fee(r, book, discount)
+            if fee > 0:
+                out.append(
+                    {
+                        "kind": LineKind.CANCEL_FEE,
+                        "description": (
+                            f"Cancellation fee: reservation #{r.pk} ({what}) cancelled "
+                            f"{r.cancelled_at:%Y-%m-%d %H:%M} UTC, {r.cancel_fee_percent.normalize():f}% "
+                            f"of the rest of its term"
+                        ),
+                        "gpu_model_id": r.gpu_model_id,
+                        "plan": Plan.RESERVED,
+                        "quantity": Decimal(1),
+                        "unit": "",
+                        "unit_price": None,
+                        "amount": quantize_money(fee, currency),
+                    }
+                )
     return out
 
 
 def _usage_line(kind, label: str, row: dict, currency: str, names, **extra) -> dict:
     hours = row["gpu_s"] / HOUR
+    if "amount" not in extra:  # GPU memory has a line of its own
+        extra["amount"] = quantize_money(row["amount"] - (row.get("mem") or ZERO), currency)
     return {
         "kind": kind,
         "description": f"{label}{names.get(row['gpu_model_id'])}, {hours:.3f} GPU-hours",
@@ -173,7 +259,6 @@ def _usage_line(kind, label: str, row: dict, currency: str, names, **extra) -> d
         "quantity": hours,
         "unit": "gpu-hour",
         "unit_price": None,
-        "amount": quantize_money(row["amount"], currency),
         **extra,
     }
 
@@ -192,11 +277,26 @@ def _usage_lines(
     ):
         for row in sorted((r for r in current if r["plan"] == plan), key=lambda r: r["gpu_model_id"]):
             lines.append(_usage_line(kind, f"{label} usage: ", row, currency, names))
+    memory = sum((r.get("mem") or ZERO for r in current), ZERO)
+    memory_s = sum((r.get("mem_s") or ZERO for r in current), ZERO)
+    if memory:
+        lines.append(
+            {
+                "kind": LineKind.GPU_MEMORY,
+                "description": f"GPU memory: {memory_s / HOUR:.3f} GiB-hours",
+                "quantity": memory_s / HOUR,
+                "unit": "gib-hour",
+                "unit_price": None,
+                "amount": quantize_money(memory, currency),
+            }
+        )
     if reserved:
         per_model: dict[int, list[Decimal]] = defaultdict(lambda: [ZERO, ZERO])
-        for _res_id, model_id, s, e, excess in reserved_overage(reserved, reservations=reservations):
-            priced = book.at(s)
-            price = discounted(priced.gpu.get((model_id, Plan.ON_DEMAND)), discount) if priced else None
+        for res_id, model_id, s, e, excess in reserved_overage(reserved, reservations=reservations):
+            priced, region_id = book.at(s), getattr(reservations.get(res_id), "region_id", None)
+            price = (
+                discounted(priced.price(model_id, Plan.ON_DEMAND, region_id), discount) if priced else None
+            )
             if price is None:
                 raise ValidationFailed(
                     f"No on-demand price for {names.get(model_id)} in force at {s:%Y-%m-%d %H:%M}.",
@@ -226,7 +326,15 @@ def _usage_lines(
     for row in sorted(late, key=lambda r: (r["period_start"], r["plan"], r["gpu_model_id"])):
         label = f"Adjustment: late {row['plan'].replace('_', '-')} usage for {row['period_start']:%Y-%m}: "
         lines.append(
-            _usage_line(LineKind.ADJUSTMENT, label, row, currency, names, original_period=row["period_start"])
+            _usage_line(
+                LineKind.ADJUSTMENT,
+                label,
+                row,
+                currency,
+                names,
+                original_period=row["period_start"],
+                amount=quantize_money(row["amount"], currency),
+            )
         )
     return lines
 
@@ -391,7 +499,12 @@ def invoices_build_batch(
             UsageRecord.objects.filter(invoice_id__in=draft_ids)
             .exclude(period_start=period_start, plan=Plan.RESERVED)
             .values("invoice_id", "period_start", "plan", "gpu_model_id")
-            .annotate(amount=Sum("amount"), gpu_s=Sum("gpu_seconds"))
+            .annotate(
+                amount=Sum("amount"),
+                gpu_s=Sum("gpu_seconds"),
+                mem=Sum("gpu_memory_amount"),
+                mem_s=Sum("gpu_memory_gib_seconds"),
+            )
             .order_by()
         ):
             aggregates[row["invoice_id"]].append(row)
@@ -412,10 +525,7 @@ def invoices_build_batch(
         by_pk = {
             r.pk: r
             for r in Reservation.objects.filter(
-                tenant_id__in=[i.tenant_id for i in drafts],
-                status=ReservationStatus.ACTIVE,
-                starts_at__lt=end,
-                ends_at__gt=start,
+                billable_reservations(start, end), tenant_id__in=[i.tenant_id for i in drafts]
             ).order_by("starts_at", "pk")
         }
         for r in by_pk.values():

@@ -1,7 +1,9 @@
 """Invoices: one per tenant per calendar month (UTC), built with get-or-create on (tenant, period).
 
-Lines, in this order: reserved fees (prorated by day), on-demand usage per GPU model, spot usage per
-model, reserved usage above the reservation's GPUs (billed on-demand), adjustments (usage that
+Lines, in this order: reserved fees (to the second the reservation was in force: a cancelled one up
+to its cancellation), cancellation fees, on-demand usage per GPU model, spot usage per model,
+reserved usage above the reservation's GPUs (billed on-demand), GPU memory, volume storage,
+adjustments (usage that
 arrived after its own period's invoice was finalized, naming that period), credits applied and tax.
 Each line is rounded once by ``quantize_money``; the total is the sum of the lines.
 
@@ -32,13 +34,13 @@ from metering.models import (
 )
 from metering.money import ZERO, quantize_money
 from metering.periods import period_bounds, period_of, previous_period
-from metering.services.invoice_build import RunCache, invoices_build_batch
+from metering.services.invoice_build import RunCache, billable_reservations, invoices_build_batch
 from metering.services.invoice_events import invoice_event_publish
 from portal.actors import Actor
 from portal.errors import Conflict, ValidationFailed
 from portal.models import Tenant
 from portal.services.audit import audit_record
-from scheduling.models import Reservation, ReservationStatus
+from scheduling.models import Reservation
 
 logger = logging.getLogger(__name__)
 # Tenants per transaction in the monthly run: a fixed number of queries per batch.
@@ -273,9 +275,7 @@ def invoice_run(*, period_start: date | None = None, now: datetime | None = None
         .order_by()
     )
     tenant_ids |= set(
-        Reservation.objects.filter(
-            status=ReservationStatus.ACTIVE, starts_at__lt=end, ends_at__gt=start
-        ).values_list("tenant_id", flat=True)
+        Reservation.objects.filter(billable_reservations(start, end)).values_list("tenant_id", flat=True)
     )
     cache = RunCache.load()
     invoices, failed = _in_batches(sorted(tenant_ids), period_start=period_start, now=now, cache=cache)

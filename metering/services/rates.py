@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal, InvalidOperation
 
@@ -13,6 +13,7 @@ from django.utils import timezone
 from metering.locks import lock_rate_card
 from metering.models import BillingAccount, GpuPrice, RateCard, RateCardVersion
 from metering.money import ZERO, quantize_unit
+from nodes.models import Region
 from portal.errors import ValidationFailed
 from scheduling.models import Plan
 
@@ -40,15 +41,17 @@ def rate_card_version_create(
     rate_card: RateCard,
     effective_from: datetime,
     effective_to: datetime | None = None,
-    gpu_prices: dict[tuple[int, str], object],
+    gpu_prices: dict[tuple, object],
     vcpu_hour_price=None,
     ram_gib_hour_price=None,
     storage_gib_hour_price=None,
+    gpu_memory_gib_hour_price=None,
     now: datetime | None = None,
     allow_past: bool = False,
 ) -> RateCardVersion:
     """Add a price version to ``rate_card`` from ``effective_from``; ``gpu_prices`` maps
-    ``(gpu_model_id, plan)`` to the price of one GPU-hour.
+    ``(gpu_model_id, plan)`` to the price of one GPU-hour, and ``(gpu_model_id, plan, region_id)``
+    to that region's price (which wins there over the price without a region).
 
     The past is never rewritten: ``effective_from`` may not lie in the past (``allow_past`` is for
     seeding a new card), and a version may not overlap another. An open-ended version in force at
@@ -69,15 +72,23 @@ def rate_card_version_create(
             fields={"effective_to": ["Must be after effective_from."]},
         )
     prices = {}
-    for (model_id, plan), value in gpu_prices.items():
+    regions = set(Region.objects.values_list("pk", flat=True))
+    for key, value in gpu_prices.items():
+        model_id, plan, region_id = (*key, None) if len(key) == 2 else key
         if plan not in Plan.values:
             raise ValidationFailed(
                 f"plan: unknown plan {plan!r}.", fields={"plan": [f"Unknown plan {plan!r}."]}
             )
-        prices[(model_id, plan)] = _price(value, "price_per_gpu_hour")
+        if region_id is not None and region_id not in regions:
+            raise ValidationFailed(
+                f"region: unknown region {region_id!r}.",
+                fields={"region": [f"Unknown region {region_id!r}."]},
+            )
+        prices[(model_id, plan, region_id)] = _price(value, "price_per_gpu_hour")
     vcpu = _price(vcpu_hour_price, "vcpu_hour_price")
     ram = _price(ram_gib_hour_price, "ram_gib_hour_price")
     storage = _price(storage_gib_hour_price, "storage_gib_hour_price")
+    gpu_memory = _price(gpu_memory_gib_hour_price, "gpu_memory_gib_hour_price")
     with transaction.atomic():
         lock_rate_card(rate_card_id=rate_card.pk)
         versions = list(RateCardVersion.objects.filter(rate_card=rate_card).order_by("effective_from"))
@@ -106,14 +117,21 @@ def rate_card_version_create(
                 vcpu_hour_price=vcpu,
                 ram_gib_hour_price=ram,
                 storage_gib_hour_price=storage,
+                gpu_memory_gib_hour_price=gpu_memory,
             )
         except IntegrityError as exc:
             raise ValidationFailed(
                 "effective_from: overlaps another version.", fields={"effective_from": [str(exc)[:200]]}
             ) from None
         GpuPrice.objects.bulk_create(
-            GpuPrice(version=version, gpu_model_id=model_id, plan=plan, price_per_gpu_hour=price)
-            for (model_id, plan), price in prices.items()
+            GpuPrice(
+                version=version,
+                gpu_model_id=model_id,
+                plan=plan,
+                region_id=region_id,
+                price_per_gpu_hour=price,
+            )
+            for (model_id, plan, region_id), price in prices.items()
         )
     return version
 
@@ -133,10 +151,25 @@ def billing_account_for(*, tenant) -> BillingAccount:
 
 @dataclass(frozen=True)
 class PricedVersion:
-    """A version with its GPU prices loaded: ``gpu[(gpu_model_id, plan)]`` per GPU-hour."""
+    """A version with its GPU prices loaded: ``gpu[(gpu_model_id, plan)]`` per GPU-hour, and
+    ``regional[(gpu_model_id, plan, region_id)]`` where a region has a price of its own."""
 
     version: RateCardVersion
     gpu: dict[tuple[int, str], Decimal]
+    regional: dict[tuple[int, str, int], Decimal] = field(default_factory=dict)
+
+    def price(self, gpu_model_id: int, plan: str, region_id: int | None) -> Decimal | None:
+        """One GPU-hour of the model on the plan in the region: the region's own price, or else
+        the card's price without a region."""
+        if region_id is not None and self.regional:
+            found = self.regional.get((gpu_model_id, plan, region_id))
+            if found is not None:
+                return found
+        return self.gpu.get((gpu_model_id, plan))
+
+    @property
+    def gpu_memory_price(self) -> Decimal | None:
+        return self.version.gpu_memory_gib_hour_price
 
     @property
     def start(self) -> datetime:
@@ -160,9 +193,13 @@ class PriceBook:
             return
         versions = list(RateCardVersion.objects.filter(rate_card=rate_card).order_by("effective_from"))
         prices: dict[int, dict[tuple[int, str], Decimal]] = {v.pk: {} for v in versions}
+        regional: dict[int, dict[tuple[int, str, int], Decimal]] = {v.pk: {} for v in versions}
         for p in GpuPrice.objects.filter(version__rate_card=rate_card):
-            prices[p.version_id][(p.gpu_model_id, p.plan)] = p.price_per_gpu_hour
-        self.versions = [PricedVersion(v, prices[v.pk]) for v in versions]
+            if p.region_id is None:
+                prices[p.version_id][(p.gpu_model_id, p.plan)] = p.price_per_gpu_hour
+            else:
+                regional[p.version_id][(p.gpu_model_id, p.plan, p.region_id)] = p.price_per_gpu_hour
+        self.versions = [PricedVersion(v, prices[v.pk], regional[v.pk]) for v in versions]
 
     def at(self, at: datetime) -> PricedVersion | None:
         for v in self.versions:
@@ -235,36 +272,61 @@ def discounted(price: Decimal | None, discount_percent: Decimal) -> Decimal | No
     return quantize_unit(price * (Decimal(100) - Decimal(discount_percent)) / Decimal(100))
 
 
-def current_prices(*, gpu_model, tenant=None, at: datetime | None = None) -> dict[str, Decimal | None]:
-    """Hourly price of one GPU of ``gpu_model`` per plan, now (after the tenant's discount)."""
-    return current_price_table(gpu_models=[gpu_model], tenant=tenant, at=at)[gpu_model.pk]
+def current_prices(
+    *, gpu_model, tenant=None, at: datetime | None = None, region=None
+) -> dict[str, Decimal | None]:
+    """Hourly price of one GPU of ``gpu_model`` per plan, now (after the tenant's discount), in
+    ``region`` (None: the card's price without a region)."""
+    return current_price_table(gpu_models=[gpu_model], tenant=tenant, at=at, region=region)[gpu_model.pk]
 
 
-def current_price_table(
-    *, gpu_models, tenant=None, at: datetime | None = None
-) -> dict[int, dict[str, Decimal | None]]:
-    """``current_prices`` of many GPU models in three queries: ``{model pk: {plan: price}}``."""
+def current_version(*, tenant=None, at: datetime | None = None) -> RateCardVersion | None:
+    """The version in force at ``at`` of the tenant's card (None: the default card)."""
     at = at or timezone.now()
-    ids = {getattr(m, "pk", m) for m in gpu_models}
-    out: dict[int, dict[str, Decimal | None]] = {pk: dict.fromkeys(Plan.values) for pk in ids}
     card = (
         rate_card_for_tenant(tenant=tenant)
         if tenant is not None
         else RateCard.objects.filter(is_default=True).first()
     )
     if card is None:
-        return out
-    version = (
+        return None
+    return (
         RateCardVersion.objects.filter(rate_card=card, effective_from__lte=at)
         .filter(Q(effective_to__isnull=True) | Q(effective_to__gt=at))
         .first()
     )
-    if version is None:
-        return out
-    discount = billing_account_for(tenant=tenant).discount_percent if tenant is not None else ZERO
-    for model_id, plan, price in GpuPrice.objects.filter(version=version, gpu_model_id__in=ids).values_list(
-        "gpu_model_id", "plan", "price_per_gpu_hour"
-    ):
-        if plan in out[model_id]:
-            out[model_id][plan] = discounted(price, discount)
-    return out
+
+
+def current_price_table(
+    *, gpu_models, tenant=None, at: datetime | None = None, region=None, regions=None
+) -> dict:
+    """``current_prices`` of many GPU models in three queries: ``{model pk: {plan: price}}`` for
+    ``region`` (one region or None); with ``regions``, ``{(model pk, region pk): {plan: price}}``
+    for each of them (a region's own price where it has one)."""
+    ids = {getattr(m, "pk", m) for m in gpu_models}
+    region_ids = (
+        [getattr(r, "pk", r) for r in regions] if regions is not None else [getattr(region, "pk", region)]
+    )
+    keys = [(pk, rid) for pk in ids for rid in region_ids]
+    table: dict[tuple, dict[str, Decimal | None]] = {k: dict.fromkeys(Plan.values) for k in keys}
+    version = current_version(tenant=tenant, at=at)
+    if version is not None:
+        discount = billing_account_for(tenant=tenant).discount_percent if tenant is not None else ZERO
+        general: dict[tuple[int, str], Decimal] = {}
+        regional: dict[tuple[int, str, int], Decimal] = {}
+        for model_id, plan, region_id, price in GpuPrice.objects.filter(
+            version=version, gpu_model_id__in=ids
+        ).values_list("gpu_model_id", "plan", "region_id", "price_per_gpu_hour"):
+            if region_id is None:
+                general[(model_id, plan)] = price
+            else:
+                regional[(model_id, plan, region_id)] = price
+        priced = PricedVersion(version, general, regional)
+        for model_id, region_id in keys:
+            for plan in Plan.values:
+                table[(model_id, region_id)][plan] = discounted(
+                    priced.price(model_id, plan, region_id), discount
+                )
+    if regions is not None:
+        return table
+    return {model_id: prices for (model_id, _), prices in table.items()}

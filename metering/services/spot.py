@@ -67,7 +67,7 @@ def spot_prices_update(*, now: datetime | None = None) -> list[SpotPrice]:
     made = []
     models = {m.pk: m for m in GpuModel.objects.filter(pk__in={k[0] for k in capacity})}
     for (model_id, region_id), cap in sorted(capacity.items()):
-        prices = current_prices(gpu_model=models[model_id], at=now)
+        prices = current_prices(gpu_model=models[model_id], at=now, region=region_id)
         floor, on_demand = prices.get("spot"), prices.get("on_demand")
         if floor is None or on_demand is None or on_demand < floor:
             continue

@@ -18,6 +18,12 @@ is already past (an open allocation's completed months and price versions).
 
 Volumes are billed by the same run, per GiB-hour of their size (``metering.services.storage``).
 
+GPU memory (a rate card version's ``gpu_memory_gib_hour_price``): a record holds the share of its
+GPU's memory the allocation was given, ``gpu_seconds`` times the model's GiB, as
+``gpu_memory_gib_seconds``; on-demand and spot records add its price to ``amount`` and keep that
+part in ``gpu_memory_amount`` (the invoice's "GPU memory" line). Reserved usage is covered by the
+fee. Prices are the region's own where the card has one (``PricedVersion.price``).
+
 Per-second billing with a minimum (``METERING_MINIMUM_BILLABLE_S``, default 60): an allocation that
 ran less than the minimum bills the minimum; the difference is added to its last piece.
 """
@@ -39,8 +45,8 @@ from metering.periods import period_bounds, period_of, period_starts_between, pr
 from metering.services.rates import PriceBook, TenantPricing, discounted
 from metering.services.spot import SpotHistory
 from metering.services.storage import storage_accrued, storage_usage_build
-from nodes.models import GpuMinuteRollup
-from scheduling.models import MILLI, Allocation, Plan, WarmSlot, WorkloadEvent, WorkloadState
+from nodes.models import GpuMinuteRollup, GpuModel
+from scheduling.models import MILLI, Allocation, Plan, Reservation, WarmSlot, WorkloadEvent, WorkloadState
 
 NODE_DOWN_REASONS = frozenset({"node_down"})
 
@@ -133,6 +139,15 @@ class _Rater:
             (a.gpu_model_id, a.node.region_id) for a in allocations if a.plan == Plan.SPOT
         )
         self.unrated: list[str] = []
+        self._memory = dict(
+            GpuModel.objects.filter(pk__in={a.gpu_model_id for a in allocations}).values_list(
+                "pk", "memory_gib"
+            )
+        )
+
+    def memory_gib(self, gpu_model_id: int) -> Decimal:
+        """GiB of memory on one whole GPU of the model."""
+        return Decimal(self._memory.get(gpu_model_id) or 0)
 
     def span(self, a: Allocation) -> tuple[datetime, datetime | None] | None:
         started = _start_of(a, self.events)
@@ -154,7 +169,7 @@ class _Rater:
         if priced is None:
             self.unrated.append(f"allocation {a.pk}: no price version in force at {s.isoformat()}")
             return None
-        plan_price = priced.gpu.get((a.gpu_model_id, a.plan))
+        plan_price = priced.price(a.gpu_model_id, a.plan, a.node.region_id)
         if a.plan == Plan.SPOT:
             # The market price in force, when there is one (see services.spot).
             market = self.spot.at(a.gpu_model_id, a.node.region_id, s)
@@ -171,6 +186,8 @@ class _Rater:
         gpu_seconds = billed * Decimal(a.fraction_milli) / Decimal(MILLI)
         vcpu_seconds = billed * vcpus
         ram_seconds = billed * ram_gib
+        memory_seconds = gpu_seconds * self.memory_gib(a.gpu_model_id)
+        memory_amount = ZERO
         # Reserved usage is covered by the reservation's fee; usage above its GPUs is billed
         # on-demand on the invoice (see services.invoices).
         unit = ZERO if a.plan == Plan.RESERVED else discounted(plan_price, discount)
@@ -181,6 +198,11 @@ class _Rater:
                 amount += vcpu_seconds * discounted(v.vcpu_hour_price, discount) / HOUR
             if v.ram_gib_hour_price is not None:
                 amount += ram_seconds * discounted(v.ram_gib_hour_price, discount) / HOUR
+            if v.gpu_memory_gib_hour_price is not None:
+                memory_amount = quantize_unit(
+                    memory_seconds * discounted(v.gpu_memory_gib_hour_price, discount) / HOUR
+                )
+                amount += memory_amount
         return UsageRecord(
             tenant_id=a.tenant_id,
             allocation=a,
@@ -198,6 +220,8 @@ class _Rater:
             gpu_seconds=gpu_seconds,
             vcpu_seconds=vcpu_seconds,
             ram_gib_seconds=ram_seconds,
+            gpu_memory_gib_seconds=memory_seconds,
+            gpu_memory_amount=memory_amount,
             unit_price=unit,
             amount=quantize_unit(amount),
             created_at=now,
@@ -273,8 +297,9 @@ def costs_to_date(*, tenant_ids=None, now: datetime | None = None) -> dict[int, 
     """Unrounded cost of the current month so far per tenant (of ``tenant_ids``, or every tenant
     with usage this month or a running allocation): the month's usage records plus what the
     running allocations have accrued since their last record, rated exactly as their records will
-    be (price versions, spot market price, vCPU and RAM, discount; no minimum yet). Reserved usage
-    is covered by the reservation's fee. A fixed number of queries, however many tenants."""
+    be (price versions, spot market price, vCPU, RAM and GPU memory, discount; no minimum yet), and
+    the reservations' fees to now (to the second, as invoiced) with any cancellation fee of the
+    month. Reserved usage is covered by the reservation's fee. A fixed number of queries, however many tenants."""
     now = now or timezone.now()
     period = period_of(now)
     month_start, _ = period_bounds(period)
@@ -293,6 +318,8 @@ def costs_to_date(*, tenant_ids=None, now: datetime | None = None) -> dict[int, 
         ):
             out[tenant_id] += amount or ZERO
     for tenant_id, amount in storage_accrued(tenant_ids=tenant_ids, now=now, month_start=month_start).items():
+        out[tenant_id] += amount
+    for tenant_id, amount in _reserved_accrued(tenant_ids=tenant_ids, now=now).items():
         out[tenant_id] += amount
     allocations = list(running.select_related("workload", "node").order_by("id"))
     if allocations:
@@ -315,6 +342,27 @@ def costs_to_date(*, tenant_ids=None, now: datetime | None = None) -> dict[int, 
     if tenant_ids is not None:
         return {t: out[t] for t in tenant_ids}
     return dict(out)
+
+
+def _reserved_accrued(*, tenant_ids, now: datetime) -> dict[int, Decimal]:
+    """Reservation fees of the month so far per tenant, and cancellation fees of the month: what
+    the month's invoice will bill for them (``invoice_build.reserved_accrued``)."""
+    from metering.services.invoice_build import billable_reservations, reserved_accrued
+
+    start, _ = period_bounds(period_of(now))
+    reservations = Reservation.objects.filter(billable_reservations(start, now))
+    if tenant_ids is not None:
+        reservations = reservations.filter(tenant_id__in=tenant_ids)
+    reservations = list(reservations.order_by("pk"))
+    out: dict[int, Decimal] = defaultdict(lambda: ZERO)
+    if not reservations:
+        return out
+    pricing = TenantPricing()
+    pricing.load({r.tenant_id for r in reservations})
+    for r in reservations:
+        account = pricing.account(r.tenant_id)
+        out[r.tenant_id] += reserved_accrued(r, pricing.book(r.tenant_id), account.discount_percent, now=now)
+    return out
 
 
 def platform_costs_build(*, since: datetime, now: datetime) -> int:
@@ -341,7 +389,9 @@ def platform_costs_build(*, since: datetime, now: datetime) -> int:
             pieces = [p for p in pieces if p[1] in set(cuts)]
         for s, e in pieces:
             priced = book.at(s)
-            price = priced.gpu.get((slot.pool.gpu_model_id, Plan.ON_DEMAND)) if priced else None
+            price = (
+                priced.price(slot.pool.gpu_model_id, Plan.ON_DEMAND, slot.node.region_id) if priced else None
+            )
             gpu_seconds = _seconds(e - s)
             rows.append(
                 PlatformCost(

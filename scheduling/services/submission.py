@@ -187,6 +187,22 @@ def _meets_constraints(m: GpuModel, c: dict[str, Any]) -> bool:
     return not c["rocm_target"] or (m.vendor == GpuVendor.AMD and m.gfx_target == c["rocm_target"])
 
 
+def candidate_models(*, workload: Workload, catalog: list[GpuModel] | None = None) -> list[GpuModel]:
+    """The schedulable catalog models a stored workload could land on: its named models, or every
+    model that meets its constraints (what ``_validate`` computed when it was submitted)."""
+    c = {
+        "min_gpu_memory_gib": workload.min_gpu_memory_gib,
+        "min_compute_weight": workload.min_compute_weight,
+        "gpu_vendor": workload.gpu_vendor,
+        "cuda_capability": workload.cuda_capability,
+        "rocm_target": workload.rocm_target,
+    }
+    pool = list(workload.gpu_models.all()) if workload.pk else []
+    if not pool:
+        pool = catalog if catalog is not None else list(GpuModel.objects.all())
+    return [m for m in pool if m.vendor in SCHEDULABLE_VENDORS and _meets_constraints(m, c)]
+
+
 # The fleet's node shapes by set of candidate models, as read at (monotonic time); see _fleet_nodes.
 _shapes: dict[frozenset[int], tuple[float, list[dict[str, Any]]]] = {}
 
@@ -556,6 +572,7 @@ def workload_submit(*, tenant, kind: str, spec: dict[str, Any], actor: Actor) ->
             **f,
         )
         workload._spec_models = resolved.models
+        workload._spec_candidates = resolved.candidates
         run_admission_checks(tenant=tenant, workload=workload, actor=actor)
         workload.save()
         with log_context(workload_id=workload.pk):  # what is logged about it from here on

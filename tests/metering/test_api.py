@@ -86,7 +86,7 @@ def test_the_budget_hard_limit_refuses_a_workload_naming_the_budget(tenant, card
     run(
         tenant, now.replace(day=1, hour=0, minute=0, second=0, microsecond=0), None
     )  # about 2.00 per hour so far
-    Budget.objects.create(tenant=tenant, monthly_limit=Decimal("1000000"), hard_limit=True)
+    Budget.objects.create(tenant=tenant, monthly_limit=Decimal("1000000"), limit_action="refuse")
     _submit(tenant, gpu_count=1, max_runtime_s=3600)
     Budget.objects.filter(tenant=tenant).update(monthly_limit=Decimal("0.50"))
     with pytest.raises(AdmissionRefused) as exc:

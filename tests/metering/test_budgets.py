@@ -48,11 +48,13 @@ def test_cost_to_date_is_recorded_usage_plus_what_running_allocations_accrued(
     run(tenant, utc(2024, 3, 5, 1), None, plan=Plan.RESERVED, reservation=r)  # covered by the fee
     run(make_tenant("other"), utc(2024, 3, 1), utc(2024, 3, 1, 1))
     usage_build(since=utc(2024, 1, 1), now=now)
-    expected = Decimal("4") + Decimal("3") + Decimal("195") + Decimal("1.4")
-    assert costs_to_date(tenant_ids=[tenant.pk], now=now)[tenant.pk] == expected
-    assert month_cost_to_date(tenant=tenant, now=now) == expected
+    # The reservation's fee so far (1-month term: 1.50 x 730 h a month, to the second of 31 days).
+    fee = Decimal("1.50") * 730 * Decimal((now - utc(2024, 3, 1)).total_seconds()) / Decimal(31 * 86400)
+    expected = Decimal("4") + Decimal("3") + Decimal("195") + Decimal("1.4") + fee
+    assert abs(costs_to_date(tenant_ids=[tenant.pk], now=now)[tenant.pk] - expected) < Decimal("1e-9")
+    assert abs(month_cost_to_date(tenant=tenant, now=now) - expected) < Decimal("1e-9")
     # February's completed month was recorded (final), and is not part of March's cost.
-    assert costs_to_date(now=now)[tenant.pk] == expected
+    assert abs(costs_to_date(now=now)[tenant.pk] - expected) < Decimal("1e-9")
     assert spot.ended_at is None
 
 

@@ -43,3 +43,29 @@ def test_parallel_invoice_runs_make_one_invoice_per_tenant_with_the_same_lines(m
     totals = dict(Invoice.objects.values_list("tenant__slug", "total"))
     assert totals == {f"race{i}": Decimal(2 * (1 + i)) for i in range(6)}
     assert InvoiceLine.objects.count() == 6
+
+
+def test_parallel_submissions_cannot_pass_a_budget_together(tenant, card, node, make_token):
+    """Four real HTTP requests at once, each estimated at 1.00 (an H100 for half an hour) against a
+    budget of 1.50 that refuses: exactly one is admitted."""
+    from django.test import Client
+
+    from metering.models import BudgetLimitAction
+    from scheduling.models import Workload
+    from tests.metering.conftest import H100
+
+    Budget.objects.create(tenant=tenant, monthly_limit=Decimal("1.50"), limit_action=BudgetLimitAction.REFUSE)
+    token = make_token(tenant)
+    statuses: list[int] = []
+
+    def submit():
+        response = Client(HTTP_AUTHORIZATION=f"Bearer {token}").post(
+            "/api/v1/jobs/",
+            {"image": "ghcr.io/acme/train:1", "command": ["x"], "gpu_models": [H100], "max_runtime_s": 1800},
+            content_type="application/json",
+        )
+        statuses.append(response.status_code)
+
+    assert together(submit) == []
+    assert sorted(statuses) == [201, 403, 403, 403], statuses
+    assert Workload.objects.filter(tenant=tenant).count() == 1

@@ -261,7 +261,7 @@ def test_a_billing_member_buys_and_sets_the_budget(as_role, tenant, card, region
 def test_budget_form_sets_the_budget_through_the_audited_service(client, tenant, owner):
     response = client.post(
         "/billing/budget/",
-        {"monthly_limit": "1500.50", "alert_thresholds": "90, 50 ,100", "hard_limit": "on"},
+        {"monthly_limit": "1500.50", "alert_thresholds": "90, 50 ,100", "limit_action": "refuse"},
     )
     assert response.status_code == 302
     b = Budget.objects.get(tenant=tenant)
@@ -270,7 +270,7 @@ def test_budget_form_sets_the_budget_through_the_audited_service(client, tenant,
     assert audit.actor_user == owner
     html = text(client.get("/billing/budget/"))
     assert 'value="1500.50"' in html
-    assert 'value="50, 90, 100"' in html and "0.0% of 1500.50 USD (hard limit)" in html
+    assert 'value="50, 90, 100"' in html and "0.0% of 1500.50 USD (refuses new work)" in html
 
 
 @pytest.mark.parametrize(
@@ -337,6 +337,6 @@ def test_reservations_and_budget_pages_read_few_queries(
     with django_assert_max_num_queries(20):  # a fixed number: the rate card and the quote
         html = text(client.get("/billing/reservations/"))
     assert len(re.findall(r'id="reservation-\d+"', html)) == 25 and "Page 1 of 2" in html
-    with django_assert_max_num_queries(14):  # the cost to date: usage, volumes' storage and accrual
+    with django_assert_max_num_queries(15):  # the cost to date: usage, storage, reservations, accrual
         assert client.get("/billing/budget/").status_code == 200
     assert Membership.objects.filter(tenant=tenant).count() == 1

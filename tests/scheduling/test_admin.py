@@ -79,3 +79,30 @@ def test_staff_set_a_quota_and_it_is_audited(staff_client, tenant):
     assert (q.max_gpus_total, q.max_concurrent_workloads, q.max_gpus_per_request) == (16, None, 8)
     assert q.fair_share_weight == 2
     assert AuditEvent.objects.filter(action="quota.update", tenant=tenant).exists()
+
+
+def test_staff_confirm_over_capacity_only_with_the_override(staff_client, tenant, make_node):
+    node = make_node()  # 8 H100s
+    now = timezone.now()
+    r = Reservation.objects.create(
+        tenant=tenant,
+        gpu_model=GpuModel.objects.get(name=H100),
+        region=node.region,
+        count=9,
+        starts_at=now,
+        ends_at=now + timedelta(days=30),
+    )
+    page = staff_client.post(
+        "/admin/scheduling/reservation/", {"action": "activate", "_selected_action": [r.pk]}, follow=True
+    )
+    assert "Not enough capacity" in page.content.decode()
+    assert Reservation.objects.get(pk=r.pk).status == ReservationStatus.REQUESTED
+    staff_client.post(
+        "/admin/scheduling/reservation/",
+        {"action": "activate_over_capacity", "_selected_action": [r.pk]},
+        follow=True,
+    )
+    r.refresh_from_db()
+    assert r.status == ReservationStatus.ACTIVE and r.activated_at is not None
+    audit = AuditEvent.objects.get(action="reservation.activate", target_id=str(r.pk))
+    assert audit.data["capacity_override"] is True and "overbooked by 1" in audit.data["risk"]
