@@ -16,6 +16,11 @@ class MeteringConfig(AppConfig):
         from scheduling.pricing import register_price_provider
 
         tenant_suspended.connect(workloads_stop_on_suspension, dispatch_uid="metering-stop-on-suspension")
+        from metering import demo
+        from portal.signals import seed_demo_requested
+
+        # After nodes' (the catalog and regions): apps' ready() run in INSTALLED_APPS order.
+        seed_demo_requested.connect(demo.on_seed_demo_requested, dispatch_uid="metering.seed_demo")
         register_admission_check(suspended_tenant_check)
         register_admission_check(budget_hard_limit_check)
         register_price_provider(provider)
