@@ -17,6 +17,7 @@ import calendar
 from datetime import datetime
 
 from django import forms
+from django.conf import settings
 from django.contrib import messages
 from django.core.paginator import Paginator
 from django.shortcuts import redirect
@@ -240,6 +241,9 @@ class ReservationsMixin(BillingMixin):
                 "reservations": page.object_list,
                 "can_buy": self.has_scope(Scope.BILLING),
                 "now": timezone.now(),
+                # The cancellation policy (settings): may the tenant end an active one, at what fee.
+                "tenant_may_end": settings.RESERVATION_CANCEL_ACTIVE_BY == "tenant",
+                "cancel_fee_percent": settings.RESERVATION_CANCEL_FEE_PERCENT,
             },
             status=status,
         )

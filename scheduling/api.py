@@ -738,6 +738,9 @@ class ReservationSerializer(serializers.ModelSerializer):
             "status",
             "note",
             "created_at",
+            "activated_at",
+            "cancelled_at",
+            "cancel_fee_percent",
         ]
         read_only_fields = fields
 

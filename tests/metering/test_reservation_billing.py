@@ -17,6 +17,7 @@ from portal.models import AuditEvent
 from scheduling.models import Reservation, ReservationStatus
 from scheduling.services.reservations import reservation_activate, reservation_cancel
 from tests.metering.conftest import utc
+from tests.portal.conftest import signed_in  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.django_db
 SYSTEM = Actor.system()
@@ -128,3 +129,26 @@ def test_the_cost_to_date_includes_the_reservation_fee_so_far(tenant, card, rese
     got = costs_to_date(tenant_ids=[tenant.pk], now=now)[tenant.pk]
     assert abs(got - (Decimal("2") + fee)) < Decimal("0.000001")
     assert costs_to_date(tenant_ids=[tenant.pk], now=now + timedelta(hours=1))[tenant.pk] > got
+
+
+@override_settings(RESERVATION_CANCEL_FEE_PERCENT=25, RESERVATION_CANCEL_ACTIVE_BY="tenant")
+def test_the_reservations_page_offers_to_end_an_active_one_with_its_fee(
+    tenant,
+    owner,
+    card,
+    reserve,
+    signed_in,  # noqa: F811
+):
+    r = reserve(tenant, utc(2024, 1, 1), utc(2099, 1, 1))
+    c = signed_in(owner, tenant)
+    html = c.get("/billing/reservations/").content.decode()
+    assert "End now (25% fee)" in html
+    assert c.post(f"/billing/reservations/{r.pk}/cancel/").status_code == 302
+    r.refresh_from_db()
+    assert r.status == ReservationStatus.CANCELLED and r.cancelled_at is not None
+    assert r.cancel_fee_percent == 25
+    with override_settings(RESERVATION_CANCEL_ACTIVE_BY="staff"):
+        other = reserve(tenant, utc(2024, 1, 1), utc(2099, 1, 1))
+        assert "End now" not in c.get("/billing/reservations/").content.decode()
+        c.post(f"/billing/reservations/{other.pk}/cancel/")
+        assert Reservation.objects.get(pk=other.pk).status == ReservationStatus.ACTIVE
