@@ -5,7 +5,9 @@
 Makes its own database (``gpupool_bench_invoices``: created, migrated, dropped at the end) with
 ``--tenants`` tenants (default 1,000) and ``--records`` usage records for March 2024 (default
 500,000; bulk-created directly, not through scheduling): the first tenant has ``--heavy`` (10,000)
-of them, the rest share the remainder; on-demand and spot, two GPU models. Then:
+of them, the rest share the remainder; on-demand and spot, two GPU models, GPU memory priced per
+GiB-hour (every record carries its GiB-seconds). Every tenth tenant holds a reservation of two
+H100s for the month (one in five of them cancelled on 15 March, with a cancellation fee). Then:
 
 1. ``invoice_run`` for March as beat runs it on 1 April (usage pass + every tenant's draft built);
 2. the same run on 5 April, when the drafts' grace is over (rebuilt once more and finalized);
@@ -40,6 +42,7 @@ H100 = "NVIDIA H100 SXM 80GB"
 A100 = "NVIDIA A100 SXM 80GB"
 MARCH = date(2024, 3, 1)
 HOUR = Decimal(3600)
+MEMORY_PRICE = "0.002"
 
 
 def seed(tenants: int, records: int, heavy: int):
@@ -50,15 +53,23 @@ def seed(tenants: int, records: int, heavy: int):
     from portal.bulk import bulk_insert
     from portal.models import Membership, Role, Tenant, User
     from portal.services.tokens import api_token_create
-    from scheduling.models import Allocation, Plan, Workload
+    from scheduling.models import Allocation, Plan, Reservation, ReservationStatus, Workload
 
     h100, a100 = GpuModel.objects.get(name=H100), GpuModel.objects.get(name=A100)
     region = Region.objects.get_or_create(code="us-east-1", defaults={"name": "US East"})[0]
     card = RateCard.objects.create(name="Standard", currency="USD", is_default=True)
     prices = {(h100.pk, Plan.ON_DEMAND): "2.00", (h100.pk, Plan.SPOT): "0.80"}
-    prices |= {(a100.pk, Plan.ON_DEMAND): "1.00", (a100.pk, Plan.SPOT): "0.40"}
+    prices |= {
+        (a100.pk, Plan.ON_DEMAND): "1.00",
+        (a100.pk, Plan.SPOT): "0.40",
+        (h100.pk, Plan.RESERVED): "1.50",
+    }
     version = rate_card_version_create(
-        rate_card=card, effective_from=datetime(2020, 1, 1, tzinfo=UTC), gpu_prices=prices, allow_past=True
+        rate_card=card,
+        effective_from=datetime(2020, 1, 1, tzinfo=UTC),
+        gpu_prices=prices,
+        gpu_memory_gib_hour_price=MEMORY_PRICE,
+        allow_past=True,
     )
     node = Node.objects.create(hostname="bench-0001", region=region, cpu_cores=64, ram_mib=512 * 1024)
     gpus = [Gpu.objects.create(node=node, index=i, uuid=f"GPU-bench-{i}", model=h100) for i in range(8)]
@@ -101,6 +112,8 @@ def seed(tenants: int, records: int, heavy: int):
             price = Decimal(prices[(model.pk, a.plan)])
             s = start + seg * (k // 2)
             gpu_s = Decimal(240)
+            mem_s = gpu_s * model.memory_gib
+            mem_amount = (mem_s * Decimal(MEMORY_PRICE) / HOUR).quantize(Decimal("1e-10"))
             rows.append(
                 UsageRecord(
                     tenant_id=t.pk,
@@ -116,8 +129,10 @@ def seed(tenants: int, records: int, heavy: int):
                     fraction_milli=1000,
                     seconds=gpu_s,
                     gpu_seconds=gpu_s,
+                    gpu_memory_gib_seconds=mem_s,
+                    gpu_memory_amount=mem_amount,
                     unit_price=price,
-                    amount=(gpu_s * price / HOUR).quantize(Decimal("1e-10")),
+                    amount=(gpu_s * price / HOUR).quantize(Decimal("1e-10")) + mem_amount,
                     avg_util_pct=80.0,
                     avg_mem_used_mib=40000.0,
                     created_at=start + timedelta(days=29),
@@ -129,6 +144,22 @@ def seed(tenants: int, records: int, heavy: int):
                 rows = []
     bulk_insert(rows)
     made += len(rows)
+    Reservation.objects.bulk_create(
+        Reservation(
+            tenant=t,
+            gpu_model=h100,
+            region=region,
+            count=2,
+            starts_at=start,
+            ends_at=datetime(2024, 4, 1, tzinfo=UTC),
+            status=ReservationStatus.CANCELLED if i % 50 == 0 else ReservationStatus.ACTIVE,
+            activated_at=start - timedelta(days=1),
+            cancelled_at=datetime(2024, 3, 15, tzinfo=UTC) if i % 50 == 0 else None,
+            cancel_fee_percent=Decimal(25) if i % 50 == 0 else Decimal(0),
+        )
+        for i, t in enumerate(ts)
+        if i % 10 == 0
+    )
     heavy_tenant = ts[0]
     owner = User.objects.create_user(email="owner@bench.test", password="bench-pw-1")
     Membership.objects.create(tenant=heavy_tenant, user=owner, role=Role.OWNER)
@@ -191,11 +222,17 @@ def bench(tenants: int, records: int, heavy: int, profile: str | None = None) ->
     assert finalized == tenants, finalized
     from django.db.models import Sum
 
+    from metering.models import InvoiceLine, LineKind
+
     billed = Invoice.objects.aggregate(s=Sum("total"))["s"]
     rated = UsageRecord.objects.aggregate(s=Sum("amount"))["s"]
+    fees = InvoiceLine.objects.filter(kind__in=[LineKind.RESERVED_FEE, LineKind.CANCEL_FEE]).aggregate(
+        s=Sum("amount")
+    )["s"]
+    memory = InvoiceLine.objects.filter(kind=LineKind.GPU_MEMORY).aggregate(s=Sum("amount"))["s"]
     print(
         f"invoice run (finalize): {finalized} invoices in {finalize_s:.2f} s, {finalize_queries} queries; "
-        f"billed {billed}, rated {rated}"
+        f"billed {billed}: rated usage {rated} (GPU memory lines {memory}) + reservation fees {fees}"
     )
 
     client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
