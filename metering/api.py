@@ -55,6 +55,8 @@ class UsageRecordSerializer(serializers.ModelSerializer):
             "gpu_seconds",
             "vcpu_seconds",
             "ram_gib_seconds",
+            "gpu_memory_gib_seconds",
+            "gpu_memory_amount",
             "unit_price",
             "amount",
             "avg_util_pct",

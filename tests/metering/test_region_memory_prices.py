@@ -20,6 +20,7 @@ from portal.errors import ValidationFailed
 from scheduling.models import Plan
 from scheduling.pricing import gpu_price_table, price_key
 from tests.metering.conftest import utc
+from tests.portal.conftest import signed_in  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.django_db
 MARCH = date(2024, 3, 1)
@@ -85,6 +86,25 @@ def test_usage_in_a_region_is_billed_at_that_regions_price_and_memory_per_gib_ho
     # the usage page's month shows the memory line
     month = usage_by_day(tenant=tenant, period_start=MARCH)
     assert month.memory_gib_hours == Decimal(240) and month.memory_amount == Decimal("2.40")
+
+
+def test_the_usage_api_and_page_show_gpu_memory(
+    tenant,
+    owner,
+    priced,
+    run,
+    node,
+    make_token,
+    api,
+    signed_in,  # noqa: F811
+):
+    run(tenant, utc(2024, 3, 2, 0), utc(2024, 3, 2, 2), fraction_milli=500)  # 1 GPU-hour: 40 GiB for 2 h
+    usage_build(since=utc(2024, 1, 1), now=utc(2024, 4, 1))
+    (row,) = api(make_token(tenant)).get("/api/v1/usage/?period=2024-03-01").json()["results"]
+    assert Decimal(row["gpu_memory_gib_seconds"]) == 2 * 3600 * 40
+    assert Decimal(row["gpu_memory_amount"]) == Decimal("0.80")
+    html = signed_in(owner, tenant).get("/billing/usage/?month=2024-03").content.decode()
+    assert "data-usage-gpu-memory" in html and "80.000 GiB-hours" in html
 
 
 def test_estimates_and_the_launch_table_use_the_regions_price(
