@@ -22,7 +22,7 @@ from metering.money import quantize_money
 from metering.selectors.shared import hourly_estimate, invoice_csv
 from metering.services.budgets import budget_set, budget_status
 from metering.services.rates import rate_card_for_tenant
-from nodes.models import GpuModel
+from nodes.models import GpuModel, Region
 from portal.actors import actor_from_request
 from portal.api.context import request_context
 from portal.api.filters import BoundedDateFilter, TenantFilterSet
@@ -224,6 +224,17 @@ class CostEstimateInput(serializers.Serializer):
     # The bounds of a submission (scheduling.services.submission): no larger figure can be priced.
     cpu_millicores = serializers.IntegerField(min_value=0, max_value=10_000_000, default=0)
     ram_mib = serializers.IntegerField(min_value=0, max_value=1 << 40, default=0)
+    region = serializers.CharField(
+        max_length=32,
+        required=False,
+        help_text="A region's code: its own price. Without one, the dearest region that has the model.",
+    )
+
+    def validate_region(self, value):
+        region = Region.objects.filter(code=value).first()
+        if region is None:
+            raise serializers.ValidationError(f"Unknown region {value!r}.")
+        return region
 
     def validate_gpu_model(self, value):
         model = (
@@ -262,6 +273,7 @@ class CostEstimateView(APIView):
             fraction_milli=spec["gpu_fraction_milli"],
             cpu_millicores=spec["cpu_millicores"],
             ram_mib=spec["ram_mib"],
+            regions=[spec["region"]] if spec.get("region") is not None else None,
         )
         card = rate_card_for_tenant(tenant=tenant)
         currency = card.currency if card is not None else tenant.currency

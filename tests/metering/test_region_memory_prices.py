@@ -161,3 +161,18 @@ def test_a_price_for_an_unknown_region_or_a_negative_memory_price_is_refused(pri
             gpu_prices={(h100.pk, Plan.ON_DEMAND): "1"},
             gpu_memory_gib_hour_price="-1",
         )
+
+
+def test_the_cost_estimate_api_prices_a_region(tenant, priced, node, eu_node, make_token, api):
+    client = api(make_token(tenant))
+
+    def estimate(**extra):
+        body = {"gpu_model": "NVIDIA H100 SXM 80GB", "gpu_count": 1, **extra}
+        return client.post("/api/v1/cost-estimate/", body, content_type="application/json")
+
+    mem = Decimal(80) * Decimal("0.01")
+    assert Decimal(estimate(region="us-east-1").json()["per_hour"]["on_demand"]) == Decimal("2.00") + mem
+    assert Decimal(estimate(region="eu-west-1").json()["per_hour"]["on_demand"]) == Decimal("2.60") + mem
+    assert Decimal(estimate().json()["per_hour"]["on_demand"]) == Decimal("2.60") + mem  # the dearest
+    bad = estimate(region="mars-1")
+    assert bad.status_code == 400 and "region" in bad.json()["error"]["fields"]
