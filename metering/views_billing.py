@@ -221,7 +221,12 @@ class ReservationsMixin(BillingMixin):
         d = form.cleaned_data
         model = self._models[d["gpu_model"]]
         quote = reservation_quote(
-            tenant=self.tenant, gpu_model=model, count=d["count"], term=d["term"], currency=self.currency()
+            tenant=self.tenant,
+            gpu_model=model,
+            count=d["count"],
+            term=d["term"],
+            currency=self.currency(),
+            region=Region.objects.filter(code=d["region"]).first(),
         )
         if quote is None:
             form.add_error("gpu_model", f"{model.name} has no reserved price yet; choose another model.")

@@ -199,9 +199,10 @@ class ReservationQuote:
         return None if value is None else quantize_money(value, self.currency)
 
 
-def reservation_quote(*, tenant, gpu_model: GpuModel, count: int, term: int, currency: str):
-    """The quote, or None when the rate card has no reserved price for the model."""
-    prices = current_prices(gpu_model=gpu_model, tenant=tenant)
+def reservation_quote(*, tenant, gpu_model: GpuModel, count: int, term: int, currency: str, region=None):
+    """The quote in ``region`` (its own prices where the card has them, as the fee will be billed),
+    or None when the rate card has no reserved price for the model."""
+    prices = current_prices(gpu_model=gpu_model, tenant=tenant, region=region)
     hourly = prices.get(Plan.RESERVED)
     if hourly is None:
         return None

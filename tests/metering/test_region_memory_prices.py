@@ -176,3 +176,18 @@ def test_the_cost_estimate_api_prices_a_region(tenant, priced, node, eu_node, ma
     assert Decimal(estimate().json()["per_hour"]["on_demand"]) == Decimal("2.60") + mem  # the dearest
     bad = estimate(region="mars-1")
     assert bad.status_code == 400 and "region" in bad.json()["error"]["fields"]
+
+
+def test_the_reservation_quote_uses_the_regions_reserved_price(tenant, owner, priced, eu, signed_in):  # noqa: F811
+    from tests.portal.conftest import HTMX
+
+    client = signed_in(owner, tenant)
+    form = {"gpu_model": "NVIDIA H100 SXM 80GB", "count": "1", "term": "1"}
+    eu_html = client.get(
+        "/billing/reservations/quote/", {**form, "region": "eu-west-1"}, **HTMX
+    ).content.decode()
+    us_html = client.get(
+        "/billing/reservations/quote/", {**form, "region": "us-east-1"}, **HTMX
+    ).content.decode()
+    assert f'data-quote="monthly">{Decimal("1.80") * 730:.2f} USD<' in eu_html
+    assert f'data-quote="monthly">{Decimal("1.50") * 730:.2f} USD<' in us_html
