@@ -3,7 +3,8 @@
 A check is a callable ``check(*, tenant, workload, actor) -> None`` that raises a
 ``portal.errors.DomainError`` (usually ``AdmissionRefused``) to refuse the workload. It runs inside
 the submission's transaction, after the spec is validated and the quotas pass, on the unsaved
-Workload (its ``gpu_models`` are in ``workload._spec_models``), so a refusal stores nothing.
+Workload (its ``gpu_models`` are in ``workload._spec_models``, every model it could land on in
+``workload._spec_candidates``), so a refusal stores nothing.
 Register from the plugging app's ``AppConfig.ready()``; registering the same function twice is a
 no-op, so a re-run ``ready()`` does no harm.
 """
