@@ -16,7 +16,7 @@ def refuse_to_hard_limit(apps, schema_editor):
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("metering", "0007_storage_usage"),
+        ("metering", "0008_stripe_answers_alerts"),
         ("nodes", "0010_command_delete_volume"),
     ]
 

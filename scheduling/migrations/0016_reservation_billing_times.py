@@ -24,7 +24,7 @@ def times_from_the_audit(apps, schema_editor):
 class Migration(migrations.Migration):
     dependencies = [
         ("portal", "0001_tenancy"),
-        ("scheduling", "0012_published_ports_share_links"),
+        ("scheduling", "0015_arrays_work_dependencies"),
     ]
 
     operations = [
