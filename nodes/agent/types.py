@@ -153,6 +153,8 @@ class WorkloadSpec:
     """``{"volume_id", "mount_path", "size_gib"}`` each (see ``nodes.agent.volumes``)."""
     checkpoint: dict[str, Any] | None = None
     """``{"volume_id", "resume"}``: a checkpoint directory on that volume; ``resume`` after a requeue."""
+    platform_env: dict[str, str] = field(default_factory=dict)
+    """Variables the portal adds (a gang member's rank and rendezvous), set after ``env``."""
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> WorkloadSpec:

@@ -83,3 +83,26 @@ def start_payload_for_node(payload: dict[str, Any]) -> dict[str, Any]:
     except SecretMissing as exc:
         raise PayloadRefused(f"{exc.message} The workload's env refers to it.") from None
     return {**payload, "env": resolved}
+
+
+# Names ``platform_env`` sets for a gang member; a gang's own env may not set them (submission).
+GANG_ENV_NAMES = ("WORLD_SIZE", "NODE_RANK", "NNODES", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def platform_env(w, *, gang=None) -> dict[str, str]:
+    """The variables the platform gives one placement of ``w`` on one node, beside its own env: the
+    start payload's ``platform_env``, which the agent checks (``check_platform_env``) and sets after
+    the workload's env. The one place such variables are made. ``gang``: this node's
+    ``scheduling.services.gangs.GangMember`` when the placement spans nodes (or is a gang)."""
+    env: dict[str, str] = {}
+    if gang is not None:
+        env.update(
+            WORLD_SIZE=str(gang.world_size),
+            NODE_RANK=str(gang.rank),
+            NNODES=str(gang.nnodes),
+            LOCAL_WORLD_SIZE=str(gang.local_gpus),
+            MASTER_ADDR=gang.master_addr,
+            MASTER_PORT=str(gang.master_port),
+            GPUPOOL_PEERS=",".join(gang.peers),
+        )
+    return env

@@ -53,7 +53,7 @@ from scheduling.models import (
 )
 from scheduling.pricing import spot_price_floor
 from scheduling.selectors.shared import QuotaUsage, quota_usage
-from scheduling.services.env import env_validate
+from scheduling.services.env import GANG_ENV_NAMES, env_validate
 from scheduling.services.templates import template_apply, template_for_launch
 from scheduling.services.volumes import VolumeRequest, volumes_attach, volumes_validate
 
@@ -409,6 +409,10 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
             raise _fail("spot_max_price", "At most 10 decimal places.")
 
     f.update(_validate_what_runs(spec, tenant))
+    if f["gang"]:
+        clash = [k for k in GANG_ENV_NAMES if k in f["env"]]
+        if clash:
+            raise _fail("env", f"{clash[0]} is set by the platform for each member of a gang.")
     f["max_runtime_s"] = _int(spec, "max_runtime_s", None, 60, 366 * 86400)
     f["estimated_runtime_s"] = _int(spec, "estimated_runtime_s", None, 1, 366 * 86400)
     f["requeue_on_preemption"] = _bool(spec, "requeue_on_preemption", True)

@@ -243,7 +243,7 @@ class DockerRuntime(Runtime):
         return nano, memory
 
     def _environment(self, spec: WorkloadSpec, env: dict[str, str], prepared: Prepared) -> list[str]:
-        env = dict(env)
+        env = {**env, **spec.platform_env}
         env["GPUPOOL_WORKLOAD_ID"] = spec.workload_id
         env["GPUPOOL_PREEMPT_NOTICE_FILE"] = f"{NOTICE_DIR_IN_CONTAINER}/preempt"
         env["NVIDIA_VISIBLE_DEVICES"] = ",".join(spec.gpu_uuids) or "void"
