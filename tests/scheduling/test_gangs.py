@@ -218,3 +218,73 @@ def test_the_agent_takes_only_platform_names_in_platform_env(name):
     }
     with pytest.raises(WorkloadRuleError):
         check_platform_env({"WORLD_SIZE": 2})
+
+
+# -- GPUs pooled across nodes ------------------------------------------------------------------------
+
+
+def test_four_gpus_come_as_two_plus_two_in_one_domain_with_ranks(
+    tenant, make_node, submit, cycle, django_capture_on_commit_callbacks
+):
+    a, b, c = make_node(gpus=2), make_node(gpus=2), make_node(gpus=2)
+    for n, domain in ((a, "rack-1"), (b, "rack-2"), (c, "rack-1")):
+        n.domain = domain
+        n.save(update_fields=["domain"])
+    with pytest.raises(ValidationFailed) as err:  # on one node only, no node has 4
+        submit(tenant, gpu_count=4)
+    assert "gpu_count" in err.value.fields
+    w = submit(tenant, gpu_count=4, gpus_per_node=[2, 4, 8])
+    cycle()
+    starts = {x.node_id: x.payload for x in NodeCommand.objects.filter(payload__workload_id=str(w.pk))}
+    assert set(starts) == {a.pk, c.pk}  # one domain before two
+    for p in starts.values():
+        assert len(p["gpu_uuids"]) == 2
+        env = p["platform_env"]
+        assert (env["WORLD_SIZE"], env["NNODES"], env["LOCAL_WORLD_SIZE"]) == ("4", "2", "2")
+    assert sorted(p["platform_env"]["NODE_RANK"] for p in starts.values()) == ["0", "1"]
+    # It runs as a gang does: when both pieces have started.
+    _report(django_capture_on_commit_callbacks, w, a)
+    assert reload(w).state == S.SCHEDULED
+    _report(django_capture_on_commit_callbacks, w, c)
+    assert reload(w).state == S.RUNNING
+
+
+def test_pieces_stay_in_one_region_unless_the_request_allows_more(tenant, make_node, submit, cycle):
+    make_node(gpus=2, region="us")
+    make_node(gpus=2, region="eu")
+    w = submit(tenant, gpu_count=4, gpus_per_node="any")
+    assert reload(w).gpus_per_node == [1, 2, 3, 4, 5, 6, 7, 8]
+    cycle()
+    assert reload(w).state == S.QUEUED
+    w2 = submit(tenant, gpu_count=4, gpus_per_node=[2], split_regions_ok=True)
+    cycle()
+    assert reload(w2).state == S.SCHEDULED
+    assert Allocation.objects.active().filter(workload=w2).values("node__region").distinct().count() == 2
+
+
+@pytest.fixture
+def client(tenant, make_token, api):
+    return api(make_token(tenant))
+
+
+def test_the_api_takes_gpus_per_node_and_names_it_when_wrong(client, make_node):
+    make_node(gpus=2)
+    make_node(gpus=2)
+    job = {"gpu_models": ["H100"], "image": "ghcr.io/acme/train:1", "command": ["python", "t.py"]}
+    r = client.post(
+        "/api/v1/jobs/", {**job, "gpu_count": 4, "gpus_per_node": [2]}, content_type="application/json"
+    )
+    assert r.status_code == 201, r.content
+    assert r.json()["gpus_per_node"] == [2] and r.json()["split_regions_ok"] is False
+    for spec, field in [
+        ({"gpu_count": 4, "gpus_per_node": [3]}, "gpus_per_node"),
+        ({"gpu_count": 4, "gpus_per_node": [9]}, "gpus_per_node"),
+        ({"gpu_count": 4, "gpus_per_node": "some"}, "gpus_per_node"),
+        ({"gpu_count": 4, "gpus_per_node": [True]}, "gpus_per_node"),
+        ({"gpu_count": 16, "gang": True, "gpus_per_node": [2]}, "gpus_per_node"),
+        ({"gpu_count": 2, "split_regions_ok": True}, "split_regions_ok"),
+        ({"gpu_count": 4, "gpus_per_node": [2], "env": {"NODE_RANK": "0"}}, "env"),
+    ]:
+        r = client.post("/api/v1/jobs/", {**job, **spec}, content_type="application/json")
+        assert r.status_code == 400, (spec, r.content)
+        assert field in r.json()["error"]["fields"], r.json()
