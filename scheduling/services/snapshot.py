@@ -308,7 +308,8 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
                     checkpointable=a0["workload__kind"] == WorkloadKind.JOB
                     and a0["workload__checkpoint_resume"]
                     and a0["workload__requeue_on_preemption"],
-                    gang_id=str(wid) if a0["workload__gang"] else None,
+                    # Members across nodes (a gang or pooled GPUs) are preempted together.
+                    gang_id=str(wid) if a0["workload__gang"] or len(per_node) > 1 else None,
                 )
             )
 

@@ -288,3 +288,15 @@ def test_the_api_takes_gpus_per_node_and_names_it_when_wrong(client, make_node):
         r = client.post("/api/v1/jobs/", {**job, **spec}, content_type="application/json")
         assert r.status_code == 400, (spec, r.content)
         assert field in r.json()["error"]["fields"], r.json()
+
+
+def test_pooled_pieces_are_preempted_together(tenant, make_node, submit, cycle):
+    a, b = make_node(gpus=2), make_node(gpus=2)
+    spot = submit(tenant, gpu_count=4, gpus_per_node=[2], plan="spot")
+    cycle()
+    assert reload(spot).state == S.SCHEDULED
+    urgent = submit(tenant, gpu_count=2)
+    assert cycle().preempted == [spot.pk]
+    notices = NodeCommand.objects.filter(kind=CommandKind.PREEMPT_WORKLOAD, payload__workload_id=str(spot.pk))
+    assert {c.node_id for c in notices} == {a.pk, b.pk}
+    assert reload(urgent).pending_reason == "preempting"
