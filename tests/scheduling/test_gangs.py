@@ -8,12 +8,13 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from metering.services.usage import billable_interval
 from nodes.agent.workload_rules import WorkloadRuleError, check_platform_env, check_start_payload
 from nodes.models import CommandKind, NodeCommand
 from nodes.services.commands import node_command_report
 from nodes.signals import workload_exited
 from portal.errors import ValidationFailed
-from scheduling.models import Allocation
+from scheduling.models import Allocation, WorkloadEvent
 from scheduling.models import WorkloadState as S
 from scheduling.services.lifecycle import scheduling_reconcile, workload_on_running
 from tests.scheduling.conftest import reload
@@ -117,6 +118,14 @@ def test_a_gang_runs_only_when_every_member_started(
     assert reload(w).state == S.SUCCEEDED
     ends = dict(Allocation.objects.filter(workload=w).values_list("node_id", "end_reason").distinct())
     assert ends == {a.pk: "member_exited", b.pk: "exited"}
+    # Billing: every allocation from the gang's RUNNING (not a member's own start) to its own end.
+    running_at = WorkloadEvent.objects.get(workload=w, to_state=S.RUNNING).at
+    billed = {
+        x.node_id: billable_interval(x, started=running_at) for x in Allocation.objects.filter(workload=w)
+    }
+    assert billed[a.pk] == (running_at, Allocation.objects.filter(workload=w, node=a).first().ended_at)
+    assert billed[b.pk] == (running_at, Allocation.objects.filter(workload=w, node=b).first().ended_at)
+    assert billed[a.pk][1] < billed[b.pk][1]
 
 
 def test_a_member_that_fails_to_start_stops_the_member_that_started(
@@ -134,6 +143,8 @@ def test_a_member_that_fails_to_start_stops_the_member_that_started(
         Allocation.objects.filter(workload=w, stop_forced_at__isnull=False).values_list("node_id", flat=True)
     )
     assert forced == {a.pk}
+    # The gang never ran: nothing is billed, though A's member started.
+    assert not WorkloadEvent.objects.filter(workload=w, to_state=S.RUNNING).exists()
 
 
 def test_a_member_failing_while_running_stops_the_whole_gang_by_its_policy(
