@@ -7,10 +7,10 @@ STAMP := $(VENV)/.gpupool-installed
 
 .PHONY: run test lint fmt venv system-deps docker-up migrate seed clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml client/pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]' -e ./client
 	@touch $(STAMP)
 
 venv: $(STAMP)

@@ -8,6 +8,7 @@ from django.contrib import admin
 
 from metering.models import (
     BillingAccount,
+    BillingAlert,
     Budget,
     BudgetAlert,
     CostToDate,
@@ -217,6 +218,21 @@ class BudgetAlertAdmin(RecordAdmin):
     list_filter = ["threshold", "period_start"]
     search_fields = ["tenant__slug"]
     list_select_related = ["tenant"]
+
+
+@admin.register(BillingAlert)
+class BillingAlertAdmin(admin.ModelAdmin):
+    """What staff must look at about money (metering.services.alerts); resolve one by setting
+    its resolved time."""
+
+    list_display = ["kind", "subject", "invoice", "count", "opened_at", "last_seen_at", "resolved_at"]
+    list_filter = ["kind", ("resolved_at", admin.EmptyFieldListFilter)]
+    search_fields = ["subject", "message"]
+    readonly_fields = ["kind", "subject", "message", "invoice", "data", "count", "opened_at", "last_seen_at"]
+    fields = [*readonly_fields, "resolved_at"]
+
+    def has_add_permission(self, request):
+        return False
 
 
 @admin.register(PlatformCost)

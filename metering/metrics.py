@@ -1,6 +1,6 @@
 """Prometheus metrics of metering: Stripe webhooks (a per-process counter: the web tier receives
-them), the invoice run's last success and failure (stored by the Celery task, read at scrape time)
-and revenue month-to-date (read at scrape time, cached for a minute). ``register_collector`` runs
+them), the invoice run's last success and failure (stored by the Celery task, read at scrape time),
+open billing alerts and revenue month-to-date (read at scrape time, cached for a minute). ``register_collector`` runs
 in ``MeteringConfig.ready``."""
 
 from __future__ import annotations
@@ -67,7 +67,32 @@ def revenue_month_to_date() -> dict[tuple[str, str], Decimal]:
     return {(r["currency"], r["plan"]): r["total"] for r in rows}
 
 
+def billing_alerts_open() -> dict[str, int]:
+    """Open billing alerts (metering.BillingAlert) by kind, every kind present (0 when none)."""
+    from django.db.models import Count
+
+    from metering.models import BillingAlert
+
+    counts = dict.fromkeys(BillingAlert.Kind.values, 0)
+    rows = (
+        BillingAlert.objects.filter(resolved_at__isnull=True)
+        .values("kind")
+        .annotate(n=Count("id"))
+        .order_by()
+    )
+    counts.update({r["kind"]: r["n"] for r in rows})
+    return counts
+
+
 def _live():
+    alerts = GaugeMetricFamily(
+        "gpupool_billing_alerts_open",
+        "Billing alerts staff have not resolved (the admin's Billing alerts), by kind.",
+        labels=["kind"],
+    )
+    for kind, n in sorted(_cache.get("billing_alerts", billing_alerts_open).items()):
+        alerts.add_metric([kind], n)
+    yield alerts
     revenue = GaugeMetricFamily(
         "gpupool_revenue_month_to_date",
         "Rated usage of the current UTC month, in currency units, by currency and plan.",

@@ -292,6 +292,15 @@ class Invoice(TenantOwnedModel):
     payment_attempt = models.PositiveIntegerField(
         default=0, help_text="Submissions to the provider; part of every idempotency key."
     )
+    uncollectible_at = models.DateTimeField(
+        null=True, blank=True, help_text="When the provider gave up collecting it; it is still owed."
+    )
+    dispute_status = models.CharField(
+        max_length=32, blank=True, help_text="The provider's dispute of its payment, as last seen."
+    )
+    disputed_at = models.DateTimeField(
+        null=True, blank=True, help_text="Set while a dispute is open: dunning leaves the invoice alone."
+    )
 
     class Meta:
         ordering = ["-period_start", "-id"]
@@ -399,6 +408,11 @@ class CreditNote(TenantOwnedModel):
     invoice = models.ForeignKey(Invoice, on_delete=models.PROTECT, related_name="credit_notes")
     amount = _money()
     reason = models.CharField(max_length=255)
+    refund_of = models.CharField(
+        max_length=64,
+        blank=True,
+        help_text="The provider's charge whose refund this records (the money went back to the card).",
+    )
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
@@ -535,7 +549,9 @@ class SpotPrice(models.Model):
 
 class StripeEventResult(models.TextChoices):
     OK = "ok", "Processed"
-    IGNORED = "ignored", "Not about one of our objects"
+    IGNORED = "ignored", "Not a kind of event gpupool acts on"
+    UNMATCHED = "unmatched", "About an object gpupool does not know: kept, staff alerted"
+    HELD = "held", "Did not match our invoice (amount, currency or customer): kept, staff alerted"
 
 
 class StripeEvent(models.Model):
@@ -550,9 +566,46 @@ class StripeEvent(models.Model):
     livemode = models.BooleanField(default=False)
     result = models.CharField(max_length=16, choices=StripeEventResult.choices)
     invoice = models.ForeignKey(Invoice, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    payload = models.JSONField(default=dict, blank=True, help_text="The event as delivered.")
 
     class Meta:
         ordering = ["-received_at", "-id"]
 
     def __str__(self) -> str:
         return f"{self.type} {self.event_id}"
+
+
+class BillingAlert(models.Model):
+    """Something about money that staff must look at: an invoice that could not be sent to the
+    payment provider, a provider event gpupool could not match, a dispute. At most one is open per
+    kind and subject; a repeat updates the open one (``metering.services.alerts``)."""
+
+    class Kind(models.TextChoices):
+        SUBMISSION_FAILED = "submission_failed", "A finalized invoice could not be sent to the provider"
+        UNMATCHED_EVENT = "unmatched_event", "A provider event about an object gpupool does not know"
+        PAYMENT_MISMATCH = "payment_mismatch", "A payment that does not match its invoice"
+        DISPUTE = "dispute", "A payment was disputed"
+        PROVIDER_STATE = "provider_state", "The provider's invoice disagrees with ours"
+
+    kind = models.CharField(max_length=32, choices=Kind.choices)
+    subject = models.CharField(max_length=255, blank=True)
+    message = models.TextField()
+    invoice = models.ForeignKey(Invoice, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    data = models.JSONField(default=dict, blank=True)
+    count = models.PositiveIntegerField(default=1)
+    opened_at = models.DateTimeField()
+    last_seen_at = models.DateTimeField()
+    resolved_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-opened_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["kind", "subject"],
+                condition=Q(resolved_at__isnull=True),
+                name="billingalert_one_open_per_subject",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.subject}"

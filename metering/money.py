@@ -66,3 +66,10 @@ def to_minor_units(amount: Decimal | int | str, currency: str) -> int:
     if exact != value:
         raise ValueError(f"{amount} has more places than {currency.upper()} has minor units.")
     return int(exact.scaleb(minor_units(currency)))
+
+
+def from_minor_units(amount: int, currency: str) -> Decimal:
+    """The inverse of :func:`to_minor_units`: 1234 minor units of USD -> Decimal("12.34")."""
+    if not isinstance(amount, int) or isinstance(amount, bool):
+        raise TypeError(f"Minor units are an integer, not {type(amount).__name__}.")
+    return Decimal(amount).scaleb(-minor_units(currency))

@@ -12,7 +12,9 @@ def usage_build() -> int:
     return build().created
 
 
-@shared_task(name="metering.tasks.invoice_run")
+# The monthly run over every tenant: far longer than the default limits (portal/settings.py), and
+# within GPUPOOL_TASK_LONGEST_RUN_S, which the broker's visibility timeout outlasts.
+@shared_task(name="metering.tasks.invoice_run", soft_time_limit=3300, time_limit=3600)
 def invoice_run(period_start: str | None = None) -> int:
     from datetime import date
 
@@ -41,6 +43,14 @@ def invoice_payment_submit(invoice_id: int) -> str:
         return submit(invoice_id=invoice_id).external_id
     except TRANSIENT_ERRORS as e:
         raise invoice_payment_submit.retry(exc=e, countdown=30) from e
+
+
+@shared_task(name="metering.tasks.invoice_payments_sweep", soft_time_limit=840, time_limit=900)
+def invoice_payments_sweep() -> dict:
+    """Every few minutes: finalized invoices the provider never received are sent again."""
+    from metering.services.payments import invoice_payments_sweep as sweep
+
+    return {outcome: len(ids) for outcome, ids in sweep().items()}
 
 
 @shared_task(name="metering.tasks.dunning_run")

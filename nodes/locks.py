@@ -52,8 +52,10 @@ def lock_silent_nodes(*, watched: QuerySet[Node], silent: Q) -> list[Node]:
 
 def lock_gpus_by_uuid(*, uuids: Iterable[str]) -> dict[str, Gpu]:
     """The GPUs of these UUIDs, on any node, locked by UUID: a registration running beside another
-    cannot take them between its check and its write."""
-    return {g.uuid: g for g in Gpu.objects.select_for_update().filter(uuid__in=list(uuids))}
+    cannot take them between its check and its write. Locked in id order, so that two registrations
+    listing the same GPUs in another order wait for each other instead of deadlocking."""
+    rows = Gpu.objects.select_for_update().filter(uuid__in=list(uuids)).order_by("pk")
+    return {g.uuid: g for g in rows}
 
 
 def lock_gpu(*, gpu_id: int) -> Gpu:

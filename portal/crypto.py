@@ -13,12 +13,34 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
+from collections.abc import Callable
 
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
-__all__ = ["InvalidToken", "secret_decrypt", "secret_encrypt", "secret_rotate", "secrets_keys"]
+__all__ = [
+    "InvalidToken",
+    "reencrypt_register",
+    "reencrypters",
+    "secret_decrypt",
+    "secret_encrypt",
+    "secret_rotate",
+    "secrets_keys",
+]
+
+# Other apps that store values under these keys (webhook signing secrets) register how to
+# re-encrypt theirs; ``rotate_secrets`` runs each after the tenant secrets. Each returns
+# (rotated, unreadable).
+_REENCRYPTERS: dict[str, Callable[[], tuple[int, int]]] = {}
+
+
+def reencrypt_register(what: str, reencrypt: Callable[[], tuple[int, int]]) -> None:
+    _REENCRYPTERS[what] = reencrypt
+
+
+def reencrypters() -> dict[str, Callable[[], tuple[int, int]]]:
+    return dict(_REENCRYPTERS)
 
 
 def secrets_keys() -> tuple[str, ...]:

@@ -6,6 +6,10 @@ amounts), and each socket is in the groups of the scopes its person's role holds
 person's memberships or account sends a note to their own group (``user.<id>``); their sockets then
 look again and follow it (leave a scope's group, or close when they are no longer a member). Each
 message names its group, so a socket also drops what was queued for a group it has just left.
+
+A tenant's events are also announced at once, inside the caller's transaction
+(``portal.signals.tenant_events``): the webhooks app records the ones endpoints asked for there, so
+they commit or roll back with the change that made them.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from typing import Any
 
 from channels.layers import get_channel_layer
 from django.db import transaction
+
+from portal.signals import tenant_events
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +85,9 @@ def publish(
     *, tenant_id: int | None, event: dict[str, Any], staff: bool = False, scope: str = "read"
 ) -> None:
     """Push ``event`` to the tenant's members whose role holds ``scope`` (and to the staff group)
-    once the transaction commits."""
+    once the transaction commits. A tenant's event is also announced (``tenant_events``) now."""
+    if tenant_id is not None:
+        tenant_events.send(sender=None, events=[(tenant_id, event)])
 
     def send() -> None:
         if tenant_id is not None:
@@ -113,6 +121,7 @@ def publish_many(*, events: list[tuple[int | None, dict[str, Any]]]) -> None:
     published one at a time)."""
     if not events:
         return
+    tenant_events.send(sender=None, events=[(t, e) for t, e in events if t is not None])
     by_group: dict[str, list[dict[str, Any]]] = {}
     for tenant_id, event in events:
         if tenant_id is not None:

@@ -10,8 +10,9 @@ from inspect import iscoroutinefunction
 from asgiref.sync import markcoroutinefunction, sync_to_async
 from django.conf import settings
 from django.core.handlers.asgi import ASGIRequest
+from django.http import JsonResponse
 
-from portal.api.errors import error_response
+from portal.api.errors import error_response, request_data_refused
 from portal.logging import log_context_bind, log_context_reset, log_context_start
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,9 @@ class ApiErrorMiddleware:
 
     def process_exception(self, request, exception):
         if request.path.startswith(JSON_PREFIXES):
+            refused = request_data_refused(exception)
+            if refused is not None:  # a form or body over Django's limits: the client's doing
+                return JsonResponse(refused[1], status=refused[0])
             logger.exception("Unhandled error on %s", request.path, exc_info=exception)
             return error_response(500, "Internal server error.")
         return None

@@ -378,3 +378,24 @@ class MetricValue(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name}{self.labels}{self.bucket} = {self.value}"
+
+
+class IdempotencyKey(TenantOwnedModel):
+    """A create the API has answered (or is answering) under a client's ``Idempotency-Key``: the same
+    key, route and body get the stored answer back (``portal.services.idempotency``)."""
+
+    key = models.CharField(max_length=255)
+    route = models.CharField(max_length=300)  # "POST /api/v1/jobs/"
+    request_hash = models.CharField(max_length=64)  # SHA-256 of the request body
+    status_code = models.PositiveSmallIntegerField(null=True)  # null while the first request runs
+    # The answer's JSON, encrypted like tenant secrets (portal/crypto.py): a token's create answer
+    # carries its secret, which must not sit in the database in the clear.
+    response_encrypted = models.TextField(blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["tenant", "key"], name="idempotency_key_unique")]
+        indexes = [models.Index(fields=["created_at"], name="idempotency_key_created")]
+
+    def __str__(self) -> str:
+        return f"{self.key} ({self.route})"

@@ -12,6 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import environ
+from celery.schedules import crontab
 from django.core.exceptions import ImproperlyConfigured
 from kombu import Queue
 
@@ -54,10 +55,12 @@ INSTALLED_APPS = [
     "django_htmx",
     "csp",  # Content-Security-Policy header (CONTENT_SECURITY_POLICY below)
     "channels",
+    "django_celery_beat",  # beat's schedule in the database (portal/beat.py), edited in the admin
     "portal",
     "nodes",
     "scheduling",
     "metering",
+    "webhooks",
 ]
 
 MIDDLEWARE = [
@@ -179,9 +182,17 @@ PROXY_MAX_CONNECTIONS_PER_WORKLOAD = env.int("PROXY_MAX_CONNECTIONS_PER_WORKLOAD
 # --- Redis: Celery broker, cache, channel layer -------------------------------------------------
 REDIS_URL = env.str("REDIS_URL", default="")
 
+# The longest a task may run (the invoice run's hard limit) plus the longest countdown a task is sent
+# with (a payment submission's retry); tests/portal/test_beat.py holds the tasks to it.
+GPUPOOL_TASK_LONGEST_RUN_S = 3600 + 60
+
 if REDIS_URL:
     CELERY_BROKER_URL = REDIS_URL
     CELERY_RESULT_BACKEND = None
+    # Redis hands an unacknowledged message (acks late) to another worker after this long: it must
+    # outlast the longest task and countdown, or a long invoice run would be started a second time
+    # while the first still runs. Twice that, for a margin.
+    CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 2 * GPUPOOL_TASK_LONGEST_RUN_S}
     CACHES = {
         "default": {
             # django-redis keeps one connection pool per process; get_redis_connection("default")
@@ -228,8 +239,17 @@ else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
+# A task is acknowledged when it ends, so a worker that dies mid-task leaves it to run again (tasks
+# are safe to run twice). "Worker lost" (the child process died: OOM kill, segfault) exists only in
+# the prefork pool, which the metering worker runs (deploy/): there the task is requeued, not failed.
+# Thread-pool workers have no child to lose; a dead worker's unacknowledged tasks come back after
+# the broker's visibility timeout instead.
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
+# Time limits (seconds) for every task; longer ones set their own (metering.tasks.invoice_run).
+# Enforced by the prefork pool; thread-pool workers run short tasks that never come near them.
+CELERY_TASK_SOFT_TIME_LIMIT = 240
+CELERY_TASK_TIME_LIMIT = 300
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
@@ -248,9 +268,18 @@ CELERY_TASK_ROUTES = {
     "metering.tasks.*": {"queue": "metering"},
 }
 # Periodic work is declared here and nowhere else. Apps add their entries below as they grow.
+# Beat keeps the schedule in the database (django-celery-beat; portal/beat.py syncs these entries in
+# at each start, and staff see and change them in the admin), so a restarted beat knows when each
+# entry last ran and runs once what it missed while it was down. Work at a fixed time of day or
+# month is a crontab, in UTC (CELERY_TIMEZONE); only work every few seconds or minutes is an interval.
+CELERY_BEAT_SCHEDULER = "portal.beat:Scheduler"
 CELERY_BEAT_SCHEDULE: dict[str, dict] = {
     "portal-purge-expired-invitations": {
         "task": "portal.tasks.purge_expired_invitations",
+        "schedule": crontab(minute=7),
+    },
+    "portal-purge-expired-idempotency-keys": {
+        "task": "portal.tasks.purge_expired_idempotency_keys",
         "schedule": timedelta(hours=1),
     },
 }
@@ -367,7 +396,7 @@ REST_FRAMEWORK = {
     "DEFAULT_THROTTLE_CLASSES": ["portal.api.throttling.TokenRateThrottle"],
     "DEFAULT_THROTTLE_RATES": {"token": API_RATE_LIMIT},
     "EXCEPTION_HANDLER": "portal.api.errors.exception_handler",
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_SCHEMA_CLASS": "portal.api.schema.AutoSchema",
     "DEFAULT_RENDERER_CLASSES": ["portal.api.renderers.JSONRenderer"]
     + (["rest_framework.renderers.BrowsableAPIRenderer"] if DEBUG else []),
     "TEST_REQUEST_DEFAULT_FORMAT": "json",
@@ -397,6 +426,8 @@ STRIPE_API_BASE = env.str("STRIPE_API_BASE", default="")
 
 # --- gpupool ------------------------------------------------------------------------------------------
 GPUPOOL_INVITATION_TTL = timedelta(days=env.int("GPUPOOL_INVITATION_TTL_DAYS", default=7))
+# How long the API remembers a create's Idempotency-Key (portal/services/idempotency.py).
+IDEMPOTENCY_KEY_TTL = timedelta(hours=env.int("IDEMPOTENCY_KEY_TTL_HOURS", default=24))
 GPUPOOL_TOKEN_LAST_USED_RESOLUTION = timedelta(seconds=60)
 GPUPOOL_LOGIN_FAILURE_LIMIT = env.int("GPUPOOL_LOGIN_FAILURE_LIMIT", default=10)
 GPUPOOL_LOGIN_FAILURE_WINDOW_S = env.int("GPUPOOL_LOGIN_FAILURE_WINDOW_S", default=900)
@@ -454,7 +485,7 @@ CELERY_BEAT_SCHEDULE.update(
             "schedule": timedelta(seconds=10),
         },
         "nodes-expire-commands": {"task": "nodes.tasks.expire_commands", "schedule": timedelta(seconds=5)},
-        "nodes-purge-telemetry": {"task": "nodes.tasks.purge_telemetry", "schedule": timedelta(hours=1)},
+        "nodes-purge-telemetry": {"task": "nodes.tasks.purge_telemetry", "schedule": crontab(minute=17)},
     }
 )
 # --- end of the nodes block ------------------------------------------------------------------------
@@ -575,7 +606,7 @@ WORKLOAD_LOG_BATCH_MAX_LINES = 10_000
 WORKLOAD_LOG_FOLLOW_KEEPALIVE_S = env.float("WORKLOAD_LOG_FOLLOW_KEEPALIVE_S", default=15.0)
 CELERY_BEAT_SCHEDULE["scheduling-purge-logs"] = {
     "task": "scheduling.tasks.purge_logs",
-    "schedule": timedelta(hours=1),
+    "schedule": crontab(minute=27),
 }
 # --- end of the scheduling block -------------------------------------------------------------------
 
@@ -586,13 +617,23 @@ METERING_MINIMUM_BILLABLE_S = env.int("METERING_MINIMUM_BILLABLE_S", default=60)
 METERING_INVOICE_GRACE_DAYS = env.int("METERING_INVOICE_GRACE_DAYS", default=3)
 # Reserved instances: discount (percent) of the monthly fee per term length in months.
 METERING_RESERVED_TERM_DISCOUNTS = {1: 0, 3: 5, 6: 10, 12: 20}
-# The invoice run (usage, last month's drafts, finalizing drafts past their grace) is idempotent;
-# beat runs it every day shortly after midnight UTC so late usage keeps landing on drafts.
+# The invoice run (usage, last month's drafts, finalizing drafts past their grace) is idempotent:
+# beat runs it shortly after midnight UTC on the 1st (the month's drafts), and at the same time on
+# every other day (drafts rebuilt while late usage lands in their grace, then finalized).
 CELERY_BEAT_SCHEDULE.update(
     {
         "metering-invoice-run": {
             "task": "metering.tasks.invoice_run",
-            "schedule": timedelta(days=1),
+            "schedule": crontab(minute=5, hour=0, day_of_month=1),
+        },
+        "metering-invoice-drafts": {
+            "task": "metering.tasks.invoice_run",
+            "schedule": crontab(minute=5, hour=0, day_of_month="2-31"),
+        },
+        # Finalized invoices the payment provider never received are sent again (or alerted).
+        "metering-payments-sweep": {
+            "task": "metering.tasks.invoice_payments_sweep",
+            "schedule": timedelta(minutes=10),
         },
         "metering-usage": {
             "task": "metering.tasks.usage_build",
@@ -634,12 +675,44 @@ if METERING_SUSPEND_RUNNING not in ("keep", "stop"):
     raise ImproperlyConfigured(
         f"METERING_SUSPEND_RUNNING must be keep or stop, not {METERING_SUSPEND_RUNNING!r}."
     )
+# Dunning counts in days: once a day, after the invoice run, in European working hours.
 CELERY_BEAT_SCHEDULE["metering-dunning"] = {
     "task": "metering.tasks.dunning_run",
-    "schedule": timedelta(hours=1),
+    "schedule": crontab(minute=0, hour=6),
 }
+# The sweeper leaves an invoice this long to its own on-commit submission before sending it again,
+# and alerts staff when transient errors keep one unsent for longer than the second.
+METERING_PAYMENT_SWEEP_AFTER_S = env.int("METERING_PAYMENT_SWEEP_AFTER_S", default=600)
+METERING_PAYMENT_SUBMIT_ALERT_AFTER_S = env.int("METERING_PAYMENT_SUBMIT_ALERT_AFTER_S", default=6 * 3600)
 # Invoice line kinds and workload kinds are both fields named "kind": one schema name for each.
 SPECTACULAR_SETTINGS.setdefault("ENUM_NAME_OVERRIDES", {}).update(
     {"InvoiceLineKindEnum": "metering.models.LineKind", "KindEnum": "scheduling.models.WorkloadKind"}
 )
 # --- end of the metering block ---------------------------------------------------------------------
+
+# --- Webhooks (webhooks/) ----------------------------------------------------------------------------
+# Deliveries go to public addresses only; this allows loopback (and plain http) for tests and demos.
+WEBHOOK_ALLOW_LOOPBACK = env.bool("WEBHOOK_ALLOW_LOOPBACK", default=False)
+# One attempt, connect to last byte read, and how much of an answer is read.
+WEBHOOK_TIMEOUT_S = env.float("WEBHOOK_TIMEOUT_S", default=10.0)
+WEBHOOK_CONNECT_TIMEOUT_S = env.float("WEBHOOK_CONNECT_TIMEOUT_S", default=5.0)
+WEBHOOK_MAX_RESPONSE_BYTES = env.int("WEBHOOK_MAX_RESPONSE_BYTES", default=64 * 1024)
+# Retries: base * 2^(n-1) seconds after the n-th failure, at most the max delay, until the window
+# (three days from the event) closes.
+WEBHOOK_RETRY_BASE_S = env.float("WEBHOOK_RETRY_BASE_S", default=30.0)
+WEBHOOK_RETRY_MAX_DELAY_S = env.float("WEBHOOK_RETRY_MAX_DELAY_S", default=6 * 3600.0)
+WEBHOOK_RETRY_WINDOW_S = env.float("WEBHOOK_RETRY_WINDOW_S", default=3 * 86400.0)
+WEBHOOK_MAX_ENDPOINTS = env.int("WEBHOOK_MAX_ENDPOINTS", default=20)
+# Events and their delivery logs are kept this long once no delivery of them is pending.
+WEBHOOK_RETENTION_DAYS = env.int("WEBHOOK_RETENTION_DAYS", default=30)
+CELERY_BEAT_SCHEDULE.update(
+    {
+        # Retries due (and attempts a dead worker left claimed) are sent from the database's state.
+        "webhooks-deliver-due": {
+            "task": "webhooks.tasks.deliver_due",
+            "schedule": timedelta(seconds=30),
+            "options": {"expires": 30},
+        },
+        "webhooks-purge": {"task": "webhooks.tasks.purge", "schedule": timedelta(hours=1)},
+    }
+)

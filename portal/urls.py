@@ -34,5 +34,6 @@ urlpatterns = [
         name="api-docs",
     ),
     path("", include("metering.urls")),
+    path("", include("webhooks.web_urls")),
     path("", include("portal.web_urls")),
 ]

@@ -17,6 +17,7 @@ from scheduling.models import (
     Reservation,
     SshKey,
     Volume,
+    VolumeResize,
     WarmPool,
     WarmSlot,
     Workload,
@@ -247,7 +248,17 @@ class WorkloadTemplateForm(forms.ModelForm):
 
     class Meta:
         model = WorkloadTemplate
-        fields = ["name", "description", "image", "command", "ports", "env", "min_gpu_memory_gib"]
+        fields = [
+            "name",
+            "description",
+            "image",
+            "command",
+            "ports",
+            "env",
+            "min_gpu_memory_gib",
+            "volume_mount_path",
+            "volume_required",
+        ]
 
     def clean(self):
         data = super().clean()
@@ -335,7 +346,7 @@ class SshKeyAdmin(admin.ModelAdmin):
 
 @admin.register(Volume)
 class VolumeAdmin(RecordAdmin):
-    """Read-only: tenants create and delete volumes (the delete sends the data removal)."""
+    """Read-only: tenants create, resize and delete volumes (the delete sends the data removal)."""
 
     list_display = [
         "id",
@@ -350,6 +361,15 @@ class VolumeAdmin(RecordAdmin):
     ]
     list_filter = ["state", "region"]
     search_fields = ["name", "tenant__slug"]
+
+
+@admin.register(VolumeResize)
+class VolumeResizeAdmin(RecordAdmin):
+    """Each change of a volume's size: storage billing charges each size for its own hours."""
+
+    list_display = ["volume", "tenant", "at", "from_gib", "to_gib"]
+    search_fields = ["volume__name", "tenant__slug"]
+    list_select_related = ["volume", "tenant"]
 
 
 @admin.register(WorkloadVolume)

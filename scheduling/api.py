@@ -28,11 +28,13 @@ from portal.api.filters import TenantFilterSet, UTCDateTimeFilter
 from portal.api.routers import extra_urlpatterns, router
 from portal.api.serializers import BoundedDateTimeField, FieldsOnceModelSerializer
 from portal.api.viewsets import TenantReadOnlyViewSet
-from portal.errors import ValidationFailed
+from portal.errors import NotFound, ValidationFailed
 from portal.models import Scope
+from scheduling import api_work  # noqa: F401  (registers /api/v1/work/)
 from scheduling.api_access import AccessSerializer, SshKeyViewSet
 from scheduling.api_fields import EnvValueField
 from scheduling.models import (
+    DependencyCondition,
     GpuVendor,
     LogStream,
     Plan,
@@ -44,6 +46,7 @@ from scheduling.models import (
 )
 from scheduling.pricing import gpu_price_table, price_key
 from scheduling.selectors.access import SHARE_PARAM, proxy_url, workload_access, workload_ports
+from scheduling.selectors.arrays import array_summary, array_tasks, workload_dependencies
 from scheduling.selectors.shared import (
     gpu_availability,
     quota_for_tenant,
@@ -122,6 +125,10 @@ class WorkloadSerializer(FieldsOnceModelSerializer):
             "retries",
             "attempt",
             "exit_code",
+            "array_count",
+            "array_parallelism",
+            "array_parent",
+            "array_index",
             "submitted_at",
             "scheduled_at",
             "started_at",
@@ -148,14 +155,46 @@ class WorkloadSerializer(FieldsOnceModelSerializer):
         }
 
 
+class WorkItemsSerializer(serializers.Serializer):
+    items = serializers.IntegerField()
+    lease_s = serializers.IntegerField()
+    pending = serializers.IntegerField()
+    leased = serializers.IntegerField()
+    done = serializers.IntegerField()
+
+
+class ArraySummarySerializer(serializers.Serializer):
+    count = serializers.IntegerField()
+    parallelism = serializers.IntegerField()
+    made = serializers.IntegerField(help_text="Tasks made so far (at most parallelism unfinished at once).")
+    states = serializers.DictField(child=serializers.IntegerField(), help_text="Tasks by state.")
+    work = WorkItemsSerializer(allow_null=True, help_text="Work-queue mode: its items by state.")
+
+
+class DependencySerializer(serializers.Serializer):
+    job = serializers.IntegerField()
+    condition = serializers.ChoiceField(choices=DependencyCondition.choices)
+    state = serializers.CharField(help_text="That job's state now.")
+
+
 class WorkloadDetailSerializer(WorkloadSerializer):
     placement = serializers.SerializerMethodField()
     access = serializers.SerializerMethodField()
     volumes = serializers.SerializerMethodField()
+    array = serializers.SerializerMethodField()
+    depends_on = serializers.SerializerMethodField()
 
     class Meta(WorkloadSerializer.Meta):
-        fields = [*WorkloadSerializer.Meta.fields, "placement", "access", "volumes"]
+        fields = [*WorkloadSerializer.Meta.fields, "placement", "access", "volumes", "array", "depends_on"]
         read_only_fields = fields
+
+    @extend_schema_field(ArraySummarySerializer(allow_null=True))
+    def get_array(self, w: Workload) -> dict | None:
+        return array_summary(workload=w)
+
+    @extend_schema_field(DependencySerializer(many=True))
+    def get_depends_on(self, w: Workload) -> list[dict]:
+        return workload_dependencies(workload=w)
 
     def get_volumes(self, w: Workload) -> list[dict]:
         return workload_volumes(workload=w)
@@ -178,7 +217,18 @@ class WorkloadDetailSerializer(WorkloadSerializer):
 
 
 class _SpecSerializer(serializers.Serializer):
-    """Shape and types only; the service checks the spec against the catalog, fleet and quotas."""
+    """Shape and types only; the service checks the spec against the catalog, fleet and quotas.
+    A field this portal does not know is refused, naming it, never silently dropped (a job sent with
+    a feature the portal lacks must not run without it)."""
+
+    def validate(self, attrs):
+        if isinstance(self.initial_data, dict):
+            unknown = sorted(set(self.initial_data) - set(self.fields))
+            if unknown:
+                raise serializers.ValidationError(
+                    {name: ["Unknown field: this portal does not support it."] for name in unknown}
+                )
+        return attrs
 
     name = serializers.CharField(required=False, allow_blank=True, max_length=100)
     gpu_models = serializers.ListField(
@@ -212,6 +262,24 @@ class _SpecSerializer(serializers.Serializer):
     env = serializers.DictField(child=EnvValueField(), required=False)
     # [{"volume": ID, "mount_path": "/workspace", "shared": false}]; the service checks each item.
     volumes = serializers.ListField(child=serializers.DictField(), required=False, max_length=8)
+    # Arguments reach the workload exactly as given: no trimming (the service applies the workload
+    # rules, the same for instances and jobs). An instance without one runs its image's default.
+    command = serializers.ListField(
+        child=serializers.CharField(allow_blank=True, trim_whitespace=False), required=False
+    )
+    # Jobs only (the service refuses them on an instance, naming the field).
+    array = serializers.DictField(
+        required=False,
+        help_text='{"count": N, "parallelism": P}: N tasks, at most P at once, each told GPUPOOL_ARRAY_INDEX '
+        'and GPUPOOL_ARRAY_COUNT. Work-queue mode: {"parallelism": P, "work": {"first": 1, "last": 100, '
+        '"chunk": 5, "lease_s": 300}}: P workers pull frame ranges from GPUPOOL_WORK_URL.',
+    )
+    depends_on = serializers.ListField(
+        child=serializers.DictField(),
+        required=False,
+        max_length=32,
+        help_text='[{"job": ID, "condition": "succeeded" | "finished"}]: waits until each has ended so.',
+    )
 
 
 class InstanceCreateSerializer(_SpecSerializer):
@@ -231,11 +299,6 @@ class InstanceCreateSerializer(_SpecSerializer):
 class JobCreateSerializer(_SpecSerializer):
     template = serializers.CharField(
         required=False, allow_blank=True, max_length=100, help_text="Fills what the request leaves unset."
-    )
-    # Arguments and values reach the workload exactly as given: no trimming (the service applies
-    # the workload rules).
-    command = serializers.ListField(
-        child=serializers.CharField(allow_blank=True, trim_whitespace=False), required=False
     )
     estimated_runtime_s = serializers.IntegerField(required=False, allow_null=True)
     requeue_on_preemption = serializers.BooleanField(required=False)
@@ -507,11 +570,22 @@ class InstanceViewSet(_WorkloadViewSet):
     )
 )
 class JobViewSet(_WorkloadViewSet):
-    """Batch jobs: run to completion. ``{id}/logs/`` gives their output."""
+    """Batch jobs: run to completion. ``{id}/logs/`` gives their output; an array job's
+    ``{id}/tasks/`` lists its tasks (jobs of their own: their logs, events and stop are theirs)."""
 
     queryset = Workload.objects.all()
     kind = WorkloadKind.JOB
     create_serializer = JobCreateSerializer
+
+    @extend_schema(responses=WorkloadSerializer(many=True))
+    @action(detail=True, methods=["get"], filter_backends=[])
+    def tasks(self, request, pk=None):
+        job = self.get_object()  # another tenant's: 404
+        if job.array_count is None:
+            raise NotFound(f"Job {job.pk} is not an array job.")
+        tasks = array_tasks(workload=job)
+        page = self.paginate_queryset(tasks)
+        return self.get_paginated_response(WorkloadSerializer(page, many=True).data)
 
 
 # --- GPU types -------------------------------------------------------------------------------------

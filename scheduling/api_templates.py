@@ -31,6 +31,8 @@ class TemplateSerializer(FieldsOnceModelSerializer):
             "ports",
             "env",
             "min_gpu_memory_gib",
+            "volume_mount_path",
+            "volume_required",
             "created_at",
             "updated_at",
         ]
@@ -49,11 +51,15 @@ class TemplateWriteSerializer(serializers.Serializer):
     ports = serializers.ListField(child=serializers.IntegerField(), required=False, max_length=64)
     env = serializers.DictField(child=EnvValueField(), required=False)
     min_gpu_memory_gib = serializers.IntegerField(required=False, min_value=0, max_value=4096)
+    volume_mount_path = serializers.CharField(required=False, allow_blank=True, max_length=255)
+    volume_required = serializers.BooleanField(required=False)
 
 
 class TemplateViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin, mixins.DestroyModelMixin):
     """Templates to launch from (``"template": NAME`` in a launch): ``catalog`` ones, which gpupool
-    staff manage, and your own, which you create, PATCH and DELETE here."""
+    staff manage, and your own, which you create, PATCH and DELETE here. ``volume_mount_path`` is
+    where a launch's first volume is mounted when it names no path; with ``volume_required`` a
+    launch from the template must name a volume."""
 
     queryset = WorkloadTemplate.objects.all()
     serializer_class = TemplateSerializer

@@ -11,15 +11,22 @@ from scheduling.models import Volume, VolumeState, WorkloadTemplate
 from scheduling.services.templates import template_create
 from scheduling.services.volumes import storage_root, volume_create
 
+JUPYTER = (
+    "mkdir -p /workspace && exec jupyter lab --ip=0.0.0.0 --port=8888 --no-browser --allow-root "
+    "--ServerApp.root_dir=/workspace --ServerApp.base_url=/proxy/$GPUPOOL_WORKLOAD_ID/8888/"
+)
 DEMO_TEMPLATES = (
     {
         "name": "pytorch-jupyter",
-        "description": "NVIDIA's PyTorch container with JupyterLab on port 8888.",
+        "description": "NVIDIA's PyTorch container with JupyterLab on port 8888 (its login token is "
+        "in the output); notebooks in /workspace, on a volume if you attach one.",
         "image": "nvcr.io/nvidia/pytorch:24.08-py3",
-        "command": ["jupyter", "lab", "--ip=0.0.0.0", "--port=8888", "--no-browser", "--allow-root"],
+        # Served under the portal's proxy path (the proxy passes the whole path).
+        "command": ["sh", "-c", JUPYTER],
         "ports": [8888],
         "env": {"JUPYTER_ENABLE_LAB": "yes"},
         "min_gpu_memory_gib": 16,
+        "volume_mount_path": "/workspace",
     },
     {
         "name": "vllm-openai",
@@ -42,14 +49,30 @@ DEMO_TEMPLATES = (
 )
 
 
-def templates_demo_seed() -> int:
-    """Create the demo catalog templates that are missing; returns how many were made."""
+# The demo team's own template: the catalog's notebook, kept on a volume it must be given.
+DEMO_TEAM_TEMPLATE = {
+    **DEMO_TEMPLATES[0],
+    "name": "lab-notebook",
+    "description": "Our JupyterLab: notebooks on a volume at /workspace (launching asks for one).",
+    "volume_required": True,
+}
+
+
+def templates_demo_seed(tenant=None) -> int:
+    """Create the demo catalog templates that are missing (and the demo team's own, given the
+    team); returns how many were made."""
     have = set(WorkloadTemplate.objects.catalog().values_list("name", flat=True))
     made = 0
     for data in DEMO_TEMPLATES:
         if data["name"] not in have:
             template_create(tenant=None, data=dict(data), actor=Actor.system())
             made += 1
+    if (
+        tenant is not None
+        and not WorkloadTemplate.objects.filter(tenant=tenant, name="lab-notebook").exists()
+    ):
+        template_create(tenant=tenant, data=dict(DEMO_TEAM_TEMPLATE), actor=Actor.system())
+        made += 1
     return made
 
 
@@ -63,9 +86,9 @@ DEMO_VOLUMES = (
 def on_seed_demo_requested(sender, tenant=None, stdout=None, **kwargs) -> None:
     from nodes.models import Region
 
-    made = templates_demo_seed()
+    made = templates_demo_seed(tenant)
     if stdout is not None and made:
-        stdout.write(f"Template catalog: {made} template(s) added.")
+        stdout.write(f"Templates: {made} added.")
     if tenant is None:
         return
     made = 0

@@ -1,8 +1,8 @@
 """Every row lock and advisory lock scheduling takes, in one place (Saleor's ``lock_objects.py``).
 
 Lock order, to keep deadlocks out: the cycle's advisory lock, then a tenant's Quota row, then
-Volume rows (by id), then Workload rows (by id), then Allocation rows. Code that needs several takes
-them in that order.
+Volume rows (by id), then Workload rows (by id), then Allocation rows, then WorkItem rows. Code that
+needs several takes them in that order.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import zlib
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 
-from scheduling.models import Quota, Reservation, Volume, Workload
+from scheduling.models import Quota, Reservation, Volume, WorkItem, Workload
 
 # The key of the scheduling cycle's PostgreSQL advisory lock (a stable 32-bit number).
 CYCLE_LOCK_KEY = zlib.crc32(b"gpupool.scheduling.cycle")
@@ -62,6 +62,21 @@ def lock_workloads_where(**filters) -> QuerySet[Workload]:
     skipped (the cycle and the reconciler come back to them), so these never wait on a tenant's
     stop or a fleet report. Joins are not locked (``of=self``)."""
     return Workload.objects.select_for_update(skip_locked=True, of=("self",)).filter(**filters).order_by("pk")
+
+
+def lock_next_work_item(*, job_id: int, available: Q) -> WorkItem | None:
+    """The lowest-index ``available`` item of a work-queue job, locked; items other workers are
+    taking are skipped, so workers never queue behind each other."""
+    return (
+        WorkItem.objects.select_for_update(skip_locked=True, of=("self",))
+        .filter(Q(job_id=job_id) & available)
+        .order_by("index")
+        .first()
+    )
+
+
+def lock_work_item(*, job_id: int, index: int) -> WorkItem | None:
+    return WorkItem.objects.select_for_update().filter(job_id=job_id, index=index).first()
 
 
 def lock_volume(*, volume_id: int) -> Volume:

@@ -161,6 +161,17 @@ class Workload(TenantOwnedModel):
         "unless no other node could ever take it.",
     )
 
+    # Job arrays (scheduling.services.arrays): the array job keeps the spec, the counts and, in
+    # work-queue mode, the items' lease; it never holds GPUs. Its tasks are jobs of their own
+    # (state, retries, logs, usage) pointing at it by ``array_parent`` and ``array_index``.
+    array_count = models.PositiveIntegerField(null=True, blank=True, help_text="Array job: its tasks.")
+    array_parallelism = models.PositiveIntegerField(null=True, blank=True)
+    work_lease_s = models.PositiveIntegerField(null=True, blank=True, help_text="Work-queue mode.")
+    array_parent = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.CASCADE, related_name="array_tasks"
+    )
+    array_index = models.PositiveIntegerField(null=True, blank=True)
+
     # Why it waits, as the scheduler last saw it.
     pending_reason = models.CharField(max_length=32, blank=True)
     pending_message = models.CharField(max_length=255, blank=True)
@@ -180,6 +191,10 @@ class Workload(TenantOwnedModel):
         indexes = [
             models.Index(fields=["state", "submitted_at"], name="workload_state_submitted"),
             models.Index(fields=["tenant", "state"], name="workload_tenant_state"),
+            # The cycle's look for unfinished array jobs (few rows among many running workloads).
+            models.Index(
+                fields=["state"], name="workload_array_state", condition=Q(array_count__isnull=False)
+            ),
         ]
         constraints = [
             models.CheckConstraint(
@@ -194,6 +209,11 @@ class Workload(TenantOwnedModel):
                 condition=~Q(plan="reserved") | Q(reservation__isnull=False),
                 name="workload_reserved_has_reservation",
             ),
+            models.UniqueConstraint(
+                fields=["array_parent", "array_index"],
+                condition=Q(array_parent__isnull=False),
+                name="workload_array_task_unique",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -207,6 +227,11 @@ class Workload(TenantOwnedModel):
     @property
     def is_terminal(self) -> bool:
         return self.state in TERMINAL_STATES
+
+    @property
+    def is_array(self) -> bool:
+        """An array job: its tasks run, it does not."""
+        return self.array_count is not None
 
 
 class WorkloadEvent(TenantOwnedModel):
@@ -521,8 +546,9 @@ class WorkloadTemplateQuerySet(TenantQuerySet):
 class WorkloadTemplate(TenantOwnedModel):
     """What to run, ready to launch: the catalog's (``tenant`` empty, managed by staff) or a
     tenant's own. Launching by template fills the request's spec at submission
-    (``scheduling.services.templates.template_apply``): the image, command, ports, env and minimum
-    GPU memory the request does not set itself. A workload records the template's name in
+    (``scheduling.services.templates.template_apply``): the image, command, ports, env, minimum
+    GPU memory and volume mount path the request does not set itself; a template with
+    ``volume_required`` is launched only with a volume. A workload records the template's name in
     ``Workload.template`` (warm pools match it) and keeps the filled-in values, so a later change
     to the template changes no workload."""
 
@@ -536,6 +562,15 @@ class WorkloadTemplate(TenantOwnedModel):
     ports = models.JSONField(default=list, blank=True, help_text="Container ports, as a JSON list.")
     env = models.JSONField(default=dict, blank=True, help_text="Variables, as a JSON object of strings.")
     min_gpu_memory_gib = models.PositiveIntegerField(default=0)
+    volume_mount_path = models.CharField(
+        max_length=255,
+        blank=True,
+        help_text="Where a volume launched with it is mounted when the launch names no path; empty: none.",
+    )
+    volume_required = models.BooleanField(
+        default=False,
+        help_text="Launching from it needs a volume (the launch form offers to make one).",
+    )
     created_at = models.DateTimeField(default=timezone.now, editable=False)
     updated_at = models.DateTimeField(default=timezone.now)
 
@@ -544,6 +579,10 @@ class WorkloadTemplate(TenantOwnedModel):
     class Meta:
         ordering = ["name", "id"]
         constraints = [
+            models.CheckConstraint(
+                condition=Q(volume_required=False) | ~Q(volume_mount_path=""),
+                name="workloadtemplate_required_volume_has_path",
+            ),
             models.UniqueConstraint(
                 fields=["name"], condition=Q(tenant__isnull=True), name="workloadtemplate_catalog_name"
             ),
@@ -639,7 +678,8 @@ class Volume(TenantOwnedModel):
     (``VOLUME_STORAGE_ROOTS``), which every node of the region mounts at its agent's
     ``volumes_root``. The agent names the directory from the volume's id (``vol-<id>``), never
     from anything a payload says. It outlives the workloads that use it and is billed per GiB-hour
-    of ``size_gib`` from ``created_at`` to ``deleted_at`` (metering's storage usage)."""
+    of its size from ``created_at`` to ``deleted_at`` (metering's storage usage): ``size_gib`` now,
+    earlier sizes from its ``resizes``."""
 
     tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="volumes")
     name = models.CharField(max_length=63)
@@ -674,6 +714,29 @@ class Volume(TenantOwnedModel):
         return self.size_gib * 1024**3
 
 
+class VolumeResize(TenantOwnedModel):
+    """One change of a volume's size, at ``at``: storage billing charges ``from_gib`` before it and
+    ``to_gib`` after it (metering's storage usage), so GiB-hours on either side are billed right."""
+
+    tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="+")
+    volume = models.ForeignKey(Volume, on_delete=models.CASCADE, related_name="resizes")
+    at = models.DateTimeField(default=timezone.now)
+    from_gib = models.PositiveIntegerField()
+    to_gib = models.PositiveIntegerField()
+
+    class Meta:
+        ordering = ["volume_id", "at", "id"]
+        indexes = [models.Index(fields=["volume", "at"], name="volumeresize_volume_at")]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(from_gib__gte=1) & Q(to_gib__gte=1), name="volumeresize_positive"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"volume {self.volume_id}: {self.from_gib} -> {self.to_gib} GiB at {self.at:%Y-%m-%d %H:%M}"
+
+
 class WorkloadVolume(TenantOwnedModel):
     """A volume attached to a workload at ``mount_path``. The volume is in use while a workload it
     is attached to is not terminal; ``shared``: this workload agreed to share it with others that
@@ -696,3 +759,52 @@ class WorkloadVolume(TenantOwnedModel):
 
     def __str__(self) -> str:
         return f"volume {self.volume_id} at {self.mount_path} of workload {self.workload_id}"
+
+
+class DependencyCondition(models.TextChoices):
+    SUCCEEDED = "succeeded", "Succeeded"  # Slurm's afterok
+    FINISHED = "finished", "Finished"  # afterany: succeeded, failed or stopped
+
+
+class WorkloadDependency(TenantOwnedModel):
+    """A job that waits for another job of its tenant (``scheduling.services.dependencies``)."""
+
+    tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="+")
+    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="dependencies")
+    on = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="dependents")
+    condition = models.CharField(max_length=16, choices=DependencyCondition.choices)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["workload", "on"], name="workload_dependency_once"),
+            models.CheckConstraint(condition=~Q(workload=F("on")), name="workload_dependency_not_self"),
+        ]
+
+
+class WorkItemState(models.TextChoices):
+    PENDING = "pending", "Pending"
+    LEASED = "leased", "Leased"
+    DONE = "done", "Done"
+
+
+class WorkItem(TenantOwnedModel):
+    """One item (a frame range) of a work-queue array job, leased to one task at a time
+    (``scheduling.services.work``)."""
+
+    tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="+")
+    job = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="work_items")
+    index = models.PositiveIntegerField()
+    first = models.IntegerField()
+    last = models.IntegerField()
+    state = models.CharField(max_length=8, choices=WorkItemState.choices, default=WorkItemState.PENDING)
+    leased_to = models.ForeignKey(
+        Workload, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    leased_attempt = models.PositiveIntegerField(null=True, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    leases = models.PositiveIntegerField(default=0, help_text="Times it was handed out.")
+    done_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["job", "index"], name="work_item_once")]
+        indexes = [models.Index(fields=["job", "state", "index"], name="work_item_next")]

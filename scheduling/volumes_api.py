@@ -1,4 +1,4 @@
-"""``/api/v1/volumes/``: a tenant's persistent volumes (list, create, retrieve, delete).
+"""``/api/v1/volumes/``: a tenant's persistent volumes (list, create, retrieve, resize, delete).
 
 Registered on portal's shared router when ``scheduling.api`` is imported. The rules live in
 ``scheduling.services.volumes``.
@@ -12,8 +12,9 @@ from rest_framework.response import Response
 
 from portal.api.routers import router
 from portal.api.viewsets import TenantReadOnlyViewSet
+from portal.errors import ValidationFailed
 from scheduling.models import Volume, VolumeState
-from scheduling.services.volumes import volume_create, volume_delete, volume_in_use_by
+from scheduling.services.volumes import volume_create, volume_delete, volume_in_use_by, volume_resize
 
 
 class VolumeSerializer(serializers.ModelSerializer):
@@ -48,16 +49,25 @@ class VolumeCreateSerializer(serializers.Serializer):
     size_gib = serializers.IntegerField()
 
 
+class VolumeResizeSerializer(serializers.Serializer):
+    size_gib = serializers.IntegerField(
+        help_text="The new size: larger at any time; smaller only above what it holds (409 otherwise)."
+    )
+
+
 class VolumeViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin, mixins.DestroyModelMixin):
     """Persistent storage in a region, attached to workloads at submission (``volumes``); kept
-    when they end. DELETE refuses (409) while a live workload uses it and removes its data."""
+    when they end. PATCH ``{"size_gib": N}`` resizes it (billing follows the size over time).
+    DELETE refuses (409) while a live workload uses it and removes its data."""
 
     queryset = Volume.objects.exclude(state=VolumeState.DELETED).select_related("region")
     serializer_class = VolumeSerializer
     filterset_fields = ["region__code"]
 
     def get_serializer_class(self):
-        return VolumeCreateSerializer if self.action == "create" else VolumeSerializer
+        if self.action == "create":
+            return VolumeCreateSerializer
+        return VolumeResizeSerializer if self.action == "partial_update" else VolumeSerializer
 
     def paginate_queryset(self, queryset):
         page = super().paginate_queryset(queryset)
@@ -78,6 +88,19 @@ class VolumeViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin, mixins.Destr
         volume = volume_create(tenant=self.ctx.tenant, actor=self.actor, **serializer.validated_data)
         volume = self.get_queryset().get(pk=volume.pk)
         return Response(VolumeSerializer(volume).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=VolumeResizeSerializer, responses={200: VolumeSerializer})
+    def partial_update(self, request, *args, **kwargs):
+        volume = self.get_object()  # another tenant's: 404 whatever the body says
+        serializer = VolumeResizeSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        unknown = sorted(set(request.data) - {"size_gib"}) if hasattr(request.data, "keys") else []
+        if unknown:
+            raise ValidationFailed(
+                f"{unknown[0]}: only size_gib can be changed.", fields={unknown[0]: ["Cannot be changed."]}
+            )
+        volume_resize(volume=volume, size_gib=serializer.validated_data["size_gib"], actor=self.actor)
+        return Response(VolumeSerializer(self.get_queryset().get(pk=volume.pk)).data)
 
     def destroy(self, request, *args, **kwargs):
         volume_delete(volume=self.get_object(), actor=self.actor)

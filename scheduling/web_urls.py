@@ -2,7 +2,7 @@
 
 from django.urls import path
 
-from scheduling.views import launch, ssh_keys, staff, volumes, workloads
+from scheduling.views import launch, ssh_keys, staff, templates, volumes, workloads
 
 app_name = "scheduling"
 urlpatterns = [
@@ -24,6 +24,9 @@ urlpatterns = [
     path("account/ssh-keys/", ssh_keys.SshKeysView.as_view(), name="ssh-keys"),
     path("account/ssh-keys/<int:pk>/delete/", ssh_keys.SshKeyDeleteView.as_view(), name="ssh-key-delete"),
     path("volumes/", volumes.VolumesView.as_view(), name="volumes"),
+    path("templates/", templates.TemplatesView.as_view(), name="templates"),
+    path("templates/<int:pk>/edit/", templates.TemplateEditView.as_view(), name="template-edit"),
+    path("templates/<int:pk>/delete/", templates.TemplateDeleteView.as_view(), name="template-delete"),
     path("volumes/<int:pk>/delete/", volumes.VolumeDeleteView.as_view(), name="volume-delete"),
     path("workloads/<int:pk>/open/<int:port>/", workloads.WorkloadOpenView.as_view(), name="workload-open"),
     path(

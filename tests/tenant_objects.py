@@ -172,3 +172,28 @@ def _make_template(*, tenant, **fields):
 
 MAKERS["portal.TenantSecret"] = _make_secret
 MAKERS["scheduling.WorkloadTemplate"] = _make_template
+
+
+def _make_webhook_endpoint(*, tenant, **fields):
+    from portal.crypto import secret_encrypt
+    from webhooks.models import WebhookEndpoint
+
+    fields = {"url": "https://hooks.example.com/walker", "event_types": ["*"], **fields}
+    return WebhookEndpoint.objects.create(
+        tenant=tenant, secret_ciphertext=secret_encrypt("whsec_walker"), **fields
+    )
+
+
+def _make_webhook_delivery(*, tenant, **fields):
+    from django.utils import timezone
+
+    from webhooks.models import WebhookDelivery, WebhookEvent
+
+    endpoint = fields.pop("endpoint", None) or _make_webhook_endpoint(tenant=tenant)
+    event = WebhookEvent.objects.create(tenant=tenant, type="budget.alert", payload={"threshold": 50})
+    fields = {"state": "failed", "retry_until": timezone.now(), **fields}
+    return WebhookDelivery.objects.create(tenant=tenant, endpoint=endpoint, event=event, **fields)
+
+
+MAKERS["webhooks.WebhookEndpoint"] = _make_webhook_endpoint
+MAKERS["webhooks.WebhookDelivery"] = _make_webhook_delivery

@@ -38,6 +38,14 @@ class PaymentProvider(Protocol):
         ``invoice.payment_attempt`` (idempotent at the provider)."""
         ...
 
+    def lookup(self, *, invoice) -> str:
+        """The provider's id of an invoice already sent for ours by an earlier attempt ('')."""
+        ...
+
+    def void(self, *, invoice) -> str:
+        """Void ours at the provider (before it is voided here); the ids voided."""
+        ...
+
 
 def provider_get(name: str | None = None) -> PaymentProvider:
     from metering.payments.manual import ManualProvider

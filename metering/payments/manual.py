@@ -10,3 +10,9 @@ class ManualProvider:
 
     def collect(self, *, invoice) -> Submission:
         return Submission()
+
+    def lookup(self, *, invoice) -> str:
+        return ""
+
+    def void(self, *, invoice) -> str:
+        return ""

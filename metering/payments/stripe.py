@@ -6,8 +6,14 @@ network retries) never creates a second customer, item or invoice:
 - ``gpupool-customer-<tenant id>``
 - ``gpupool-invoice-<invoice id>-<attempt>-create``, ``...-item-<line position>``, ``...-finalize``
 
-``attempt`` is ``Invoice.payment_attempt``: a new attempt (new keys) is only made on purpose, when
-the Stripe invoice of the previous one was voided there.
+``attempt`` is ``Invoice.payment_attempt``: a new attempt (new keys) is only made on purpose, by
+the sweeper (``metering.services.payments.invoice_payments_sweep``) after :meth:`StripeProvider.lookup`
+found no usable Stripe invoice for ours (Stripe keeps idempotency keys for 24 hours only, so a
+resubmission days later must look before it creates).
+
+A Stripe invoice is ours when its ``metadata.gpupool_invoice_id`` names our invoice and its customer
+is the tenant's; the lookup lists the customer's invoices (the list is consistent at once, the
+search API is not).
 
 ``settings.STRIPE_API_BASE``, when set, replaces ``https://api.stripe.com`` (tests point it at a
 local server).
@@ -23,7 +29,7 @@ from metering.locks import lock_billing_account
 from metering.models import BillingAccount, Invoice, InvoiceLine
 from metering.money import to_minor_units
 from metering.payments import Submission
-from portal.errors import ValidationFailed
+from portal.errors import Conflict, DomainError, ValidationFailed
 
 # Transient failures a task may retry (same idempotency keys); anything else is a real refusal.
 TRANSIENT_ERRORS = (stripe.APIConnectionError, stripe.RateLimitError)
@@ -64,8 +70,76 @@ def stripe_customer_ensure(*, client: stripe.StripeClient, tenant) -> str:
     return account.stripe_customer_id
 
 
+class ProviderFailed(DomainError):
+    """The provider could not do what was asked (unreachable, or it refused); nothing changed here."""
+
+    status_code = 502
+    code = "provider_failed"
+
+
+# Stripe statuses of an invoice that stand for ours: it was sent and is (or was) being collected.
+SENT_STATUSES = ("open", "paid", "uncollectible")
+
+
+def stripe_invoices_of(*, client: stripe.StripeClient, invoice: Invoice) -> list[dict]:
+    """Every Stripe invoice of the tenant's customer whose metadata names ``invoice``."""
+    account = BillingAccount.objects.filter(tenant_id=invoice.tenant_id).first()
+    if account is None or not account.stripe_customer_id:
+        return []
+    listed = client.v1.invoices.list(params={"customer": account.stripe_customer_id, "limit": 100})
+    ours = []
+    for found in listed.auto_paging_iter():
+        data = found.to_dict()
+        if (data.get("metadata") or {}).get("gpupool_invoice_id") == str(invoice.pk):
+            ours.append(data)
+    return ours
+
+
 class StripeProvider:
     name = "stripe"
+
+    def lookup(self, *, invoice: Invoice) -> str:
+        """The id of a Stripe invoice already sent for ours ('' if none). Drafts a crashed
+        submission left behind are deleted, so the next attempt starts clean."""
+        client = stripe_client()
+        found = stripe_invoices_of(client=client, invoice=invoice)
+        sent = [f for f in found if f.get("status") in SENT_STATUSES]
+        for draft in (f for f in found if f.get("status") == "draft"):
+            client.v1.invoices.delete(draft["id"])
+        if not sent:
+            return ""
+        rank = {status: n for n, status in enumerate(SENT_STATUSES[::-1])}  # paid, then open, ...
+        return max(sent, key=lambda f: (rank[f["status"]], f.get("created") or 0))["id"]
+
+    def void(self, *, invoice: Invoice) -> str:
+        """Void ours at Stripe before it is voided here: the Stripe invoice (its id, or found by
+        metadata) is voided, a draft deleted. Refused (Conflict) when Stripe has it paid, or
+        (ProviderFailed) when Stripe cannot be reached or refuses: ours stays finalized."""
+        try:
+            return self._void(invoice)
+        except stripe.StripeError as e:
+            raise ProviderFailed(f"Stripe did not void invoice {invoice.pk}: {e}") from e
+
+    def _void(self, invoice: Invoice) -> str:
+        client = stripe_client()
+        targets = [invoice.external_id] if invoice.external_id else []
+        if not targets:
+            targets = [f["id"] for f in stripe_invoices_of(client=client, invoice=invoice)]
+        for stripe_id in targets:
+            current = client.v1.invoices.retrieve(stripe_id).to_dict()
+            status = current.get("status")
+            if status == "paid":
+                raise Conflict(
+                    f"Invoice {invoice.pk} is paid at Stripe ({stripe_id}); refund it there, or issue a "
+                    "credit note, instead of voiding it."
+                )
+            if status == "draft":
+                client.v1.invoices.delete(stripe_id)
+            elif status in ("open", "uncollectible"):
+                client.v1.invoices.void_invoice(
+                    stripe_id, options={"idempotency_key": f"gpupool-void-{invoice.pk}-{stripe_id}"}
+                )
+        return ", ".join(targets)
 
     def collect(self, *, invoice: Invoice) -> Submission:
         client = stripe_client()

@@ -45,6 +45,7 @@ from metering.models import (
 )
 from metering.money import HOUR, ZERO, quantize_money
 from metering.periods import days_in_period, next_period, period_bounds
+from metering.services.invoice_events import invoice_event_publish
 from metering.services.rates import PriceBook, TenantPricing, discounted
 from nodes.models import GpuModel, Region
 from portal.actors import Actor
@@ -493,3 +494,4 @@ def _after_finalize(invoices: list[Invoice], actor: Actor) -> None:
             target=invoice,
             data={"total": str(invoice.total)},
         )
+        invoice_event_publish(invoice=invoice, type="invoice.finalized", now=invoice.finalized_at)

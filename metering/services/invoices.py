@@ -33,6 +33,7 @@ from metering.models import (
 from metering.money import ZERO, quantize_money
 from metering.periods import period_bounds, period_of, previous_period
 from metering.services.invoice_build import RunCache, invoices_build_batch
+from metering.services.invoice_events import invoice_event_publish
 from portal.actors import Actor
 from portal.errors import Conflict, ValidationFailed
 from portal.models import Tenant
@@ -122,13 +123,25 @@ def invoice_mark_paid(
             target=invoice,
             data={"total": str(quantize_money(invoice.total, invoice.currency)), **(data or {})},
         )
+        invoice_event_publish(invoice=invoice, type="invoice.paid", now=now)
         dunning_release(invoice=invoice, now=now)
     return invoice
 
 
-def invoice_void(*, invoice: Invoice, actor: Actor, reason: str, now: datetime | None = None) -> Invoice:
-    """Void a finalized, unpaid invoice; credits it used go back to the ledger as new grants."""
+def invoice_void(
+    *, invoice: Invoice, actor: Actor, reason: str, now: datetime | None = None, provider_done: bool = False
+) -> Invoice:
+    """Void a finalized, unpaid invoice; credits it used go back to the ledger as new grants.
+
+    It is voided at the payment provider first (Stripe: the invoice sent for it, found by its id
+    or our metadata), so the customer is not charged for what we no longer claim; a provider
+    error leaves it finalized here. ``provider_done``: the provider voided it (its webhook)."""
+    from metering.payments import provider_get
+
     now = now or timezone.now()
+    current = Invoice.objects.get(pk=invoice.pk)
+    if current.status == InvoiceStatus.FINALIZED and current.payment_provider and not provider_done:
+        provider_get(current.payment_provider).void(invoice=current)
     with transaction.atomic():
         invoice = lock_invoice(invoice_id=invoice.pk)
         if invoice.status != InvoiceStatus.FINALIZED:

@@ -230,6 +230,7 @@ class Agent(CommandHandlers):
                     state_dir=self.state_dir,
                     runtime=self.runtime,
                     keys=self.ssh_keys,
+                    recheck_s=self.config.ssh_recheck_s,
                 )
                 await self.ssh.start()
             self._load_credential()
@@ -445,7 +446,9 @@ class Agent(CommandHandlers):
 
     async def ssh_keys(self, workload_id: str) -> list[str] | None:
         """The public keys that may log in to ``workload_id`` now, as the portal answers at this
-        moment; None (nobody) when it cannot be asked or says no."""
+        moment: an empty list when it says the workload does not run here (404), None when it
+        cannot be asked or answers anything else. Nobody logs in on either; open sessions are
+        closed on the first only (``SshEndpoint.recheck``)."""
         if self._client is None or self.credential is None:
             return None
         try:
@@ -457,6 +460,8 @@ class Agent(CommandHandlers):
         except PortalUnreachable as exc:
             self.log.warning("SSH login to %s refused: the portal is unreachable (%s)", workload_id, exc)
             return None
+        if response.status_code == 404:
+            return []
         if response.status_code != 200:
             self.log.info("SSH login to %s refused: %s", workload_id, error_text(response))
             return None
@@ -577,10 +582,14 @@ class Agent(CommandHandlers):
             seen = self._terminal_seen.get(status.workload_id, 0) + 1
             self._terminal_seen[status.workload_id] = seen
             if seen >= TERMINAL_REPORTS:
-                await self.logship.collect_one(status.workload_id)  # its last lines first
-                await asyncio.to_thread(self.runtime.forget, status.workload_id)
-                self._terminal_seen.pop(status.workload_id, None)
-                self._fail_messages.pop(status.workload_id, None)
+                await self.forget_ended(status.workload_id)
+
+    async def forget_ended(self, workload_id: str) -> None:
+        """Drop an ended workload's record, after shipping its last lines."""
+        await self.logship.collect_one(workload_id)
+        await asyncio.to_thread(self.runtime.forget, workload_id)
+        self._terminal_seen.pop(workload_id, None)
+        self._fail_messages.pop(workload_id, None)
 
     def _deadlines(self) -> dict[str, float]:
         return json.loads(self.buffer.get("deadlines", "{}") or "{}")

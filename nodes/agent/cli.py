@@ -69,6 +69,12 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         help="serve SSH into workloads on HOST:PORT, e.g. 0.0.0.0:2222 (port 0: any free port)",
     )
     parser.add_argument(
+        "--ssh-recheck",
+        dest="ssh_recheck_s",
+        type=float,
+        help="seconds between checks of open SSH sessions against the portal's keys (default 15)",
+    )
+    parser.add_argument(
         "--publish-address",
         dest="publish_address",
         help="the IP address workloads' HTTP ports listen on: the private network the portal reaches "

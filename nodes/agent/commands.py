@@ -101,6 +101,11 @@ class CommandHandlers:
     async def _start_workload(self, payload: dict[str, Any]) -> dict[str, Any]:
         spec = WorkloadSpec.from_payload(payload)
         known = await asyncio.to_thread(self.runtime.get_status, spec.workload_id)
+        if known is not None and known.terminal and self.runtime.attempt_of(spec.workload_id) != spec.attempt:
+            # Another placement of a workload whose earlier run here has ended (a retry, a requeue):
+            # it starts afresh, never with the ended run's handle. Its last lines go first.
+            await self.forget_ended(spec.workload_id)
+            known = None
         if known is None:
             if self.draining:
                 raise RuntimeFailure("this node is draining and accepts no new work")
@@ -130,6 +135,7 @@ class CommandHandlers:
                 raise
         finally:
             self.mig.starting.discard(spec.workload_id)
+        await asyncio.to_thread(self.runtime.attempt_record, spec.workload_id, spec.attempt or 0)
         if spec.max_runtime_s and known is None:
             deadlines = self._deadlines()
             deadlines[spec.workload_id] = time.time() + spec.max_runtime_s
@@ -144,6 +150,12 @@ class CommandHandlers:
             result["mig_uuid"] = spec.gpu_uuids[0]
         return result
 
+    def _close_ssh(self, workload_id: str) -> None:
+        """A workload that stops takes its SSH sessions with it, at once."""
+        ssh = getattr(self, "ssh", None)
+        if ssh is not None:
+            ssh.close_workload(workload_id)
+
     async def _release_mig(self, workload_id: str) -> None:
         if await self.mig.release(workload_id):
             self.inventory = await asyncio.to_thread(self.collector.discover)
@@ -151,6 +163,7 @@ class CommandHandlers:
     async def _stop_workload(self, payload: dict[str, Any]) -> dict[str, Any]:
         workload_id = str(payload["workload_id"])
         grace = float(payload.get("grace_s", self.config.stop_grace_s))
+        self._close_ssh(workload_id)
         status = await asyncio.to_thread(self.runtime.stop, workload_id, grace)
         await self._release_mig(workload_id)
         return {"workload_id": workload_id, "state": status.state, "exit_code": status.exit_code}
@@ -169,6 +182,7 @@ class CommandHandlers:
                 status = await asyncio.to_thread(self.runtime.get_status, workload_id)
                 if status is None or status.terminal:
                     break  # it finished within its notice
+        self._close_ssh(workload_id)
         status = await asyncio.to_thread(self.runtime.stop, workload_id, grace, final_state=PREEMPTED)
         await self._release_mig(workload_id)
         return {"workload_id": workload_id, "state": status.state, "exit_code": status.exit_code}

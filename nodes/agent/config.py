@@ -64,6 +64,9 @@ class AgentConfig:
     # The SSH endpoint into workloads (nodes/agent/ssh.py): "host:port" to listen on, e.g.
     # "0.0.0.0:2222" (port 0: any free port); empty: none.
     ssh_listen: str = ""
+    # How often open SSH sessions are checked against the portal's keys again (seconds): a deleted
+    # key or a removed member's session ends within about this long.
+    ssh_recheck_s: float = 15.0
     # Where workloads' published ports listen (an IP address of this node): HTTP ports on
     # publish_address, the private network the portal's proxy reaches (advertise_address must lead
     # there); TCP ports on tcp_publish_address (empty: publish_address). A port published on every
@@ -142,6 +145,8 @@ class AgentConfig:
                 "commands would cross the network unencrypted. Use https://, or allow it explicitly "
                 "(allow_insecure_http = true, --allow-insecure-http or GPUPOOL_ALLOW_INSECURE_HTTP=1)"
             )
+        if not 0 < self.ssh_recheck_s <= 3600:
+            raise ConfigError("ssh_recheck_s must be above 0 and at most 3600")
         if self.ssh_listen:
             from nodes.agent.ssh import parse_listen
 
@@ -204,6 +209,7 @@ ENV = {
     "GPUPOOL_HOSTNAME": "hostname",
     "GPUPOOL_ADVERTISE_ADDRESS": "advertise_address",
     "GPUPOOL_SSH_LISTEN": "ssh_listen",
+    "GPUPOOL_SSH_RECHECK_S": "ssh_recheck_s",
     "GPUPOOL_PUBLISH_ADDRESS": "publish_address",
     "GPUPOOL_TCP_PUBLISH_ADDRESS": "tcp_publish_address",
     "GPUPOOL_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",

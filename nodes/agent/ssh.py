@@ -11,6 +11,15 @@ the keys of the named workload (``GET /agent/v1/nodes/<id>/workloads/<id>/ssh-ke
 each key again, and accepts only those. The portal answers only while the workload runs on this
 node; a portal that cannot be reached, or answers anything but the list, lets nobody in.
 
+Open sessions follow the same answer: every ``recheck_s`` seconds the endpoint asks again for each
+workload it has connections to, and disconnects each connection whose key is no longer among the
+keys (a deleted key, a member removed or deactivated) or whose workload no longer runs here (the
+portal's 404: an empty list). A portal that does not answer leaves open sessions as they are (a
+portal outage does not cut everyone off); a stop or preemption of the workload closes its
+connections at once (``close_workload``). When a connection goes, for whatever reason, the process
+its session started goes with it: the subprocess runtime's process group is killed, the docker
+runtime's exec is killed (``DockerRuntime.exec_kill``).
+
 Sessions, as the client asks (a command on the ssh command line runs instead of a shell; a
 terminal if it asks for one, resized as its window is):
 
@@ -54,7 +63,10 @@ MAX_PENDING_LOGINS = 16
 # A shell: bash where the image has it, else sh; interactive when the session has a terminal.
 SHELL = ["/bin/sh", "-c", "if command -v bash >/dev/null 2>&1; then exec bash; fi; exec sh"]
 
+# The keys that may log in to a workload now: a list (empty: nobody, the workload does not run
+# here), or None when the portal gave no answer (unreachable, an error).
 KeysSource = Callable[[str], Awaitable[list[str] | None]]
+DEFAULT_RECHECK_S = 15.0
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -79,6 +91,17 @@ def load_host_key(state_dir: Path) -> asyncssh.SSHKey:
     return key
 
 
+def _parse_keys(workload_id: str, lines: Any) -> set[bytes]:
+    """The portal's key lines, each parsed again, as the public key data a login compares."""
+    allowed: set[bytes] = set()
+    for line in lines:
+        try:
+            allowed.add(asyncssh.import_public_key(parse_ssh_public_key(line).line).public_data)
+        except (WorkloadRuleError, asyncssh.KeyImportError, ValueError):
+            log.warning("the portal sent a key for %s that is not a valid public key", workload_id)
+    return allowed
+
+
 def _exit_status(returncode: int | None) -> int:
     if returncode is None:
         return 255
@@ -86,14 +109,26 @@ def _exit_status(returncode: int | None) -> int:
 
 
 class SshEndpoint:
-    def __init__(self, *, listen: str, state_dir: Path, runtime: Runtime, keys: KeysSource) -> None:
+    def __init__(
+        self,
+        *,
+        listen: str,
+        state_dir: Path,
+        runtime: Runtime,
+        keys: KeysSource,
+        recheck_s: float = DEFAULT_RECHECK_S,
+    ) -> None:
         self.host, self.port = parse_listen(listen)
         self.state_dir = state_dir
         self.runtime = runtime
         self.keys = keys
+        self.recheck_s = recheck_s
         self.host_key = load_host_key(state_dir)
         self._acceptor: asyncssh.SSHAcceptor | None = None
         self._pending_logins = 0
+        self._connections: set[_Server] = set()  # logged in and not yet gone
+        self._sessions: dict[Any, set[Any]] = {}  # connection -> its open sessions (processes)
+        self._recheck: asyncio.Task[None] | None = None
 
     @property
     def public_host_key(self) -> str:
@@ -118,10 +153,18 @@ class SshEndpoint:
             login_timeout=LOGIN_TIMEOUT_S,
         )
         self.port = self._acceptor.get_port()
+        self._recheck = asyncio.ensure_future(self._recheck_loop())
         log.info("SSH endpoint listening on %s:%s", self.host, self.port)
         return self.port
 
     async def close(self) -> None:
+        if self._recheck is not None:
+            self._recheck.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._recheck
+            self._recheck = None
+        for server in list(self._connections):
+            server.disconnect("gpupool: the node's agent is shutting down")
         if self._acceptor is not None:
             self._acceptor.close()
             await self._acceptor.wait_closed()
@@ -142,17 +185,76 @@ class SshEndpoint:
             lines = await self.keys(username)
         finally:
             self._pending_logins -= 1
-        allowed: set[bytes] = set()
-        for line in lines or ():
+        return _parse_keys(username, lines or ())
+
+    # -- open connections follow the portal's answer -----------------------------------------------
+
+    def connections(self, workload_id: str | None = None) -> int:
+        """How many logged-in connections are open (to ``workload_id``, or to any workload)."""
+        return sum(1 for s in self._connections if workload_id is None or s.username == workload_id)
+
+    def close_workload(self, workload_id: str, reason: str = "gpupool: the workload is stopping") -> int:
+        """Disconnect every connection to ``workload_id`` (it stops); answers how many."""
+        servers = [s for s in self._connections if s.username == workload_id]
+        for server in servers:
+            server.disconnect(reason)
+        return len(servers)
+
+    async def recheck(self) -> int:
+        """Ask the portal again for the keys of each workload with open connections and disconnect
+        those whose key is no longer allowed; answers how many were disconnected."""
+        by_workload: dict[str, list[_Server]] = {}
+        for server in self._connections:
+            by_workload.setdefault(server.username, []).append(server)
+        closed = 0
+        for workload_id, servers in by_workload.items():
+            lines = await self.keys(workload_id)
+            if lines is None:  # no answer: sessions stay as they are until the portal answers
+                continue
+            allowed = _parse_keys(workload_id, lines)
+            for server in servers:
+                if server.key not in allowed:
+                    log.info("SSH session into %s closed: its key no longer opens it", workload_id)
+                    server.disconnect(f"gpupool: your access to workload {workload_id} has ended")
+                    closed += 1
+        return closed
+
+    async def _recheck_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.recheck_s)
+            if not self._connections:
+                continue
             try:
-                allowed.add(asyncssh.import_public_key(parse_ssh_public_key(line).line).public_data)
-            except (WorkloadRuleError, asyncssh.KeyImportError, ValueError):
-                log.warning("the portal sent a key for %s that is not a valid public key", username)
-        return allowed
+                await self.recheck()
+            except Exception:  # the next round tries again; the loop must not die
+                log.exception("SSH session recheck failed")
 
     # -- sessions ---------------------------------------------------------------------------------
 
     async def _session(self, process: asyncssh.SSHServerProcess) -> None:
+        """Run the session until it ends or its channel closes (the client left, or it was
+        disconnected): then the session's process is ended as well (the body's ``finally``)."""
+        conn = process.get_extra_info("connection")
+        self._sessions.setdefault(conn, set()).add(process)
+        body = asyncio.ensure_future(self._session_body(process))
+        gone = asyncio.ensure_future(process.channel.wait_closed())
+        try:
+            await asyncio.wait({body, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sessions = self._sessions.get(conn)
+            if sessions is not None:
+                sessions.discard(process)
+                if not sessions:
+                    del self._sessions[conn]
+            if not body.done():
+                body.cancel()
+            gone.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await body
+            with contextlib.suppress(asyncio.CancelledError):
+                await gone
+
+    async def _session_body(self, process: asyncssh.SSHServerProcess) -> None:
         workload_id = process.get_extra_info("username")
         try:
             if process.subsystem:
@@ -218,6 +320,8 @@ class SshEndpoint:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await feeding
             writer.close()
+            # Ended, or the client went: docker keeps an exec running when its stream closes.
+            await asyncio.to_thread(runtime.exec_kill, exec_id)
         return _exit_status(await asyncio.to_thread(runtime.exec_exit_code, exec_id))
 
     async def _process_session(
@@ -342,6 +446,8 @@ def _end(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # reaped: killed, it goes at once
+            proc.wait(timeout=2)
 
 
 class _Server(asyncssh.SSHServer):
@@ -351,11 +457,34 @@ class _Server(asyncssh.SSHServer):
         self.endpoint = endpoint
         self.allowed: set[bytes] = set()
         self.conn: asyncssh.SSHServerConnection | None = None
+        self.username = ""
+        self.key = b""  # the key this connection logged in with (its public data)
+        self._last_valid = b""
 
     def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
         self.conn = conn
 
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.endpoint._connections.discard(self)
+
+    def auth_completed(self) -> None:
+        # The last key found valid is the one whose signature completed the login.
+        self.key = self._last_valid
+        self.endpoint._connections.add(self)
+
+    def disconnect(self, reason: str) -> None:
+        """Close the connection; its sessions read ``reason`` on stderr first (a client may not
+        show the disconnect message itself)."""
+        self.endpoint._connections.discard(self)
+        if self.conn is None:
+            return
+        for process in self.endpoint._sessions.get(self.conn, ()):
+            with contextlib.suppress(Exception):  # a channel already closing
+                process.stderr.write(f"{reason}\r\n".encode())
+        self.conn.disconnect(asyncssh.DISC_BY_APPLICATION, reason)
+
     async def begin_auth(self, username: str) -> bool:
+        self.username = username
         self.allowed = await self.endpoint.allowed_keys(username)
         if not self.allowed and self.conn is not None:
             self.conn.send_auth_banner(
@@ -376,4 +505,7 @@ class _Server(asyncssh.SSHServer):
         return True
 
     def validate_public_key(self, username: str, key: asyncssh.SSHKey) -> bool:
-        return key.public_data in self.allowed
+        if key.public_data in self.allowed:
+            self._last_valid = key.public_data
+            return True
+        return False

@@ -153,8 +153,10 @@ class WorkloadSpec:
     """``{"volume_id", "mount_path", "size_gib"}`` each (see ``nodes.agent.volumes``)."""
     checkpoint: dict[str, Any] | None = None
     """``{"volume_id", "resume"}``: a checkpoint directory on that volume; ``resume`` after a requeue."""
+    attempt: int = 0
+    """The portal's placement number: a start of another attempt than the ended one's runs afresh."""
     platform_env: dict[str, str] = field(default_factory=dict)
-    """Variables the portal adds (a gang member's rank and rendezvous), set after ``env``."""
+    """Variables the platform sets for this placement (``workload_rules.PLATFORM_ENV_NAMES``)."""
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> WorkloadSpec:

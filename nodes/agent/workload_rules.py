@@ -30,10 +30,6 @@ The rules, once:
   ``/proc``, ``/sys``, ``/dev``, ``/etc``, ``/usr``, ``/bin``, ``/lib``..., ``/run``, where the
   platform's notice directory is); one volume per path and one path per volume, and no path
   inside another's. ``checkpoint``: ``{"volume_id", "resume"}``, one of those volumes.
-- ``platform_env``: what the portal (never the tenant) adds to a workload's environment, e.g. a gang
-  member's rank and rendezvous: names from ``PLATFORM_ENV_NAMES`` or ``GPUPOOL_`` names the
-  runtimes do not set themselves, values text without NUL, at most 8 KiB in all. The runtime sets
-  them after the workload's env and before its own variables.
 - What else a start payload carries that reaches a path or an argv: ``workload_id``,
   ``gpu_uuids``, ``mig_profile``, ``gpu_vendor``, ``template`` and the numbers
   (``cpu_millicores``, ``ram_mib``, ...), each with its own rule below.
@@ -123,6 +119,25 @@ RESERVED_ENV_PREFIXES = (
 # GPUPOOL_ names a tenant may set: the simulated runtime reads them from the workload's own env
 # (how long it runs, its exit code); no real runtime reads them.
 TENANT_GPUPOOL_ENV = frozenset({"GPUPOOL_SIM_DURATION_S", "GPUPOOL_SIM_EXIT_CODE"})
+
+# Names the portal may set in a start payload's ``platform_env`` (never the tenant's ``env``): a job
+# array task's index and the array's size, a work-queue worker's endpoint and token, and a gang
+# member's rank and rendezvous (torchrun's and NCCL's names, and the members' addresses by rank).
+PLATFORM_ENV_NAMES = frozenset(
+    {
+        "GPUPOOL_ARRAY_INDEX",
+        "GPUPOOL_ARRAY_COUNT",
+        "GPUPOOL_WORK_URL",
+        "GPUPOOL_WORK_TOKEN",
+        "WORLD_SIZE",
+        "NODE_RANK",
+        "NNODES",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "GPUPOOL_PEERS",
+    }
+)
 
 GPU_VENDORS = ("", "nvidia", "amd", "intel")
 # "http": reached through the portal's proxy only; "tcp": a raw port on the node (docs/security.md).
@@ -230,46 +245,6 @@ def check_env(mapping: Any) -> dict[str, str]:
         env[key] = value
     if size > MAX_ENV_BYTES:
         raise WorkloadRuleError("env", f"At most {MAX_ENV_BYTES // 1024} KiB of names and values together.")
-    return env
-
-
-# Names ``platform_env`` may set besides ``GPUPOOL_`` ones: torchrun's and NCCL's rendezvous.
-PLATFORM_ENV_NAMES = frozenset(
-    {"WORLD_SIZE", "NODE_RANK", "NNODES", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-)
-# GPUPOOL_ names the runtimes set themselves; ``platform_env`` may not.
-RUNTIME_ENV_NAMES = frozenset(
-    {
-        "GPUPOOL_WORKLOAD_ID",
-        "GPUPOOL_PREEMPT_NOTICE_FILE",
-        "GPUPOOL_CHECKPOINT_DIR",
-        "GPUPOOL_RESUME",
-        "GPUPOOL_GPU_FRACTION_MILLI",
-        "GPUPOOL_GPU_SHARING",
-        "GPUPOOL_GPU_MEMORY_LIMIT_MIB",
-    }
-)
-MAX_PLATFORM_ENV_BYTES = 8 * 1024
-
-
-def check_platform_env(mapping: Any) -> dict[str, str]:
-    """A start payload's ``platform_env`` (see the module's docstring), as a new dict."""
-    if not isinstance(mapping, Mapping):
-        raise WorkloadRuleError("platform_env", "Must be an object of strings.")
-    env: dict[str, str] = {}
-    size = 0
-    for key, value in mapping.items():
-        if not isinstance(key, str) or not _ENV_NAME_RE.fullmatch(key):
-            raise WorkloadRuleError("platform_env", f"{key!r} is not a variable name.")
-        allowed = key in PLATFORM_ENV_NAMES or (key.startswith("GPUPOOL_") and key not in RUNTIME_ENV_NAMES)
-        if not allowed or key.startswith("GPUPOOL_PORT_"):
-            raise WorkloadRuleError("platform_env", f"{key} is not a variable the portal sets.")
-        if not isinstance(value, str) or "\x00" in value:
-            raise WorkloadRuleError("platform_env", f"{key}: the value must be a string without NUL.")
-        size += len(key.encode()) + len(value.encode("utf-8", "surrogatepass"))
-        env[key] = value
-    if size > MAX_PLATFORM_ENV_BYTES:
-        raise WorkloadRuleError("platform_env", f"At most {MAX_PLATFORM_ENV_BYTES // 1024} KiB in all.")
     return env
 
 
@@ -514,6 +489,20 @@ def check_checkpoint(value: Any, volumes: list[dict[str, Any]]) -> dict[str, Any
     return {"volume_id": volume_id, "resume": resume}
 
 
+def check_platform_env(mapping: Any) -> dict[str, str]:
+    """The platform's own variables of a start payload: known names only, short printable values."""
+    if not isinstance(mapping, Mapping):
+        raise WorkloadRuleError("platform_env", "Must be an object of strings.")
+    out: dict[str, str] = {}
+    for key, value in mapping.items():
+        if key not in PLATFORM_ENV_NAMES:
+            raise WorkloadRuleError("platform_env", f"{key!r} is not a platform variable.")
+        if not isinstance(value, str) or len(value) > 2048 or not value.isprintable():
+            raise WorkloadRuleError("platform_env", f"{key}: a printable string of at most 2048 characters.")
+        out[key] = value
+    return out
+
+
 def _check_number(payload: Mapping[str, Any], key: str, lo: float, hi: float, *, real: bool = False) -> Any:
     value = payload.get(key)
     if value is None:
@@ -533,6 +522,7 @@ _NUMBERS: dict[str, tuple[float, float, bool]] = {
     "max_runtime_s": (0, 366 * 86400, False),
     "gpu_memory_limit_mib": (0, 1 << 30, False),
     "sim_duration_s": (0, 366 * 86400, True),
+    "attempt": (0, 1 << 31, False),
 }
 
 
@@ -549,10 +539,11 @@ def check_start_payload(payload: Any) -> dict[str, Any]:
     checked["image"] = "" if image in (None, "") else check_image(image)
     checked["command"] = check_command(payload.get("command") or [])
     checked["env"] = check_env(payload.get("env") or {})
-    if "platform_env" in payload:
-        checked["platform_env"] = check_platform_env(payload["platform_env"] or {})
     checked["ports"] = check_ports(payload.get("ports") or [])
     checked["gpu_uuids"] = check_gpu_uuids(payload.get("gpu_uuids") or [])
+    if "platform_env" in payload:
+        raw = payload["platform_env"]
+        checked["platform_env"] = check_platform_env({} if raw is None else raw)
     for key, check in (
         ("mig_profile", check_mig_profile),
         ("gpu_vendor", check_gpu_vendor),

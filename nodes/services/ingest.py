@@ -560,9 +560,12 @@ def _record_workloads(node_id: int, reports: list[WorkloadReport], now: datetime
     node = None
     for w in reports:
         row = known.get(w.workload_id)
-        if row is not None and row.state == w.state and row.exit_code == w.exit_code:
+        # Another start time is another run of the workload (a retry placed on this node again
+        # before the node forgot the ended run): its own end is news, even in the same state.
+        same_run = row is not None and row.started_at == w.started_at
+        if same_run and row.state == w.state and row.exit_code == w.exit_code:
             continue
-        was_terminal = row is not None and row.state in TERMINAL_WORKLOAD_STATES
+        was_terminal = same_run and row.state in TERMINAL_WORKLOAD_STATES
         if row is None:
             row = NodeWorkloadStatus(node_id=node_id, workload_id=w.workload_id)
             create.append(row)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from django.conf import settings
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.core.exceptions import RequestDataTooBig, TooManyFieldsSent, TooManyFilesSent
 from django.http import Http404, JsonResponse
 from rest_framework import exceptions, status
 from rest_framework.response import Response
@@ -64,7 +66,36 @@ def _first_message(fields: dict) -> str:
     return "Invalid input."
 
 
+def request_data_refused(exc: BaseException) -> tuple[int, dict] | None:
+    """Django's refusals of a request's body while it is parsed (a form with too many fields or
+    files, a body over the upload limit) as (status, the API's error body); None for any
+    other exception. They are the client's doing: a 400 or 413 naming the limit, never a 500."""
+    if isinstance(exc, TooManyFieldsSent):
+        limit = settings.DATA_UPLOAD_MAX_NUMBER_FIELDS
+        return 400, error_body(
+            400,
+            f"The form has more than {limit} fields (DATA_UPLOAD_MAX_NUMBER_FIELDS): send fewer, or JSON.",
+            code="too_many_fields",
+        )
+    if isinstance(exc, TooManyFilesSent):
+        limit = settings.DATA_UPLOAD_MAX_NUMBER_FILES
+        return 400, error_body(
+            400,
+            f"The form has more than {limit} files (DATA_UPLOAD_MAX_NUMBER_FILES).",
+            code="too_many_files",
+        )
+    if isinstance(exc, RequestDataTooBig):
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        return 413, error_body(
+            413, f"The request body is larger than {limit} bytes (DATA_UPLOAD_MAX_MEMORY_SIZE)."
+        )
+    return None
+
+
 def exception_handler(exc, context):
+    refused = request_data_refused(exc)
+    if refused is not None:
+        return Response(refused[1], status=refused[0])
     if isinstance(exc, DomainError):
         return Response({"error": exc.as_dict()}, status=exc.status_code)
     if isinstance(exc, Http404):

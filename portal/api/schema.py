@@ -10,6 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from drf_spectacular import openapi
+from drf_spectacular.utils import OpenApiParameter
+
+IDEMPOTENCY_TTL_TEXT = "IDEMPOTENCY_KEY_TTL, a day by default"
+
 HTTP_METHODS = ("get", "put", "patch", "post", "delete")
 
 
@@ -49,3 +54,24 @@ def add_create_links(result: dict[str, Any], generator, request, public) -> dict
         if links:
             created["links"] = dict(sorted(links.items()))
     return result
+
+
+class AutoSchema(openapi.AutoSchema):
+    """drf-spectacular's, with the ``Idempotency-Key`` header on every tenant create."""
+
+    def get_override_parameters(self):
+        from portal.api.viewsets import TenantScopedViewSet
+        from portal.services.idempotency import HEADER
+
+        parameters = list(super().get_override_parameters())
+        if isinstance(self.view, TenantScopedViewSet) and getattr(self.view, "action", None) == "create":
+            parameters.append(
+                OpenApiParameter(
+                    HEADER,
+                    str,
+                    OpenApiParameter.HEADER,
+                    description="Makes the create safe to repeat: the same key, route and body get the "
+                    f"first answer back (for {IDEMPOTENCY_TTL_TEXT}); another body with the key is 422.",
+                )
+            )
+        return parameters

@@ -201,6 +201,9 @@ def workload_access(
         "ports": ports,
         # Whether a share link could open anything: the workload asked for an HTTP port.
         "http": http,
+        # Whether one is reachable now (the page offers a share link only then: a simulated node,
+        # or one that did not publish the port, opens nothing).
+        "http_open": any(p["url"] for p in ports if p["protocol"] == "http"),
         "share_link": {"created_at": link.created_at} if link is not None else None,
     }
 

@@ -73,6 +73,8 @@ def _quota_usage_sql(tenants: int | None) -> str:
     active = ", ".join(["%s"] * len(ACTIVE_STATES))
     waiting = ", ".join(["%s"] * len(WAITING_STATES))
     tenant, state, plan = _col(Workload, "tenant"), _col(Workload, "state"), _col(Workload, "plan")
+    # An array job is counted by its tasks, never itself.
+    tasks, w_tasks = _col(Workload, "array_count"), _col(Workload, "array_count", "w.")
     milli = f"{_col(Workload, 'gpu_count')} * {_col(Workload, 'gpu_fraction_milli')}"
     a_tenant, a_model = _col(Allocation, "tenant"), _col(Allocation, "gpu_model")
     w_id, w_tenant, w_state = (
@@ -85,7 +87,8 @@ def _quota_usage_sql(tenants: int | None) -> str:
     return f"""
         SELECT 0, {tenant}, NULL, COUNT(*), SUM({milli}),
                SUM(CASE WHEN {plan} = %s THEN {milli} ELSE 0 END), MAX({milli})
-          FROM {_table(Workload)} WHERE {state} IN ({active}) {only(tenant)} GROUP BY {tenant}
+          FROM {_table(Workload)} WHERE {state} IN ({active}) AND {tasks} IS NULL {only(tenant)}
+         GROUP BY {tenant}
         UNION ALL
         SELECT 1, {a_tenant}, {a_model}, NULL, SUM({_col(Allocation, "fraction_milli")}), NULL, NULL
           FROM {_table(Allocation)} WHERE {_col(Allocation, "ended_at")} IS NULL {only(a_tenant)}
@@ -94,7 +97,7 @@ def _quota_usage_sql(tenants: int | None) -> str:
         SELECT 1, tenant_id, model_id, NULL, SUM(milli), NULL, NULL FROM (
             SELECT {w_tenant} AS tenant_id, MIN({m_model}) AS model_id, MIN({w_milli}) AS milli
               FROM {_table(Workload)} w INNER JOIN {_table(choice)} m ON {m_workload} = {w_id}
-             WHERE {w_state} IN ({waiting}) {only(w_tenant)}
+             WHERE {w_state} IN ({waiting}) AND {w_tasks} IS NULL {only(w_tenant)}
              GROUP BY {w_tenant}, {w_id} HAVING COUNT(*) = 1
         ) single GROUP BY tenant_id, model_id"""
 

@@ -40,7 +40,8 @@ from scheduling.models import (
     WorkloadState,
 )
 from scheduling.services.allocations import allocation_ranges_move, gpu_range_choose
-from scheduling.services.env import platform_env
+from scheduling.services.arrays import arrays_advance
+from scheduling.services.dependencies import dependencies_gate
 from scheduling.services.gangs import (
     GangMember,
     gang_members,
@@ -54,6 +55,7 @@ from scheduling.services.snapshot import CycleContext, cycle_snapshot_load, from
 from scheduling.services.states import workloads_transition
 from scheduling.services.volumes import workload_volume_payloads
 from scheduling.services.warm_pools import bind_warm_slots, warm_slots_bind
+from scheduling.services.work import work_url
 
 logger = logging.getLogger(__name__)
 
@@ -87,11 +89,48 @@ def _resumes(w: Workload) -> bool:
     return w.kind == WorkloadKind.JOB and w.checkpoint_resume and w.started_at is not None
 
 
+def _platform_env(
+    w: Workload, arrays: dict[int, tuple[int, bool]], gang: GangMember | None = None
+) -> dict[str, str]:
+    """The variables the platform sets for this placement (the start payload's ``platform_env``,
+    names in ``workload_rules.PLATFORM_ENV_NAMES``): an array task's index and its array's size,
+    a work-queue worker's endpoint (its token is added on the way to the node,
+    ``scheduling.services.env.start_payload_for_node``), and a gang member's rank and rendezvous
+    (``gang``: this node's member when the placement spans nodes, or is a gang; torchrun's and
+    NCCL's names). ``arrays``: array job -> (count, work)."""
+    env: dict[str, str] = {}
+    if gang is not None:
+        env.update(
+            WORLD_SIZE=str(gang.world_size),
+            NODE_RANK=str(gang.rank),
+            NNODES=str(gang.nnodes),
+            LOCAL_WORLD_SIZE=str(gang.local_gpus),
+            MASTER_ADDR=gang.master_addr,
+            MASTER_PORT=str(gang.master_port),
+            GPUPOOL_PEERS=",".join(gang.peers),
+        )
+    if w.array_parent_id is not None:
+        if w.array_parent_id not in arrays:
+            arrays.update(
+                (pk, (count, lease is not None))
+                for pk, count, lease in Workload.objects.filter(pk=w.array_parent_id).values_list(
+                    "pk", "array_count", "work_lease_s"
+                )
+            )
+        count, work = arrays[w.array_parent_id]
+        env["GPUPOOL_ARRAY_INDEX"] = str(w.array_index)
+        env["GPUPOOL_ARRAY_COUNT"] = str(count)
+        if work:
+            env["GPUPOOL_WORK_URL"] = work_url()
+    return env
+
+
 def _start_payload(
     w: Workload,
     gpu_uuids: list[str],
     assignment: E.Assignment,
     volumes: list[dict[str, Any]],
+    arrays: dict[int, tuple[int, bool]],
     gang: GangMember | None = None,
 ) -> dict[str, Any]:
     payload: dict[str, Any] = {
@@ -109,9 +148,9 @@ def _start_payload(
         "kind": w.kind,
         "attempt": w.attempt,
     }
-    extra = platform_env(w, gang=gang)
-    if extra:
-        payload["platform_env"] = extra
+    platform_env = _platform_env(w, arrays, gang)
+    if platform_env:
+        payload["platform_env"] = platform_env
     if w.template:
         payload["template"] = w.template
     if w.mig_profile:
@@ -136,6 +175,7 @@ class _Batch:
     volumes: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # start payloads' volumes
     gang_ports: dict[int, int | None] = field(default_factory=dict)  # workload -> its new rendezvous port
     ports_used: set[int] | None = None  # rendezvous ports of placed gangs (loaded at the first gang)
+    arrays: dict[int, tuple[int, bool]] = field(default_factory=dict)  # array job -> (count, work)
 
 
 def _plan_place(ctx: CycleContext, batch: _Batch, w: Workload, decision: E.Place) -> tuple[str, str] | None:
@@ -208,7 +248,7 @@ def _plan_place(ctx: CycleContext, batch: _Batch, w: Workload, decision: E.Place
                 node_id=int(a.node_id),
                 kind=CommandKind.START_WORKLOAD,
                 payload=_start_payload(
-                    w, uuids, a, batch.volumes.get(w.pk, []), members[rank] if members else None
+                    w, uuids, a, batch.volumes.get(w.pk, []), batch.arrays, members[rank] if members else None
                 )
                 | _share_payload(w, a, ctx.model_info.get(model_id)),
                 idempotency_key=f"start:{w.pk}:{w.attempt}",
@@ -316,7 +356,15 @@ def scheduling_cycle_run(*, now: datetime | None = None, config: CycleConfig | N
         if not try_cycle_lock():
             return result
         result.ran = True
-        admitted = list(lock_workloads_where(state=WorkloadState.PENDING))
+        # Dependencies first (jobs whose dependencies are not met wait, or fail when they never
+        # can be), then arrays make the tasks their parallelism allows; array jobs never queue.
+        blocked = dependencies_gate(now=now)
+        arrays_advance(now=now, blocked=blocked)
+        admitted = list(
+            lock_workloads_where(state=WorkloadState.PENDING, array_count__isnull=True).exclude(
+                pk__in=blocked
+            )
+        )
         workloads_transition(
             workloads=admitted, to=WorkloadState.QUEUED, reason="admitted", actor=SYSTEM, now=now
         )

@@ -62,15 +62,39 @@ def env_resolve(env: Mapping[str, Any], *, tenant_id: int) -> dict[str, str]:
     return {k: (values[refs[k]] if k in refs else v) for k, v in env.items()}
 
 
+def _with_work_token(payload: dict[str, Any]) -> dict[str, Any]:
+    """A work-queue worker's token (``scheduling.services.work``), signed for this placement's
+    task and attempt as it leaves for the node: never stored with the command."""
+    from scheduling.services.orphans import workload_id_of
+    from scheduling.services.work import WORK_TOKEN_ENV, WORK_URL_ENV, work_token_for
+
+    platform = payload.get("platform_env")
+    if not isinstance(platform, Mapping) or WORK_URL_ENV not in platform:
+        return payload
+    wid = workload_id_of(payload.get("workload_id"))
+    attempt = payload.get("attempt")
+    if wid is None or not isinstance(attempt, int):
+        return payload
+    return {
+        **payload,
+        "platform_env": {**platform, WORK_TOKEN_ENV: work_token_for(task_id=wid, attempt=attempt)},
+    }
+
+
 def start_payload_for_node(payload: dict[str, Any]) -> dict[str, Any]:
     """A stored start command's payload as its node receives it: secret references resolved for
-    the workload's tenant (``nodes.services.commands.wire_payload_register``). A secret gone since
-    submission fails the start, naming it."""
+    the workload's tenant (``nodes.services.commands.wire_payload_register``) and its volumes'
+    sizes as they are now. A secret gone since submission fails the start, naming it."""
     from nodes.services.commands import PayloadRefused
     from portal.services.secrets import SecretMissing
     from scheduling.models import Workload
     from scheduling.services.orphans import workload_id_of
+    from scheduling.services.volumes import volume_sizes_for_payload
 
+    payload = _with_work_token(payload)
+    volumes = payload.get("volumes")
+    if isinstance(volumes, list) and volumes:  # each volume's size as it is now (a resize counts)
+        payload = {**payload, "volumes": volume_sizes_for_payload(volumes)}
     env = payload.get("env") or {}
     if not isinstance(env, Mapping) or not secret_refs(env):
         return payload
@@ -85,24 +109,5 @@ def start_payload_for_node(payload: dict[str, Any]) -> dict[str, Any]:
     return {**payload, "env": resolved}
 
 
-# Names ``platform_env`` sets for a gang member; a gang's own env may not set them (submission).
+# Names the cycle's ``_platform_env`` sets for a gang member; a gang's own env may not set them.
 GANG_ENV_NAMES = ("WORLD_SIZE", "NODE_RANK", "NNODES", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def platform_env(w, *, gang=None) -> dict[str, str]:
-    """The variables the platform gives one placement of ``w`` on one node, beside its own env: the
-    start payload's ``platform_env``, which the agent checks (``check_platform_env``) and sets after
-    the workload's env. The one place such variables are made. ``gang``: this node's
-    ``scheduling.services.gangs.GangMember`` when the placement spans nodes (or is a gang)."""
-    env: dict[str, str] = {}
-    if gang is not None:
-        env.update(
-            WORLD_SIZE=str(gang.world_size),
-            NODE_RANK=str(gang.rank),
-            NNODES=str(gang.nnodes),
-            LOCAL_WORLD_SIZE=str(gang.local_gpus),
-            MASTER_ADDR=gang.master_addr,
-            MASTER_PORT=str(gang.master_port),
-            GPUPOOL_PEERS=",".join(gang.peers),
-        )
-    return env

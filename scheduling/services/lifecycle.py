@@ -46,6 +46,7 @@ from nodes.models import (
 from nodes.services.commands import CommandRequest, node_command_enqueue, node_commands_enqueue_many
 from portal.actors import Actor
 from portal.errors import Conflict, ValidationFailed
+from portal.events import publish
 from portal.logging import log_context
 from portal.services.audit import audit_record
 from scheduling.locks import lock_workload, lock_workload_if_exists, lock_workloads, lock_workloads_where
@@ -204,6 +205,20 @@ def preempt_begin(
         data={**(data or {}), "notice_s": notice},
         now=now,
     )
+    # The tenant's notice (live and webhooks): the workload is stopped after notice_s seconds.
+    publish(
+        tenant_id=w.tenant_id,
+        event={
+            "type": "workload.preemption_notice",
+            "workload_id": w.pk,
+            "kind": w.kind,
+            "reason": reason,
+            "notice_s": notice,
+            "stop_at": (now + timedelta(seconds=notice)).isoformat(),
+            "requeues": w.kind == WorkloadKind.JOB and w.requeue_on_preemption,
+            "at": now.isoformat(),
+        },
+    )
     return [
         CommandRequest(
             node_id=node_id,
@@ -289,7 +304,9 @@ def workload_stop(
             raise Conflict(f"This {w.kind} is already {w.state}.", fields={"state": [w.state]})
         w.stop_requested_at = now
         w.save(update_fields=["stop_requested_at"])
-        if w.state in WAITING_STATES:
+        if w.array_count is not None:
+            _array_stop(w, actor=actor, now=now, reason=reason, message=message)
+        elif w.state in WAITING_STATES:
             workload_transition(
                 workload=w,
                 to=S.STOPPED,
@@ -318,6 +335,25 @@ def workload_stop(
             data={"reason": reason} if reason else None,
         )
     return w
+
+
+def _array_stop(w: Workload, *, actor: Actor, now: datetime, reason: str, message: str) -> None:
+    """An array job stops at once and makes no more tasks; each unfinished task is stopped as a
+    job is (``scheduling.services.arrays``)."""
+    workload_transition(
+        workload=w, to=S.STOPPED, reason=reason or "stopped_by_user", message=message, actor=actor, now=now
+    )
+    tasks = Workload.objects.filter(array_parent=w, stop_requested_at__isnull=True).exclude(
+        state__in=[*TERMINAL_STATES, S.STOPPING]
+    )
+    for task in tasks.order_by("pk"):
+        workload_stop(
+            workload=task,
+            actor=actor,
+            now=now,
+            reason=reason or "array_stopped",
+            message=message or f"Array job {w.pk} was stopped.",
+        )
 
 
 # --- the fleet's reports ---------------------------------------------------------------------------
@@ -689,7 +725,9 @@ def scheduling_reconcile(*, now: datetime | None = None) -> ReconcileResult:
             out.stop_forced.append(w.pk)
 
         # Over the maximum runtime.
-        for w in lock_workloads_where(state=S.RUNNING, max_runtime_s__isnull=False, started_at__isnull=False):
+        for w in lock_workloads_where(
+            state=S.RUNNING, max_runtime_s__isnull=False, started_at__isnull=False, array_count__isnull=True
+        ):
             if w.started_at + timedelta(seconds=w.max_runtime_s) <= now:
                 nodes = _nodes_of(w.pk)
                 w.stop_requested_at = now

@@ -2,6 +2,7 @@
 
     PENDING -> QUEUED -> SCHEDULED -> STARTING -> RUNNING -> STOPPING -> STOPPED / SUCCEEDED / FAILED
     PREEMPTED -> QUEUED (jobs that requeue on preemption)
+    Array jobs: PENDING -> RUNNING -> SUCCEEDED / FAILED / STOPPED (their tasks hold the GPUs)
 
 A workload holds GPUs (open Allocation rows) exactly while it is SCHEDULED, STARTING, RUNNING,
 STOPPING or PREEMPTED: ``workload_transition`` closes its allocations when it leaves those states,
@@ -63,7 +64,17 @@ class InvalidTransition(Conflict):
     code = "invalid_transition"
 
 
+# An array job never holds GPUs: it is PENDING until a task starts, RUNNING while tasks run, and
+# ends when its tasks have (scheduling.services.arrays).
+ARRAY_TRANSITIONS: dict[str, frozenset[str]] = {
+    S.PENDING: frozenset({S.RUNNING, S.SUCCEEDED, S.FAILED, S.STOPPED}),
+    S.RUNNING: frozenset({S.SUCCEEDED, S.FAILED, S.STOPPED}),
+}
+
+
 def can_transition(workload: Workload, to: str) -> bool:
+    if workload.array_count is not None:
+        return to in ARRAY_TRANSITIONS.get(workload.state, frozenset())
     if to not in TRANSITIONS[workload.state]:
         return False
     job_only_from = JOB_ONLY_TARGETS.get(to, frozenset())
@@ -126,6 +137,27 @@ _FIELDS = [
     "pending_message",
     "expected_start_at",
 ]
+
+
+def completion_events(
+    workloads: list[Workload], *, to: str, reason: str, at: str
+) -> list[tuple[int, dict[str, Any]]]:
+    """The events that say a group of work ended, published with the state changes that end it:
+    ``gang.completed`` when a gang (one job across nodes) reaches a terminal state,
+    ``array.completed`` when an array job does (all its tasks ended, or it was stopped)."""
+    if to not in TERMINAL_STATES:
+        return []
+    events = []
+    for w in workloads:
+        if w.is_array:
+            group = {"type": "array.completed", "array_count": w.array_count}
+        elif w.gang:
+            group = {"type": "gang.completed", "gpu_count": w.gpu_count}
+        else:
+            continue
+        common = {"workload_id": w.pk, "kind": w.kind, "state": to, "reason": reason, "at": at}
+        events.append((w.tenant_id, {"type": group.pop("type"), **common, **group}))
+    return events
 
 
 def workloads_transition(
@@ -199,20 +231,23 @@ def workloads_transition(
         at = now.isoformat()
         publish_many(
             events=[
-                (
-                    w.tenant_id,
-                    {
-                        "type": "workload.state",
-                        "workload_id": w.pk,
-                        "kind": w.kind,
-                        "from": olds[w.pk],
-                        "to": to,
-                        "reason": reason,
-                        "message": messages.get(w.pk, ""),
-                        "at": at,
-                    },
-                )
-                for w in workloads
+                *(
+                    (
+                        w.tenant_id,
+                        {
+                            "type": "workload.state",
+                            "workload_id": w.pk,
+                            "kind": w.kind,
+                            "from": olds[w.pk],
+                            "to": to,
+                            "reason": reason,
+                            "message": messages.get(w.pk, ""),
+                            "at": at,
+                        },
+                    )
+                    for w in workloads
+                ),
+                *completion_events(workloads, to=to, reason=reason, at=at),
             ]
         )
         if len(workloads) == 1:

@@ -53,9 +53,12 @@ from scheduling.models import (
 )
 from scheduling.pricing import spot_price_floor
 from scheduling.selectors.shared import QuotaUsage, quota_usage
+from scheduling.services.arrays import MAX_ARRAY_COUNT
+from scheduling.services.dependencies import dependencies_attach, dependencies_validate
 from scheduling.services.env import GANG_ENV_NAMES, env_validate
 from scheduling.services.templates import template_apply, template_for_launch
 from scheduling.services.volumes import VolumeRequest, volumes_attach, volumes_validate
+from scheduling.services.work import WorkSpec, work_items_create, work_validate
 
 logger = logging.getLogger(__name__)
 PLAN_PRIORITY_RANK = {
@@ -153,6 +156,8 @@ class _Resolved:
     region: Region | None
     reservation: Reservation | None
     volumes: list[VolumeRequest] = field(default_factory=list)
+    depends_on: list[tuple[Workload, str]] = field(default_factory=list)
+    work: WorkSpec | None = None
 
 
 def _explicit_models(spec: dict, catalog: list[GpuModel]) -> list[GpuModel]:
@@ -289,14 +294,51 @@ def _validate_what_runs(spec: dict, tenant) -> dict[str, Any]:
     return f
 
 
+def _validate_array(spec: dict, kind: str, f: dict[str, Any], volumes: list) -> WorkSpec | None:
+    """``array``: N tasks, at most P at a time; with ``work``, P workers of a work queue
+    (``scheduling.services.arrays`` and ``.work``). Jobs only; a task takes one node's GPUs."""
+    raw = spec.get("array")
+    f["array_count"] = f["array_parallelism"] = f["work_lease_s"] = None
+    if raw is None:
+        return None
+    if kind != WorkloadKind.JOB:
+        raise _fail("array", "Jobs only.")
+    if not isinstance(raw, dict) or set(raw) - {"count", "parallelism", "work"}:
+        raise _fail(
+            "array", 'An object: {"count": N, "parallelism": P} or {"parallelism": P, "work": {...}}.'
+        )
+    if f["gang"]:
+        raise _fail("array", "An array's tasks are not gangs.")
+    if f["gpus_per_node"]:
+        raise _fail("array", "An array's tasks take one node's GPUs each (no gpus_per_node).")
+    if volumes:
+        raise _fail("array", "An array's tasks cannot share the request's volumes yet.")
+    work = None if raw.get("work") is None else work_validate(raw["work"])
+    try:
+        count = _int(raw, "count", None, 1, MAX_ARRAY_COUNT)
+        parallelism = _int(raw, "parallelism", None, 1, MAX_ARRAY_COUNT)
+    except ValidationFailed as exc:
+        raise _fail("array", exc.message) from None
+    if work is not None:
+        # Work-queue mode: the tasks are the workers; count, if given, is the same number.
+        parallelism = parallelism or count or 1
+        if count is not None and count != parallelism:
+            raise _fail("array", "With work, count is the number of workers: give parallelism only.")
+        count = parallelism
+    if count is None:
+        raise _fail("array", "count: required (the number of tasks).")
+    parallelism = min(parallelism or count, count)
+    f["array_count"], f["array_parallelism"] = count, parallelism
+    f["work_lease_s"] = None if work is None else work.lease_s
+    return work
+
+
 def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolved]:
     if not isinstance(spec, dict):
         raise ValidationFailed("The spec must be an object.")
     if kind not in WorkloadKind.values:
         raise _fail("kind", f"One of {', '.join(WorkloadKind.values)}.")
     f: dict[str, Any] = {"kind": kind, "name": _str(spec, "name", 100)}
-    # An instance runs its template's command, never one of its own.
-    own_command = spec.get("command")
     template_name = _rule(check_template, _str(spec, "template", 100))
     if template_name:
         template = template_for_launch(tenant=tenant, name=template_name)
@@ -457,11 +499,15 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
     f["max_retries"] = _int(spec, "max_retries", 0, 0, 100)
     if f["checkpoint_resume"] and not volumes:
         raise _fail("checkpoint_resume", "Checkpoints need a volume: attach one (volumes).")
+    work = _validate_array(spec, kind, f, volumes)
+    depends_on = dependencies_validate(tenant=tenant, raw=spec.get("depends_on"))
+    if depends_on and kind != WorkloadKind.JOB:
+        raise _fail("depends_on", "Jobs only.")
     if kind == WorkloadKind.INSTANCE:
         if not f["image"] and not f["template"]:
             raise _fail("image", "An instance needs an image or a template.")
-        if own_command or f["estimated_runtime_s"] is not None:
-            raise _fail("command" if own_command else "estimated_runtime_s", "Jobs only.")
+        if f["estimated_runtime_s"] is not None:
+            raise _fail("estimated_runtime_s", "Jobs only.")
     else:
         if not f["image"]:
             raise _fail("image", "A job needs an image.")
@@ -470,7 +516,13 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
         if f["ssh_public_key"] or f["ports"]:
             raise _fail("ssh_public_key" if f["ssh_public_key"] else "ports", "Instances only.")
     return f, _Resolved(
-        models=explicit, candidates=candidates, region=region, reservation=reservation, volumes=volumes
+        models=explicit,
+        candidates=candidates,
+        region=region,
+        reservation=reservation,
+        volumes=volumes,
+        depends_on=depends_on,
+        work=work,
     )
 
 
@@ -478,19 +530,28 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
 
 
 def _check_quota(quota: Quota, usage: QuotaUsage, f: dict[str, Any], candidates: list[GpuModel]) -> None:
+    """An array counts as the tasks it may run at once (its parallelism)."""
+
     def refuse(name: str, limit: int, in_use: Any, requested: Any, unit: str) -> QuotaExceeded:
         return QuotaExceeded(
             f"Quota {name} exceeded: limit {limit} {unit}, in use {in_use}, this request {requested}.",
             fields={"quota": name, "limit": limit, "in_use": in_use, "requested": requested},
         )
 
-    milli = f["gpu_count"] * f["gpu_fraction_milli"]
-    gpus = Decimal(milli) / MILLI
-    if quota.max_gpus_per_request is not None and gpus > quota.max_gpus_per_request:
-        raise refuse("max_gpus_per_request", quota.max_gpus_per_request, 0, gpus, "GPUs")
-    if quota.max_concurrent_workloads is not None and usage.workloads + 1 > quota.max_concurrent_workloads:
+    task_milli = f["gpu_count"] * f["gpu_fraction_milli"]
+    if quota.max_gpus_per_request is not None and Decimal(task_milli) / MILLI > quota.max_gpus_per_request:
         raise refuse(
-            "max_concurrent_workloads", quota.max_concurrent_workloads, usage.workloads, 1, "workloads"
+            "max_gpus_per_request", quota.max_gpus_per_request, 0, Decimal(task_milli) / MILLI, "GPUs"
+        )
+    copies = f.get("array_parallelism") or 1
+    milli = task_milli * copies
+    gpus = Decimal(milli) / MILLI
+    if (
+        quota.max_concurrent_workloads is not None
+        and usage.workloads + copies > quota.max_concurrent_workloads
+    ):
+        raise refuse(
+            "max_concurrent_workloads", quota.max_concurrent_workloads, usage.workloads, copies, "workloads"
         )
     if quota.max_gpus_total is not None and usage.gpu_milli + milli > quota.max_gpus_total * MILLI:
         raise refuse("max_gpus_total", quota.max_gpus_total, usage.gpus, gpus, "GPUs")
@@ -542,6 +603,9 @@ def workload_submit(*, tenant, kind: str, spec: dict[str, Any], actor: Actor) ->
         workload.save()
         with log_context(workload_id=workload.pk):  # what is logged about it from here on
             volumes_attach(tenant=tenant, workload=workload, requests=resolved.volumes)
+            dependencies_attach(tenant=tenant, workload=workload, deps=resolved.depends_on)
+            if resolved.work is not None:
+                work_items_create(job=workload, spec=resolved.work)
             if resolved.models:
                 workload.gpu_models.add(*resolved.models)  # a new row: nothing to read first
             WorkloadEvent.objects.create(
@@ -559,7 +623,8 @@ def workload_submit(*, tenant, kind: str, spec: dict[str, Any], actor: Actor) ->
                     actor=actor,
                     action=f"{kind}.submit",
                     target=workload,
-                    data={"plan": workload.plan, "gpu_count": workload.gpu_count},
+                    data={"plan": workload.plan, "gpu_count": workload.gpu_count}
+                    | ({"array_count": workload.array_count} if workload.is_array else {}),
                 )
             publish(
                 tenant_id=tenant.pk,

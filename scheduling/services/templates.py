@@ -2,8 +2,11 @@
 
 ``template_apply`` is what launching by template means: at submission, the template fills the
 request's image, command, ports (instances only: jobs publish none), env (the request's variables
-win, name by name) and minimum GPU memory wherever the request does not set them, so the stored
-workload carries a real image and its own copy of everything it runs with. A tenant's template
+win, name by name), minimum GPU memory and the mount path of the request's first volume wherever
+the request does not set them, so the stored workload carries a real image and its own copy of
+everything it runs with. A template with ``volume_required`` (it keeps its data on a volume, at
+``volume_mount_path``) is launched only with a volume: without one the launch is a 400 naming
+``volumes``. A tenant's template
 is found before the catalog's; a tenant cannot name one of its own like a catalog template.
 """
 
@@ -18,6 +21,7 @@ from nodes.agent.workload_rules import (
     WorkloadRuleError,
     check_command,
     check_image,
+    check_mount_path,
     check_ports,
     check_template,
 )
@@ -27,7 +31,17 @@ from portal.services.audit import audit_record
 from scheduling.models import WorkloadKind, WorkloadTemplate
 from scheduling.services.env import env_validate
 
-EDITABLE = ("name", "description", "image", "command", "ports", "env", "min_gpu_memory_gib")
+EDITABLE = (
+    "name",
+    "description",
+    "image",
+    "command",
+    "ports",
+    "env",
+    "min_gpu_memory_gib",
+    "volume_mount_path",
+    "volume_required",
+)
 MAX_DESCRIPTION = 2000
 
 
@@ -76,7 +90,23 @@ def template_fields_check(data: dict[str, Any], *, tenant, partial: bool = False
         if isinstance(gib, bool) or not isinstance(gib, int) or not 0 <= gib <= 4096:
             raise _fail("min_gpu_memory_gib", "An integer between 0 and 4096.")
         out["min_gpu_memory_gib"] = gib
+    if "volume_mount_path" in data:
+        path = data["volume_mount_path"]
+        out["volume_mount_path"] = "" if path in (None, "") else _rule(check_volume_path, path)
+    if "volume_required" in data:
+        if not isinstance(data["volume_required"], bool):
+            raise _fail("volume_required", "true or false.")
+        out["volume_required"] = data["volume_required"]
     return out
+
+
+def check_volume_path(value: Any) -> str:
+    return check_mount_path(value, field="volume_mount_path")
+
+
+def _check_volume_pair(*, required: bool, path: str) -> None:
+    if required and not path:
+        raise _fail("volume_mount_path", "A template that needs a volume says where it is mounted.")
 
 
 def _check_name_free(*, tenant, name: str, exclude: int | None = None) -> None:
@@ -93,6 +123,11 @@ def template_check(*, tenant, data: dict[str, Any], exclude: int | None = None) 
     fields = template_fields_check(data, tenant=tenant, partial=exclude is not None)
     if "name" in fields:
         _check_name_free(tenant=tenant, name=fields["name"], exclude=exclude)
+    current = WorkloadTemplate.objects.filter(pk=exclude).first() if exclude is not None else None
+    _check_volume_pair(
+        required=fields.get("volume_required", current.volume_required if current else False),
+        path=fields.get("volume_mount_path", current.volume_mount_path if current else ""),
+    )
     return fields
 
 
@@ -100,6 +135,9 @@ def template_create(*, tenant, data: dict[str, Any], actor: Actor) -> WorkloadTe
     """A tenant's own template, or a catalog template when ``tenant`` is None (staff)."""
     fields = template_fields_check(data, tenant=tenant)
     _check_name_free(tenant=tenant, name=fields["name"])
+    _check_volume_pair(
+        required=fields.get("volume_required", False), path=fields.get("volume_mount_path", "")
+    )
     now = timezone.now()
     try:
         with transaction.atomic():
@@ -122,6 +160,10 @@ def template_update(*, template: WorkloadTemplate, data: dict[str, Any], actor: 
     fields = template_fields_check(data, tenant=template.tenant, partial=True)
     if "name" in fields and fields["name"] != template.name:
         _check_name_free(tenant=template.tenant, name=fields["name"], exclude=template.pk)
+    _check_volume_pair(
+        required=fields.get("volume_required", template.volume_required),
+        path=fields.get("volume_mount_path", template.volume_mount_path),
+    )
     for key, value in fields.items():
         setattr(template, key, value)
     template.updated_at = timezone.now()
@@ -185,4 +227,16 @@ def template_apply(*, template: WorkloadTemplate, spec: dict[str, Any], kind: st
         out["env"] = {**template.env, **(own or {})}
     if out.get("min_gpu_memory_gib") is None and template.min_gpu_memory_gib:
         out["min_gpu_memory_gib"] = template.min_gpu_memory_gib
+    volumes = spec.get("volumes")
+    if template.volume_required and volumes in (None, []):
+        raise _fail(
+            "volumes",
+            f"Template {template.name!r} keeps its data on a volume (mounted at "
+            f"{template.volume_mount_path}): name one of yours in volumes.",
+        )
+    if template.volume_mount_path and isinstance(volumes, list) and volumes:
+        first = volumes[0]
+        if isinstance(first, dict) and first.get("mount_path") in (None, ""):
+            # Anything else malformed is volumes_validate's 400.
+            out["volumes"] = [{**first, "mount_path": template.volume_mount_path}, *volumes[1:]]
     return out

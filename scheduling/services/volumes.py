@@ -12,6 +12,11 @@ The rules, once:
 - A volume is in use while a workload it is attached to is not terminal. Attaching happens under
   the volume's row lock (``scheduling.locks.lock_volumes``): it is refused (409 naming ``volumes``)
   when the volume is in use and either this workload or one that uses it did not ask to share.
+- A volume grows at any time and shrinks only to a size above what it holds (its last measurement;
+  one never measured holds nothing; one in use needs a measurement from the last 90 s): ``volume_resize``, under its row lock, with a
+  ``VolumeResize`` row so storage billing charges each size for its own hours. The agent checks a
+  start against the size current when the start command is delivered
+  (``volume_sizes_for_payload``), so it refuses a start over the new size.
 - A volume in use cannot be deleted (409). Deleting marks it deleted (billing stops there) and
   sends ``delete_volume`` to a node of its region that is up, whose agent removes the directory;
   the reconciler asks again where none was up or the command failed (``volumes_data_removal``).
@@ -29,6 +34,8 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import BigIntegerField, Q
+from django.db.models.functions import Cast
 from django.utils import timezone
 
 from nodes.agent.workload_rules import WorkloadRuleError, check_mount_path
@@ -36,9 +43,10 @@ from nodes.models import CommandKind, CommandState, Node, NodeCommand, NodeState
 from nodes.services.commands import node_command_enqueue
 from portal.actors import Actor
 from portal.errors import Conflict, ValidationFailed
+from portal.events import publish
 from portal.services.audit import audit_record
 from scheduling.locks import lock_volume, lock_volumes
-from scheduling.models import ACTIVE_STATES, Volume, VolumeState, Workload, WorkloadVolume
+from scheduling.models import ACTIVE_STATES, Volume, VolumeResize, VolumeState, Workload, WorkloadVolume
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +101,71 @@ def volume_create(*, tenant, name: Any, region: Any, size_gib: Any, actor: Actor
             fields={"name": ["Already used in this region."]},
         ) from None
     return volume
+
+
+GIB = 1024**3
+# A volume in use shrinks only on a measurement at most this old (agents measure every 30 s).
+SHRINK_MEASUREMENT_MAX_AGE = timedelta(seconds=90)
+
+
+def volume_resize(*, volume: Volume, size_gib: Any, actor: Actor, now=None) -> Volume:
+    """Make a volume ``size_gib`` GiB: larger at any time, smaller only above what it holds."""
+    lo, hi = settings.VOLUME_MIN_SIZE_GIB, settings.VOLUME_MAX_SIZE_GIB
+    if isinstance(size_gib, bool) or not isinstance(size_gib, int) or not lo <= size_gib <= hi:
+        raise _fail("size_gib", f"An integer between {lo} and {hi}.")
+    now = now or timezone.now()
+    with transaction.atomic():
+        volume = lock_volume(volume_id=volume.pk)
+        if volume.state == VolumeState.DELETED:
+            raise Conflict("This volume is deleted.", fields={"volume": ["Deleted."]}, code="volume_deleted")
+        old = volume.size_gib
+        if size_gib == old:
+            return volume
+        used = volume.used_bytes or 0
+        if size_gib < old and volume_in_use_by(volume_ids=[volume.pk]).get(volume.pk):
+            # In use, it may be growing: only a measurement from the last minute and a half (one
+            # comes every 30 s while a workload uses it) tells what it holds now.
+            measured = volume.used_measured_at
+            if measured is None or now - measured > SHRINK_MEASUREMENT_MAX_AGE:
+                raise Conflict(
+                    "size_gib: the volume is in use and has not been measured in the last "
+                    f"{int(SHRINK_MEASUREMENT_MAX_AGE.total_seconds())} s; try again after its next measurement.",
+                    fields={"size_gib": ["In use: waiting for a recent measurement of what it holds."]},
+                    code="volume_measurement_stale",
+                )
+        if size_gib < old and size_gib * GIB <= used:
+            raise Conflict(
+                f"size_gib: the volume holds {used / GIB:.2f} GiB; it shrinks only to a size above that.",
+                fields={"size_gib": [f"Above {used / GIB:.2f} GiB, what it holds (measured)."]},
+                code="volume_too_full",
+            )
+        VolumeResize.objects.create(
+            tenant_id=volume.tenant_id, volume=volume, at=now, from_gib=old, to_gib=size_gib
+        )
+        volume.size_gib = size_gib
+        volume.save(update_fields=["size_gib"])
+        audit_record(
+            tenant=volume.tenant,
+            actor=actor,
+            action="volume.resize",
+            target=volume,
+            data={"from_gib": old, "to_gib": size_gib, "used_bytes": volume.used_bytes},
+        )
+    return volume
+
+
+def volume_sizes_for_payload(volumes: list) -> list:
+    """A start payload's ``volumes`` with each size as it is now (a resize after placement, before
+    delivery, counts): what the agent checks the volume's use against."""
+    ids = [
+        int(v["volume_id"]) for v in volumes if isinstance(v, dict) and str(v.get("volume_id", "")).isdigit()
+    ]
+    sizes = dict(Volume.objects.filter(pk__in=ids).values_list("pk", "size_gib"))
+    out = []
+    for v in volumes:
+        vid = str(v.get("volume_id", "")) if isinstance(v, dict) else ""
+        out.append({**v, "size_gib": sizes[int(vid)]} if vid.isdigit() and int(vid) in sizes else v)
+    return out
 
 
 def volume_in_use_by(*, volume_ids: Iterable[int]) -> dict[int, list[tuple[int, bool]]]:
@@ -323,9 +396,37 @@ def volumes_on_measured(*, node_id: int, reports: list) -> int:
             newest[r.volume_id] = r
     changed = 0
     for vid, r in newest.items():
-        changed += (
-            Volume.objects.filter(pk=vid, region_id=region_id)
-            .exclude(used_measured_at__gte=r.measured_at)
-            .update(used_bytes=r.used_bytes, used_measured_at=r.measured_at)
+        newer = Volume.objects.filter(pk=vid, region_id=region_id).exclude(
+            used_measured_at__gte=r.measured_at
         )
+        # First the update that crosses into full (it was below its size, or unmeasured): the row's
+        # lock makes exactly one measurement the crossing, which is announced (volume.full).
+        with transaction.atomic():
+            filled = (
+                newer.filter(
+                    Q(used_bytes__isnull=True)
+                    | Q(used_bytes__lt=Cast("size_gib", BigIntegerField()) * 1024**3)
+                )
+                .filter(size_gib__lte=r.used_bytes // 1024**3)
+                .update(used_bytes=r.used_bytes, used_measured_at=r.measured_at)
+            )
+            if filled:
+                _volume_full_publish(volume_id=vid, used_bytes=r.used_bytes, measured_at=r.measured_at)
+        changed += filled or newer.update(used_bytes=r.used_bytes, used_measured_at=r.measured_at)
     return changed
+
+
+def _volume_full_publish(*, volume_id: int, used_bytes: int, measured_at) -> None:
+    v = Volume.objects.filter(pk=volume_id).values("tenant_id", "name", "size_gib", "region__code").get()
+    publish(
+        tenant_id=v["tenant_id"],
+        event={
+            "type": "volume.full",
+            "volume_id": volume_id,
+            "name": v["name"],
+            "region": v["region__code"],
+            "size_gib": v["size_gib"],
+            "used_bytes": used_bytes,
+            "at": measured_at.isoformat(),
+        },
+    )

@@ -14,6 +14,7 @@ from decimal import Decimal
 from typing import Any
 
 from django import forms
+from django.db import transaction
 from django.shortcuts import redirect
 from django.utils import timezone
 from django.views.generic import View
@@ -36,6 +37,7 @@ from scheduling.models import (
 from scheduling.pricing import gpu_price_table, price_key, workload_estimate
 from scheduling.selectors.shared import gpu_availability, gpu_catalog, live_volumes, reservations_for_tenant
 from scheduling.services.submission import SCHEDULABLE_VENDORS, QuotaExceeded, workload_submit
+from scheduling.services.volumes import volume_create
 
 FRACTIONS = [(1000, "Whole GPUs"), (500, "½ GPU"), (250, "¼ GPU"), (125, "⅛ GPU")]
 # The service names spec keys; the form's fields are named for people.
@@ -90,7 +92,7 @@ class LaunchForm(forms.Form):
     )
     template = forms.CharField(
         label="Template", required=False, max_length=100, widget=forms.Select,
-        help_text="Fills the image, command, ports, env and minimum GPU memory you leave empty.",
+        help_text="Fills the image, command, ports, env, minimum GPU memory and volume path you leave empty.",
     )  # fmt: skip
     env = forms.CharField(
         label="Environment variables", required=False, strip=False,
@@ -110,14 +112,25 @@ class LaunchForm(forms.Form):
     )  # fmt: skip
     command = forms.CharField(
         label="Command", required=False, max_length=4000,
-        help_text="Jobs only: run as given, split like a shell would (no shell features).",
+        help_text="Run as given, split like a shell would (no shell features). "
+        "An instance may leave it empty to run its image's default.",
     )  # fmt: skip
 
     volume = forms.TypedChoiceField(
         label="Volume", required=False, coerce=int, empty_value=None,
         help_text="One of your volumes; the workload then runs in its region. Kept when it ends.",
     )  # fmt: skip
-    mount_path = forms.CharField(label="Mounted at", required=False, max_length=255, initial="/workspace")
+    mount_path = forms.CharField(
+        label="Mounted at", required=False, max_length=255, initial="/workspace",
+        help_text="Left empty with a template: where the template mounts its volume.",
+    )  # fmt: skip
+    new_volume_name = forms.CharField(
+        label="Or a new volume", required=False, max_length=63,
+        help_text="Its name: made in the chosen region when you launch, kept when the workload ends.",
+    )  # fmt: skip
+    new_volume_size_gib = forms.IntegerField(
+        label="New volume size (GiB)", required=False, min_value=1, max_value=1_000_000, initial=10
+    )
     volume_shared = forms.BooleanField(
         label="Share the volume", required=False,
         help_text="Others that share it may use it at the same time.",
@@ -204,16 +217,39 @@ class LaunchForm(forms.Form):
         if d["spot_max_price"] is not None:
             spec["spot_max_price"] = str(d["spot_max_price"])
         if d["volume"] is not None:
-            spec["volumes"] = [
-                {
-                    "volume": d["volume"],
-                    "mount_path": d["mount_path"] or "/workspace",
-                    "shared": d["volume_shared"],
-                }
-            ]
+            spec["volumes"] = [self.volume_item(d["volume"])]
         if d["checkpoint_resume"]:
             spec["checkpoint_resume"] = True
         return spec
+
+    def volume_item(self, volume_id: int) -> dict[str, Any]:
+        """The spec's volume: with a template and no path, the template's path fills it."""
+        d = self.cleaned_data
+        item: dict[str, Any] = {"volume": volume_id, "shared": d["volume_shared"]}
+        path = d["mount_path"] or ("" if d["template"] else "/workspace")
+        if path:
+            item["mount_path"] = path
+        return item
+
+    def clean(self):
+        d = super().clean()
+        if d.get("new_volume_name") and d.get("volume") is not None:
+            self.add_error("new_volume_name", "Choose a volume or name a new one, not both.")
+        if d.get("new_volume_name") and not d.get("region"):
+            self.add_error("region", "A new volume is made in one region: choose it.")
+        if d.get("new_volume_name") and d.get("new_volume_size_gib") is None:
+            self.add_error("new_volume_size_gib", "The new volume's size.")
+        return d
+
+    def show_volume_error(self, exc: DomainError) -> None:
+        """``volume_create``'s error, next to the new volume's fields."""
+        self.add_error(None, exc.message)
+        names = {"name": "new_volume_name", "size_gib": "new_volume_size_gib", "region": "region"}
+        for key, messages in (exc.fields or {}).items():
+            name = names.get(key)
+            if name and name not in self.errors:
+                for message in messages if isinstance(messages, list | tuple) else [messages]:
+                    self.add_error(name, str(message))
 
     def show_error(self, exc: DomainError) -> None:
         """The service's error next to the field it names (a quota's next to the count too)."""
@@ -366,7 +402,16 @@ class LaunchMixin(TenantScopedMixin):
     read_scope = Scope.READ
     write_scope = Scope.WRITE
 
-    def page_context(self, *, form: LaunchForm | None = None, data=None) -> dict[str, Any]:
+    def chosen_template(self, name: str) -> WorkloadTemplate | None:
+        """The template a launch names (the tenant's own before the catalog's), for its card."""
+        if not name:
+            return None
+        found = {
+            t.is_catalog: t for t in WorkloadTemplate.objects.available_to(self.tenant).filter(name=name)
+        }
+        return found.get(False) or found.get(True)
+
+    def page_context(self, *, form: LaunchForm | None = None, data=None, initial=None) -> dict[str, Any]:
         region_objects = {r.code: r for r in Region.objects.order_by("code")}
         offers = model_offers(region_objects=region_objects)
         reservations = list(
@@ -386,8 +431,14 @@ class LaunchMixin(TenantScopedMixin):
                     .distinct()
                 ),
                 volumes=list(live_volumes(tenant=self.tenant)),
+                initial=initial,
             )
-        values = form.data if form.is_bound else {name: f.initial for name, f in form.fields.items()}
+        values = (
+            form.data
+            if form.is_bound
+            else {name: form.initial.get(name, f.initial) for name, f in form.fields.items()}
+        )
+        chosen = self.chosen_template(str(values.get("template") or ""))
         return {
             "form": form,
             "offers": offers,
@@ -396,12 +447,23 @@ class LaunchMixin(TenantScopedMixin):
             "can_launch": self.has_scope(Scope.WRITE),
             "plans": Plan.choices,
             "reservations": reservations,
+            "chosen_template": chosen,
         }
+
+
+class _VolumeRefused(Exception):
+    def __init__(self, error: DomainError) -> None:
+        self.error = error
 
 
 class LaunchView(LaunchMixin, View):
     def get(self, request):
-        return self.render(self.page_context())
+        # ``?template=NAME`` (the templates page's "Launch"): the form starts from that template.
+        initial = None
+        chosen = self.chosen_template(str(request.GET.get("template") or "")[:100])
+        if chosen is not None:
+            initial = {"template": chosen.name, "mount_path": chosen.volume_mount_path or "/workspace"}
+        return self.render(self.page_context(initial=initial))
 
     def post(self, request):
         context = self.page_context(data=request.POST)
@@ -410,11 +472,33 @@ class LaunchView(LaunchMixin, View):
             return self.render(context, status=400)
         kind = form.cleaned_data["kind"]
         try:
-            workload = workload_submit(tenant=self.tenant, kind=kind, spec=form.spec(), actor=self.actor)
+            # One user action: a new volume is kept only when the workload is accepted with it.
+            with transaction.atomic():
+                spec = form.spec()
+                if form.cleaned_data["new_volume_name"]:
+                    spec["volumes"] = [self.new_volume(form)]
+                workload = workload_submit(tenant=self.tenant, kind=kind, spec=spec, actor=self.actor)
+        except _VolumeRefused as refused:
+            form.show_volume_error(refused.error)
+            return self.render(context, status=refused.error.status_code)
         except DomainError as exc:
             form.show_error(exc)
             return self.render(context, status=exc.status_code)
         return redirect("scheduling:workload", pk=workload.pk)
+
+    def new_volume(self, form: LaunchForm) -> dict[str, Any]:
+        d = form.cleaned_data
+        try:
+            volume = volume_create(
+                tenant=self.tenant,
+                name=d["new_volume_name"],
+                region=d["region"],
+                size_gib=d["new_volume_size_gib"],
+                actor=self.actor,
+            )
+        except DomainError as exc:
+            raise _VolumeRefused(exc) from None
+        return form.volume_item(volume.pk)
 
 
 class LaunchSummaryView(LaunchMixin, View):

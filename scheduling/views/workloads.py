@@ -49,6 +49,7 @@ from scheduling.selectors.access import (
     workload_access,
     workload_ports,
 )
+from scheduling.selectors.arrays import array_spec_of, array_summary, array_tasks, workload_dependencies
 from scheduling.selectors.shared import (
     workload_events,
     workload_log_lines,
@@ -230,11 +231,20 @@ def workload_telemetry(*, workload: Workload, now: datetime | None = None) -> di
     return data
 
 
+# An array job's page lists its first tasks; the API (GET /api/v1/jobs/{id}/tasks/) pages through all.
+ARRAY_TASKS_SHOWN = 200
+
+
 def detail_context(view: WorkloadsMixin, w: Workload) -> dict:
     can_write = view.has_scope(Scope.WRITE)
     placement = workload_placement(workload=w)
+    array = array_summary(workload=w)
     return {
         "w": w,
+        "array": array,
+        "array_tasks": list(array_tasks(workload=w)[:ARRAY_TASKS_SHOWN]) if array else [],
+        "array_tasks_shown": ARRAY_TASKS_SHOWN,
+        "depends_on": workload_dependencies(workload=w),
         "events": list(workload_events(workload=w)),
         "placement": placement,
         "access": workload_access(workload=w, placement=placement, request=view.request),
@@ -246,7 +256,7 @@ def detail_context(view: WorkloadsMixin, w: Workload) -> dict:
         and w.state not in TERMINAL_STATES
         and w.stop_requested_at is None
         and w.state != WorkloadState.STOPPING,
-        "can_restart": can_write and w.state in TERMINAL_STATES,
+        "can_restart": can_write and w.state in TERMINAL_STATES and w.array_parent_id is None,
         "can_write": can_write,
         # (name, value, secret name): a secret shows by its name only.
         "env_rows": [
@@ -393,8 +403,7 @@ def spec_of(w: Workload) -> dict:
         "priority_class": w.priority_class,
         "image": w.image,
         "template": w.template,
-        # An instance's command came from its template, which the new submission applies again.
-        "command": list(w.command) if w.kind == WorkloadKind.JOB else [],
+        "command": list(w.command),
         "env": dict(w.env),
         "ports": list(w.ports),
         "ssh_public_key": w.ssh_public_key,
@@ -409,6 +418,8 @@ def spec_of(w: Workload) -> dict:
             for v in workload_volumes(workload=w)
         ],
     }
+    if w.array_count is not None:  # the same array again (its dependencies have ended: not carried)
+        spec["array"] = array_spec_of(workload=w)
     return spec
 
 

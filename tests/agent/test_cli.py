@@ -311,3 +311,13 @@ def test_published_ports_listen_on_a_configured_ip_address(monkeypatch: pytest.M
         for bad in ("gpu-1.example", "10.0.0.7:80", "-h"):
             with pytest.raises(ConfigError, match=f"{name} must be an IP address"):
                 load_config(cli={name: bad}, env=base).validate()
+
+
+def test_the_ssh_recheck_period_is_a_setting_with_bounds(capsys: pytest.CaptureFixture[str]) -> None:
+    assert load_config(env={"GPUPOOL_SSH_RECHECK_S": "2.5"}).ssh_recheck_s == 2.5
+    assert AgentConfig(portal_url="https://p").validate().ssh_recheck_s == 15.0
+    assert main(["show-config", "--portal-url", "https://p", "--ssh-recheck", "0.5"]) == 0
+    assert json.loads(capsys.readouterr().out)["ssh_recheck_s"] == 0.5
+    for bad in ("0", "-1", "3601"):
+        assert main(["show-config", "--portal-url", "https://p", "--ssh-recheck", bad]) == 2
+        assert "ssh_recheck_s" in capsys.readouterr().err

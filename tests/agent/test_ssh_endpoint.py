@@ -16,6 +16,7 @@ from nodes.agent.config import ConfigError, load_config
 from nodes.agent.runtimes.simulated import SimulatedRuntime
 from nodes.agent.ssh import HOST_KEY_FILE, SshEndpoint
 from nodes.agent.types import WorkloadSpec
+from tests.agent.conftest import process_options  # noqa: F401  (a fixture)
 from tests.ssh_keys import key_pair
 
 
@@ -101,3 +102,55 @@ def test_a_bad_ssh_listen_is_a_configuration_error(value: str) -> None:
     assert load_config(env={**base, "GPUPOOL_SSH_LISTEN": "[::]:2222"}).validate().ssh_listen == "[::]:2222"
     with pytest.raises(ConfigError, match="ssh_listen"):
         load_config(env={**base, "GPUPOOL_SSH_LISTEN": value}).validate()
+
+
+def test_open_sessions_survive_a_silent_portal_and_end_when_it_says_no(
+    tmp_path: Path,
+    process_options,  # noqa: F811
+) -> None:
+    """The recheck (every 0.2 s here): no answer (None) leaves an open session alone; an answer
+    without its key ends it, and the session's process with it."""
+    from nodes.agent.runtimes.process import SubprocessRuntime
+
+    key, public = _key_file(tmp_path, "k")
+    runtime = SubprocessRuntime(tmp_path / "state", **process_options)
+    runtime.start(WorkloadSpec(workload_id="5", image="ghcr.io/acme/x:1", command=["/bin/sleep", "600"]))
+    answers: dict[str, list[str] | None] = {"5": [public]}
+
+    async def keys(workload_id: str) -> list[str] | None:
+        return answers.get(workload_id)
+
+    async def scenario() -> tuple[bool, int | None, str]:
+        endpoint = SshEndpoint(
+            listen="127.0.0.1:0", state_dir=tmp_path / "state", runtime=runtime, keys=keys, recheck_s=0.2
+        )
+        port = await endpoint.start()
+        client = subprocess.Popen(
+            ["ssh", "-i", str(key), "-o", "IdentitiesOnly=yes", "-o", "StrictHostKeyChecking=no",
+             "-o", "UserKnownHostsFile=/dev/null", "-T", "-p", str(port),
+             "5@127.0.0.1", "echo ready; exec sleep 600"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert await asyncio.to_thread(client.stdout.readline) == "ready\n"
+            assert endpoint.connections("5") == 1
+            answers["5"] = None  # the portal does not answer
+            await asyncio.sleep(1.0)
+            alive = client.poll() is None and endpoint.connections("5") == 1
+            answers["5"] = []  # the portal: not running here, nobody
+            code = await asyncio.to_thread(client.wait, 10)
+            return alive, code, await asyncio.to_thread(client.stderr.read)
+        finally:
+            if client.poll() is None:
+                client.kill()
+            client.wait()
+            for stream in (client.stdin, client.stdout, client.stderr):
+                stream.close()
+            await endpoint.close()
+
+    try:
+        alive, code, stderr = asyncio.run(scenario())
+    finally:
+        runtime.stop("5", grace_s=0.5)
+    assert alive
+    assert code == 255 and "access to workload 5 has ended" in stderr, stderr

@@ -90,9 +90,15 @@ def test_exactly_one_beat(services):
     assert beats == ["beat"]
     beat = services["beat"]
     assert beat.get("deploy", {}).get("replicas", 1) == 1 and "scale" not in beat
-    # Its schedule file lives on a volume, where its health check looks.
-    assert any(str(v).endswith(":/var/lib/gpupool") for v in beat["volumes"])
-    assert "/var/lib/gpupool/celerybeat-schedule" in " ".join(command(beat))
+    # Its schedule is in the database (portal/beat.py): no schedule file, no volume; the health
+    # check asks the database when beat last saved an entry.
+    assert "volumes" not in beat and "--schedule" not in " ".join(command(beat))
+    assert beat["healthcheck"]["test"] == ["CMD", "python", "-m", "portal.beat_probe", "600"]
+
+
+def test_the_metering_worker_runs_prefork(services):
+    """Time limits and task_reject_on_worker_lost act only in the prefork pool."""
+    assert "--pool=prefork" in command(services["worker-metering"])
 
 
 def test_web_is_uvicorn_with_several_workers(services):

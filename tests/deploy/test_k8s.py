@@ -174,6 +174,21 @@ def test_exactly_one_beat_recreated(manifests):
         h["spec"]["scaleTargetRef"]["name"] for h in by_kind(manifests, "HorizontalPodAutoscaler").values()
     }
     assert beat["metadata"]["name"] not in hpa_targets
+    # The schedule is in the database (portal/beat.py): no schedule file and no volume for one; the
+    # liveness probe asks the database when beat last saved an entry.
+    pod = beat["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert not any(a.startswith("--schedule") for a in container["command"])
+    assert [v["name"] for v in pod["volumes"]] == ["tmp"]
+    assert container["livenessProbe"]["exec"]["command"] == ["python", "-m", "portal.beat_probe", "600"]
+
+
+def test_the_metering_worker_runs_prefork(manifests):
+    """Time limits and task_reject_on_worker_lost act only in the prefork pool."""
+    (container,) = by_kind(manifests, "Deployment")["gpupool-worker-metering"]["spec"]["template"]["spec"][
+        "containers"
+    ]
+    assert "--pool=prefork" in container["command"]
 
 
 def test_autoscaled_deployments_leave_replicas_to_the_hpa(manifests):

@@ -21,6 +21,7 @@ ISSUE_ALERTS = {
         "GpupoolSchedulingCycleStale",
         "GpupoolCeleryQueueBacklog",
         "GpupoolInvoiceRunFailed",
+        "GpupoolBillingAlertOpen",
     },
 }
 

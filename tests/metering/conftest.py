@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from decimal import Decimal
 
 import pytest
 
-from metering.models import RateCard
+from metering.models import BillingAccount, Invoice, InvoiceStatus, RateCard
+from metering.services.invoices import invoice_run
+from metering.services.payments import invoice_payment_submit
 from metering.services.rates import rate_card_version_create
 from nodes.models import Gpu, GpuModel, Node, Region
 from scheduling.models import Allocation, Plan, Reservation, ReservationStatus, Workload, WorkloadEvent
+from tests.metering.stripe_server import StripeServer
 
 H100 = "NVIDIA H100 SXM 80GB"
 A100 = "NVIDIA A100 SXM 80GB"
@@ -144,3 +147,37 @@ def reserve(region, h100):
 
 
 D = Decimal
+
+
+# --- Stripe: the local server, a finalized March invoice, and that invoice sent to Stripe -------
+
+STRIPE_WEBHOOK_SECRET = "whsec_test_gpupool"
+
+
+@pytest.fixture
+def stripe_api(settings):
+    with StripeServer() as server:
+        settings.STRIPE_API_BASE = server.url
+        settings.STRIPE_SECRET_KEY = "sk_test_gpupool"
+        settings.STRIPE_WEBHOOK_SECRET = STRIPE_WEBHOOK_SECRET
+        settings.METERING_PAYMENT_PROVIDER = "stripe"
+        yield server.state
+
+
+@pytest.fixture
+def finalized(tenant, card, run):
+    """March: 1 h on-demand (2.00) and 30 min spot (0.40), 10% tax; finalized on 5 April."""
+    BillingAccount.objects.create(tenant=tenant, tax_rate_percent=Decimal("10"))
+    run(tenant, utc(2024, 3, 1), utc(2024, 3, 1, 1))
+    run(tenant, utc(2024, 3, 2), utc(2024, 3, 2, 0, 30), plan="spot")
+    invoice_run(period_start=date(2024, 3, 1), now=utc(2024, 4, 5))
+    invoice = Invoice.objects.get(tenant=tenant, period_start=date(2024, 3, 1))
+    assert invoice.status == InvoiceStatus.FINALIZED and invoice.total == Decimal("2.64")
+    return invoice
+
+
+@pytest.fixture
+def submitted(stripe_api, finalized):
+    invoice_payment_submit(invoice_id=finalized.pk)
+    finalized.refresh_from_db()
+    return finalized

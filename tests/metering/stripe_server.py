@@ -30,7 +30,11 @@ class StripeState:
     invoices: dict[str, dict] = field(default_factory=dict)
     customers: dict[str, dict] = field(default_factory=dict)
     items: dict[str, dict] = field(default_factory=dict)
+    charges: dict[str, dict] = field(default_factory=dict)
+    disputes: dict[str, dict] = field(default_factory=dict)
+    invoice_payments: dict[str, dict] = field(default_factory=dict)
     by_key: dict[str, tuple[int, dict]] = field(default_factory=dict)
+    deleted: list[str] = field(default_factory=list)
     # (method, path prefix) -> list of (status, error body) answered once each, before the real answer
     failures: dict[tuple[str, str], list[tuple[int, dict]]] = field(default_factory=dict)
     ids: itertools.count = field(default_factory=lambda: itertools.count(1))
@@ -38,6 +42,63 @@ class StripeState:
 
     def posts(self, prefix: str) -> list[Request]:
         return [r for r in self.requests if r.method == "POST" and r.path.startswith(prefix)]
+
+    def pay(self, stripe_id: str, *, at: int = 1712700000, amount: int | None = None) -> dict:
+        """The invoice paid by a card: a PaymentIntent, its charge and the invoice payment."""
+        inv = self.invoices[stripe_id]
+        paid = inv["amount_due"] if amount is None else amount
+        inv.update(status="paid", amount_paid=paid, attempt_count=inv["attempt_count"] + 1)
+        inv["status_transitions"]["paid_at"] = at
+        n = next(self.ids)
+        charge = {
+            "id": f"ch_test{n}",
+            "object": "charge",
+            "amount": paid,
+            "amount_refunded": 0,
+            "currency": inv["currency"],
+            "customer": inv["customer"],
+            "payment_intent": f"pi_test{n}",
+            "refunded": False,
+            "disputed": False,
+            "status": "succeeded",
+        }
+        self.charges[charge["id"]] = charge
+        payment = {
+            "id": f"inpay_test{n}",
+            "object": "invoice_payment",
+            "invoice": stripe_id,
+            "amount_paid": paid,
+            "currency": inv["currency"],
+            "payment": {"type": "payment_intent", "payment_intent": charge["payment_intent"]},
+            "status": "paid",
+        }
+        self.invoice_payments[payment["id"]] = payment
+        return charge
+
+    def refund(self, charge_id: str, amount: int) -> dict:
+        charge = self.charges[charge_id]
+        charge["amount_refunded"] += amount
+        charge["refunded"] = charge["amount_refunded"] >= charge["amount"]
+        return charge
+
+    def dispute(self, charge_id: str, status: str = "needs_response", dispute_id: str | None = None) -> dict:
+        charge = self.charges[charge_id]
+        charge["disputed"] = True
+        dispute_id = dispute_id or f"dp_test{next(self.ids)}"
+        dispute = self.disputes.setdefault(
+            dispute_id,
+            {
+                "id": dispute_id,
+                "object": "dispute",
+                "charge": charge_id,
+                "payment_intent": charge["payment_intent"],
+                "amount": charge["amount"],
+                "currency": charge["currency"],
+                "reason": "fraudulent",
+            },
+        )
+        dispute["status"] = status
+        return dispute
 
     def fail_next(self, method: str, prefix: str, status: int = 400, code: str = "resource_missing"):
         body = {"error": {"type": "invalid_request_error", "code": code, "message": f"test failure {code}"}}
@@ -64,6 +125,20 @@ def _invoice(state: StripeState, form) -> dict:
     }
     state.invoices[inv["id"]] = inv
     return inv
+
+
+def _error(code: str, message: str) -> dict:
+    return {"error": {"type": "invalid_request_error", "code": code, "message": message}}
+
+
+def _page(found: list[dict], form, url: str) -> dict:
+    """A list answer paged as Stripe pages (``limit``, ``starting_after``)."""
+    limit = int(form.get("limit", ["10"])[0])
+    after = form.get("starting_after", [None])[0]
+    ids = [f["id"] for f in found]
+    start = ids.index(after) + 1 if after in ids else 0
+    page = found[start : start + limit]
+    return {"object": "list", "url": url, "data": page, "has_more": start + limit < len(found)}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -138,8 +213,39 @@ class _Handler(BaseHTTPRequestHandler):
             inv["status"] = "open"
             inv["status_transitions"]["finalized_at"] = int(time.time())
             return 200, inv
-        if method == "GET" and len(parts) == 3 and parts[1] in ("invoices", "customers"):
-            found = (st.invoices if parts[1] == "invoices" else st.customers).get(parts[2])
+        if method == "POST" and len(parts) == 4 and parts[:2] == ["v1", "invoices"] and parts[3] == "void":
+            inv = st.invoices.get(parts[2])
+            if inv is not None and inv["status"] in ("open", "uncollectible"):
+                inv["status"] = "void"
+                inv["status_transitions"]["voided_at"] = int(time.time())
+                return 200, inv
+            if inv is not None:
+                return 400, _error(
+                    "invoice_not_open", f"You can only void an open invoice, not {inv['status']}."
+                )
+        if method == "DELETE" and len(parts) == 3 and parts[1] == "invoices":
+            inv = st.invoices.get(parts[2])
+            if inv is not None and inv["status"] == "draft":
+                del st.invoices[parts[2]]
+                st.deleted.append(parts[2])
+                return 200, {"id": parts[2], "object": "invoice", "deleted": True}
+            if inv is not None:
+                return 400, _error("invoice_not_editable", "You can only delete draft invoices.")
+        if method == "GET" and path == "/v1/invoices":
+            found = [i for i in st.invoices.values() if i["customer"] == form.get("customer", [None])[0]]
+            return 200, _page(found, form, "/v1/invoices")
+        if method == "GET" and path == "/v1/invoice_payments":
+            intent = form.get("payment[payment_intent]", [None])[0]
+            found = [p for p in st.invoice_payments.values() if p["payment"]["payment_intent"] == intent]
+            return 200, _page(found, form, "/v1/invoice_payments")
+        if method == "GET" and len(parts) == 3:
+            table = {
+                "invoices": st.invoices,
+                "customers": st.customers,
+                "charges": st.charges,
+                "disputes": st.disputes,
+            }.get(parts[1], {})
+            found = table.get(parts[2])
             if found is not None:
                 return 200, found
         return 404, {
@@ -152,6 +258,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         self._handle("GET")
+
+    def do_DELETE(self):
+        self._handle("DELETE")
 
     def do_POST(self):
         self._handle("POST")

@@ -25,11 +25,11 @@ from portal.actors import Actor
 from portal.models import AuditEvent, Tenant
 from portal.services.tenants import tenant_set_status
 from tests.metering.conftest import utc
-from tests.metering.stripe_server import StripeServer
 
 pytestmark = pytest.mark.django_db
 MARCH = date(2024, 3, 1)
-SECRET = "whsec_test_gpupool"
+from tests.metering.conftest import STRIPE_WEBHOOK_SECRET as SECRET  # noqa: E402
+
 URL = "/webhooks/stripe/"
 
 
@@ -59,28 +59,6 @@ def test_minor_units_round_trip(cents, currency):
 
 
 # --- fixtures ---------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def stripe_api(settings):
-    with StripeServer() as server:
-        settings.STRIPE_API_BASE = server.url
-        settings.STRIPE_SECRET_KEY = "sk_test_gpupool"
-        settings.STRIPE_WEBHOOK_SECRET = SECRET
-        settings.METERING_PAYMENT_PROVIDER = "stripe"
-        yield server.state
-
-
-@pytest.fixture
-def finalized(tenant, card, run):
-    """March: 1 h on-demand (2.00) and 30 min spot (0.40), 10% tax; finalized on 5 April."""
-    BillingAccount.objects.create(tenant=tenant, tax_rate_percent=Decimal("10"))
-    run(tenant, utc(2024, 3, 1), utc(2024, 3, 1, 1))
-    run(tenant, utc(2024, 3, 2), utc(2024, 3, 2, 0, 30), plan="spot")
-    invoice_run(period_start=MARCH, now=utc(2024, 4, 5))
-    invoice = Invoice.objects.get(tenant=tenant, period_start=MARCH)
-    assert invoice.status == InvoiceStatus.FINALIZED and invoice.total == Decimal("2.64")
-    return invoice
 
 
 def counter(event_type: str, result: str) -> float:
@@ -138,7 +116,8 @@ def test_stripe_customer_invoice_items_and_finalize_with_idempotency_keys(
     draft = invoice_build(tenant=tenant, period_start=MARCH, now=utc(2024, 4, 1))
     with django_capture_on_commit_callbacks() as callbacks:
         invoice = invoice_finalize(invoice=draft, actor=Actor.system(), now=utc(2024, 4, 5))
-    assert len(callbacks) == 1 and invoice.payment_provider == "stripe"  # the submit task, after commit
+    # After commit: the submit task, and the invoice.finalized live event.
+    assert len(callbacks) == 2 and invoice.payment_provider == "stripe"
     assert stripe_api.requests == []
 
     assert tasks.invoice_payment_submit.run(invoice.pk) == "in_test2"
@@ -221,13 +200,6 @@ def test_a_jpy_invoice_is_sent_in_whole_yen(stripe_api, tenant, card, run):
 
 
 # --- webhooks ---------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def submitted(stripe_api, finalized):
-    invoice_payment_submit(invoice_id=finalized.pk)
-    finalized.refresh_from_db()
-    return finalized
 
 
 def _stripe_paid(state, stripe_id: str, at: int = 1712700000) -> dict:
@@ -335,11 +307,14 @@ def test_a_failure_to_fetch_stores_nothing_so_the_redelivery_is_processed(client
 
 
 def test_unknown_objects_and_customer_events(client, submitted, stripe_api, tenant):
+    # Objects gpupool does not know are kept and alerted (tests/metering/test_stripe_answers.py).
     other = event("evt_other", "invoice.paid", {"id": "in_elsewhere", "object": "invoice", "metadata": {}})
-    assert deliver(client, other).json()["result"] == "ignored"
+    assert deliver(client, other).json()["result"] == "unmatched"
     assert (
-        deliver(client, event("evt_charge", "charge.refunded", {"id": "ch_1"})).json()["result"] == "ignored"
+        deliver(client, event("evt_charge", "charge.refunded", {"id": "ch_1"})).json()["result"]
+        == "unmatched"
     )
+    assert deliver(client, event("evt_plan", "plan.created", {"id": "plan_1"})).json()["result"] == "ignored"
     cus = BillingAccount.objects.get(tenant=tenant).stripe_customer_id
     updated = event(
         "evt_cus_1",

@@ -101,3 +101,43 @@ def test_no_storage_price_bills_nothing_and_says_so(tenant, region, card):
     )
     result = usage_build(since=utc(2026, 3, 1), now=utc(2026, 4, 1))
     assert result.storage_created == 0 and any("no storage price" in u for u in result.unrated)
+
+
+def test_a_resized_volume_is_billed_at_each_size_for_its_own_hours(tenant, region, storage_card):
+    """Grown from 100 to 200 GiB on 15 March, shrunk to 50 GiB on 2 April, deleted 5 April noon."""
+    from portal.actors import Actor
+    from scheduling.services.volumes import volume_resize
+
+    v = Volume.objects.create(
+        tenant=tenant, name="data", region=region, size_gib=100, created_at=utc(2026, 3, 10)
+    )
+    volume_resize(volume=v, size_gib=200, actor=Actor.system(), now=utc(2026, 3, 15))
+    # A live volume: the piece before the resize is final and recorded; the rest waits.
+    usage_build(since=utc(2026, 3, 1), now=utc(2026, 3, 16))
+    first = list(StorageUsageRecord.objects.filter(volume=v).order_by("start"))
+    assert [(r.start, r.end, r.size_gib) for r in first] == [(utc(2026, 3, 10), utc(2026, 3, 15), 100)]
+    # Cost to date after the resize: 200 GiB for the day since it, at 0.0001.
+    assert costs_to_date(tenant_ids=[tenant.pk], now=utc(2026, 3, 16))[tenant.pk] == (
+        first[0].amount + Decimal("0.0001") * 200 * 24
+    )
+    volume_resize(volume=v, size_gib=50, actor=Actor.system(), now=utc(2026, 4, 2))
+    Volume.objects.filter(pk=v.pk).update(state=VolumeState.DELETED, deleted_at=utc(2026, 4, 5, 12))
+    usage_build(since=utc(2026, 3, 1), now=utc(2026, 5, 1))
+    rows = list(StorageUsageRecord.objects.filter(volume=v).order_by("start"))
+    assert [(r.start, r.end, r.size_gib) for r in rows] == [
+        (utc(2026, 3, 10), utc(2026, 3, 15), 100),
+        (utc(2026, 3, 15), utc(2026, 3, 20), 200),
+        (utc(2026, 3, 20), utc(2026, 4, 1), 200),
+        (utc(2026, 4, 1), utc(2026, 4, 2), 200),
+        (utc(2026, 4, 2), utc(2026, 4, 5, 12), 50),
+    ]
+    hours = [120, 120, 288, 24, 84]
+    assert [r.gib_seconds for r in rows] == [
+        Decimal(size * h * 3600) for size, h in zip([100, 200, 200, 200, 50], hours, strict=True)
+    ]
+    prices = [Decimal("0.0001"), Decimal("0.0001"), Decimal("0.0002"), Decimal("0.0002"), Decimal("0.0002")]
+    assert [r.amount for r in rows] == [
+        p * size * h for p, size, h in zip(prices, [100, 200, 200, 200, 50], hours, strict=True)
+    ]
+    # A rerun makes nothing new.
+    assert usage_build(since=utc(2026, 3, 1), now=utc(2026, 5, 1)).storage_created == 0

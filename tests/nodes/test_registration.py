@@ -533,3 +533,19 @@ def test_the_admin_makes_expiring_tokens_never_only_when_ticked_and_rekey_tokens
     )[1]
     assert NodeBootstrapToken.objects.get(rekey_node_id=node.node_id).created_by.email == "root@gpupool.test"
     assert post_register(client, registration_body(token, "gpu-admin-rekey")).status_code == 201
+
+
+def test_the_gpus_a_registration_locks_are_locked_in_id_order(register_node):
+    """Two registrations listing the same GPUs took their row locks in whatever order PostgreSQL
+    returned the rows, so each could hold one the other waited for (a deadlock, a 500 for one)."""
+    from django.db import connection, transaction
+    from django.test.utils import CaptureQueriesContext
+
+    from nodes.locks import lock_gpus_by_uuid
+
+    node = register_node("gpu-order")
+    with transaction.atomic(), CaptureQueriesContext(connection) as queries:
+        locked = lock_gpus_by_uuid(uuids=list(reversed(node.uuids)))
+    assert set(locked) == set(node.uuids)
+    (sql,) = [q["sql"] for q in queries.captured_queries if "FOR UPDATE" in q["sql"]]
+    assert re.search(r'ORDER BY "nodes_gpu"\."id" ASC', sql), sql

@@ -59,6 +59,9 @@ OWNER_BODIES: dict[tuple[str, str], dict] = {
     ("api:secret-detail", "put"): {"value": "walker-value"},
     ("api:template-list", "post"): {"name": "walker", "image": "ghcr.io/acme/walker:1"},
     ("api:template-detail", "patch"): {"description": "walker"},
+    ("api:volume-detail", "patch"): {"size_gib": 64},  # growing always succeeds
+    ("api:webhook-list", "post"): {"url": "https://hooks.example.com/walker", "event_types": ["*"]},
+    ("api:webhook-detail", "patch"): {"description": "walker"},
 }
 # Creates whose name must be new in the tenant: each call gets its own.
 UNIQUE_NAMES = {("api:secret-list", "post"), ("api:template-list", "post")}

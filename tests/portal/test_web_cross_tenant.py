@@ -32,6 +32,7 @@ from scheduling.views.staff import StaffOnlyMixin
 from tests.portal.conftest import HTMX
 from tests.routes import walk_urls
 from tests.tenant_objects import H100, catalog_gpu, make_tenant_object
+from webhooks.models import WebhookDelivery
 
 pytestmark = pytest.mark.django_db
 
@@ -94,11 +95,18 @@ PAGE_MODELS: dict[str, type[Model]] = {
     "portal:invitation-revoke": Invitation,
     "portal:invitation-resend": Invitation,
     "scheduling:workload-share-link": WorkloadShareLink,  # a link is a row of its own
+    "webhooks:redeliver": WebhookDelivery,
 }
 # What a write sends so that it succeeds for its owner.
 PAGE_BODIES: dict[str, dict] = {
     "portal:member-role": {"role": Role.VIEWER},
     "scheduling:workload-share-link": {"action": "create"},
+    "scheduling:template-edit": {
+        "name": "walker-edited",
+        "image": "ghcr.io/acme/walker:2",
+        "min_gpu_memory_gib": "0",
+    },
+    "webhooks:detail": {"action": "disable"},
 }
 _emails = itertools.count(1)
 

@@ -204,3 +204,83 @@ def test_a_real_celery_worker_runs_the_cycle_a_submission_asks_for(tenant, make_
             time.sleep(0.2)
     assert Workload.objects.get(pk=w.pk).state == S.SCHEDULED
     assert Allocation.objects.active().filter(workload=w).count() == 2
+
+
+def test_parallel_workers_never_lease_one_work_item_twice(tenant, make_node):
+    """Workers racing for the next item: one that finds the row it wants just leased by another
+    must pass over it (its re-check sees the new holder), so every lease goes to one worker."""
+    from django.utils import timezone
+
+    from scheduling.models import WorkItem
+    from scheduling.services.work import work_done, work_next
+
+    make_node()
+    parent = workload_submit(
+        tenant=tenant,
+        kind="job",
+        spec={**JOB, "array": {"parallelism": 6, "work": {"first": 1, "last": 240, "chunk": 2}}},
+        actor=Actor.system(),
+    )
+    scheduling_cycle_run()
+    tasks = list(Workload.objects.filter(array_parent=parent))
+    assert len(tasks) == 6 and {t.state for t in tasks} == {S.SCHEDULED}
+    mine: dict[int, list[int]] = {t.pk: [] for t in tasks}
+    queue = list(tasks)
+
+    def worker():
+        task = queue.pop()
+        while True:
+            item, done = work_next(task=task, now=timezone.now())
+            if item is None:
+                if done:
+                    return
+                time.sleep(0.01)  # the rest are leased to others for now
+                continue
+            mine[task.pk].append(item.index)
+            work_done(task=task, index=item.index, now=timezone.now())  # a 409 here: leased twice
+
+    assert together(worker, 6) == []
+    taken = sorted(i for indices in mine.values() for i in indices)
+    assert taken == list(range(120))
+    assert set(WorkItem.objects.filter(job=parent).values_list("leases", flat=True)) == {1}
+
+
+def test_parallel_workers_never_take_a_dead_workers_item_twice(tenant, make_node):
+    """Every item leased to a worker whose attempt is over: the others take each of them back once
+    (the holder is re-checked on the row as the winner left it, not as the loser first read it)."""
+    from django.utils import timezone
+
+    from scheduling.models import WorkItem
+    from scheduling.services.work import work_done, work_next
+
+    make_node()
+    parent = workload_submit(
+        tenant=tenant,
+        kind="job",
+        spec={**JOB, "array": {"parallelism": 6, "work": {"first": 1, "last": 60}}},
+        actor=Actor.system(),
+    )
+    scheduling_cycle_run()
+    tasks = list(Workload.objects.filter(array_parent=parent).order_by("pk"))
+    dead, rest = tasks[0], tasks[1:]
+    while work_next(task=dead, now=timezone.now())[0] is not None:
+        pass
+    Workload.objects.filter(pk=dead.pk).update(attempt=dead.attempt + 1)  # its attempt is over
+    mine: dict[int, list[int]] = {t.pk: [] for t in rest}
+    queue = list(rest)
+
+    def worker():
+        task = queue.pop()
+        while True:
+            item, done = work_next(task=task, now=timezone.now())
+            if item is None:
+                if done:
+                    return
+                time.sleep(0.01)
+                continue
+            mine[task.pk].append(item.index)
+            work_done(task=task, index=item.index, now=timezone.now())
+
+    assert together(worker, 5) == []
+    assert sorted(i for indices in mine.values() for i in indices) == list(range(60))
+    assert set(WorkItem.objects.filter(job=parent).values_list("leases", flat=True)) == {2}

@@ -216,6 +216,19 @@ class Runtime(ABC):
     def get_status(self, workload_id: str) -> WorkloadStatus | None:
         return next((status for status in self.status() if status.workload_id == workload_id), None)
 
+    def attempt_of(self, workload_id: str) -> int | None:
+        """The portal's attempt number this runtime's record of the workload was started for."""
+        with self.store.lock:
+            record = self.store.records.get(workload_id)
+            return None if record is None else record.get("attempt")
+
+    def attempt_record(self, workload_id: str, attempt: int) -> None:
+        with self.store.lock:
+            record = self.store.records.get(workload_id)
+            if record is not None and record.get("attempt") != attempt:
+                record["attempt"] = attempt
+                self.store.save()
+
     def forget(self, workload_id: str) -> None:
         """Drop a finished workload from the records (it is no longer reported)."""
         if self.store.records.pop(workload_id, None) is not None:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -244,11 +245,12 @@ class DockerRuntime(Runtime):
         return nano, memory
 
     def _environment(self, spec: WorkloadSpec, env: dict[str, str], prepared: Prepared) -> list[str]:
-        env = {**env, **spec.platform_env}
+        env = dict(env)
         env["GPUPOOL_WORKLOAD_ID"] = spec.workload_id
         env["GPUPOOL_PREEMPT_NOTICE_FILE"] = f"{NOTICE_DIR_IN_CONTAINER}/preempt"
         env["NVIDIA_VISIBLE_DEVICES"] = ",".join(spec.gpu_uuids) or "void"
         env.update(self.sharing_env(spec))
+        env.update(spec.platform_env)
         env.update(volume_env(prepared, prepared.checkpoint_in_workload))
         return [f"{key}={value}" for key, value in env.items()]
 
@@ -608,6 +610,39 @@ class DockerRuntime(Runtime):
         except DockerException as exc:
             log.debug("docker exec resize %s: %s", exec_id, _explain(exc))
 
+    def exec_kill(self, exec_id: str) -> None:
+        """End an exec that still runs (its SSH client went): the Engine API has no call for it, and
+        an exec outlives its attached stream, so its process group is killed by the host PID the
+        engine reports (each exec leads a session of its own), or, where the agent may not signal
+        it (not root), from inside the container by the same user with the shell's ``kill``."""
+        try:
+            info = self.client.api.exec_inspect(exec_id)
+        except DockerException:
+            return
+        pid = info.get("Pid") or 0
+        if not info.get("Running") or pid <= 0:
+            return
+        try:
+            os.killpg(pid, signal.SIGKILL) if _leads_group(pid) else os.kill(pid, signal.SIGKILL)
+            return
+        except ProcessLookupError:
+            return
+        except PermissionError:
+            pass
+        inner = _namespace_pid(pid)
+        if inner is None:
+            log.warning("docker exec %s: cannot end its process %d", exec_id, pid)
+            return
+        try:
+            killer = self.client.api.exec_create(
+                info["ContainerID"],
+                ["/bin/sh", "-c", f"kill -KILL -- -{inner} 2>/dev/null || kill -KILL {inner}"],
+                user=str(info.get("ProcessConfig", {}).get("user") or ""),
+            )["Id"]
+            self.client.api.exec_start(killer)
+        except DockerException as exc:
+            log.warning("docker exec %s: cannot end its process: %s", exec_id, _explain(exc))
+
     def exec_exit_code(self, exec_id: str, wait_s: float = 5.0) -> int | None:
         """The exec's exit code once it has ended (its stream closes a moment before)."""
         deadline = time.monotonic() + wait_s
@@ -626,3 +661,26 @@ class DockerRuntime(Runtime):
         except OSError:
             return None
         return next((wid for wid, record in self.store.items() if record["container_id"] in cgroup), None)
+
+
+def _leads_group(pid: int) -> bool:
+    """Whether ``pid`` leads its process group (``/proc/<pid>/stat``'s pgrp, after the command)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat.rpartition(")")[2].split()
+    return len(fields) > 2 and fields[2] == str(pid)
+
+
+def _namespace_pid(pid: int) -> int | None:
+    """The process's PID inside its own PID namespace (the last of ``NSpid``), or None."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("NSpid:"):
+            parts = line.split()[1:]
+            return int(parts[-1]) if parts else None
+    return None

@@ -225,11 +225,11 @@ class SubprocessRuntime(Runtime):
             env["LANG"] = os.environ["LANG"]
         env.update({"HOME": str(home), "USER": user.name, "LOGNAME": user.name})
         env.update(spec.env)  # checked by the workload rules: no platform name among them
-        env.update(spec.platform_env)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpu_uuids)
         env["GPUPOOL_WORKLOAD_ID"] = spec.workload_id
         env["GPUPOOL_PREEMPT_NOTICE_FILE"] = str(self.workload_dir(spec.workload_id) / "preempt")
         env.update(self.sharing_env(spec))
+        env.update(spec.platform_env)
         env.update(volume_env(prepared, str(prepared.checkpoint_host)))
         return env
 

@@ -1,0 +1,2 @@
+"""Webhook services: endpoints (``endpoints``), recording events (``events``) and delivering them
+(``deliveries``)."""
