@@ -9,7 +9,9 @@ the spirit of the paper's openb_pod_list_gpuspec10..33, multigpu20..50, gpushare
   capacity share);
 * ``multigpu``: pods resampled so that multi-GPU pods ask for that share of all GPU [0.5];
 * ``gpushare``: pods resampled so that sharing pods ask for that share of all GPU [0.5];
-* ``cpu``: the CPU-only pods resampled to that multiple of their number, so of their CPU [2.0].
+* ``cpu``: the CPU-only pods resampled to that multiple of their number, so of their CPU [2.0];
+* ``split``: that fraction of the multi-GPU pods [1.0] may take their GPUs as pieces over several
+  nodes (``gpus_per_node`` 1, 2, 4 or 8; the engine's ``place_split`` when no node takes it whole).
 
     python bench/simulate_openb.py [--policies gpupool,fgd,bestfit,random] [--variant NAME [--level X]]
 """
@@ -52,7 +54,7 @@ def _resample(pods: list[TracePod], pick, share: float, rng: random.Random) -> l
     return out
 
 
-LEVELS = {"default": None, "gpuspec": 1 / 3, "multigpu": 0.5, "gpushare": 0.5, "cpu": 2.0}
+LEVELS = {"default": None, "gpuspec": 1 / 3, "multigpu": 0.5, "gpushare": 0.5, "cpu": 2.0, "split": 1.0}
 
 
 def variant(
@@ -84,6 +86,11 @@ def variant(
                 p = replace(p, gpu_spec=tuple(sorted(spec)))
             out.append(p)
         return out
+    if name == "split":
+        return [
+            replace(p, gpus_per_node=(1, 2, 4, 8)) if p.num_gpu > 1 and rng.random() < level else p
+            for p in pods
+        ]
     if name == "multigpu":
         return _resample(pods, lambda p: p.num_gpu > 1, level, rng)
     return _resample(pods, lambda p: p.num_gpu == 1 and p.gpu_milli < 1000, level, rng)

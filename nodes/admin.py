@@ -102,6 +102,7 @@ class NodeAdmin(admin.ModelAdmin):
     list_display = [
         "hostname",
         "region",
+        "domain",
         "state",
         "gpu_count",
         "interconnect",

@@ -147,6 +147,11 @@ class Node(models.Model):
         max_length=253, blank=True, help_text="A DNS name or IP address; empty: the hostname."
     )
     region = models.ForeignKey(Region, on_delete=models.PROTECT, related_name="nodes")
+    domain = models.CharField(
+        max_length=64,
+        blank=True,
+        help_text="Rack or interconnect domain within the region; work split over nodes prefers one.",
+    )
     # The agent's SSH endpoint into workloads (nodes/agent/ssh.py): its port on ``reach_address``
     # (null: the agent serves none) and its host key ("type base64"), for tenants' known_hosts.
     ssh_port = models.PositiveIntegerField(null=True, blank=True)

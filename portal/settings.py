@@ -526,6 +526,14 @@ SCHEDULING_RECONCILE_INTERVAL_S = env.float("SCHEDULING_RECONCILE_INTERVAL_S", d
 # SCHEDULED but not started within this: placed again (or failed after the last attempt).
 SCHEDULING_START_TIMEOUT_S = env.int("SCHEDULING_START_TIMEOUT_S", default=300)
 SCHEDULING_MAX_START_ATTEMPTS = env.int("SCHEDULING_MAX_START_ATTEMPTS", default=3)
+# A workload across nodes (a gang) is RUNNING once every member started; a gang not complete
+# within this is stopped on every node and placed again by its policy (scheduling.services.gangs).
+SCHEDULING_GANG_START_TIMEOUT_S = env.int("SCHEDULING_GANG_START_TIMEOUT_S", default=300)
+# Ports a gang's rank 0 listens on for its members (MASTER_PORT): one per gang, from this range.
+SCHEDULING_GANG_PORT_RANGE = (
+    env.int("SCHEDULING_GANG_PORT_MIN", default=29500),
+    env.int("SCHEDULING_GANG_PORT_MAX", default=29999),
+)
 SCHEDULING_STOP_GRACE_S = env.int("SCHEDULING_STOP_GRACE_S", default=30)
 # How long past a stop's grace or a preemption's notice the node may take to report.
 SCHEDULING_REPORT_GRACE_S = env.int("SCHEDULING_REPORT_GRACE_S", default=60)

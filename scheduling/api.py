@@ -99,6 +99,8 @@ class WorkloadSerializer(FieldsOnceModelSerializer):
             "rocm_target",
             "gpu_count",
             "gang",
+            "gpus_per_node",
+            "split_regions_ok",
             "gpu_fraction_milli",
             "mig_profile",
             "cpu_millicores",
@@ -240,6 +242,8 @@ class _SpecSerializer(serializers.Serializer):
     rocm_target = serializers.CharField(required=False, allow_blank=True)
     gpu_count = serializers.IntegerField(required=False)
     gang = serializers.BooleanField(required=False)
+    gpus_per_node = serializers.JSONField(required=False)  # checked by the service: sizes or "any"
+    split_regions_ok = serializers.BooleanField(required=False)
     gpu_fraction_milli = serializers.IntegerField(required=False)
     mig_profile = serializers.CharField(required=False, allow_blank=True)
     cpu_millicores = serializers.IntegerField(required=False)

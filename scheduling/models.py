@@ -109,6 +109,15 @@ class Workload(TenantOwnedModel):
     rocm_target = models.CharField(max_length=16, blank=True, help_text="Exact gfx target, e.g. gfx942")
     gpu_count = models.PositiveSmallIntegerField(default=1)
     gang = models.BooleanField(default=False, help_text="All-or-nothing across whole nodes.")
+    gpus_per_node = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="Piece sizes its GPUs may be split into over several nodes; empty: one node.",
+    )
+    split_regions_ok = models.BooleanField(default=False, help_text="Its pieces may be in several regions.")
+    gang_port = models.PositiveIntegerField(
+        null=True, blank=True, help_text="MASTER_PORT of its placement across nodes (rank 0 listens)."
+    )
     gpu_fraction_milli = models.PositiveSmallIntegerField(default=MILLI)
     mig_profile = models.CharField(max_length=32, blank=True)
     cpu_millicores = models.PositiveIntegerField(default=0, help_text="Per node.")

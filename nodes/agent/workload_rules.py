@@ -121,9 +121,22 @@ RESERVED_ENV_PREFIXES = (
 TENANT_GPUPOOL_ENV = frozenset({"GPUPOOL_SIM_DURATION_S", "GPUPOOL_SIM_EXIT_CODE"})
 
 # Names the portal may set in a start payload's ``platform_env`` (never the tenant's ``env``): a job
-# array task's index and the array's size, and a work-queue worker's endpoint and token.
+# array task's index and the array's size, a work-queue worker's endpoint and token, and a gang
+# member's rank and rendezvous (torchrun's and NCCL's names, and the members' addresses by rank).
 PLATFORM_ENV_NAMES = frozenset(
-    {"GPUPOOL_ARRAY_INDEX", "GPUPOOL_ARRAY_COUNT", "GPUPOOL_WORK_URL", "GPUPOOL_WORK_TOKEN"}
+    {
+        "GPUPOOL_ARRAY_INDEX",
+        "GPUPOOL_ARRAY_COUNT",
+        "GPUPOOL_WORK_URL",
+        "GPUPOOL_WORK_TOKEN",
+        "WORLD_SIZE",
+        "NODE_RANK",
+        "NNODES",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "GPUPOOL_PEERS",
+    }
 )
 
 GPU_VENDORS = ("", "nvidia", "amd", "intel")

@@ -20,7 +20,7 @@ from .fragmentation import Distribution
 from .policies import DEFAULT_POLICY, get_policy
 from .preemption import Preemptor
 from .queueing import FairQueue, FairShare, QueueConfig
-from .spec import ACCESS_LEND, Demand, allowed_models, validate
+from .spec import ACCESS_LEND, Demand, allowed_models, split_sizes, validate
 from .state import ClusterState, Slot, gpu_options
 from .types import (
     MILLI,
@@ -90,6 +90,8 @@ class Engine:
             r.plan,
             r.tenant,
             r.excluded,
+            r.gpus_per_node,
+            r.split_regions_ok,
         )
         d = self._demands.get(k)
         if d is None:
@@ -114,6 +116,8 @@ class Engine:
                 access,
                 r.mig,
                 r.excluded,
+                split_sizes(r),
+                r.split_regions_ok,
             )
         return d
 
@@ -155,11 +159,12 @@ class Engine:
 
     def why(self, d: Demand) -> tuple[Reason, str]:
         st = self.state
+        piece = min(d.per_node, default=d.gpus)
         model_ok = [
             c
             for c in st.classes
             if (not d.gpus or c.model in d.models)
-            and (c.gpu_count and d.gpus % c.gpu_count == 0 if d.gang else d.gpus <= c.gpu_count)
+            and (c.gpu_count and d.gpus % c.gpu_count == 0 if d.gang else min(d.gpus, piece) <= c.gpu_count)
         ]
         if not model_ok:
             what = ", ".join(sorted(d.models)) or "none"
@@ -293,6 +298,8 @@ class Engine:
                 d = self.demand(req)
                 avoid = self._avoid(req, d) if req.avoid_nodes else frozenset()
                 slots = None if d in failed else st.place(d, avoid)
+                if slots is None and d.per_node and d not in failed:
+                    slots = st.place_split(d, avoid)
                 if slots is not None:
                     decisions.append(Place(req.id, tuple(self._assignment(s) for s in slots)))
                     for s in slots:

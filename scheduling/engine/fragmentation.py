@@ -45,7 +45,12 @@ class Distribution:
             if d.gpus == 0 or d.gang:
                 continue
             w = d.gpus * d.milli if gpu_weighted else 1
-            counts[(d.models, d.milli, d.gpus, d.cpu, d.mem)] += w
+            # Work split over nodes that no node can take whole: what it needs is a node with its
+            # smallest piece free, once per piece.
+            gpus = d.per_node[-1] if d.per_node and d.gpus > 8 else d.gpus
+            if gpus != d.gpus and not gpu_weighted:
+                w = d.gpus // gpus
+            counts[(d.models, d.milli, gpus, d.cpu, d.mem)] += w
         total = sum(counts.values())
         if not total:
             return cls(())

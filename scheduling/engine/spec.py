@@ -61,6 +61,9 @@ class Demand:
     """A MIG slice: only on an empty GPU or one holding MIG slices, never over-subscribed."""
     excluded: frozenset[tuple[str, str]] = frozenset()
     """(model, region) pairs it may not use (``Request.excluded``)."""
+    per_node: tuple[int, ...] = ()
+    """Piece sizes it may be split into over several nodes (``Request.gpus_per_node``), largest first."""
+    split_regions: bool = False
 
     @property
     def shared(self) -> bool:
@@ -85,7 +88,14 @@ def validate(request: Request) -> str | None:
         return "a MIG slice applies to exactly one GPU"
     if request.gpus < 0:
         return "gpus must not be negative"
-    if not request.gang and request.gpus > 8:
+    if request.gpus_per_node:
+        if request.gang or request.milli < MILLI:
+            return "gpus_per_node is for whole GPUs without a gang"
+        if not all(1 <= k <= 8 for k in request.gpus_per_node):
+            return "gpus_per_node sizes are 1..8"
+        if request.gpus > 8 and not any(request.gpus % k == 0 for k in request.gpus_per_node):
+            return "no size of gpus_per_node divides gpus"
+    elif not request.gang and request.gpus > 8:
         return "more than 8 GPUs needs a gang across nodes"
     if request.gang and request.gpus < 1:
         return "a gang needs GPUs"
@@ -107,4 +117,18 @@ def demand_for(request: Request, catalog: dict[str, GpuModelInfo]) -> Demand:
         access=access_for(request),
         mig=request.mig,
         excluded=request.excluded,
+        per_node=split_sizes(request),
+        split_regions=request.split_regions_ok,
+    )
+
+
+def split_sizes(request: Request) -> tuple[int, ...]:
+    """The piece sizes a request may be split into (each divides its GPUs, smaller than the
+    whole), largest first."""
+    if not request.gpus_per_node:
+        return ()
+    return tuple(
+        sorted(
+            {k for k in request.gpus_per_node if 0 < k < request.gpus and request.gpus % k == 0}, reverse=True
+        )
     )

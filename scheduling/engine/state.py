@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from .spec import ACCESS_LEND, ACCESS_NONE, Demand
@@ -186,6 +186,7 @@ class ClusterState:
         self.mem_free: list[int] = []
         self.gfree: list[list[int]] = []
         self.gpu_index: list[tuple[int, ...]] = []
+        self.domain: list[str] = []
         self.keys: list[Key | None] = []
         self.pos: list[int] = []
         self.buckets: dict[Key, list[int]] = {}
@@ -247,6 +248,7 @@ class ClusterState:
         mig = [g.mig and g.healthy and g.free_milli < MILLI for g in node.gpus]
         self.gmig.append(mig if any(mig) else None)
         self.gpu_index.append(tuple(g.index for g in node.gpus))
+        self.domain.append(node.domain)
         self.keys.append(None)
         self.pos.append(-1)
         if node.state == NodeState.READY:
@@ -336,7 +338,7 @@ class ClusterState:
         if demand.gang:
             if cls.gpu_count == 0 or demand.gpus % cls.gpu_count:
                 return None
-        elif demand.gpus > cls.gpu_count:
+        elif demand.gpus > cls.gpu_count and not (demand.per_node and demand.per_node[-1] <= cls.gpu_count):
             return None
         if demand.cpu > cls.cpu_cap or demand.mem > cls.mem_cap:
             return None
@@ -545,6 +547,64 @@ class ClusterState:
             need = demand.gpus // per
             if len(members) >= need:
                 return [self.take_whole(i, demand) for i in sorted(members)[:need]]
+        return None
+
+    def place_split(self, demand: Demand, avoid: frozenset[int] = frozenset()) -> list[Slot] | None:
+        """Place ``demand`` as equal pieces on several nodes of one model (all or nothing): in one
+        domain if it can, else in one region, else (``split_regions``) across regions; at each of
+        those the largest pieces (fewest nodes) first, and the nodes that keep the fewest whole GPUs
+        free (best fit), so that whole nodes stay whole for work that needs them."""
+        if not demand.per_node:
+            return None
+        levels = (0, 1, 2) if demand.split_regions else (0, 1)
+        cands: dict[int, list[tuple[int, str, str, str, int, int]]] = {}
+        for k in demand.per_node:
+            piece = replace(demand, gpus=k, per_node=(), split_regions=False)
+            fit = self.class_fit(piece)
+            rows = []
+            for key, lst in self.buckets.items():
+                pen = fit[key[0]]
+                if pen is None or not self.options(key, piece):
+                    continue
+                cls = self.classes[key[0]]
+                free = sum(isl.count(MILLI) for isl in key[3])
+                rows.extend(
+                    (pen, cls.model, cls.region, self.domain[i], free, i) for i in lst if i not in avoid
+                )
+            cands[k] = rows
+        for level in levels:
+            for k in demand.per_node:
+                need = demand.gpus // k
+                groups: dict[tuple, list[tuple[int, str, str, str, int, int]]] = {}
+                for row in cands[k]:
+                    if level == 0:
+                        if not row[3]:
+                            continue
+                        gkey: tuple = (row[1], row[2], row[3])
+                    elif level == 1:
+                        gkey = (row[1], row[2])
+                    else:
+                        gkey = (row[1],)
+                    groups.setdefault(gkey, []).append(row)
+                best = None
+                for rows in groups.values():
+                    if len(rows) < need:
+                        continue
+                    chosen = sorted(rows, key=lambda r: (r[0], r[4], r[5]))[:need]
+                    score = (max(r[0] for r in chosen), sum(r[4] for r in chosen), chosen[0][5])
+                    if best is None or score < best[0]:
+                        best = (score, chosen)
+                if best is not None:
+                    piece = replace(demand, gpus=k, per_node=(), split_regions=False)
+                    slots = []
+                    for r in best[1]:
+                        s = self.place_on(r[5], piece)
+                        if s is None:  # pragma: no cover - options were checked above
+                            for done in slots:
+                                self.release(done)
+                            return None
+                        slots.append(s)
+                    return slots
         return None
 
     def take_whole(self, i: int, demand: Demand) -> Slot:

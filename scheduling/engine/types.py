@@ -90,6 +90,8 @@ class Node:
     cpu_used: int = 0
     memory_used: int = 0
     region: str = "default"
+    domain: str = ""
+    """Rack or interconnect domain (within its region); work split over nodes prefers one."""
     state: NodeState = NodeState.READY
     reserved_for: str | None = None
     """Tenant whose reservation holds this node; others may only borrow it for preemptible work."""
@@ -122,6 +124,9 @@ class Request:
 
     ``gpus`` GPUs on one node (1..8), or with ``gang`` a multiple of a node's GPU count across several
     whole nodes (all or nothing), or with ``milli`` < 1000 that share of one GPU (``gpus`` must be 1).
+    With ``gpus_per_node`` the GPUs may also come as equal pieces of one of those sizes on several
+    nodes of one model (all or nothing): on one node when it can, else in one domain, else in one
+    region, and across regions only with ``split_regions_ok``.
     ``cpu_milli`` and ``memory_mib`` are per node.
     """
 
@@ -135,6 +140,8 @@ class Request:
     memory_mib: int = 0
     region: str | None = None
     other_regions_ok: bool = True
+    gpus_per_node: tuple[int, ...] = ()
+    split_regions_ok: bool = False
     plan: Plan = Plan.ON_DEMAND
     priority: PriorityClass | None = None
     """Defaults to the plan's class."""

@@ -42,6 +42,14 @@ from scheduling.models import (
 from scheduling.services.allocations import allocation_ranges_move, gpu_range_choose
 from scheduling.services.arrays import arrays_advance
 from scheduling.services.dependencies import dependencies_gate
+from scheduling.services.gangs import (
+    GangMember,
+    gang_members,
+    gang_port_choose,
+    gang_ports_used,
+    is_gang,
+    node_addresses,
+)
 from scheduling.services.lifecycle import PREEMPTIBLE_STATES, preempt_begin
 from scheduling.services.snapshot import CycleContext, cycle_snapshot_load, from_epoch
 from scheduling.services.states import workloads_transition
@@ -81,12 +89,26 @@ def _resumes(w: Workload) -> bool:
     return w.kind == WorkloadKind.JOB and w.checkpoint_resume and w.started_at is not None
 
 
-def _platform_env(w: Workload, arrays: dict[int, tuple[int, bool]]) -> dict[str, str]:
+def _platform_env(
+    w: Workload, arrays: dict[int, tuple[int, bool]], gang: GangMember | None = None
+) -> dict[str, str]:
     """The variables the platform sets for this placement (the start payload's ``platform_env``,
     names in ``workload_rules.PLATFORM_ENV_NAMES``): an array task's index and its array's size,
-    and a work-queue worker's endpoint (its token is added on the way to the node,
-    ``scheduling.services.env.start_payload_for_node``). ``arrays``: array job -> (count, work)."""
+    a work-queue worker's endpoint (its token is added on the way to the node,
+    ``scheduling.services.env.start_payload_for_node``), and a gang member's rank and rendezvous
+    (``gang``: this node's member when the placement spans nodes, or is a gang; torchrun's and
+    NCCL's names). ``arrays``: array job -> (count, work)."""
     env: dict[str, str] = {}
+    if gang is not None:
+        env.update(
+            WORLD_SIZE=str(gang.world_size),
+            NODE_RANK=str(gang.rank),
+            NNODES=str(gang.nnodes),
+            LOCAL_WORLD_SIZE=str(gang.local_gpus),
+            MASTER_ADDR=gang.master_addr,
+            MASTER_PORT=str(gang.master_port),
+            GPUPOOL_PEERS=",".join(gang.peers),
+        )
     if w.array_parent_id is not None:
         if w.array_parent_id not in arrays:
             arrays.update(
@@ -109,6 +131,7 @@ def _start_payload(
     assignment: E.Assignment,
     volumes: list[dict[str, Any]],
     arrays: dict[int, tuple[int, bool]],
+    gang: GangMember | None = None,
 ) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "workload_id": str(w.pk),
@@ -125,7 +148,7 @@ def _start_payload(
         "kind": w.kind,
         "attempt": w.attempt,
     }
-    platform_env = _platform_env(w, arrays)
+    platform_env = _platform_env(w, arrays, gang)
     if platform_env:
         payload["platform_env"] = platform_env
     if w.template:
@@ -150,6 +173,8 @@ class _Batch:
     allocations: dict[int, Allocation] = field(default_factory=dict)  # negative key: not yet inserted
     commands: list[CommandRequest] = field(default_factory=list)  # start and preempt commands
     volumes: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # start payloads' volumes
+    gang_ports: dict[int, int | None] = field(default_factory=dict)  # workload -> its new rendezvous port
+    ports_used: set[int] | None = None  # rendezvous ports of placed gangs (loaded at the first gang)
     arrays: dict[int, tuple[int, bool]] = field(default_factory=dict)  # array job -> (count, work)
 
 
@@ -214,14 +239,17 @@ def _plan_place(ctx: CycleContext, batch: _Batch, w: Workload, decision: E.Place
     where = ", ".join(sorted({a.node_id for a in decision.assignments}))
     resumed = " It resumes from its checkpoint (GPUPOOL_RESUME=1)." if _resumes(w) else ""
     batch.messages[w.pk] = f"Placed on {where}{warm.note if warm else ''}.{resumed}"
-    for a in decision.assignments:
+    members = _gang_plan(batch, w, decision)
+    for rank, a in enumerate(decision.assignments):
         uuids = [ctx.gpus[(int(a.node_id), i)]["uuid"] for i in a.gpu_indices]
         model_id = ctx.gpus[(int(a.node_id), a.gpu_indices[0])]["model_id"] if a.gpu_indices else None
         batch.commands.append(
             CommandRequest(
                 node_id=int(a.node_id),
                 kind=CommandKind.START_WORKLOAD,
-                payload=_start_payload(w, uuids, a, batch.volumes.get(w.pk, []), batch.arrays)
+                payload=_start_payload(
+                    w, uuids, a, batch.volumes.get(w.pk, []), batch.arrays, members[rank] if members else None
+                )
                 | _share_payload(w, a, ctx.model_info.get(model_id)),
                 idempotency_key=f"start:{w.pk}:{w.attempt}",
             )
@@ -229,7 +257,30 @@ def _plan_place(ctx: CycleContext, batch: _Batch, w: Workload, decision: E.Place
     return None
 
 
+def _gang_plan(batch: _Batch, w: Workload, decision: E.Place) -> list[GangMember] | None:
+    """The members of a placement across nodes, in the engine's order of its nodes (rank 0 first),
+    with a rendezvous port of their own; None for a placement on one node (unless a gang)."""
+    node_ids = [int(a.node_id) for a in decision.assignments]
+    if not is_gang(w, len(node_ids)):
+        if w.gang_port is not None:
+            batch.gang_ports[w.pk] = None
+        return None
+    if batch.ports_used is None:
+        batch.ports_used = gang_ports_used()
+    port = gang_port_choose(workload_id=w.pk, used=batch.ports_used)
+    batch.ports_used.add(port)
+    batch.gang_ports[w.pk] = w.gang_port = port
+    return gang_members(
+        node_ids=node_ids,
+        gpus_per_node=[len(a.gpu_indices) for a in decision.assignments],
+        port=port,
+        addresses=node_addresses(node_ids),
+    )
+
+
 def _flush(ctx: CycleContext, batch: _Batch) -> None:
+    for port, ids in _group(batch.gang_ports).items():
+        Workload.objects.filter(pk__in=ids).update(gang_port=port)
     for reason, workloads in batch.placed.items():
         workloads_transition(
             workloads=workloads,
@@ -242,6 +293,13 @@ def _flush(ctx: CycleContext, batch: _Batch) -> None:
         )
     bulk_insert(list(batch.allocations.values()))
     node_commands_enqueue_many(commands=batch.commands, now=ctx.now)
+
+
+def _group(values: dict[int, Any]) -> dict[Any, list[int]]:
+    out: dict[Any, list[int]] = defaultdict(list)
+    for key, value in values.items():
+        out[value].append(key)
+    return out
 
 
 def _commit_preempt(

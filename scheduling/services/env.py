@@ -107,3 +107,7 @@ def start_payload_for_node(payload: dict[str, Any]) -> dict[str, Any]:
     except SecretMissing as exc:
         raise PayloadRefused(f"{exc.message} The workload's env refers to it.") from None
     return {**payload, "env": resolved}
+
+
+# Names the cycle's ``_platform_env`` sets for a gang member; a gang's own env may not set them.
+GANG_ENV_NAMES = ("WORLD_SIZE", "NODE_RANK", "NNODES", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

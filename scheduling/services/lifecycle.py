@@ -61,6 +61,7 @@ from scheduling.models import (
 )
 from scheduling.models import WorkloadState as S
 from scheduling.services.access import workload_ports_record
+from scheduling.services.gangs import gang_member_release, gang_started_nodes
 from scheduling.services.orphans import (
     allocations_held,
     allocations_mark_forced,
@@ -137,6 +138,33 @@ def _not_started_on(w: Workload, node_ids: list[int]) -> list[int]:
         ).values_list("node_id", flat=True)
     )
     return [n for n in node_ids if n not in done] or node_ids
+
+
+def _gang_nodes(w: Workload) -> list[int] | None:
+    """The nodes of ``w``'s current placement when it is a gang (or spans nodes), else None."""
+    nodes = _nodes_of(w.pk)
+    return nodes if (w.gang or len(nodes) > 1) else None
+
+
+def _all_started(w: Workload, nodes: list[int]) -> bool:
+    return gang_started_nodes(w, nodes) >= set(nodes)
+
+
+def _gang_fail(w: Workload, *, failed_node: int | None, now: datetime, why: str, end) -> None:
+    """A gang member failed (or the gang did not start in time): ``end()`` moves the workload on
+    (requeue or fail, which releases every allocation), every other member is sent a stop, and the
+    GPUs of the members that had started take no new work until their node confirms the stop."""
+    nodes = _nodes_of(w.pk)
+    others = [n for n in nodes if n != failed_node]
+    started = gang_started_nodes(w, others)
+    forced = list(
+        Allocation.objects.filter(
+            workload_id=w.pk, node_id__in=list(started), ended_at__isnull=True
+        ).values_list("pk", flat=True)
+    )
+    end()
+    allocations_mark_forced(forced, now)
+    _send_stop(w, others, now=now, why=why)
 
 
 # --- preemption ------------------------------------------------------------------------------------
@@ -352,43 +380,26 @@ def workload_on_command_finished(*, kind: str, payload: dict, node_id: int, stat
                 return
             if state == CommandState.SUCCEEDED:
                 target = S.STARTING if result.get("state") == "starting" else S.RUNNING
-                if w.state == S.SCHEDULED or (w.state == S.STARTING and target == S.RUNNING):
+                gang = _gang_nodes(w)
+                if gang is not None and not _all_started(w, gang):
+                    pass  # a gang runs when every member has started
+                elif w.state == S.SCHEDULED or (w.state == S.STARTING and target == S.RUNNING):
                     workload_transition(workload=w, to=target, reason="started", actor=SYSTEM, now=now)
-                if w.state in (S.STARTING, S.RUNNING):
+                if w.state in (S.STARTING, S.RUNNING) or gang is not None:
                     workload_ports_record(workload=w, node_id=node_id, result=result)
             elif w.state == S.SCHEDULED:
                 why = result.get("reason") or result.get("error") or state
                 _avoid(w, [node_id])
-                if result.get("rejected") is True:
-                    # The agent refused the payload itself (the workload rules), or the portal could
-                    # not complete it (a secret gone): every node would fail it.
-                    by = "Not started" if result.get("refused_by") == "portal" else "Refused by the node"
-                    workload_transition(
-                        workload=w,
-                        to=S.FAILED,
-                        reason="start_failed",
-                        actor=SYSTEM,
-                        message=f"{by}: {why}",
+                if _gang_nodes(w) is not None:
+                    _gang_fail(
+                        w,
+                        failed_node=node_id,
                         now=now,
+                        why="gang_start_failed",
+                        end=lambda: _start_failed(w, result, why, now),
                     )
-                elif w.attempt >= settings.SCHEDULING_MAX_START_ATTEMPTS:
-                    workload_transition(
-                        workload=w,
-                        to=S.FAILED,
-                        reason="start_failed",
-                        actor=SYSTEM,
-                        message=f"Could not start after {w.attempt} attempts: {why}",
-                        now=now,
-                    )
-                else:
-                    workload_transition(
-                        workload=w,
-                        to=S.QUEUED,
-                        reason="start_failed",
-                        actor=SYSTEM,
-                        message=str(why),
-                        now=now,
-                    )
+                    return
+                _start_failed(w, result, why, now)
         elif kind == CommandKind.STOP_WORKLOAD and state == CommandState.SUCCEEDED and w.state == S.STOPPING:
             workload_transition(workload=w, to=S.STOPPED, reason="stopped", actor=SYSTEM, now=now)
         elif (
@@ -397,6 +408,22 @@ def workload_on_command_finished(*, kind: str, payload: dict, node_id: int, stat
             and w.state == S.PREEMPTED
         ):
             _finish_preempted(w, now=now)
+
+
+def _start_failed(w: Workload, result: dict, why: Any, now: datetime) -> None:
+    """A start failed on a node: fail the workload when every node would fail it (the payload was
+    refused) or after the last attempt, else place it again."""
+    if result.get("rejected") is True:
+        # The agent refused the payload itself (the workload rules), or the portal could not
+        # complete it (a secret gone): every node would fail it.
+        by = "Not started" if result.get("refused_by") == "portal" else "Refused by the node"
+        message = f"{by}: {why}"
+        to = S.FAILED
+    elif w.attempt >= settings.SCHEDULING_MAX_START_ATTEMPTS:
+        message, to = f"Could not start after {w.attempt} attempts: {why}", S.FAILED
+    else:
+        message, to = str(why), S.QUEUED
+    workload_transition(workload=w, to=to, reason="start_failed", actor=SYSTEM, message=message, now=now)
 
 
 def _finish_preempted(w: Workload, *, now: datetime, note: str = "") -> None:
@@ -427,6 +454,9 @@ def workload_on_running(*, node_id: int, workload_id: Any) -> Workload | None:
         w = lock_workload_if_exists(workload_id=wid)
         if w is None or w.state not in (S.SCHEDULED, S.STARTING) or node_id not in _nodes_of(w.pk):
             return w
+        gang = _gang_nodes(w)
+        if gang is not None and not _all_started(w, gang):
+            return w  # a gang runs when every member has started
         workload_transition(workload=w, to=S.RUNNING, reason="running", actor=SYSTEM, now=now)
     return w
 
@@ -450,7 +480,14 @@ def workload_on_exited(
             w.log_tail = message[-settings.SCHEDULING_LOG_TAIL_CHARS :]
         w.save(update_fields=["exit_code", "log_tail"])
         detail = f"exit code {exit_code}" if exit_code is not None else state
-        if w.state == S.PREEMPTED:
+        gang = _gang_nodes(w)
+        if (
+            gang is not None
+            and w.state in (S.SCHEDULED, S.STARTING, S.RUNNING)
+            and w.stop_requested_at is None
+        ):
+            _gang_member_exited(w, node_id, gang, state, exit_code, detail, message, now)
+        elif w.state == S.PREEMPTED:
             _finish_preempted(w, now=now)
         elif w.state == S.STOPPING or w.stop_requested_at is not None:
             workload_transition(
@@ -470,6 +507,42 @@ def workload_on_exited(
                 w, reason="failed", message=f"Failed ({detail}). {message[:200]}", now=now, count_retry=True
             )
     return w
+
+
+def _gang_member_exited(
+    w: Workload,
+    node_id: int,
+    nodes: list[int],
+    state: str,
+    exit_code: int | None,
+    detail: str,
+    message: str,
+    now: datetime,
+) -> None:
+    """One member of a running gang ended. Exit 0: its GPUs go back now, and the gang succeeds
+    (a job) or stops (an instance) with its last member. Anything else: the whole gang stops and
+    is requeued or failed by its policy."""
+    if state == "exited" and exit_code == 0:
+        if len(nodes) > 1:
+            gang_member_release(w=w, node_id=node_id, now=now, reason="member_exited")
+            return
+        to = S.SUCCEEDED if w.kind == WorkloadKind.JOB else S.STOPPED
+        workload_transition(workload=w, to=to, reason="exited", actor=SYSTEM, message=detail, now=now)
+        return
+    host = Node.objects.filter(pk=node_id).values_list("hostname", flat=True).first() or f"node {node_id}"
+    _gang_fail(
+        w,
+        failed_node=node_id,
+        now=now,
+        why="gang_member_failed",
+        end=lambda: _requeue_or_fail(
+            w,
+            reason="failed",
+            message=f"A gang member failed on {host} ({detail}); every member is stopped. {message[:200]}",
+            now=now,
+            count_retry=True,
+        ),
+    )
 
 
 def workloads_on_node_down(
@@ -556,6 +629,8 @@ def scheduling_reconcile(*, now: datetime | None = None) -> ReconcileResult:
         # again (elsewhere if that node is the problem), or fail after the last attempt.
         for w in lock_workloads_where(state=S.SCHEDULED, state_changed_at__lt=start_timeout):
             nodes = _nodes_of(w.pk)
+            if w.gang or len(nodes) > 1:
+                continue  # gangs: below, by their own timeout
             _avoid(w, _not_started_on(w, nodes))
             if w.attempt >= settings.SCHEDULING_MAX_START_ATTEMPTS:
                 msg = f"Not started after {w.attempt} attempts."
@@ -574,6 +649,30 @@ def scheduling_reconcile(*, now: datetime | None = None) -> ReconcileResult:
             _send_stop(w, nodes, now=now, why="start_timeout")
             out.start_timeouts.append(w.pk)
 
+        # Gangs not started on every member in time: stopped on every node (those that started
+        # keep their GPUs out of use until they confirm), then placed again or failed.
+        gang_timeout = now - timedelta(seconds=settings.SCHEDULING_GANG_START_TIMEOUT_S)
+        for w in lock_workloads_where(state__in=(S.SCHEDULED, S.STARTING), state_changed_at__lt=gang_timeout):
+            nodes = _gang_nodes(w)
+            if nodes is None:
+                continue
+            _avoid(w, _not_started_on(w, nodes))
+            last = w.attempt >= settings.SCHEDULING_MAX_START_ATTEMPTS
+            msg = (
+                f"Not started on every node after {w.attempt} attempts."
+                if last
+                else "Not started on every node in time."
+            )
+
+            def end(w: Workload = w, last: bool = last, msg: str = msg) -> None:
+                to = S.FAILED if last else S.QUEUED
+                workload_transition(
+                    workload=w, to=to, reason="gang_start_timeout", actor=SYSTEM, message=msg, now=now
+                )
+
+            _gang_fail(w, failed_node=None, now=now, why="gang_start_timeout", end=end)
+            out.start_timeouts.append(w.pk)
+
         # STARTING workloads that a node holding them reports running (no other node's word counts).
         starting = {w.pk: w for w in lock_workloads_where(state=S.STARTING)}
         if starting:
@@ -585,7 +684,19 @@ def scheduling_reconcile(*, now: datetime | None = None) -> ReconcileResult:
                     "workload_id", "node_id"
                 )
             )
-            running_ids = {int(wid) for wid, node_id in reports if (int(wid), node_id) in held}
+            running_on: dict[int, set[int]] = {}
+            for wid, node_id in reports:
+                if (int(wid), node_id) in held:
+                    running_on.setdefault(int(wid), set()).add(node_id)
+            # A gang (spanning nodes) runs when every node it holds reports it running.
+            holding: dict[int, set[int]] = {}
+            for wid, node_id in held:
+                holding.setdefault(wid, set()).add(node_id)
+            running_ids = {
+                wid
+                for wid, on in running_on.items()
+                if not (starting[wid].gang or len(holding[wid]) > 1) or on >= holding[wid]
+            }
             for wid in sorted(running_ids):
                 workload_transition(
                     workload=starting[wid], to=S.RUNNING, reason="running", actor=SYSTEM, now=now

@@ -113,7 +113,7 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
     node_rows = {
         n["id"]: n
         for n in Node.objects.filter(state__in=SCHEDULABLE_NODE_STATES).values(
-            "id", "region__code", "cpu_cores", "ram_mib"
+            "id", "region__code", "domain", "cpu_cores", "ram_mib"
         )
     }
     gpu_rows = list(
@@ -245,6 +245,7 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
                 cpu_used=sum(c for c, _ in node_load[nid].values()),
                 memory_used=sum(m for _, m in node_load[nid].values()),
                 region=n["region__code"],
+                domain=n["domain"],
                 reserved_for=reserved_for.get(nid),
                 reserved_gpus=reserved_gpus.get(nid),
             )
@@ -307,7 +308,8 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
                     checkpointable=a0["workload__kind"] == WorkloadKind.JOB
                     and a0["workload__checkpoint_resume"]
                     and a0["workload__requeue_on_preemption"],
-                    gang_id=str(wid) if a0["workload__gang"] else None,
+                    # Members across nodes (a gang or pooled GPUs) are preempted together.
+                    gang_id=str(wid) if a0["workload__gang"] or len(per_node) > 1 else None,
                 )
             )
 
@@ -385,6 +387,8 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
                 memory_mib=w.ram_mib,
                 region=region_codes.get(w.region_id),
                 other_regions_ok=w.other_regions_ok,
+                gpus_per_node=tuple(w.gpus_per_node),
+                split_regions_ok=w.split_regions_ok,
                 plan=E.Plan(w.plan),
                 priority=_priority(w.priority_class, w.plan),
                 submit_time=w.submitted_at.timestamp(),

@@ -55,7 +55,7 @@ from scheduling.pricing import spot_price_floor
 from scheduling.selectors.shared import QuotaUsage, quota_usage
 from scheduling.services.arrays import MAX_ARRAY_COUNT
 from scheduling.services.dependencies import dependencies_attach, dependencies_validate
-from scheduling.services.env import env_validate
+from scheduling.services.env import GANG_ENV_NAMES, env_validate
 from scheduling.services.templates import template_apply, template_for_launch
 from scheduling.services.volumes import VolumeRequest, volumes_attach, volumes_validate
 from scheduling.services.work import WorkSpec, work_items_create, work_validate
@@ -113,6 +113,25 @@ def _str(spec: dict, key: str, max_length: int, default: str = "") -> str:
     if len(value) > max_length:
         raise _fail(key, f"At most {max_length} characters.")
     return value
+
+
+def _gpus_per_node(spec: dict) -> list[int]:
+    """``gpus_per_node``: the piece sizes (1-8) its GPUs may be split into over several nodes, or
+    ``"any"`` (every size); absent or empty: one node (or a gang's whole nodes)."""
+    value = spec.get("gpus_per_node")
+    if value is None or value == []:
+        return []
+    if value == "any":
+        return list(range(1, MAX_GPUS_PER_NODE + 1))
+    if (
+        not isinstance(value, list)
+        or len(value) > MAX_GPUS_PER_NODE
+        or not all(isinstance(k, int) and not isinstance(k, bool) for k in value)
+    ):
+        raise _fail("gpus_per_node", f'A list of sizes 1-{MAX_GPUS_PER_NODE}, or "any".')
+    if not all(1 <= k <= MAX_GPUS_PER_NODE for k in value):
+        raise _fail("gpus_per_node", f"Each size is 1-{MAX_GPUS_PER_NODE} GPUs.")
+    return sorted(set(value))
 
 
 def _decimal(spec: dict, key: str) -> Decimal | None:
@@ -251,6 +270,11 @@ def _check_fleet(f: dict[str, Any], region: Region | None, nodes: list[dict[str,
             raise _fail(
                 "gpu_count", f"A gang must be a multiple of a node's GPUs ({', '.join(map(str, sizes))})."
             )
+    elif f["gpus_per_node"]:
+        biggest = max(n["gpus"] for n in nodes)
+        pieces = [k for k in f["gpus_per_node"] if f["gpu_count"] % k == 0 and k <= biggest]
+        if f["gpu_count"] > biggest and not pieces:
+            raise _fail("gpus_per_node", f"No size of these divides {f['gpu_count']} and fits a node.")
     else:
         biggest = max(n["gpus"] for n in nodes)
         if f["gpu_count"] > biggest:
@@ -301,6 +325,8 @@ def _validate_array(spec: dict, kind: str, f: dict[str, Any], volumes: list) -> 
         )
     if f["gang"]:
         raise _fail("array", "An array's tasks are not gangs.")
+    if f["gpus_per_node"]:
+        raise _fail("array", "An array's tasks take one node's GPUs each (no gpus_per_node).")
     if volumes:
         raise _fail("array", "An array's tasks cannot share the request's volumes yet.")
     work = None if raw.get("work") is None else work_validate(raw["work"])
@@ -439,7 +465,20 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
         raise _fail("gpu_fraction_milli", "A fraction applies to exactly one GPU.")
     if f["gang"] and f["gpu_fraction_milli"] < MILLI:
         raise _fail("gang", "A gang takes whole nodes, not fractions.")
-    if not f["gang"] and f["gpu_count"] > MAX_GPUS_PER_NODE:
+    f["gpus_per_node"] = _gpus_per_node(spec)
+    f["split_regions_ok"] = _bool(spec, "split_regions_ok", False)
+    if f["gpus_per_node"]:
+        if f["gang"]:
+            raise _fail(
+                "gpus_per_node", "A gang takes whole nodes; gpus_per_node is for splitting otherwise."
+            )
+        if f["gpu_fraction_milli"] < MILLI:
+            raise _fail("gpus_per_node", "Only whole GPUs are split over nodes.")
+        if not any(f["gpu_count"] % k == 0 for k in f["gpus_per_node"]):
+            raise _fail("gpus_per_node", f"No size of these divides gpu_count ({f['gpu_count']}).")
+    elif f["split_regions_ok"]:
+        raise _fail("split_regions_ok", "Only for work split over nodes (gpus_per_node).")
+    if not f["gang"] and not f["gpus_per_node"] and f["gpu_count"] > MAX_GPUS_PER_NODE:
         raise _fail("gpu_count", f"At most {MAX_GPUS_PER_NODE} on one node; more needs a gang across nodes.")
 
     # CPU and RAM.
@@ -465,6 +504,10 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
             raise _fail("spot_max_price", "At most 10 decimal places.")
 
     f.update(_validate_what_runs(spec, tenant))
+    if f["gang"] or f["gpus_per_node"]:
+        clash = [k for k in GANG_ENV_NAMES if k in f["env"]]
+        if clash:
+            raise _fail("env", f"{clash[0]} is set by the platform for each member of a gang.")
     f["max_runtime_s"] = _int(spec, "max_runtime_s", None, 60, 366 * 86400)
     f["estimated_runtime_s"] = _int(spec, "estimated_runtime_s", None, 1, 366 * 86400)
     f["requeue_on_preemption"] = _bool(spec, "requeue_on_preemption", True)

@@ -129,6 +129,8 @@ def run_inflation(
         d = demand_of(pod)
         t0 = clock()
         slots = state.place(d)
+        if slots is None and d.per_node:
+            slots = state.place_split(d)
         engine_s += clock() - t0
         req = pod.gpu_request_milli
         requested += req

@@ -70,6 +70,7 @@ def _request(pod: TracePod, models: tuple[str, ...]) -> Request:
         milli=pod.gpu_milli if pod.num_gpu == 1 else MILLI,
         cpu_milli=pod.cpu_milli,
         memory_mib=pod.memory_mib,
+        gpus_per_node=pod.gpus_per_node,
         plan=Plan.SPOT if pod.qos == "BE" else Plan.ON_DEMAND,
         submit_time=float(pod.creation_time),
         est_runtime=None if duration is None else float(duration),
@@ -127,9 +128,10 @@ def run_replay(
         last_t = now
         while ends and ends[0][0] <= now:
             _, name = heapq.heappop(ends)
-            r = running.pop(name)
-            engine.release(assignments.pop(name))
-            allocated -= len(r.gpu_indices) * r.milli
+            running.pop(name)
+            done = assignments.pop(name)
+            engine.release(done)
+            allocated -= sum(len(x.gpu_indices) * x.milli for x in done)
         while ai < len(arrivals) and arrivals[ai].creation_time <= now:
             p = arrivals[ai]
             queue[p.name] = reqs[p.name]
@@ -160,7 +162,7 @@ def run_replay(
                     est_end=est_end,
                 )
                 assignments[req.id] = dec.assignments
-                allocated += len(a.gpu_indices) * a.milli
+                allocated += sum(len(x.gpu_indices) * x.milli for x in dec.assignments)
                 delays.append(now - pod.creation_time)
                 if est_end is not None:
                     heapq.heappush(ends, (est_end, req.id))

@@ -31,6 +31,9 @@ class TracePod:
     qos: str
     creation_time: int
     deletion_time: int | None
+    gpus_per_node: tuple[int, ...] = ()
+    """Piece sizes its GPUs may be split into over several nodes (column ``gpus_per_node``,
+    sizes joined by ``|`` or ``any``); empty: one node."""
 
     @property
     def gpu_request_milli(self) -> int:
@@ -44,7 +47,20 @@ class TracePod:
     def demand(self, all_models: frozenset[str]) -> Demand:
         models = frozenset(self.gpu_spec) & all_models if self.gpu_spec else all_models
         milli = self.gpu_milli if self.num_gpu == 1 else MILLI
-        return Demand(models=models, milli=milli, gpus=self.num_gpu, cpu=self.cpu_milli, mem=self.memory_mib)
+        per_node = tuple(
+            sorted(
+                {k for k in self.gpus_per_node if 0 < k < self.num_gpu and self.num_gpu % k == 0},
+                reverse=True,
+            )
+        )
+        return Demand(
+            models=models,
+            milli=milli,
+            gpus=self.num_gpu,
+            cpu=self.cpu_milli,
+            mem=self.memory_mib,
+            per_node=per_node,
+        )
 
 
 def _int(row: dict, col: str, path: Path, line: int, default: int | None = None) -> int:
@@ -87,6 +103,21 @@ def load_nodes(path: str | Path) -> tuple[list[Node], dict[str, GpuModelInfo]]:
     return nodes, catalog
 
 
+def _per_node(raw: str, path: Path, line: int) -> tuple[int, ...]:
+    raw = raw.strip()
+    if not raw:
+        return ()
+    if raw == "any":
+        return tuple(range(1, 9))
+    try:
+        sizes = tuple(sorted({int(s) for s in raw.split("|") if s.strip()}))
+    except ValueError:
+        raise TraceError(f"{path}:{line}: gpus_per_node is sizes joined by | or 'any': {raw!r}") from None
+    if not all(1 <= k <= 8 for k in sizes):
+        raise TraceError(f"{path}:{line}: gpus_per_node sizes are 1-8: {raw!r}")
+    return sizes
+
+
 def load_pods(path: str | Path) -> list[TracePod]:
     path = Path(path)
     pods: list[TracePod] = []
@@ -100,6 +131,7 @@ def load_pods(path: str | Path) -> list[TracePod]:
             gpu_milli = MILLI
         spec = tuple(s.strip() for s in (row.get("gpu_spec") or "").split("|") if s.strip())
         deletion = (row.get("deletion_time") or "").strip()
+        per_node = _per_node(row.get("gpus_per_node") or "", path, n)
         pods.append(
             TracePod(
                 name=row["name"],
@@ -111,6 +143,7 @@ def load_pods(path: str | Path) -> list[TracePod]:
                 qos=(row.get("qos") or "").strip(),
                 creation_time=_int(row, "creation_time", path, n, 0),
                 deletion_time=_int(row, "deletion_time", path, n) if deletion else None,
+                gpus_per_node=per_node,
             )
         )
     return pods

@@ -447,3 +447,25 @@ def test_the_agents_docker_settings_reach_the_container(
     nowhere = runtimes("other", docker_host="tcp://127.0.0.1:1")  # this machine; nothing listens
     with pytest.raises(RuntimeFailure, match="does not answer"):
         nowhere.start(spec(new_id(), "true"))
+
+
+def test_platform_env_reaches_the_container_and_cannot_take_the_runtimes_names(
+    runtime: DockerRuntime, docker_engine: docker.DockerClient, new_id: Callable[[], str]
+) -> None:
+    wid = new_id()
+    platform = {"NODE_RANK": "1", "WORLD_SIZE": "16", "MASTER_ADDR": "10.0.0.1", "GPUPOOL_PEERS": "a,b"}
+    # The tenant's own NODE_RANK is overridden by the platform's.
+    runtime.start(spec(wid, "sh", "-c", 'printf "<%s>" "$NODE_RANK" "$WORLD_SIZE" "$MASTER_ADDR" "$GPUPOOL_PEERS"',
+                       env={"NODE_RANK": "7"}, platform_env=platform))  # fmt: skip
+    assert finished(runtime, wid).state == "exited"
+    assert runtime.logs(wid) == "<1><16><10.0.0.1><a,b>"
+    for bad in (
+        {"GPUPOOL_WORKLOAD_ID": "someone-else"},
+        {"NVIDIA_VISIBLE_DEVICES": "all"},
+        {"LD_PRELOAD": "/x"},
+    ):
+        other = new_id()
+        with pytest.raises(RuntimeFailure, match="platform_env"):
+            runtime.start(spec(other, "env", platform_env=bad))
+        with pytest.raises(NotFound):
+            inspect(docker_engine, other)

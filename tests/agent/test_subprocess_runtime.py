@@ -253,3 +253,19 @@ def test_ports_are_free_host_ports_the_workload_is_told(
     assert again.start(WorkloadSpec("wp", command=sh(script), ports=ports)).ports == handle.ports
     with pytest.raises(RuntimeFailure, match="ports"):
         runtime.start(WorkloadSpec("wbad", command=sh("true"), ports=[{"port": 1, "protocol": "udp"}]))
+
+
+def test_platform_env_is_set_after_the_workloads_own(runtime: SubprocessRuntime) -> None:
+    runtime.start(
+        WorkloadSpec(
+            "w-rank",
+            command=sh('printf "<%s>" "$NODE_RANK" "$MASTER_PORT" "$GPUPOOL_WORKLOAD_ID"'),
+            env={"NODE_RANK": "9"},
+            platform_env={"NODE_RANK": "0", "MASTER_PORT": "29500"},
+        )
+    )
+    status = done(runtime, "w-rank")
+    assert (status.state, status.exit_code) == ("exited", 0), runtime.logs("w-rank")
+    assert runtime.logs("w-rank") == "<0><29500><w-rank>"
+    with pytest.raises(RuntimeFailure, match="platform_env"):
+        runtime.start(WorkloadSpec("w-bad", command=sh("env"), platform_env={"CUDA_VISIBLE_DEVICES": "all"}))

@@ -219,6 +219,7 @@ class DockerRuntime(Runtime):
             workload_rules.check_image(spec.image)
             workload_rules.check_command(spec.command)
             workload_rules.check_gpu_uuids(spec.gpu_uuids)
+            workload_rules.check_platform_env(spec.platform_env)
             return workload_rules.check_env(spec.env), workload_rules.check_ports(spec.ports)
         except workload_rules.WorkloadRuleError as exc:
             raise RuntimeFailure(str(exc)) from exc

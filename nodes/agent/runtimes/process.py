@@ -58,6 +58,7 @@ from nodes.agent.workload_rules import (
     check_command,
     check_env,
     check_gpu_uuids,
+    check_platform_env,
     check_ports,
 )
 
@@ -280,6 +281,7 @@ class SubprocessRuntime(Runtime):
             try:  # the agent checked the payload; a runtime called directly checks it here
                 check_command(spec.command)
                 check_env(spec.env)
+                check_platform_env(spec.platform_env)
                 check_gpu_uuids(spec.gpu_uuids)
                 ports = check_ports(spec.ports)
             except WorkloadRuleError as exc:
