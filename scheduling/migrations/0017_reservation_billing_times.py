@@ -24,7 +24,7 @@ def times_from_the_audit(apps, schema_editor):
 class Migration(migrations.Migration):
     dependencies = [
         ("portal", "0001_tenancy"),
-        ("scheduling", "0015_arrays_work_dependencies"),
+        ("scheduling", "0016_gangs_and_split"),
     ]
 
     operations = [
