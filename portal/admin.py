@@ -13,6 +13,7 @@ from portal.forms import AdminLoginForm, apply_domain_error
 from portal.models import (
     ApiToken,
     AuditEvent,
+    IdempotencyKey,
     Invitation,
     Membership,
     MetricValue,
@@ -279,3 +280,14 @@ class TenantSecretAdmin(RecordAdmin):
     list_display = ["name", "tenant", "created_at", "updated_at"]
     search_fields = ["name", "tenant__slug"]
     fields = ["tenant", "name", "created_at", "updated_at"]
+
+
+@admin.register(IdempotencyKey)
+class IdempotencyKeyAdmin(RecordAdmin):
+    """Which creates a key answered, and when (the stored answer, encrypted, is not shown: a token's
+    create answers with its secret)."""
+
+    list_display = ["key", "tenant", "route", "status_code", "created_at"]
+    search_fields = ["key", "tenant__slug"]
+    list_select_related = ["tenant"]
+    fields = ["tenant", "key", "route", "request_hash", "status_code", "created_at"]

@@ -20,7 +20,9 @@ from scheduling.models import (
     VolumeResize,
     WarmPool,
     WarmSlot,
+    WorkItem,
     Workload,
+    WorkloadDependency,
     WorkloadEvent,
     WorkloadLogBatch,
     WorkloadLogLine,
@@ -409,3 +411,33 @@ class WorkloadShareLinkAdmin(RecordAdmin):
     search_fields = ["workload__id", "tenant__slug"]
     list_select_related = ["workload", "tenant", "created_by"]
     exclude = ["token_hash"]
+
+
+@admin.register(WorkloadDependency)
+class WorkloadDependencyAdmin(RecordAdmin):
+    """A job waiting for another to end (``depends_on``); set at submission, never changed."""
+
+    list_display = ["workload", "on", "condition", "tenant"]
+    list_filter = ["condition"]
+    search_fields = ["workload__id", "on__id", "tenant__slug"]
+    list_select_related = ["workload", "on", "tenant"]
+
+
+@admin.register(WorkItem)
+class WorkItemAdmin(RecordAdmin):
+    """A work-queue array's items: who holds each, until when, and how often it was handed out."""
+
+    list_display = [
+        "job",
+        "index",
+        "first",
+        "last",
+        "state",
+        "leased_to",
+        "lease_expires_at",
+        "leases",
+        "done_at",
+    ]
+    list_filter = ["state"]
+    search_fields = ["job__id", "tenant__slug"]
+    list_select_related = ["job", "leased_to"]

@@ -7,7 +7,7 @@ from django.contrib import admin
 from django.core.management import call_command
 from django.urls import reverse
 
-APPS = ("portal", "nodes", "scheduling", "metering")
+APPS = ("portal", "nodes", "scheduling", "metering", "webhooks")
 pytestmark = pytest.mark.django_db
 
 
