@@ -70,6 +70,13 @@ _names = itertools.count(1)
 FIELD_BODIES: dict[str, dict] = {"reservation": {"plan": "reserved"}}
 # What an object needs to be used by a field that names it.
 FIELD_OBJECTS: dict[str, dict] = {"reservation": {"status": ReservationStatus.ACTIVE}}
+# What a route's object needs besides its kind (an array's tasks are listed for an array job only).
+ROUTE_OBJECTS: dict[str, dict] = {"api:job-tasks": {"array_count": 2, "array_parallelism": 1}}
+# Routes a workload's own process calls with its task's signed token (GPUPOOL_WORK_TOKEN), never
+# with a tenant's credentials: the walker checks that tenants' credentials open none of them
+# (test_work_routes_take_no_tenant_credential); the token's binding to its task and attempt is
+# tests/scheduling/test_arrays.py's and test_work_queue_e2e.py's.
+WORK_ROUTES = {"api:work-next", "api:work-item-done", "api:work-item-renew"}
 
 
 def _volume_body() -> dict:
@@ -192,15 +199,18 @@ class Route:
         kind = getattr(self.view_class, "kind", None)
         if kind:
             fields.setdefault("kind", kind)
+        fields = {**ROUTE_OBJECTS.get(self.name, {}), **fields}
         if kind == "instance":
             fields.setdefault("ports", [{"port": 8888, "protocol": "http"}])  # something to share
         return make_tenant_object(self.model, tenant=tenant, **fields)
 
 
-def api_routes(prefix: str = "api/v1/") -> list[Route]:
+def api_routes(prefix: str = "api/v1/", *, work: bool = False) -> list[Route]:
+    """The API's routes under ``prefix``: those tenants' credentials open, or (``work``) the work
+    queue's, which only a task's work token opens."""
     routes = []
     for route, name, pattern in walk_urls():
-        if not route.startswith(prefix):
+        if not route.startswith(prefix) or (name in WORK_ROUTES) != work:
             continue
         callback = pattern.callback
         view_class = getattr(callback, "cls", None) or getattr(callback, "view_class", None)
@@ -224,6 +234,21 @@ CALLS = [(r, m) for r in ROUTES for m in r.methods]
 
 def _call_id(call) -> str:
     return f"{call[0].name}-{call[1]}"
+
+
+def test_work_routes_take_no_tenant_credential(two_tenants, client, make_tenant):
+    """The work queue's routes answer 401 to a tenant's full token and to a signed-in owner: only a
+    task's work token opens them, so no tenant credential reaches any tenant's items."""
+    routes = api_routes(work=True)
+    assert {r.name for r in routes} == WORK_ROUTES
+    owner = Membership.objects.filter(tenant=two_tenants["a"], role=Role.OWNER).first().user
+    client.force_login(owner)
+    for route in routes:
+        url = reverse(route.name, kwargs=dict.fromkeys(route.kwargs, 0))
+        for who, caller in (("token", two_tenants["a_all"]), ("session", client)):
+            response = _call(caller, "post", url)
+            assert response.status_code == 401, f"{route.route} with a tenant's {who}: {response.status_code}"
+            assert response.json()["error"]["code"] == "work_token_invalid"
 
 
 def test_the_walker_sees_the_api():
