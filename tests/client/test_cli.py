@@ -106,18 +106,27 @@ def test_run_an_instance_from_a_yaml_spec(gp, tenant, make_node, tmp_path):
     assert inst["ports"] == [{"port": 8888, "protocol": "http"}]
 
 
-def test_features_this_portal_lacks_are_sent_and_refused_by_name(gp, tenant, make_node):
+def test_array_depends_on_and_gang_reach_the_api_and_elastic_is_refused_by_name(gp, tenant, make_node):
     make_node(H100, gpus=8)
-    for flag, value, field in [("--array", "10:2", "array"), ("--elastic", "2:8", "elastic"),
-                               ("--depends-on", "1:succeeded", "depends_on")]:  # fmt: skip
-        r = gp("run", *job(flag, value), code=1)
-        assert field in r.stderr and "Unknown field" in r.stderr, r.stderr
+    # A feature this portal lacks is sent and refused by the API, naming the field.
+    r = gp("run", *job("--elastic", "2:8"), code=1)
+    assert "elastic" in r.stderr and "Unknown field" in r.stderr, r.stderr
+    # --array and --depends-on are the API's fields: sent as such and checked there.
+    first = gp.json("run", *job("--array", "10:2"))
+    array = Workload.objects.get(pk=first["id"])
+    assert (array.array_count, array.array_parallelism) == (10, 2)
+    then = gp.json("run", *job("--depends-on", f"{array.pk}:succeeded"))
+    assert [(d.on_id, d.condition) for d in Workload.objects.get(pk=then["id"]).dependencies.all()] == [
+        (array.pk, "succeeded")
+    ]
+    r = gp("run", *job("--depends-on", "987654:succeeded"), code=1)  # the API's refusal, by name
+    assert "depends_on" in r.stderr, r.stderr
     # --gang is a field the API knows: it is sent and checked (8 GPUs on 8-GPU nodes is a gang).
     ok = gp.json(
         "run", "--gpus", "8", "--model", H100, "--image", "ghcr.io/acme/train:1", "--gang", "--", "x"
     )
     assert Workload.objects.get(pk=ok["id"]).gang is True
-    assert Workload.objects.filter(tenant=tenant).count() == 1
+    assert Workload.objects.filter(tenant=tenant, array_parent=None).count() == 3
     r = gp("run", "--array", "x", *job(), code=2)  # a malformed flag never reaches the API
     assert "--array" in r.stderr
 

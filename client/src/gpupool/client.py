@@ -44,13 +44,10 @@ _MAYBE_SENT = (
 # Errors where it certainly did not: always retried.
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
-# Every operation the client calls, as (method, path template): tests/client/test_schema.py checks
-# each against the portal's OpenAPI schema.
-OPERATIONS: set[tuple[str, str]] = set()
-
 
 def _op(method: str, template: str) -> str:
-    OPERATIONS.add((method, template))
+    """An API operation the client calls, by method and path template: tests/client/test_client.py
+    finds every one in this source and checks it against the portal's OpenAPI schema."""
     return template
 
 

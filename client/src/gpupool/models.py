@@ -68,6 +68,8 @@ class Workload(Model):
     rocm_target: str = ""
     gpu_count: int = 0
     gang: bool = False
+    gpus_per_node: Any = None
+    split_regions_ok: bool = False
     gpu_fraction_milli: int | None = None
     mig_profile: str = ""
     cpu_millicores: int | None = None
@@ -96,16 +98,23 @@ class Workload(Model):
     scheduled_at: datetime | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
+    array_count: int | None = None
+    array_parallelism: int | None = None
+    array_parent: int | None = None
+    array_index: int | None = None
 
 
 @dataclasses.dataclass
 class WorkloadDetail(Workload):
-    """One workload: where it runs, how to reach it, its volumes."""
+    """One workload: where it runs, how to reach it, its volumes, an array's task counts and what
+    it waits for."""
 
     SCHEMA: ClassVar[str] = "WorkloadDetail"
     placement: list | None = None
     access: dict | None = None
     volumes: list | None = None
+    array: dict | None = None
+    depends_on: list | None = None
 
 
 @dataclasses.dataclass
@@ -163,6 +172,8 @@ class Template(Model):
     ports: Any = None
     env: Any = None
     min_gpu_memory_gib: int | None = None
+    volume_mount_path: str = ""
+    volume_required: bool = False
     created_at: datetime | None = None
     updated_at: datetime | None = None
 
@@ -230,6 +241,8 @@ class UsageRecord(Model):
     ram_gib_seconds: Decimal | None = None
     unit_price: Decimal | None = None
     amount: Decimal | None = None
+    gpu_memory_gib_seconds: Decimal | None = None
+    gpu_memory_amount: Decimal | None = None
     avg_util_pct: float | None = None
     avg_mem_used_mib: float | None = None
     invoice: int | None = None
@@ -245,6 +258,7 @@ class Budget(Model):
     monthly_limit: Decimal | None = None
     percent: Decimal | None = None
     hard_limit: bool = False
+    limit_action: str | None = None  # "alert", "refuse" or "stop"
     alert_thresholds: list | None = None
     alerts_fired: list | None = None
 
