@@ -269,7 +269,7 @@ def test_launch_an_instance_watch_it_run_see_its_gpus_and_stop_it(stack, page):
     page.get_by_label("Image").fill(IMAGE)
     page.get_by_label("SSH public key").fill(KEY)
     page.locator("#id_region").select_option("us-east-1")
-    expect(page.locator("#id_command")).to_be_hidden()  # jobs only
+    expect(page.locator("#id_command")).to_be_visible()  # optional for an instance: its image's default
     # the estimate follows the form
     page.get_by_label("GPUs", exact=True).fill("2")
     expect(page.locator('[data-estimate="hour"]')).to_have_text("4.98 USD")
