@@ -33,6 +33,7 @@ from scheduling.models import (
 from scheduling.services.lifecycle import workload_stop
 from scheduling.services.quotas import EDITABLE_FIELDS, quota_update
 from scheduling.services.reservations import reservation_activate, reservation_cancel
+from scheduling.services.templates import EDITABLE as TEMPLATE_EDITABLE
 from scheduling.services.templates import template_check, template_create, template_delete, template_update
 
 
@@ -263,17 +264,7 @@ class WorkloadTemplateForm(forms.ModelForm):
 
     class Meta:
         model = WorkloadTemplate
-        fields = [
-            "name",
-            "description",
-            "image",
-            "command",
-            "ports",
-            "env",
-            "min_gpu_memory_gib",
-            "volume_mount_path",
-            "volume_required",
-        ]
+        fields = list(TEMPLATE_EDITABLE)
 
     def clean(self):
         data = super().clean()

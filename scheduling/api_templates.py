@@ -13,7 +13,7 @@ from portal.api.serializers import FieldsOnceModelSerializer
 from portal.api.viewsets import TenantReadOnlyViewSet
 from scheduling.api_fields import EnvValueField
 from scheduling.models import WorkloadTemplate
-from scheduling.services.templates import template_create, template_delete, template_update
+from scheduling.services.templates import EDITABLE, template_create, template_delete, template_update
 
 
 class TemplateSerializer(FieldsOnceModelSerializer):
@@ -23,16 +23,8 @@ class TemplateSerializer(FieldsOnceModelSerializer):
         model = WorkloadTemplate
         fields = [
             "id",
-            "name",
             "catalog",
-            "description",
-            "image",
-            "command",
-            "ports",
-            "env",
-            "min_gpu_memory_gib",
-            "volume_mount_path",
-            "volume_required",
+            *EDITABLE,
             "created_at",
             "updated_at",
         ]

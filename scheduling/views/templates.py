@@ -21,19 +21,7 @@ from portal.errors import DomainError
 from portal.models import Scope
 from portal.views.base import TenantScopedMixin, forbidden, htmx_partial
 from scheduling.models import WorkloadTemplate
-from scheduling.services.templates import template_create, template_delete, template_update
-
-FORM_FIELDS = (
-    "name",
-    "description",
-    "image",
-    "command",
-    "ports",
-    "env",
-    "min_gpu_memory_gib",
-    "volume_mount_path",
-    "volume_required",
-)
+from scheduling.services.templates import EDITABLE, template_create, template_delete, template_update
 
 
 class TemplateForm(forms.Form):
@@ -109,7 +97,7 @@ class TemplateForm(forms.Form):
         return {k: {"secret": v.strip()} for k, v in pairs.items()}
 
     def data_for_service(self) -> dict[str, Any]:
-        data = {f: self.cleaned_data[f] for f in FORM_FIELDS}
+        data = {f: self.cleaned_data[f] for f in EDITABLE}
         data["env"] = {**data["env"], **self.cleaned_data["secret_env"]}
         return data
 
