@@ -720,6 +720,8 @@ WEBHOOK_RETRY_WINDOW_S = env.float("WEBHOOK_RETRY_WINDOW_S", default=3 * 86400.0
 WEBHOOK_MAX_ENDPOINTS = env.int("WEBHOOK_MAX_ENDPOINTS", default=20)
 # Events and their delivery logs are kept this long once no delivery of them is pending.
 WEBHOOK_RETENTION_DAYS = env.int("WEBHOOK_RETENTION_DAYS", default=30)
+# A delivery's state has a choice set of its own (another "state" field): its own schema name.
+SPECTACULAR_SETTINGS["ENUM_NAME_OVERRIDES"]["WebhookDeliveryStateEnum"] = "webhooks.models.DeliveryState"
 CELERY_BEAT_SCHEDULE.update(
     {
         # Retries due (and attempts a dead worker left claimed) are sent from the database's state.
