@@ -12,12 +12,18 @@ import re
 from datetime import UTC, date, datetime
 
 import orjson
+import yaml
 from django.core.exceptions import ValidationError
 
 # orjson's own fixed limit on nesting (json.loads would hit RecursionError near 1,000, a 500). The
 # agent protocol (nodes.agent_views) parses its bodies with orjson under the same limit.
 JSON_MAX_DEPTH = 1024
 JSON_ERROR = f"Not valid JSON (or nested more than {JSON_MAX_DEPTH} levels deep)."
+# YAML bodies (Kubernetes manifests, a few KiB): PyYAML's composer recurses per level, and an alias
+# expands wherever it is walked, so depth is bounded well below Python's recursion limit and
+# anchors and aliases are refused.
+YAML_MAX_BYTES = 256 * 1024
+YAML_MAX_DEPTH = 32
 
 # [EARLIEST, LATEST): what the portal's dates and times may be.
 EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
@@ -33,6 +39,31 @@ def json_loads(body: bytes | str) -> object:
         return orjson.loads(body)
     except orjson.JSONDecodeError:
         raise ValueError(JSON_ERROR) from None
+
+
+def yaml_loads(body: bytes) -> object:
+    """``body`` as one YAML document with PyYAML's safe loader, within the bounds above; ValueError
+    naming what is wrong. The events are checked first, building nothing, so a refused body costs
+    no memory."""
+    if len(body) > YAML_MAX_BYTES:
+        raise ValueError(f"A YAML body is at most {YAML_MAX_BYTES // 1024} KiB.")
+    loader = yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader
+    try:
+        text = body.decode("utf-8")
+        depth = 0
+        for event in yaml.parse(text, Loader=loader):
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+                raise ValueError("YAML anchors and aliases are not accepted.")
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > YAML_MAX_DEPTH:
+                    raise ValueError(f"YAML nested more than {YAML_MAX_DEPTH} levels deep.")
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+        return yaml.load(text, Loader=loader)
+    except (yaml.YAMLError, UnicodeDecodeError, TypeError) as exc:
+        # TypeError: an unhashable key ({[a]: b}); an integer past Python's digit limit is a ValueError.
+        raise ValueError(f"Not valid YAML: {str(exc).splitlines()[0][:200]}") from None
 
 
 def parse_month(value: str) -> date:

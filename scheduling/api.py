@@ -20,11 +20,13 @@ from drf_spectacular.utils import OpenApiExample, extend_schema, extend_schema_f
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
+from rest_framework.settings import api_settings
 from rest_framework.views import APIView
 
 from nodes.models import GpuModel
 from portal.api.context import request_context
 from portal.api.filters import TenantFilterSet, UTCDateTimeFilter
+from portal.api.parsers import YAMLParser
 from portal.api.routers import extra_urlpatterns, router
 from portal.api.serializers import BoundedDateTimeField, FieldsOnceModelSerializer
 from portal.api.viewsets import TenantReadOnlyViewSet
@@ -33,6 +35,7 @@ from portal.models import Scope
 from scheduling import api_work  # noqa: F401  (registers /api/v1/work/)
 from scheduling.api_access import AccessSerializer, SshKeyViewSet
 from scheduling.api_fields import EnvValueField
+from scheduling.k8s_manifest import is_manifest, manifest_error, manifest_translate
 from scheduling.models import (
     DependencyCondition,
     GpuVendor,
@@ -552,9 +555,74 @@ class InstanceViewSet(_WorkloadViewSet):
         return Response(ShareLinkSerializer({"secret": secret, "urls": urls}).data)
 
 
+class JobCreatedSerializer(WorkloadDetailSerializer):
+    warnings = serializers.ListField(
+        child=serializers.CharField(),
+        help_text="A Kubernetes manifest's fields that were not applied, each by its path; empty otherwise.",
+    )
+
+    class Meta(WorkloadDetailSerializer.Meta):
+        fields = [*WorkloadDetailSerializer.Meta.fields, "warnings"]
+        read_only_fields = fields
+
+
+class K8sJobManifestSerializer(serializers.Serializer):
+    """Documents the manifest form of a job request; ``scheduling.k8s_manifest`` reads it."""
+
+    apiVersion = serializers.ChoiceField(choices=["batch/v1"])
+    kind = serializers.ChoiceField(choices=["Job"])
+    metadata = serializers.DictField(required=False, help_text="name: the job's name.")
+    spec = serializers.DictField(
+        help_text="A batch/v1 JobSpec. The first container's image, command, args, env (values only) and "
+        'resources.limits ("nvidia.com/gpu": count, "nvidia.com/gpu.model": model or family such as A100, '
+        "cpu, memory); nodeSelector nvidia.com/gpu.product and topology.kubernetes.io/region; completions "
+        "and parallelism (an array), backoffLimit (max_retries), activeDeadlineSeconds (max_runtime_s). "
+        "Other fields are listed in the answer's warnings; one that cannot be honoured is a 400 naming "
+        "it by its path."
+    )
+
+
+K8S_EXAMPLE = {
+    "apiVersion": "batch/v1",
+    "kind": "Job",
+    "metadata": {"name": "train"},
+    "spec": {
+        "backoffLimit": 2,
+        "template": {
+            "spec": {
+                "restartPolicy": "Never",
+                "containers": [
+                    {
+                        "name": "train",
+                        "image": "ghcr.io/acme/train:1",
+                        "command": ["python", "train.py"],
+                        "resources": {"limits": {"nvidia.com/gpu": 2, "nvidia.com/gpu.model": "A100"}},
+                    }
+                ],
+            }
+        },
+    },
+}
+
+
 @extend_schema_view(
     create=extend_schema(
+        description="A job spec (JSON), or a Kubernetes batch/v1 Job manifest as application/yaml (or as "
+        "JSON with apiVersion and kind), translated into the same spec (scheduling.k8s_manifest).",
+        request={
+            "application/json": JobCreateSerializer,
+            "application/yaml": K8sJobManifestSerializer,
+            "application/x-www-form-urlencoded": JobCreateSerializer,
+            "multipart/form-data": JobCreateSerializer,
+        },
+        responses={201: JobCreatedSerializer},
         examples=[
+            OpenApiExample(
+                "A Kubernetes Job on two A100s (application/yaml)",
+                value=K8S_EXAMPLE,
+                media_type="application/yaml",
+                request_only=True,
+            ),
             OpenApiExample(
                 "A training job on two H100s",
                 value={
@@ -564,9 +632,10 @@ class InstanceViewSet(_WorkloadViewSet):
                     "image": "ghcr.io/acme/train:1",
                     "command": ["python", "train.py"],
                 },
+                media_type="application/json",
                 request_only=True,
-            )
-        ]
+            ),
+        ],
     )
 )
 class JobViewSet(_WorkloadViewSet):
@@ -576,6 +645,36 @@ class JobViewSet(_WorkloadViewSet):
     queryset = Workload.objects.all()
     kind = WorkloadKind.JOB
     create_serializer = JobCreateSerializer
+    parser_classes = [*api_settings.DEFAULT_PARSER_CLASSES, YAMLParser]
+
+    def create(self, request, *args, **kwargs):
+        """A spec, or a Kubernetes Job manifest (YAML, or JSON with apiVersion and kind) translated
+        into one: both go through the spec's serializer and ``workload_submit``."""
+        media_type = request.content_type.split(";")[0].strip().lower()
+        manifest = media_type == YAMLParser.media_type or (
+            media_type == "application/json" and is_manifest(request.data)
+        )
+        warnings: list[str] = []
+        data = request.data
+        if manifest:
+            translation = manifest_translate(request.data)
+            data, warnings = translation.spec, translation.warnings
+        serializer = self.get_serializer(data=data)
+        if not serializer.is_valid():
+            if not manifest:
+                raise serializers.ValidationError(serializer.errors)
+            raise manifest_error(ValidationFailed("This manifest is not valid.", fields=serializer.errors))
+        try:
+            workload = workload_submit(
+                tenant=self.ctx.tenant, kind=self.kind, spec=dict(serializer.validated_data), actor=self.actor
+            )
+        except ValidationFailed as exc:
+            if manifest:
+                raise manifest_error(exc) from None
+            raise
+        workload = self.get_queryset().get(pk=workload.pk)
+        body = {**WorkloadDetailSerializer(workload).data, "warnings": warnings}
+        return Response(body, status=status.HTTP_201_CREATED)
 
     @extend_schema(responses=WorkloadSerializer(many=True))
     @action(detail=True, methods=["get"], filter_backends=[])

@@ -423,9 +423,14 @@ def test_a_created_workload_is_answered_and_documented_as_its_detail(client, mak
     assert body["placement"] == [] and body["region"] is None
     assert body["gpu_vendor"] == "" and body["priority_class"] == ""
     doc = _schema(client)
-    created = doc["paths"]["/api/v1/jobs/"]["post"]["responses"]["201"]["content"]["application/json"]
+    created = doc["paths"]["/api/v1/instances/"]["post"]["responses"]["201"]["content"]["application/json"]
     assert created["schema"]["$ref"] == "#/components/schemas/WorkloadDetail"
+    # A job's: its detail and the warnings of a Kubernetes manifest (scheduling.k8s_manifest).
+    job = doc["paths"]["/api/v1/jobs/"]["post"]["responses"]["201"]["content"]["application/json"]
+    assert job["schema"]["$ref"] == "#/components/schemas/JobCreated"
+    job_props = doc["components"]["schemas"]["JobCreated"]["properties"]
     props = doc["components"]["schemas"]["WorkloadDetail"]["properties"]
+    assert set(job_props) == {*props, "warnings"} and job_props["region"] == props["region"]
     assert props["region"]["nullable"] is True
     blank = {"$ref": "#/components/schemas/BlankEnum"}
     assert blank in props["gpu_vendor"]["oneOf"] and blank in props["priority_class"]["oneOf"]
