@@ -193,7 +193,7 @@ def _container(c: Any, spec: dict, warnings: list[str]) -> dict:
                 )
             if not isinstance(item.get("name"), str) or set(item) - {"name", "value"}:
                 raise _refuse(path, "Must be {name, value}.")
-            value = item.get("value", "")
+            value = item.get("value") or ""  # Kubernetes' default: empty
             if not isinstance(value, str):
                 raise _refuse(f"{path}.value", "Must be a string (quote numbers and booleans).")
             spec["env"][item["name"]] = value
@@ -266,6 +266,8 @@ def _job(job: dict, spec: dict, warnings: list[str]) -> None:
     if completions is None and parallelism not in (None, 1):
         # Kubernetes' work-queue pattern (pods coordinate among themselves until one succeeds).
         raise _refuse("spec.completions", "Required with parallelism above 1: the number of tasks.")
+    if job.get("completionMode") not in (None, "NonIndexed", "Indexed"):
+        raise _refuse("spec.completionMode", "NonIndexed or Indexed.")
     if completions is not None and completions > 1:
         # Kubernetes' default parallelism is 1.
         spec["array"] = {"count": completions, "parallelism": min(parallelism or 1, completions)}
@@ -274,8 +276,6 @@ def _job(job: dict, spec: dict, warnings: list[str]) -> None:
                 "spec.completionMode: each task's index is GPUPOOL_ARRAY_INDEX (JOB_COMPLETION_INDEX "
                 "is not set)."
             )
-    elif job.get("completionMode") not in (None, "NonIndexed", "Indexed"):
-        raise _refuse("spec.completionMode", "NonIndexed or Indexed.")
     if job.get("backoffLimit") is not None:
         spec["max_retries"] = _int(job["backoffLimit"], "spec.backoffLimit", 0, 100)
     if job.get("activeDeadlineSeconds") is not None:

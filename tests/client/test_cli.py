@@ -106,6 +106,34 @@ def test_run_an_instance_from_a_yaml_spec(gp, tenant, make_node, tmp_path):
     assert inst["ports"] == [{"port": 8888, "protocol": "http"}]
 
 
+def test_run_a_kubernetes_job_manifest(gp, tenant, make_node, tmp_path):
+    make_node(H100, gpus=8)
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(
+        "apiVersion: batch/v1\nkind: Job\nmetadata: {name: k8s-train, labels: {team: ml}}\nspec:\n"
+        "  completions: 3\n  backoffLimit: 2\n  template:\n    spec:\n      restartPolicy: Never\n"
+        "      containers:\n      - name: t\n        image: ghcr.io/acme/train:1\n"
+        "        args: [python, train.py]\n"
+        "        resources: {limits: {nvidia.com/gpu: 1, nvidia.com/gpu.model: H100}}\n"
+    )
+    r = gp("run", "--manifest", manifest)
+    w = Workload.objects.get(tenant=tenant, name="k8s-train")
+    assert (w.image, w.command, w.gpu_count, w.array_count, w.max_retries) == (
+        "ghcr.io/acme/train:1",
+        ["python", "train.py"],
+        1,
+        3,
+        2,
+    )
+    assert "warning: metadata.labels" in r.stderr, r.stderr  # the API's warnings, shown
+    # The API's refusal, by the manifest's path; flags cannot be mixed in.
+    manifest.write_text(manifest.read_text().replace("nvidia.com/gpu: 1", "nvidia.com/gpu: 0"))
+    r = gp("run", "--manifest", manifest, code=1)
+    assert 'resources.limits["nvidia.com/gpu"]' in r.stderr, r.stderr
+    assert "--manifest" in gp("run", "--manifest", manifest, "--gpus", "2", code=2).stderr
+    assert Workload.objects.filter(tenant=tenant, array_parent=None).count() == 1
+
+
 def test_array_depends_on_and_gang_reach_the_api_and_elastic_is_refused_by_name(gp, tenant, make_node):
     make_node(H100, gpus=8)
     # A feature this portal lacks is sent and refused by the API, naming the field.

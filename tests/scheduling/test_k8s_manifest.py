@@ -125,13 +125,16 @@ def test_a_json_manifest_is_the_same_job_with_env_args_and_a_product_selector(cl
 
 def test_completions_and_parallelism_make_an_array(client, a100s, cycle):
     m = manifest()
-    m["spec"].update(completions=5, parallelism=2, backoffLimit=3, activeDeadlineSeconds=3600)
+    m["spec"].update(
+        completions=5, parallelism=2, backoffLimit=3, activeDeadlineSeconds=3600, completionMode="Indexed"
+    )
     r = post_yaml(client, m)
     assert r.status_code == 201, r.content
     body = r.json()
     assert body["array_count"] == 5 and body["array_parallelism"] == 2
     assert body["max_retries"] == 3 and body["max_runtime_s"] == 3600
     assert "spec.activeDeadlineSeconds: applies to each task of the array." in body["warnings"]
+    assert any(w.startswith("spec.completionMode: ") for w in body["warnings"])
     cycle()
     tasks = client.get(f"{URL}{body['id']}/tasks/").json()["results"]
     assert len(tasks) == 2 and {t["max_retries"] for t in tasks} == {3}
@@ -216,6 +219,7 @@ _C = ["spec", "template", "spec", "containers", 0]
         (_set(["spec", "template", "spec", "containers"], []), "spec.template.spec.containers"),
         (_set(["spec", "parallelism"], 3), "spec.completions"),
         (_set(["spec", "suspend"], True), "spec.suspend"),
+        (_set(["spec", "completionMode"], "Random"), "spec.completionMode"),
         (_set(["spec", "backoffLimit"], -1), "spec.backoffLimit"),
         # Refused by the submission service (at least a minute) and named as the manifest names it.
         (_set(["spec", "activeDeadlineSeconds"], 30), "spec.activeDeadlineSeconds"),

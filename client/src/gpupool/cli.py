@@ -286,6 +286,18 @@ def _spec_file(path: str) -> dict:
     return spec
 
 
+def _manifest_file(path: str) -> dict:
+    """A Kubernetes Job manifest, sent as JSON: the API translates it (and checks it) as it would
+    the YAML."""
+    try:
+        manifest = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--manifest") from exc
+    if not isinstance(manifest, dict) or "apiVersion" not in manifest or "kind" not in manifest:
+        raise click.BadParameter("not a Kubernetes manifest (apiVersion and kind)", param_hint="--manifest")
+    return manifest
+
+
 def _wait(c: Client, kind: str, workload: Any, until: str) -> Any:
     """Polls until the workload runs (``running``) or ends (``finished``); a spinner on a terminal."""
     done = (lambda w: w.state in TERMINAL_STATES) if until == "finished" else (
@@ -322,6 +334,12 @@ def _wait(c: Client, kind: str, workload: Any, until: str) -> Any:
     type=click.Path(exists=True, dir_okay=False),
     help="A YAML file of the API's fields; flags override it.",
 )
+@click.option(
+    "--manifest",
+    "manifest_path",
+    type=click.Path(exists=True, dir_okay=False),
+    help="A Kubernetes batch/v1 Job manifest (YAML) to run as a job; no other spec flags with it.",
+)
 @click.option("--name")
 @click.option("--image")
 @click.option("--template", help="A template's name: fills the image, command, ports and env left unset.")
@@ -346,10 +364,20 @@ def _wait(c: Client, kind: str, workload: Any, until: str) -> Any:
     "--wait", "wait", type=click.Choice(["running", "finished"]), help="Wait until it runs, or ends."
 )
 def run(ctx: click.Context, as_json: bool, command: tuple[str, ...], kind: str, spec_path: str | None,
-        wait: str | None, idempotency_key: str | None, **flags: Any) -> None:  # fmt: skip
-    """Start a job (or --instance): `gpupool run --gpus 1 --model H100 --image IMG -- python train.py`."""
-    spec = _spec_file(spec_path) if spec_path else {}
-    kind = spec.pop("kind", None) or kind
+        manifest_path: str | None, wait: str | None, idempotency_key: str | None,
+        **flags: Any) -> None:  # fmt: skip
+    """Start a job (or --instance): `gpupool run --gpus 1 --model H100 --image IMG -- python train.py`,
+    or a Kubernetes Job: `gpupool run --manifest job.yaml`."""
+    if manifest_path:
+        given = [n for n, v in flags.items() if v not in (None, ())]
+        if spec_path or command or kind != "job" or given:
+            raise click.UsageError(
+                "--manifest is the whole request: no --spec, --instance, command or spec flags."
+            )
+        spec = _manifest_file(manifest_path)
+    else:
+        spec = _spec_file(spec_path) if spec_path else {}
+        kind = spec.pop("kind", None) or kind
     if command:
         spec["command"] = list(command)
     env = dict(spec.get("env") or {})
@@ -371,6 +399,8 @@ def run(ctx: click.Context, as_json: bool, command: tuple[str, ...], kind: str, 
     workload = c.create_workload(kind, spec, idempotency_key=idempotency_key)
     if not as_json:
         err.print(f"{kind} {workload.id} submitted ({workload.state})")
+        for warning in workload.raw.get("warnings") or []:  # a manifest's fields not applied
+            err.print(f"warning: {warning}", markup=False)
     if wait:
         workload = _wait(c, kind, workload, wait)
     if as_json:
