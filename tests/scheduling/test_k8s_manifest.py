@@ -105,12 +105,16 @@ def test_a_json_manifest_is_the_same_job_with_env_args_and_a_product_selector(cl
     )
     del m["spec"]["template"]["spec"]["containers"][0]["command"]
     del m["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu.model"]
-    m["spec"]["template"]["spec"]["nodeSelector"] = {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB"}
+    m["spec"]["template"]["spec"]["nodeSelector"] = {
+        "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB",
+        "topology.kubernetes.io/region": "us-east-1",
+    }
     m["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"].update(cpu="1500m", memory="8Gi")
     r = post_json(client, m)
     assert r.status_code == 201, r.content
     body = r.json()
     assert body["gpu_models"] == [A100_40] and body["warnings"] == []  # args only: nothing to warn of
+    assert body["region"] == "us-east-1"
     assert body["command"] == ["--epochs", "3"] and body["cpu_millicores"] == 1500 and body["ram_mib"] == 8192
     cycle()
     payload = _started_payload(Workload.objects.get(pk=body["id"]))
