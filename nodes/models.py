@@ -104,10 +104,20 @@ class GpuModel(models.Model):
         return int(major), int(minor or 0)
 
 
+class QueuePolicy(models.TextChoices):
+    """How a region's queue is ordered (``scheduling.engine.queueing`` states each rule)."""
+
+    DEFAULT = "", "Default: priority class, fair share, then arrival"
+    FCFS = "fcfs", "First come, first served"
+    SJF = "sjf", "Shortest job first (estimated runtime; none sorts last)"
+    PRIORITY_AGING = "priority_aging", "Priority with aging (one class per hour waited)"
+
+
 class Region(models.Model):
     code = models.SlugField(max_length=32, unique=True)
     name = models.CharField(max_length=100)
     location = models.CharField(max_length=200, blank=True)
+    queue_policy = models.CharField(max_length=20, choices=QueuePolicy.choices, blank=True, default="")
 
     class Meta:
         ordering = ["code"]

@@ -281,6 +281,7 @@ class StaffScope(models.TextChoices):
     """What a staff token may open; staff APIs name the scope each route needs."""
 
     FINANCE_READ = "finance:read", "Read finance reports"
+    SCHEDULING_WRITE = "scheduling:write", "Change scheduling settings (queue policies)"
 
 
 class StaffTokenQuerySet(UsableTokens, models.QuerySet):

@@ -2,6 +2,7 @@
 
 from django.urls import path
 
+from scheduling import staff_api
 from scheduling.views import launch, ssh_keys, staff, templates, volumes, workloads
 
 app_name = "scheduling"
@@ -39,4 +40,7 @@ urlpatterns = [
     path("staff/quotas/bulk/", staff.QuotaBulkView.as_view(), name="staff-quotas-bulk"),
     path("staff/quotas/<int:pk>/", staff.QuotaEditView.as_view(), name="staff-quota"),
     path("staff/queue/", staff.QueueView.as_view(), name="staff-queue"),
+    path("staff/queue-policy/", staff.QueuePolicyView.as_view(), name="staff-queue-policy"),
+    path("api/staff/v1/regions/", staff_api.RegionListApi.as_view(), name="staff-api-regions"),
+    path("api/staff/v1/regions/<slug:code>/", staff_api.RegionApi.as_view(), name="staff-api-region"),
 ]

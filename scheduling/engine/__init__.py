@@ -12,7 +12,7 @@ running workloads to preempt first, if any) or a ``Pending`` (reason, message, e
 from .cycle import CycleConfig, Engine, schedule
 from .fragmentation import Distribution
 from .policies import DEFAULT_POLICY, POLICIES, get_policy
-from .queueing import QueueConfig
+from .queueing import QueueConfig, QueuePolicy
 from .spec import Demand, allowed_models, model_matches, validate
 from .state import ClusterState
 from .types import (
@@ -56,6 +56,7 @@ __all__ = [
     "Plan",
     "PriorityClass",
     "QueueConfig",
+    "QueuePolicy",
     "Reason",
     "Request",
     "Running",

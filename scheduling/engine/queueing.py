@@ -7,6 +7,17 @@ in this cycle. Inside a tenant, first come first served, or shortest job first a
 estimate. Aging: the wait of a tenant's next request lowers its share key, and a request that waited
 ``promote_after_s`` is ordered one class higher (its rights to preempt do not change), so nothing
 starves.
+
+Staff may choose a queue policy per region (``QueuePolicy``; a request carries its region's choice in
+``Request.queue_policy``, None keeping the order above). The policy replaces the class bands and the
+order inside a tenant; fair share between tenants stays:
+
+* ``fcfs``: one band, arrival order.
+* ``sjf``: one band, shortest ``est_runtime`` first; a request without an estimate sorts after every
+  request with one (as if its runtime were infinite), in arrival order.
+* ``priority_aging``: score = priority class (spot 1, on-demand 2, reserved 3; warm pool 0) plus
+  ``priority_aging_per_hour`` (default 1.0: one class per hour waited); bands are the whole part of
+  the score (at most reserved), highest score first inside a tenant.
 """
 
 from __future__ import annotations
@@ -14,13 +25,24 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass
+from enum import StrEnum
 
 from .types import MILLI, GpuModelInfo, Node, PriorityClass, Request, Running
+
+
+class QueuePolicy(StrEnum):
+    FCFS = "fcfs"
+    SJF = "sjf"
+    PRIORITY_AGING = "priority_aging"
 
 
 @dataclass(frozen=True, slots=True)
 class QueueConfig:
     shortest_job_first: bool = False
+    policy: QueuePolicy | None = None
+    """The policy of requests without their own ``queue_policy`` (None: class bands, fair share, FCFS)."""
+    priority_aging_per_hour: float = 1.0
+    """Under ``priority_aging``: priority classes added to a request's score per hour it has waited."""
     aging_per_hour: float = 0.05
     """Dominant share taken off a tenant's key per hour its next request has waited."""
     promote_after_s: float | None = 3600.0
@@ -73,14 +95,39 @@ class FairShare:
         return dominant / max(self.weights.get(tenant, 1.0), 1e-9)
 
 
+def _policy(request: Request, config: QueueConfig) -> QueuePolicy | None:
+    return QueuePolicy(request.queue_policy) if request.queue_policy else config.policy
+
+
+def _aged_score(request: Request, now: float, config: QueueConfig) -> float:
+    return (
+        int(request.priority_class)
+        + config.priority_aging_per_hour * max(0.0, now - request.submit_time) / 3600.0
+    )
+
+
 def effective_class(request: Request, now: float, config: QueueConfig) -> int:
+    policy = _policy(request, config)
+    if policy in (QueuePolicy.FCFS, QueuePolicy.SJF):
+        return 0
+    if policy == QueuePolicy.PRIORITY_AGING:
+        return min(int(_aged_score(request, now, config)), int(PriorityClass.RESERVED))
     cls = int(request.priority_class)
     if config.promote_after_s is not None and now - request.submit_time >= config.promote_after_s:
         cls = min(cls + 1, int(PriorityClass.RESERVED))
     return cls
 
 
-def _tenant_queue_key(request: Request, config: QueueConfig) -> tuple:
+def _tenant_queue_key(request: Request, now: float, config: QueueConfig) -> tuple:
+    policy = _policy(request, config)
+    if policy == QueuePolicy.FCFS:
+        return (0, 0.0, request.submit_time, request.id)
+    if policy == QueuePolicy.SJF:
+        if request.est_runtime is not None:
+            return (0, request.est_runtime, request.submit_time, request.id)
+        return (1, 0.0, request.submit_time, request.id)
+    if policy == QueuePolicy.PRIORITY_AGING:
+        return (0, -_aged_score(request, now, config), request.submit_time, request.id)
     if config.shortest_job_first and request.est_runtime is not None:
         return (0, request.est_runtime, request.submit_time, request.id)
     return (1 if config.shortest_job_first else 0, 0.0, request.submit_time, request.id)
@@ -96,7 +143,7 @@ class FairQueue:
         by_class: dict[int, dict[str, list[tuple]]] = {}
         for r in requests:
             tq = by_class.setdefault(effective_class(r, now, config), {}).setdefault(r.tenant, [])
-            tq.append((*_tenant_queue_key(r, config), r))
+            tq.append((*_tenant_queue_key(r, now, config), r))
         self._classes = []
         for cls in sorted(by_class, reverse=True):
             tenants = by_class[cls]

@@ -151,6 +151,8 @@ class Request:
     """Nodes that failed to start it: placed elsewhere unless no other node could ever take it."""
     excluded: frozenset[tuple[str, str]] = frozenset()
     """(GPU model, region) pairs it may not use at all, e.g. where the spot price is above its maximum."""
+    queue_policy: str | None = None
+    """Its region's queue policy (``queueing.QueuePolicy`` value); None: the cycle's ``QueueConfig``."""
 
     @property
     def priority_class(self) -> PriorityClass:

@@ -13,6 +13,7 @@ from typing import Any
 
 from nodes.models import SCHEDULABLE_NODE_STATES, Gpu, GpuHealth, GpuModel, Node, Region
 from scheduling.engine import types as E
+from scheduling.engine.queueing import QueuePolicy as EnginePolicy
 from scheduling.engine.spec import allowed_models
 from scheduling.locks import lock_workloads_where
 from scheduling.models import (
@@ -32,6 +33,9 @@ from scheduling.services.lifecycle import PREEMPTIBLE_STATES
 from scheduling.services.warm_pools import WarmBinding
 
 ENGINE_VENDORS = {v.value for v in E.Vendor}
+
+
+ENGINE_POLICIES = frozenset(p.value for p in EnginePolicy)
 
 
 def _epoch(dt: datetime | None) -> float | None:
@@ -324,7 +328,13 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
         ).values_list("workload_id", "data"):
             if isinstance(data, dict) and data.get("reservation") in reservation_nodes:
                 reclaimed[wid].add(data["reservation"])
-    region_codes = dict(Region.objects.values_list("id", "code"))
+    region_codes: dict[int, str] = {}
+    region_policies: dict[int, str] = {}
+    for rid, code, policy in Region.objects.values_list("id", "code", "queue_policy"):
+        region_codes[rid] = code
+        # Checked again here: a value outside the engine's set keeps the default order.
+        if policy in ENGINE_POLICIES:
+            region_policies[rid] = policy
     chosen: dict[int, list[str]] = defaultdict(list)
     for wid, name in Workload.gpu_models.through.objects.filter(workload_id__in=list(queue)).values_list(
         "workload_id", "gpumodel__name"
@@ -386,6 +396,7 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
                 cpu_milli=w.cpu_millicores,
                 memory_mib=w.ram_mib,
                 region=region_codes.get(w.region_id),
+                queue_policy=region_policies.get(w.region_id),
                 other_regions_ok=w.other_regions_ok,
                 gpus_per_node=tuple(w.gpus_per_node),
                 split_regions_ok=w.split_regions_ok,

@@ -5,7 +5,8 @@
   the selected tenants, and the audit trail of quota changes;
 * ``/staff/quotas/<tenant>/``: one tenant's quota in a form (per-model limits included);
 * ``/staff/queue/``: pending demand by GPU model and region, why it waits, and the fair-share
-  standing per tenant; its body reloads every 10 s (htmx).
+  standing per tenant; its body reloads every 10 s (htmx);
+* ``/staff/queue-policy/``: each region's queue policy (``scheduling.services.queue_policy``).
 
 Changes go through ``scheduling.services.quotas`` (validated, audited with before and after); a
 refusal answers 400 with the message beside the field it names and writes nothing.
@@ -21,13 +22,14 @@ from django.db.models import Q
 from django.shortcuts import get_object_or_404, redirect
 from django.views.generic import View
 
-from nodes.models import GpuModel
+from nodes.models import GpuModel, QueuePolicy, Region
 from portal.actors import Actor, actor_from_request
 from portal.errors import ValidationFailed
-from portal.models import Tenant
+from portal.models import AuditEvent, Tenant
 from portal.views.base import forbidden, htmx_partial, render_page
 from scheduling.selectors import staff_quotas as qs
 from scheduling.selectors.staff_queue import queue_overview
+from scheduling.services.queue_policy import QUEUE_POLICY_AUDIT_ACTION, region_queue_policy_set
 from scheduling.services.quotas import EDITABLE_FIELDS, quota_bulk_update, quota_update
 
 PAGE_SIZE = 50
@@ -273,3 +275,42 @@ class QueueView(StaffOnlyMixin, View):
         return render_page(
             request, self.template_name, context, partial_template_name=self.partial_template_name
         )
+
+
+# --- queue policy --------------------------------------------------------------------------------------
+
+
+class QueuePolicyView(StaffOnlyMixin, View):
+    """Each region's queue policy, one small form per region; POST ``region`` (code) and
+    ``queue_policy``. A bad value answers 400 with the message beside the region's field."""
+
+    template_name = "scheduling/staff/queue_policy.html"
+
+    def _context(self, errors: dict[str, str] | None = None) -> dict:
+        return {
+            "regions": list(Region.objects.order_by("code")),
+            "choices": QueuePolicy.choices,
+            "errors": errors or {},
+            "audit": AuditEvent.objects.filter(action=QUEUE_POLICY_AUDIT_ACTION).order_by("-created", "-id")[
+                :20
+            ],
+        }
+
+    def get(self, request):
+        return render_page(request, self.template_name, self._context())
+
+    def post(self, request):
+        region = get_object_or_404(Region, code=request.POST.get("region", ""))
+        try:
+            changed = region_queue_policy_set(
+                region=region, policy=request.POST.get("queue_policy"), actor=self.actor
+            )
+        except ValidationFailed as exc:
+            message = "; ".join(str(e) for errs in exc.fields.values() for e in errs)
+            return render_page(request, self.template_name, self._context({region.code: message}), status=400)
+        label = QueuePolicy(region.queue_policy).label
+        if changed:
+            messages.success(request, f"Queue policy of {region.code} set to {label}.")
+        else:
+            messages.info(request, f"Queue policy of {region.code} was already {label}.")
+        return redirect("scheduling:staff-queue-policy")
