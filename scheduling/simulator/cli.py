@@ -9,6 +9,7 @@ import sys
 from typing import TextIO
 
 from scheduling.engine.policies import DEFAULT_POLICY, POLICIES
+from scheduling.engine.queueing import QueuePolicy
 
 from .inflation import arrivals_from_file, run_inflation, write_log
 from .replay import plot, run_replay
@@ -28,6 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser, subparser_kwargs: dict | None
     inf.add_argument("--tune", type=float, default=1.3, help="GPU requested / capacity to stop at")
     inf.add_argument("--arrivals", help="file with the arrival sequence, one pod name a line")
     inf.add_argument("--log", help="write one CSV row per arrival here")
+    rep.add_argument(
+        "--queue-policy",
+        default=None,
+        choices=[p.value for p in QueuePolicy],
+        help="order the queue as a region with this policy would (default: the live default order)",
+    )
     rep.add_argument("--plot", default="simulate-replay.png", help="PNG file for the plot")
 
 
@@ -63,7 +70,9 @@ def run(opts: argparse.Namespace | dict, out: TextIO) -> int:
                 out.write(f"  allocation ratio at {x:>3} %: {'-' if v is None else f'{v:.2f} %'}\n")
             out.write(f"  {res.decisions_per_s:,.0f} decisions/s\n")
         return 0
-    res = run_replay(nodes, catalog, pods, policy=o["policy"], seed=o["seed"])
+    res = run_replay(
+        nodes, catalog, pods, policy=o["policy"], seed=o["seed"], queue_policy=o.get("queue_policy")
+    )
     try:
         plot(res, o["plot"])
         plotted = o["plot"]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from scheduling.engine.cycle import CycleConfig, Engine
 from scheduling.engine.fragmentation import Distribution
+from scheduling.engine.queueing import QueueConfig, QueuePolicy
 from scheduling.engine.types import MILLI, GpuModelInfo, GpuSpec, Node, Place, Plan, Request, Running
 
 from .trace import TracePod
@@ -85,10 +86,22 @@ def run_replay(
     policy: str = "gpupool",
     seed: int = 42,
     samples: int = 400,
+    queue_policy: str | None = None,
 ) -> ReplayResult:
+    """``queue_policy``: a ``QueuePolicy`` value, ordering the queue as a region with that policy
+    does in the live cycle (None: the default order)."""
     import time
 
-    engine = Engine(nodes, catalog, CycleConfig(policy=policy, preemption=False, seed=seed))
+    engine = Engine(
+        nodes,
+        catalog,
+        CycleConfig(
+            policy=policy,
+            preemption=False,
+            seed=seed,
+            queue=QueueConfig(policy=QueuePolicy(queue_policy) if queue_policy else None),
+        ),
+    )
     models = tuple(catalog)
     reqs = {p.name: _request(p, models) for p in pods}
     dist = Distribution.from_demands(engine.demand(r) for r in reqs.values())

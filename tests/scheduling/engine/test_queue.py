@@ -1,4 +1,16 @@
-from scheduling.engine import CycleConfig, Pending, Place, QueueConfig, Reason, Request, Running, schedule
+from dataclasses import replace
+
+from scheduling.engine import (
+    CycleConfig,
+    Pending,
+    Place,
+    QueueConfig,
+    QueuePolicy,
+    Reason,
+    Request,
+    Running,
+    schedule,
+)
 
 from .factories import node, snapshot
 
@@ -93,3 +105,45 @@ def test_expected_start_for_capacity_pending():
     snap = snapshot(node("n", gpus=1, free={0: 0}), running=running, now=0)
     [d] = schedule(snap, [Request("w", "a")], CycleConfig(backfill=False))
     assert d.reason == Reason.CAPACITY and d.expected_start == 40
+
+
+def _queue_order(reqs, **config):
+    snap = snapshot(node("n", gpus=1), now=7200)
+    out = []
+    pending = list(reqs)
+    # One GPU: each schedule places the head of the queue; drop it and ask again.
+    while pending:
+        placed = order(schedule(snap, pending, CycleConfig(queue=QueueConfig(**config))))
+        assert len(placed) == 1
+        out += placed
+        pending = [r for r in pending if r.id != placed[0]]
+    return out
+
+
+QUEUE = [
+    Request("spot-old", "a", plan="spot", submit_time=0, est_runtime=5000),
+    Request("spot-short", "a", plan="spot", submit_time=4000, est_runtime=60),
+    Request("od-none", "a", plan="on_demand", submit_time=6000),
+    Request("od-short", "a", plan="on_demand", submit_time=6500, est_runtime=120),
+]
+
+
+def test_each_queue_policy_orders_the_same_queue_its_own_way():
+    # The default: class bands (spot-old promoted after an hour), then arrival.
+    assert _queue_order(QUEUE) == ["spot-old", "od-none", "od-short", "spot-short"]
+    assert _queue_order(QUEUE, policy=QueuePolicy.FCFS) == ["spot-old", "spot-short", "od-none", "od-short"]
+    assert _queue_order(QUEUE, policy=QueuePolicy.SJF) == ["spot-short", "od-short", "spot-old", "od-none"]
+    # Aged scores at t=7200: spot-old 1+2 = 3, spot-short 1+0.89, od-none 2+0.33, od-short 2+0.19.
+    assert _queue_order(QUEUE, policy=QueuePolicy.PRIORITY_AGING) == [
+        "spot-old",
+        "od-none",
+        "od-short",
+        "spot-short",
+    ]
+    slow = _queue_order(QUEUE, policy=QueuePolicy.PRIORITY_AGING, priority_aging_per_hour=0.1)
+    assert slow == ["od-none", "od-short", "spot-old", "spot-short"]
+
+
+def test_a_requests_own_queue_policy_wins_over_the_config():
+    reqs = [replace(r, queue_policy="sjf") for r in QUEUE]
+    assert _queue_order(reqs, policy=QueuePolicy.FCFS) == ["spot-short", "od-short", "spot-old", "od-none"]

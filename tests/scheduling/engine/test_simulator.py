@@ -141,3 +141,24 @@ def test_the_simulator_splits_pods_that_allow_it(tmp_path):
     bad.write_text(cols + "\np3,1,1,4,1000,,LS,Running,0,1,0,2|x\n")
     with pytest.raises(TraceError):
         load_pods(bad)
+
+
+def test_replay_orders_its_queue_by_the_queue_policy(tmp_path):
+    # One GPU busy until t=100; a long job (1000 s) arrives at t=1, a short one (10 s) at t=2.
+    (tmp_path / "nodes.csv").write_text("sn,cpu_milli,memory_mib,gpu,model\nn1,8000,8192,1,A\n")
+    rows = [
+        "p0,1000,1024,1,1000,,LS,Running,0,100,0",
+        "long,1000,1024,1,1000,,LS,Running,1,1001,1",
+        "short,1000,1024,1,1000,,LS,Running,2,12,2",
+    ]
+    (tmp_path / "pods.csv").write_text(POD_COLS + "\n" + "\n".join(rows) + "\n")
+    nodes, catalog = load_nodes(tmp_path / "nodes.csv")
+    pods = load_pods(tmp_path / "pods.csv")
+    mean = {
+        q: run_replay(nodes, catalog, pods, policy="gpupool", queue_policy=q).delay["mean"]
+        for q in (None, "fcfs", "sjf", "priority_aging")
+    }
+    # FCFS: long waits 99 s, short 1098 s; SJF: short waits 98 s, long 109 s.
+    assert mean["fcfs"] == pytest.approx((0 + 99 + 1098) / 3)
+    assert mean["sjf"] == pytest.approx((0 + 98 + 109) / 3)
+    assert mean[None] == mean["fcfs"] == mean["priority_aging"]
