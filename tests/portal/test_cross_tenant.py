@@ -27,6 +27,7 @@ from django.utils import timezone
 from django_filters import ModelChoiceFilter, ModelMultipleChoiceFilter
 from rest_framework.viewsets import ViewSetMixin
 
+from nodes.models import Region
 from portal.actors import Actor
 from portal.api.filters import FilterBackend
 from portal.models import ROLE_SCOPES, Membership, Role, Scope, User
@@ -631,7 +632,7 @@ def test_staff_credentials_never_open_the_tenant_api(two_tenants, staff_user, si
     )
     token, session = _bearer(staff_token), signed_in(staff_user)
     a = two_tenants["a"]
-    assert token.get(reverse(STAFF_ROUTES[0].name)).status_code == 200  # positive control
+    assert token.get(reverse("metering:finance-api-revenue")).status_code == 200  # positive control
     for route, method in CALLS:
         obj = route.make(a) if route.is_detail and route.owned else None
         before = _snapshot(obj) if obj is not None else None
@@ -648,11 +649,31 @@ def test_staff_credentials_never_open_the_tenant_api(two_tenants, staff_user, si
             assert _snapshot(obj) == before
 
 
+def _staff_url(route) -> str:
+    """A staff route's URL; a region route gets a region of its own."""
+    kwargs = {}
+    for name in route.kwargs:
+        assert name == "code", f"{route.route}: teach this test the kwarg {name!r}"
+        kwargs[name] = Region.objects.get_or_create(code="walk-region", defaults={"name": "Walk"})[0].code
+    return reverse(route.name, kwargs=kwargs)
+
+
+# What a write sends (valid, so that only the permission can refuse it) and the row it would change.
+STAFF_WRITES = {
+    "scheduling:staff-api-region": (
+        {"queue_policy": "sjf"},
+        lambda: Region.objects.get(code="walk-region").queue_policy,
+    ),
+}
+
+
 @pytest.mark.parametrize("route", STAFF_ROUTES, ids=str)
 def test_the_staff_api_is_for_staff_only(route, two_tenants, staff_user, add_member, signed_in, make_token):
-    url = reverse(route.name)
+    url = _staff_url(route)
     methods = route.methods
-    assert methods == ["get"], f"{route.route}: teach this test the staff API's writes"
+    writes = [m for m in methods if m != "get"]
+    assert set(methods) <= {"get", "patch"}, f"{route.route}: teach this test the staff API's writes"
+    assert not writes or route.name in STAFF_WRITES, f"{route.route}: teach STAFF_WRITES this route"
     _, staff_token = staff_token_create(
         user=staff_user, name="walker", scopes=[route.view_class.staff_scope], actor=Actor(user=staff_user)
     )
@@ -677,6 +698,17 @@ def test_the_staff_api_is_for_staff_only(route, two_tenants, staff_user, add_mem
         response = client.get(url)
         assert response.status_code == 403, f"{route.route} as {who}: {response.status_code}"
         assert response.json()["error"]["code"] == "permission_denied"
+    if writes:
+        body, current = STAFF_WRITES[route.name]
+        before = current()
+        for method in writes:
+            for who, client in {**refusals, "anonymous": Client()}.items():
+                response = _call(client, method, url, body)
+                assert response.status_code in (401, 403), f"{method} {route.route} as {who}"
+            assert current() == before
+            # Positive control: the staff token's write is taken.
+            assert _call(_bearer(staff_token), method, url, body).status_code == 200
+            assert current() != before
 
 
 @pytest.mark.parametrize("call", [c for c in CALLS if c[1] in UNSAFE], ids=_call_id)
