@@ -118,6 +118,8 @@ class Region(models.Model):
     name = models.CharField(max_length=100)
     location = models.CharField(max_length=200, blank=True)
     queue_policy = models.CharField(max_length=20, choices=QueuePolicy.choices, blank=True, default="")
+    queue_policy_by_plan = models.JSONField(default=dict, blank=True)
+    """Per plan (``on_demand``, ``spot``, ``reserved``) a policy that replaces ``queue_policy``."""
 
     class Meta:
         ordering = ["code"]

@@ -1,8 +1,9 @@
 """The staff scheduling API: ``/api/staff/v1/regions/`` lists each region's queue policy and
-``/api/staff/v1/regions/<code>/`` reads or changes it (PATCH ``{"queue_policy": "sjf"}``).
+``/api/staff/v1/regions/<code>/`` reads or changes it (PATCH ``{"queue_policy": "sjf"}``, and/or
+``{"queue_policy_by_plan": {"spot": "fcfs"}}``, the whole per-plan map).
 
 Staff only, like the finance API: a staff session, or a staff token with ``scheduling:write``; a
-tenant's token gets 403. A bad value answers 400 naming ``queue_policy`` and changes nothing.
+tenant's token gets 403. A bad value answers 400 naming its field and changes nothing.
 """
 
 from __future__ import annotations
@@ -19,11 +20,17 @@ from portal.api.authentication import BearerTokenAuthentication, StaffTokenAuthe
 from portal.api.permissions import StaffPermission
 from portal.errors import ValidationFailed
 from portal.models import StaffScope
-from scheduling.services.queue_policy import region_queue_policy_set
+from scheduling.services.queue_policy import UNSET, region_queue_policy_set
 
 
 def _region(r: Region) -> dict:
-    return {"code": r.code, "name": r.name, "queue_policy": r.queue_policy, "choices": QueuePolicy.values}
+    return {
+        "code": r.code,
+        "name": r.name,
+        "queue_policy": r.queue_policy,
+        "queue_policy_by_plan": r.queue_policy_by_plan,
+        "choices": QueuePolicy.values,
+    }
 
 
 class StaffSchedulingBase(APIView):
@@ -48,12 +55,18 @@ class RegionApi(StaffSchedulingBase):
     def patch(self, request, code: str):
         region = get_object_or_404(Region, code=code)
         data = request.data if isinstance(request.data, dict) else None
-        if data is None or set(data) != {"queue_policy"}:
-            unknown = sorted(set(data) - {"queue_policy"}) if data is not None else []
-            name = unknown[0] if unknown else "queue_policy"
+        allowed = {"queue_policy", "queue_policy_by_plan"}
+        if data is None or not data or set(data) - allowed:
+            unknown = sorted(set(data) - allowed) if data else []
+            name = str(unknown[0])[:40] if unknown else "queue_policy"
             raise ValidationFailed(
-                f"{name}: send exactly {{'queue_policy': ...}}.",
-                fields={name: ["Only queue_policy can be changed here."]},
+                f"{name}: send queue_policy and/or queue_policy_by_plan only.",
+                fields={name: ["Only queue_policy and queue_policy_by_plan can be changed here."]},
             )
-        region_queue_policy_set(region=region, policy=data["queue_policy"], actor=actor_from_request(request))
+        region_queue_policy_set(
+            region=region,
+            policy=data.get("queue_policy", UNSET),
+            by_plan=data.get("queue_policy_by_plan", UNSET),
+            actor=actor_from_request(request),
+        )
         return Response(_region(region))

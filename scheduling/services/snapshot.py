@@ -329,12 +329,17 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
             if isinstance(data, dict) and data.get("reservation") in reservation_nodes:
                 reclaimed[wid].add(data["reservation"])
     region_codes: dict[int, str] = {}
-    region_policies: dict[int, str] = {}
-    for rid, code, policy in Region.objects.values_list("id", "code", "queue_policy"):
+    region_policies: dict[tuple[int, str | None], str] = {}
+    for rid, code, policy, by_plan in Region.objects.values_list(
+        "id", "code", "queue_policy", "queue_policy_by_plan"
+    ):
         region_codes[rid] = code
         # Checked again here: a value outside the engine's set keeps the default order.
         if policy in ENGINE_POLICIES:
-            region_policies[rid] = policy
+            region_policies[(rid, None)] = policy
+        for plan, p in (by_plan if isinstance(by_plan, dict) else {}).items():
+            if p in ENGINE_POLICIES:
+                region_policies[(rid, plan)] = p
     chosen: dict[int, list[str]] = defaultdict(list)
     for wid, name in Workload.gpu_models.through.objects.filter(workload_id__in=list(queue)).values_list(
         "workload_id", "gpumodel__name"
@@ -396,7 +401,8 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
                 cpu_milli=w.cpu_millicores,
                 memory_mib=w.ram_mib,
                 region=region_codes.get(w.region_id),
-                queue_policy=region_policies.get(w.region_id),
+                queue_policy=region_policies.get((w.region_id, w.plan))
+                or region_policies.get((w.region_id, None)),
                 other_regions_ok=w.other_regions_ok,
                 gpus_per_node=tuple(w.gpus_per_node),
                 split_regions_ok=w.split_regions_ok,

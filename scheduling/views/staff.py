@@ -27,6 +27,7 @@ from portal.actors import Actor, actor_from_request
 from portal.errors import ValidationFailed
 from portal.models import AuditEvent, Tenant
 from portal.views.base import forbidden, htmx_partial, render_page
+from scheduling.models import Plan
 from scheduling.selectors import staff_quotas as qs
 from scheduling.selectors.staff_queue import queue_overview
 from scheduling.services.queue_policy import QUEUE_POLICY_AUDIT_ACTION, region_queue_policy_set
@@ -281,15 +282,21 @@ class QueueView(StaffOnlyMixin, View):
 
 
 class QueuePolicyView(StaffOnlyMixin, View):
-    """Each region's queue policy, one small form per region; POST ``region`` (code) and
-    ``queue_policy``. A bad value answers 400 with the message beside the region's field."""
+    """Each region's queue policy, one small form per region; POST ``region`` (code),
+    ``queue_policy`` and ``plan_<plan>`` (blank: the region's policy). A bad value answers 400 with the message beside the region's field."""
 
     template_name = "scheduling/staff/queue_policy.html"
 
     def _context(self, errors: dict[str, str] | None = None) -> dict:
+        regions = list(Region.objects.order_by("code"))
+        for r in regions:
+            r.plan_rows = [
+                (value, label, r.queue_policy_by_plan.get(value, "")) for value, label in Plan.choices
+            ]
         return {
-            "regions": list(Region.objects.order_by("code")),
+            "regions": regions,
             "choices": QueuePolicy.choices,
+            "plan_choices": [("", "Region's policy"), *[(v, lbl) for v, lbl in QueuePolicy.choices if v]],
             "errors": errors or {},
             "audit": AuditEvent.objects.filter(action=QUEUE_POLICY_AUDIT_ACTION).order_by("-created", "-id")[
                 :20
@@ -302,8 +309,12 @@ class QueuePolicyView(StaffOnlyMixin, View):
     def post(self, request):
         region = get_object_or_404(Region, code=request.POST.get("region", ""))
         try:
+            by_plan = {p: request.POST.get(f"plan_{p}", "") for p in Plan.values}
             changed = region_queue_policy_set(
-                region=region, policy=request.POST.get("queue_policy"), actor=self.actor
+                region=region,
+                policy=request.POST.get("queue_policy"),
+                by_plan={p: v for p, v in by_plan.items() if v},
+                actor=self.actor,
             )
         except ValidationFailed as exc:
             message = "; ".join(str(e) for errs in exc.fields.values() for e in errs)

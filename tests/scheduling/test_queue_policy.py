@@ -89,7 +89,11 @@ def test_staff_set_the_policy_on_the_page_audited(staff, tenant, regions, three,
     assert r.status_code == 302
     assert Region.objects.get(code="us-east-1").queue_policy == "sjf"
     event = AuditEvent.objects.get(action=QUEUE_POLICY_AUDIT_ACTION)
-    assert event.data == {"before": "", "after": "sjf"} and event.actor_user == staff
+    assert event.data == {
+        "before": {"queue_policy": "", "queue_policy_by_plan": {}},
+        "after": {"queue_policy": "sjf", "queue_policy_by_plan": {}},
+    }
+    assert event.actor_user == staff
     assert b"sjf" in client.get("/staff/queue-policy/").content
     # The effect, where the user sees it: the short job runs first.
     assert cycle().placed == [three["shortest"].pk]
@@ -135,7 +139,7 @@ def test_staff_set_the_policy_through_the_api(staff, regions, three, cycle, api)
     )
     assert r.status_code == 200 and r.json()["queue_policy"] == "fcfs"
     event = AuditEvent.objects.get(action=QUEUE_POLICY_AUDIT_ACTION)
-    assert event.data == {"before": "", "after": "fcfs"}
+    assert event.data == {"before": {"queue_policy": ""}, "after": {"queue_policy": "fcfs"}}
     assert cycle().placed == [three["oldest"].pk]
     # A staff token without the scope is refused.
     _, finance = staff_token_create(
@@ -155,6 +159,11 @@ def test_staff_set_the_policy_through_the_api(staff, regions, three, cycle, api)
         ({"queue_policy": None}, "queue_policy"),
         ({}, "queue_policy"),
         ({"queue_policy": "sjf", "aging": 2}, "aging"),
+        ({"queue_policy_by_plan": {"spot": "lifo"}}, "queue_policy_by_plan"),
+        ({"queue_policy_by_plan": {"gold": "sjf"}}, "queue_policy_by_plan"),
+        ({"queue_policy_by_plan": {"spot": ""}}, "queue_policy_by_plan"),
+        ({"queue_policy_by_plan": ["sjf"]}, "queue_policy_by_plan"),
+        ({"queue_policy": "sjf", "queue_policy_by_plan": "sjf"}, "queue_policy_by_plan"),
         (["sjf"], "queue_policy"),
     ],
 )
@@ -178,3 +187,34 @@ def test_unknown_region_is_404(staff, regions):
     client.force_login(staff)
     assert client.get("/api/staff/v1/regions/us-east-1/").status_code == 200
     assert client.get("/api/staff/v1/regions/nowhere/").status_code == 404
+
+
+def test_a_plan_can_have_its_own_policy_in_a_region(staff, tenant, regions, make_node, submit, cycle):
+    make_node(gpus=1)
+    old = submit(tenant, region="us-east-1", plan="spot", estimated_runtime_s=3600)
+    _aged(old, 10)
+    short = submit(tenant, region="us-east-1", plan="spot", estimated_runtime_s=60)
+    client = Client()
+    client.force_login(staff)
+    r = client.post(
+        "/staff/queue-policy/", {"region": "us-east-1", "queue_policy": "fcfs", "plan_spot": "sjf"}
+    )
+    assert r.status_code == 302
+    region = Region.objects.get(code="us-east-1")
+    assert (region.queue_policy, region.queue_policy_by_plan) == ("fcfs", {"spot": "sjf"})
+    # The API reads what the page wrote; spot work here is ordered shortest first.
+    api_view = client.get("/api/staff/v1/regions/us-east-1/").json()
+    assert api_view["queue_policy_by_plan"] == {"spot": "sjf"}
+    assert cycle().placed == [short.pk]
+
+
+def test_without_the_plan_override_the_regions_policy_orders_it(tenant, regions, make_node, submit, cycle):
+    make_node(gpus=1)
+    old = submit(tenant, region="us-east-1", plan="spot", estimated_runtime_s=3600)
+    _aged(old, 10)
+    submit(tenant, region="us-east-1", plan="spot", estimated_runtime_s=60)
+    # An override for another plan leaves spot work on the region's FCFS.
+    Region.objects.filter(code="us-east-1").update(
+        queue_policy="fcfs", queue_policy_by_plan={"on_demand": "sjf"}
+    )
+    assert cycle().placed == [old.pk]
