@@ -75,3 +75,32 @@ def test_staff_manage_quotas_and_watch_the_queue(live_server, data):
 
     assert dict(Quota.objects.values_list("tenant__slug", "max_spot_gpus")) == {"acme": 3, "bravo": 3}
     assert AuditEvent.objects.filter(action="quota.update").count() == 3
+
+
+def test_staff_choose_a_regions_queue_policy_in_the_browser(live_server, regions):
+    from playwright.sync_api import expect
+
+    from nodes.models import Region
+
+    User.objects.create_user(email=EMAIL, password=PASSWORD, is_staff=True)
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    with chromium_page(width=1400, height=1000) as page:
+        page.goto(f"{live_server.url}/login/")
+        page.get_by_label("Email").fill(EMAIL)
+        page.get_by_label("Password").fill(PASSWORD)
+        page.get_by_role("button", name="Sign in").click()
+        page.goto(f"{live_server.url}/staff/queue/")
+        page.get_by_role("link", name="Queue policy per region").click()
+        row = page.locator("#region-us-east-1")
+        row.get_by_label("Queue policy of us-east-1").select_option("sjf")
+        row.get_by_label("Spot").select_option("priority_aging")
+        row.get_by_role("button", name="Save").click()
+        expect(page.locator("#messages")).to_contain_text(
+            "Queue policy of us-east-1 set to Shortest job first"
+        )
+        expect(page.get_by_label("Queue policy of us-east-1")).to_have_value("sjf")
+        expect(page.locator(".audit-row").first).to_contain_text(EMAIL)
+        page.screenshot(path=str(SCREENSHOTS / "staff-queue-policy.png"), full_page=True)
+    region = Region.objects.get(code="us-east-1")
+    assert (region.queue_policy, region.queue_policy_by_plan) == ("sjf", {"spot": "priority_aging"})
+    assert AuditEvent.objects.filter(action="region.queue_policy").count() == 1
