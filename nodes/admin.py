@@ -63,6 +63,8 @@ class GpuModelAdmin(admin.ModelAdmin):
 class RegionAdmin(admin.ModelAdmin):
     list_display = ["code", "name", "location", "node_count"]
     search_fields = ["code", "name", "location"]
+    # Set on /staff/queue-policy/ or the staff API, where they are validated and audited.
+    readonly_fields = ["queue_policy", "queue_policy_by_plan"]
 
     def get_queryset(self, request):
         return super().get_queryset(request).annotate(_nodes=Count("nodes"))

@@ -218,3 +218,14 @@ def test_without_the_plan_override_the_regions_policy_orders_it(tenant, regions,
         queue_policy="fcfs", queue_policy_by_plan={"on_demand": "sjf"}
     )
     assert cycle().placed == [old.pk]
+
+
+def test_the_admin_shows_the_policy_but_leaves_changes_to_the_audited_paths(staff, regions):
+    staff.is_superuser = True
+    staff.save()
+    client = Client()
+    client.force_login(staff)
+    page = client.get(f"/admin/nodes/region/{regions['us'].pk}/change/")
+    assert page.status_code == 200
+    assert b'name="name"' in page.content  # positive control: editable fields are inputs
+    assert b'name="queue_policy"' not in page.content and b'name="queue_policy_by_plan"' not in page.content
