@@ -41,7 +41,7 @@ class StaffSchedulingBase(APIView):
 
 
 class RegionListApi(StaffSchedulingBase):
-    @extend_schema(responses={200: dict})
+    @extend_schema(operation_id="staff_v1_regions_list", responses={200: dict})
     def get(self, request):
         return Response({"results": [_region(r) for r in Region.objects.order_by("code")]})
 
