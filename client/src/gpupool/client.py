@@ -13,6 +13,7 @@ is, and whether it is safe to repeat. The clients differ only in how they send i
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import email.utils
 import json
@@ -90,16 +91,17 @@ def _clean(params: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in params.items() if v is not None}
 
 
-class _Api:
-    """What each call sends and what it answers; ``_run`` and ``_paginate`` send it."""
+class _Api(abc.ABC):
+    """What each call sends and what it answers; ``_run`` and ``_paginate`` send it (``Client``
+    blocking, ``AsyncClient`` with coroutines)."""
 
     base_url: str
 
-    def _run(self, request: _Request) -> Any:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _run(self, request: _Request) -> Any: ...
 
-    def _paginate(self, path: str, model: type[m.Model], params: dict[str, Any]) -> Any:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _paginate(self, path: str, model: type[m.Model], params: dict[str, Any]) -> Any: ...
 
     # --- who am I, the catalog ----------------------------------------------------------------
 
