@@ -307,7 +307,15 @@ class QueuePolicyView(StaffOnlyMixin, View):
         return render_page(request, self.template_name, self._context())
 
     def post(self, request):
-        region = get_object_or_404(Region, code=request.POST.get("region", ""))
+        code = request.POST.get("region", "")
+        if not code:  # the form names its region; a post without one is a 400 naming the field
+            return render_page(
+                request,
+                self.template_name,
+                self._context({"region": "region: this field is required."}),
+                status=400,
+            )
+        region = get_object_or_404(Region, code=code)
         try:
             by_plan = {p: request.POST.get(f"plan_{p}", "") for p in Plan.values}
             changed = region_queue_policy_set(
