@@ -579,17 +579,25 @@ def stop(ctx: click.Context, as_json: bool, ids: tuple[int, ...], kind: str | No
             _out().print(f"{w.id}\t{w.state}")
 
 
+def _listing_group(name: str, help_text: str) -> click.Group:
+    """A command group whose bare invocation lists (its ``list`` subcommand), with ``--json``."""
+
+    @cli.group(name, invoke_without_command=True, help=help_text)
+    @click.option("--json", "json_output", is_flag=True, help="As JSON.")
+    @click.pass_context
+    def group(ctx: click.Context, json_output: bool) -> None:
+        if not ctx.invoked_subcommand:
+            ctx.invoke(group.commands["list"], json_output=json_output)
+
+    return group
+
+
 # --- volumes, secrets, templates ------------------------------------------------------------------------
 
 
-@cli.group(invoke_without_command=True)
-@click.option("--json", "json_output", is_flag=True, help="As JSON.")
-@click.pass_context
-def volumes(ctx: click.Context, json_output: bool) -> None:
-    """Volumes (list); `volumes create NAME --region R --size GiB`, `volumes rm ID`."""
-    if ctx.invoked_subcommand:
-        return
-    ctx.invoke(volumes_list, json_output=json_output)
+volumes = _listing_group(
+    "volumes", """Volumes (list); `volumes create NAME --region R --size GiB`, `volumes rm ID`."""
+)
 
 
 @api_command(volumes, "list")
@@ -623,14 +631,10 @@ def volumes_rm(ctx: click.Context, as_json: bool, id: int) -> None:
         _print_json({"deleted": id})
 
 
-@cli.group(invoke_without_command=True)
-@click.option("--json", "json_output", is_flag=True, help="As JSON.")
-@click.pass_context
-def secrets(ctx: click.Context, json_output: bool) -> None:
-    """Secrets (names only); `secrets set NAME` (value from stdin or a prompt), `secrets rm NAME`."""
-    if ctx.invoked_subcommand:
-        return
-    ctx.invoke(secrets_list, json_output=json_output)
+secrets = _listing_group(
+    "secrets",
+    """Secrets (names only); `secrets set NAME` (value from stdin or a prompt), `secrets rm NAME`.""",
+)
 
 
 @api_command(secrets, "list")
@@ -700,14 +704,7 @@ def usage(ctx: click.Context, as_json: bool, workload: int | None, limit: int) -
     err.print(f"{len(records)} records, total {total}")
 
 
-@cli.group(invoke_without_command=True)
-@click.option("--json", "json_output", is_flag=True, help="As JSON.")
-@click.pass_context
-def invoices(ctx: click.Context, json_output: bool) -> None:
-    """Invoices (list); `invoices pdf ID [-o FILE]` downloads one."""
-    if ctx.invoked_subcommand:
-        return
-    ctx.invoke(invoices_list, json_output=json_output)
+invoices = _listing_group("invoices", """Invoices (list); `invoices pdf ID [-o FILE]` downloads one.""")
 
 
 @api_command(invoices, "list")
@@ -779,14 +776,9 @@ def budget(ctx: click.Context, as_json: bool, monthly_limit: str | None, hard_li
 # --- tokens -------------------------------------------------------------------------------------------------
 
 
-@cli.group(invoke_without_command=True)
-@click.option("--json", "json_output", is_flag=True, help="As JSON.")
-@click.pass_context
-def tokens(ctx: click.Context, json_output: bool) -> None:
-    """API tokens (list); `tokens create NAME --scope read`, `tokens revoke ID`."""
-    if ctx.invoked_subcommand:
-        return
-    ctx.invoke(tokens_list, json_output=json_output)
+tokens = _listing_group(
+    "tokens", """API tokens (list); `tokens create NAME --scope read`, `tokens revoke ID`."""
+)
 
 
 @api_command(tokens, "list")
