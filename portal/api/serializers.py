@@ -1,8 +1,11 @@
 from __future__ import annotations
 
 import copy
+from functools import cached_property
 
 from rest_framework import serializers
+from rest_framework.fields import SkipField
+from rest_framework.relations import PKOnlyObject
 
 from portal.inputs import bounded_datetime
 from portal.models import ApiToken, AuditEvent, Invitation, Membership, Role, Scope, Tenant, TenantSecret
@@ -21,6 +24,44 @@ class FieldsOnceModelSerializer(serializers.ModelSerializer):
             built = super().get_fields()  # unbound: binding happens on the copy (``fields``)
             type(self)._fields_built = built  # two threads may both build it: the same fields
         return copy.deepcopy(built)
+
+    @cached_property
+    def read_plan(self) -> list[tuple[str, serializers.Field, str | None]]:
+        """Each readable field as (name, field, column): ``column`` is the model attribute it reads
+        where the field is a plain one over a concrete, non-relational model field (DRF's generic
+        ``get_attribute`` would find the same value), else None."""
+        meta = self.Meta.model._meta
+        columns = {f.name: f.attname for f in meta.concrete_fields if not f.is_relation}
+        plan = []
+        for name, field in self.fields.items():
+            if field.write_only:
+                continue
+            plain = type(field).get_attribute is serializers.Field.get_attribute
+            plan.append((name, field, columns.get(field.source) if plain else None))
+        return plan
+
+    def to_representation(self, instance):
+        """DRF's rendering, field by field (``None`` stays ``None``, anything else goes through the
+        field's ``to_representation``), with a model column read by ``getattr`` where DRF's
+        ``get_attribute`` takes its generic path (dotted sources, mappings, callables, defaults),
+        about half of a list's rendering time. Anything other than a model instance renders the DRF
+        way."""
+        if not isinstance(instance, self.Meta.model):
+            return super().to_representation(instance)
+        ret = {}
+        for name, field, column in self.read_plan:
+            if column is None:
+                try:
+                    value = field.get_attribute(instance)
+                except SkipField:
+                    continue
+                if isinstance(value, PKOnlyObject):
+                    ret[name] = None if value.pk is None else field.to_representation(value)
+                    continue
+            else:
+                value = getattr(instance, column)
+            ret[name] = None if value is None else field.to_representation(value)
+        return ret
 
 
 class BoundedDateTimeField(serializers.DateTimeField):

@@ -6,7 +6,7 @@ import pytest
 from django.utils import timezone
 
 from nodes.models import Gpu, GpuModel
-from scheduling.models import Allocation, Quota, Workload
+from scheduling.models import Allocation, Quota, Workload, WorkloadState
 from scheduling.pricing import register_price_provider, unregister_price_provider
 from tests.scheduling.conftest import H100, reload
 from tests.ssh_keys import public_key
@@ -464,3 +464,39 @@ def test_quotas_are_one_object_as_documented(client, tenant):
     assert answer["schema"] == {"$ref": "#/components/schemas/Quota"}
     limits = doc["components"]["schemas"]["QuotaLimits"]["properties"]
     assert limits["max_spot_gpus"]["nullable"] is True
+
+
+def test_workload_rendering_reads_columns_directly_and_answers_what_drf_answers(
+    tenant, make_node, submit, cycle
+):
+    """``FieldsOnceModelSerializer.to_representation`` reads model columns by ``getattr``: for every
+    shape of workload (placed, waiting, an instance; nulls, blanks, a region or none), the list
+    and the detail serializers give exactly what DRF's own field-by-field loop gives."""
+    from rest_framework import serializers as drf
+
+    from portal.api.serializers import FieldsOnceModelSerializer
+    from scheduling.api import WorkloadDetailSerializer, WorkloadSerializer
+
+    make_node(gpus=2)
+    placed = submit(tenant, name="placed", gpu_count=2, env={"A": "1"}, max_runtime_s=600)
+    waiting = submit(tenant, gpu_count=2, estimated_runtime_s=60)
+    instance = submit(tenant, kind="instance", name="nb")
+    cycle()
+    rows = list(Workload.objects.filter(pk__in=[placed.pk, waiting.pk, instance.pk]).select_related("region"))
+    assert {w.state for w in rows} == {WorkloadState.SCHEDULED, WorkloadState.QUEUED}  # two wait
+    for cls in (WorkloadSerializer, WorkloadDetailSerializer):
+        serializer = cls()
+        for w in rows:
+            ours = serializer.to_representation(w)
+            theirs = drf.ModelSerializer.to_representation(serializer, w)
+            assert ours == theirs and list(ours) == list(theirs)
+            assert ours["region"] == (w.region.code if w.region else None)
+    # Something not a model instance (a dict of values) renders the DRF way.
+    as_dict = {name: getattr(rows[0], name) for name in ("id", "name", "state", "kind")}
+
+    class Narrow(FieldsOnceModelSerializer):
+        class Meta:
+            model = Workload
+            fields = list(as_dict)
+
+    assert Narrow(as_dict).data == as_dict
