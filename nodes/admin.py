@@ -24,10 +24,12 @@ from nodes.models import (
     NodeCredential,
     NodeWorkloadStatus,
     Region,
+    RolloutCampaign,
+    RolloutStep,
     SequenceGap,
     UnknownGpuReport,
 )
-from nodes.services import health
+from nodes.services import health, rollouts
 from nodes.services.registration import (
     bootstrap_token_create,
     gpu_conflict_alert_resolve,
@@ -35,7 +37,7 @@ from nodes.services.registration import (
     node_rekey_token_create,
 )
 from portal.actors import Actor
-from portal.admin_actions import run_each
+from portal.admin_actions import RecordAdmin, run_each
 
 
 @admin.register(GpuModel)
@@ -455,3 +457,58 @@ class FleetAlertAdmin(admin.ModelAdmin):
             lambda alert, a: gpu_conflict_alert_resolve(alert=alert, actor=a),
             "Resolved",
         )
+
+
+class RolloutStepInline(admin.TabularInline):
+    model = RolloutStep
+    extra = 0
+    can_delete = False
+    fields = ["position", "node", "batch", "state", "message", "drain_started_at", "finished_at"]
+    readonly_fields = fields
+    show_change_link = True
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(RolloutCampaign)
+class RolloutCampaignAdmin(RecordAdmin):
+    """Campaigns are started on the fleet's Rollouts page or the staff API; here staff look, and
+    pause, resume or abort through the same audited services."""
+
+    list_display = [
+        "id",
+        "name",
+        "upgrade",
+        "state",
+        "batch_size",
+        "max_region_share",
+        "created_by",
+        "created_at",
+    ]
+    list_filter = ["state"]
+    search_fields = ["name", "upgrade"]
+    inlines = [RolloutStepInline]
+    actions = ["pause", "resume", "abort"]
+
+    @admin.action(description="Pause the selected campaigns")
+    def pause(self, request, queryset):
+        run_each(self, request, queryset, lambda c, a: rollouts.rollout_pause(campaign=c, actor=a), "Paused")
+
+    @admin.action(description="Resume the selected campaigns")
+    def resume(self, request, queryset):
+        run_each(
+            self, request, queryset, lambda c, a: rollouts.rollout_resume(campaign=c, actor=a), "Resumed"
+        )
+
+    @admin.action(description="Abort the selected campaigns")
+    def abort(self, request, queryset):
+        run_each(self, request, queryset, lambda c, a: rollouts.rollout_abort(campaign=c, actor=a), "Aborted")
+
+
+@admin.register(RolloutStep)
+class RolloutStepAdmin(RecordAdmin):
+    list_display = ["campaign", "node", "batch", "state", "message", "finished_at"]
+    list_filter = ["state"]
+    search_fields = ["node__hostname"]
+    list_select_related = ["campaign", "node"]

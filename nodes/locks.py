@@ -1,6 +1,7 @@
 """Every row lock the fleet takes, in one place (Saleor's ``lock_objects.py``).
 
-Lock order, to keep deadlocks out: a bootstrap token, then Node rows (several: oldest heartbeat
+Lock order, to keep deadlocks out: a bootstrap token, then a RolloutCampaign, then its RolloutStep
+rows, then Node rows (several: oldest heartbeat
 first, ties by id), then Gpu rows, then NodeCommand rows, then SequenceGap rows. A FleetAlert is
 locked on its own. Code that needs several takes them in that order. One node lock is not here: a
 heartbeat's head statement (``nodes/services/ingest.py``) locks its node row in the same statement
@@ -15,7 +16,16 @@ from collections.abc import Iterable
 
 from django.db.models import Q, QuerySet
 
-from nodes.models import FleetAlert, Gpu, Node, NodeBootstrapToken, NodeCommand, SequenceGap
+from nodes.models import (
+    FleetAlert,
+    Gpu,
+    Node,
+    NodeBootstrapToken,
+    NodeCommand,
+    RolloutCampaign,
+    RolloutStep,
+    SequenceGap,
+)
 
 
 def lock_bootstrap_token(*, key_id: str) -> NodeBootstrapToken | None:
@@ -86,3 +96,18 @@ def lock_sequence_gap(*, node_id: int, epoch: int, seq: int) -> SequenceGap | No
 
 def lock_fleet_alert(*, alert_id: int) -> FleetAlert:
     return FleetAlert.objects.select_for_update().get(pk=alert_id)
+
+
+def lock_rollout(*, campaign_id: int) -> RolloutCampaign:
+    """One rollout campaign, locked: staff actions and the advance step change it one at a time."""
+    return RolloutCampaign.objects.select_for_update().get(pk=campaign_id)
+
+
+def lock_rollout_steps(*, campaign_id: int, states: Iterable[str]) -> list[RolloutStep]:
+    """The campaign's steps in these states, locked, in the campaign's order (take the campaign's
+    lock first)."""
+    return list(
+        RolloutStep.objects.select_for_update()
+        .filter(campaign_id=campaign_id, state__in=list(states))
+        .order_by("position")
+    )

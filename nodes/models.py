@@ -356,6 +356,9 @@ class CommandKind(models.TextChoices):
     CONFIGURE_MIG = "configure_mig", "Configure MIG"
     DRAIN = "drain", "Drain"
     DELETE_VOLUME = "delete_volume", "Delete volume"
+    UNDRAIN = "undrain", "Undrain"
+    UPGRADE = "upgrade", "Upgrade"
+    GPU_CHECK = "gpu_check", "GPU check"
 
 
 class CommandState(models.TextChoices):
@@ -609,3 +612,118 @@ class FleetAlert(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} at {self.opened_at:%Y-%m-%d %H:%M}"
+
+
+# --- rolling upgrades ----------------------------------------------------------------------------------
+
+
+class RolloutState(models.TextChoices):
+    RUNNING = "running", "Running"
+    PAUSED = "paused", "Paused"
+    ABORTED = "aborted", "Aborted"
+    FAILED = "failed", "Failed"
+    COMPLETED = "completed", "Completed"
+
+
+# A campaign in these states may still drain, upgrade or return nodes.
+OPEN_ROLLOUT_STATES = (RolloutState.RUNNING, RolloutState.PAUSED)
+
+
+class RolloutStepState(models.TextChoices):
+    PENDING = "pending", "Pending"
+    DRAINING = "draining", "Draining"
+    UPGRADING = "upgrading", "Upgrading"
+    CHECKING = "checking", "Checking the GPUs"
+    RETURNED = "returned", "Returned to service"
+    FAILED = "failed", "Failed"
+    CANCELLED = "cancelled", "Cancelled"
+
+
+# Steps whose node is out of service for the campaign now.
+ACTIVE_STEP_STATES = (RolloutStepState.DRAINING, RolloutStepState.UPGRADING, RolloutStepState.CHECKING)
+
+
+class RolloutCampaign(models.Model):
+    """A rolling upgrade (``nodes.services.rollouts``): the nodes its selector chose when staff started
+    it, drained a batch at a time within a share of each region, upgraded by the agent's configured
+    ``upgrade`` (a name, never a command line), GPU-checked and returned; the first failure stops it."""
+
+    name = models.CharField(max_length=100)
+    upgrade = models.CharField(
+        max_length=64, help_text="The name of an upgrade configured on the agents (their `upgrades` table)."
+    )
+    gpu_model = models.ForeignKey(GpuModel, null=True, blank=True, on_delete=models.PROTECT, related_name="+")
+    region = models.ForeignKey(Region, null=True, blank=True, on_delete=models.PROTECT, related_name="+")
+    label_key = models.CharField(max_length=63, blank=True)
+    label_value = models.CharField(max_length=253, blank=True)
+    batch_size = models.PositiveIntegerField(validators=[MinValueValidator(1), MaxValueValidator(1000)])
+    max_region_share = models.DecimalField(
+        max_digits=4,
+        decimal_places=3,
+        validators=[MinValueValidator(Decimal("0.001")), MaxValueValidator(Decimal("1"))],
+        help_text="The most of a region's nodes out of service at once (0-1], counting every node not ready.",
+    )
+    drain_deadline_s = models.PositiveIntegerField(
+        help_text="How long work may run on after a node starts draining; then what is left is preempted."
+    )
+    step_timeout_s = models.PositiveIntegerField(
+        help_text="The longest the upgrade, and then the GPU check, may take on a node before it fails."
+    )
+    state = models.CharField(max_length=16, choices=RolloutState.choices, default=RolloutState.RUNNING)
+    state_reason = models.TextField(blank=True)
+    batches_started = models.PositiveIntegerField(default=0)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(default=timezone.now)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            models.CheckConstraint(condition=Q(batch_size__gte=1), name="rollout_batch_size_positive"),
+            models.CheckConstraint(
+                condition=Q(max_region_share__gt=0) & Q(max_region_share__lte=1), name="rollout_share_range"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"rollout {self.pk} {self.name}"
+
+    @property
+    def is_open(self) -> bool:
+        return self.state in OPEN_ROLLOUT_STATES
+
+
+class RolloutStep(models.Model):
+    """One node of a campaign: pending, then draining, upgrading, checking, and returned (or failed,
+    or cancelled when the campaign stopped first). ``command`` is the agent command it waits on."""
+
+    campaign = models.ForeignKey(RolloutCampaign, on_delete=models.CASCADE, related_name="steps")
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="rollout_steps")
+    position = models.PositiveIntegerField()
+    batch = models.PositiveIntegerField(null=True, blank=True, help_text="Which batch drained it (from 1).")
+    state = models.CharField(
+        max_length=16, choices=RolloutStepState.choices, default=RolloutStepState.PENDING
+    )
+    message = models.TextField(blank=True)
+    command = models.ForeignKey(
+        NodeCommand, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    drain_started_at = models.DateTimeField(null=True, blank=True)
+    drain_deadline_at = models.DateTimeField(null=True, blank=True)
+    notice_given_at = models.DateTimeField(null=True, blank=True)
+    deadline_notice_at = models.DateTimeField(null=True, blank=True)
+    command_started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["campaign_id", "position"]
+        constraints = [
+            models.UniqueConstraint(fields=["campaign", "node"], name="rolloutstep_unique_node"),
+        ]
+        indexes = [models.Index(fields=["state"], name="rolloutstep_state")]
+
+    def __str__(self) -> str:
+        return f"rollout {self.campaign_id} node {self.node_id}: {self.state}"

@@ -4,6 +4,7 @@ from celery import shared_task
 
 from nodes.services.commands import node_commands_expire
 from nodes.services.health import node_health_reconcile
+from nodes.services.rollouts import rollout_advance
 from nodes.services.telemetry import telemetry_purge
 
 
@@ -34,3 +35,9 @@ def publish_fleet_snapshot() -> int:
     from nodes.live import fleet_snapshot_publish
 
     return len(fleet_snapshot_publish()["g"])
+
+
+@shared_task(name="nodes.tasks.advance_rollouts")
+def advance_rollouts() -> dict:
+    """Move rolling-upgrade campaigns on (single flight: a second run at once returns)."""
+    return rollout_advance()

@@ -266,6 +266,7 @@ CELERY_TASK_ROUTES = {
     "scheduling.tasks.refresh_gpu_types": {"queue": "default"},
     "nodes.tasks.expire_commands": {"queue": "commands"},
     "nodes.tasks.reconcile_node_health": {"queue": "commands"},
+    "nodes.tasks.advance_rollouts": {"queue": "commands"},
     "metering.tasks.*": {"queue": "metering"},
 }
 # Periodic work is declared here and nowhere else. Apps add their entries below as they grow.
@@ -473,6 +474,12 @@ TELEMETRY_ROLLUP_RETENTION_DAYS = env.int("TELEMETRY_ROLLUP_RETENTION_DAYS", def
 FLEET_FILE = Path(env.str("FLEET_FILE", default=str(VAR_DIR / "fleet.json")))
 # How often staff pages get a fleet snapshot (heat map, counts) over the events websocket.
 FLEET_SNAPSHOT_INTERVAL_S = env.float("FLEET_SNAPSHOT_INTERVAL_S", default=5)
+# Rolling upgrades (nodes.services.rollouts): how often campaigns move on, and how long work given
+# its final notice at the drain deadline may take to leave a node before the step fails.
+ROLLOUT_ADVANCE_INTERVAL_S = env.int("ROLLOUT_ADVANCE_INTERVAL_S", default=10)
+ROLLOUT_DRAIN_GRACE_S = env.int("ROLLOUT_DRAIN_GRACE_S", default=600)
+# A staff action or a new campaign queues an advance at once (else the beat entry's next run does it).
+ROLLOUT_ADVANCE_ON_COMMIT = env.bool("ROLLOUT_ADVANCE_ON_COMMIT", default=True)
 CELERY_BEAT_SCHEDULE.update(
     {
         "nodes-publish-fleet-snapshot": {
@@ -487,6 +494,10 @@ CELERY_BEAT_SCHEDULE.update(
         },
         "nodes-expire-commands": {"task": "nodes.tasks.expire_commands", "schedule": timedelta(seconds=5)},
         "nodes-purge-telemetry": {"task": "nodes.tasks.purge_telemetry", "schedule": crontab(minute=17)},
+        "nodes-advance-rollouts": {
+            "task": "nodes.tasks.advance_rollouts",
+            "schedule": timedelta(seconds=ROLLOUT_ADVANCE_INTERVAL_S),
+        },
     }
 )
 # --- end of the nodes block ------------------------------------------------------------------------

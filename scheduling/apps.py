@@ -25,3 +25,7 @@ class SchedulingConfig(AppConfig):
         from scheduling.selectors.access import ssh_authorized_keys
 
         register_ssh_keys_source(ssh_authorized_keys)
+        from nodes.services.rollouts import rollout_drain_register
+        from scheduling.services.drain import node_work_counts, node_work_notice
+
+        rollout_drain_register(work=node_work_counts, notice=node_work_notice)

@@ -1,12 +1,15 @@
 """The agent's commands: each command id runs once (a repeat is answered from the buffer), by kind
-(start, stop, preempt, prewarm, configure MIG, drain), and its result goes back through the outbox.
+(start, stop, preempt, prewarm, configure MIG, drain, undrain, upgrade, GPU check), and its result
+goes back through the outbox.
 
 ``CommandHandlers`` is a mixin of ``nodes.agent.agent.Agent``: it uses the agent's buffer, runtime,
 collector, MIG slices and sender.
 """
 
 import asyncio
+import contextlib
 import json
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -21,6 +24,11 @@ from nodes.agent.types import (
     rfc3339,
 )
 from nodes.agent.workload_rules import WorkloadRuleError, check_image, check_volume_id
+
+# XIDs that mean the GPU needs attention (the portal isolates a GPU on them too: nodes/PROTOCOL.md).
+CRITICAL_XIDS = frozenset({48, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140})
+UPGRADE_OUTPUT_CHARS = 2000
+MAX_UPGRADE_TIMEOUT_S = 86400
 
 
 def start_failed(payload: dict[str, Any], reason: str, *, rejected: bool = False) -> dict[str, Any]:
@@ -76,6 +84,9 @@ class CommandHandlers:
             "configure_mig": self._configure_mig,
             "drain": self._drain,
             "delete_volume": self._delete_volume,
+            "undrain": self._undrain,
+            "upgrade": self._upgrade,
+            "gpu_check": self._gpu_check,
         }
         handler = handlers.get(kind)
         try:
@@ -216,3 +227,76 @@ class CommandHandlers:
         self.buffer.set("draining", "1")
         statuses = await self._runtime_status()
         return {"draining": True, "running": [s.workload_id for s in statuses if not s.terminal]}
+
+    async def _undrain(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Staff returned the node to service (or a rolling upgrade finished here): take work again."""
+        self.buffer.set("draining", "0")
+        return {"draining": False}
+
+    async def _upgrade(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Run the upgrade this node's configuration names (``upgrades``: name -> argv); the portal
+        sends only the name, so it can run nothing the node's owner did not configure. Refused while
+        workloads run here; the process is killed at ``timeout_s``; exit 0 is success."""
+        name = payload.get("upgrade")
+        argv = self.config.upgrades.get(name) if isinstance(name, str) else None
+        if argv is None:
+            raise RuntimeFailure(f"no upgrade {str(name)[:64]!r} is configured on this node")
+        timeout = payload.get("timeout_s")
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int)
+            or not 1 <= timeout <= MAX_UPGRADE_TIMEOUT_S
+        ):
+            raise ValueError(f"timeout_s: whole seconds from 1 to {MAX_UPGRADE_TIMEOUT_S}")
+        running = [s.workload_id for s in await self._runtime_status() if not s.terminal]
+        if running:
+            raise RuntimeFailure(f"workloads {', '.join(running)} still run here; drain the node first")
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, "GPUPOOL_UPGRADE": name},
+            start_new_session=True,
+        )
+        try:
+            output, _ = await asyncio.wait_for(process.communicate(), timeout)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, 9)
+            await process.wait()
+            raise RuntimeFailure(f"upgrade {name} did not finish within {timeout} s; killed") from None
+        tail = output.decode(errors="replace")[-UPGRADE_OUTPUT_CHARS:]
+        if process.returncode != 0:
+            raise RuntimeFailure(f"upgrade {name} exited with {process.returncode}: {tail.strip()}")
+        self.inventory = await asyncio.to_thread(self.collector.discover)
+        return {
+            "upgrade": name,
+            "exit_code": 0,
+            "output": tail,
+            "driver_version": self.inventory.driver_version,
+        }
+
+    async def _gpu_check(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Every GPU the node had is still there and reads healthy: found again by the collector, and
+        one reading each without a fall off the bus, a critical XID, pending page retirement or a
+        row remap failure. The readings go on to the portal in the next heartbeat."""
+        before = {gpu.uuid for gpu in (self.inventory.gpus if self.inventory else [])}
+        inventory = await asyncio.to_thread(self.collector.discover)
+        self.inventory = inventory
+        problems = [f"GPU {uuid} is missing" for uuid in sorted(before - {g.uuid for g in inventory.gpus})]
+        samples = await asyncio.to_thread(self.collector.sample, time.time())
+        self._readings.extend(samples)
+        for sample in samples:
+            if sample.fell_off_bus:
+                problems.append(f"GPU {sample.gpu_uuid} fell off the bus")
+            bad = sorted(CRITICAL_XIDS.intersection(sample.xid_errors))
+            if bad:
+                problems.append(f"GPU {sample.gpu_uuid} reported XID {', '.join(map(str, bad))}")
+            if sample.retired_pages_pending:
+                problems.append(f"GPU {sample.gpu_uuid} has page retirement pending")
+            if sample.row_remap_failure:
+                problems.append(f"GPU {sample.gpu_uuid} has a row remap failure")
+        if problems:
+            raise RuntimeFailure("GPU check failed: " + "; ".join(problems))
+        return {"gpus": len(inventory.gpus), "driver_version": inventory.driver_version}

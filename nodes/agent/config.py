@@ -10,6 +10,7 @@ import dataclasses
 import ipaddress
 import json
 import os
+import re
 import socket
 import tomllib
 from collections.abc import Mapping
@@ -22,6 +23,8 @@ from nodes.agent.collectors import COLLECTOR_KINDS
 from nodes.agent.runtimes import DEFAULT_MPS_PIPE_DIR, GPU_SHARING_MODES, RUNTIME_KINDS, RuntimeFailure
 from nodes.agent.runtimes.docker import DEFAULT_PIDS_LIMIT
 from nodes.agent.runtimes.process import process_user
+
+UPGRADE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 class ConfigError(ValueError):
@@ -103,6 +106,9 @@ class AgentConfig:
     workload_log_bytes_per_s: float = 1024 * 1024
     workload_log_burst_s: float = 5.0
     workload_log_buffer_lines: int = 200_000
+    # Rolling upgrades: name -> the command (argv, an absolute program path first) the ``upgrade``
+    # command runs. The portal names one; it never sends a command line.
+    upgrades: dict[str, list[str]] = field(default_factory=dict)
 
     def validate(self) -> AgentConfig:
         if not self.portal_url:
@@ -166,6 +172,16 @@ class AgentConfig:
                 process_user(single_tenant=self.single_tenant, user=self.process_user)
             except RuntimeFailure as exc:
                 raise ConfigError(str(exc)) from None
+        for name, argv in self.upgrades.items():
+            if not UPGRADE_NAME.match(name):
+                raise ConfigError(f"upgrades: {name!r} is not a name of letters, digits and ._- (at most 64)")
+            if (
+                not isinstance(argv, list)
+                or not argv
+                or not all(isinstance(a, str) and "\x00" not in a for a in argv)
+                or not os.path.isabs(argv[0])
+            ):
+                raise ConfigError(f"upgrades.{name}: a list of strings, an absolute program path first")
         if not self.hostname:
             self.hostname = socket.gethostname()
         return self
@@ -221,6 +237,7 @@ ENV = {
     "GPUPOOL_WORKLOAD_LOG_BYTES_PER_S": "workload_log_bytes_per_s",
     "GPUPOOL_WORKLOAD_LOG_BURST_S": "workload_log_burst_s",
     "GPUPOOL_WORKLOAD_LOG_BUFFER_LINES": "workload_log_buffer_lines",
+    "GPUPOOL_UPGRADES": "upgrades",
 }
 
 
@@ -273,6 +290,9 @@ def _coerce(name: str, value: Any) -> Any:
             )
         if name == "sim_gpus":
             return json.loads(value) if isinstance(value, str) else list(value)
+        if name == "upgrades":
+            value = json.loads(value) if isinstance(value, str) else value
+            return {str(k): list(v) if isinstance(v, list) else v for k, v in dict(value).items()}
         if "float" in str(kind):
             return float(value)
         if "int" in str(kind):

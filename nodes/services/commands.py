@@ -49,6 +49,9 @@ REQUIRED_PAYLOAD_KEYS: dict[str, tuple[str, ...]] = {
     CommandKind.CONFIGURE_MIG: ("gpu_uuid", "enable"),
     CommandKind.DRAIN: (),
     CommandKind.DELETE_VOLUME: ("volume_id",),
+    CommandKind.UNDRAIN: (),
+    CommandKind.UPGRADE: ("upgrade", "timeout_s"),
+    CommandKind.GPU_CHECK: (),
 }
 REPORT_STATUSES = ("accepted", "succeeded", "failed")
 

@@ -172,11 +172,19 @@ def node_drain(*, node: Node, actor: Actor, reason: str = "") -> Node:
     return node
 
 
+@transaction.atomic
 def node_uncordon(*, node: Node, actor: Actor, reason: str = "") -> Node:
-    """Back to READY from cordoned, draining, maintenance or down."""
-    return _node_staff_set_state(
+    """Back to READY from cordoned, draining, maintenance or down; the agent is told (an ``undrain``
+    command) to take work again, since a drained agent refuses starts until then."""
+    from nodes.services.commands import node_command_enqueue
+
+    was = lock_node(node_id=node.pk).state
+    node = _node_staff_set_state(
         node=node, state=NodeState.READY, actor=actor, reason=reason, action="uncordon"
     )
+    if was != NodeState.READY:
+        node_command_enqueue(node=node, kind="undrain", payload={})
+    return node
 
 
 def node_set_maintenance(*, node: Node, actor: Actor, reason: str = "") -> Node:
