@@ -582,6 +582,8 @@ SPECTACULAR_SETTINGS.setdefault("ENUM_NAME_OVERRIDES", {})["GpuVendorEnum"] = "n
 SPECTACULAR_SETTINGS["ENUM_NAME_OVERRIDES"].update(
     {
         "VolumeStateEnum": "scheduling.models.VolumeState",
+        "RolloutStateEnum": "nodes.models.RolloutState",
+        "RolloutStepStateEnum": "nodes.models.RolloutStepState",
         "WorkloadStateEnum": "scheduling.models.WorkloadState",
     }
 )

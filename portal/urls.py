@@ -21,6 +21,7 @@ urlpatterns = [
     path("api/v1/", include("portal.api.urls")),
     path("agent/v1/", include("nodes.agent_urls")),
     path("fleet/", include("nodes.web_urls")),
+    path("api/staff/v1/", include("nodes.staff_urls")),
     path("webhooks/stripe/", include("metering.webhooks")),
     path("", include("scheduling.web_urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),

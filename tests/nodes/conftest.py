@@ -2,15 +2,17 @@ from __future__ import annotations
 
 import itertools
 import json
+import uuid
 from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
 from asgiref.sync import async_to_sync
 from django.core.handlers.asgi import ASGIHandler
+from django.utils import timezone
 
 from nodes.agent_views import AgentProtocolHandler
-from nodes.models import Node, Region
+from nodes.models import Gpu, GpuModel, Node, Region
 from nodes.services.registration import bootstrap_token_create
 from portal.actors import Actor
 from tests.conftest import keeping_the_test_connection
@@ -239,3 +241,27 @@ def _no_reaper():
     workloads_reported.disconnect(dispatch_uid=uid)
     yield
     workloads_reported.connect(receivers.on_workloads_reported, dispatch_uid=uid)
+
+
+@pytest.fixture
+def make_nodes(db):
+    """``make_nodes(n, region=, model=, labels=)``: READY nodes with one catalog GPU each."""
+
+    def make(
+        count: int, *, region: str = "us-east-1", model: str = "NVIDIA H100 SXM 80GB", labels=None
+    ) -> list[Node]:
+        r, _ = Region.objects.get_or_create(code=region, defaults={"name": region})
+        gm = GpuModel.objects.get(name=model)
+        nodes = []
+        for _ in range(count):
+            node = Node.objects.create(
+                hostname=f"node-{next(_counter):04d}", region=r, labels=labels or {},
+                last_heartbeat_at=timezone.now(),
+            )  # fmt: skip
+            Gpu.objects.create(
+                node=node, index=0, uuid=f"GPU-{uuid.uuid4()}", model=gm, reported_name=gm.name
+            )
+            nodes.append(node)
+        return nodes
+
+    return make

@@ -6,7 +6,6 @@ The agent's side is played by reports through ``node_command_report`` (the end-t
 from __future__ import annotations
 
 import itertools
-import uuid
 from datetime import timedelta
 from decimal import Decimal
 
@@ -15,8 +14,6 @@ from django.utils import timezone
 
 from nodes.models import (
     CommandKind,
-    Gpu,
-    GpuModel,
     Node,
     NodeCommand,
     NodeState,
@@ -47,28 +44,6 @@ def _no_advance_tasks(settings):
 def staff(db) -> Actor:
     user = User.objects.create_user(email=f"ops{next(_seq)}@gpupool.example", password="x", is_staff=True)
     return Actor(user=user)
-
-
-@pytest.fixture
-def make_nodes(db):
-    def make(count: int, *, region: str = "us-east-1", model: str = H100, labels=None) -> list[Node]:
-        r, _ = Region.objects.get_or_create(code=region, defaults={"name": region})
-        gm = GpuModel.objects.get(name=model)
-        nodes = []
-        for _ in range(count):
-            node = Node.objects.create(
-                hostname=f"node-{next(_seq):04d}",
-                region=r,
-                labels=labels or {},
-                last_heartbeat_at=timezone.now(),
-            )
-            Gpu.objects.create(
-                node=node, index=0, uuid=f"GPU-{uuid.uuid4()}", model=gm, reported_name=gm.name
-            )
-            nodes.append(node)
-        return nodes
-
-    return make
 
 
 def spec(**overrides):

@@ -27,7 +27,8 @@ from django.utils import timezone
 from django_filters import ModelChoiceFilter, ModelMultipleChoiceFilter
 from rest_framework.viewsets import ViewSetMixin
 
-from nodes.models import Region
+from nodes.models import Node, Region, RolloutCampaign
+from nodes.services.rollouts import rollout_pause, rollout_start
 from portal.actors import Actor
 from portal.api.filters import FilterBackend
 from portal.models import ROLE_SCOPES, Membership, Role, Scope, User
@@ -649,21 +650,55 @@ def test_staff_credentials_never_open_the_tenant_api(two_tenants, staff_user, si
             assert _snapshot(obj) == before
 
 
+def _walk_region() -> Region:
+    return Region.objects.get_or_create(code="walk-region", defaults={"name": "Walk"})[0]
+
+
+_walk_nodes = itertools.count(1)
+_walked: dict[str, RolloutCampaign] = {}
+
+
+def _walk_node_body() -> dict:
+    """A valid rollout campaign over a node of its own in the walk region (chosen by its label)."""
+    hostname = f"walk-node-{next(_walk_nodes)}"
+    Node.objects.create(hostname=hostname, region=_walk_region(), labels={"host": hostname})
+    return {"name": "walk", "upgrade": "walk-1", "label": f"host={hostname}", "batch_size": 1,
+            "max_region_share": "1", "drain_deadline_s": 60}  # fmt: skip
+
+
 def _staff_url(route) -> str:
-    """A staff route's URL; a region route gets a region of its own."""
+    """A staff route's URL; a region route gets a region of its own, a rollout route a campaign (a
+    paused one for resume)."""
     kwargs = {}
     for name in route.kwargs:
-        assert name == "code", f"{route.route}: teach this test the kwarg {name!r}"
-        kwargs[name] = Region.objects.get_or_create(code="walk-region", defaults={"name": "Walk"})[0].code
+        if name == "code":
+            kwargs[name] = _walk_region().code
+        elif name == "pk" and route.name.startswith("nodes-staff-api:staff-rollout"):
+            campaign = rollout_start(data=_walk_node_body(), actor=Actor.system())
+            if route.name.endswith("-resume"):
+                rollout_pause(campaign=campaign, actor=Actor.system())
+            _walked[route.name] = campaign
+            kwargs[name] = campaign.pk
+        else:
+            raise AssertionError(f"{route.route}: teach this test the kwarg {name!r}")
     return reverse(route.name, kwargs=kwargs)
 
 
-# What a write sends (valid, so that only the permission can refuse it) and the row it would change.
+def _walked_state(name: str):
+    return lambda: RolloutCampaign.objects.get(pk=_walked[name].pk).state
+
+
+# What a write sends (valid, so that only the permission can refuse it; a callable makes it) and the
+# row it would change.
 STAFF_WRITES = {
     "scheduling:staff-api-region": (
         {"queue_policy": "sjf"},
         lambda: Region.objects.get(code="walk-region").queue_policy,
     ),
+    "nodes-staff-api:staff-rollout-list": (_walk_node_body, lambda: RolloutCampaign.objects.count()),
+    "nodes-staff-api:staff-rollout-pause": ({}, _walked_state("nodes-staff-api:staff-rollout-pause")),
+    "nodes-staff-api:staff-rollout-resume": ({}, _walked_state("nodes-staff-api:staff-rollout-resume")),
+    "nodes-staff-api:staff-rollout-abort": ({}, _walked_state("nodes-staff-api:staff-rollout-abort")),
 }
 
 
@@ -672,13 +707,14 @@ def test_the_staff_api_is_for_staff_only(route, two_tenants, staff_user, add_mem
     url = _staff_url(route)
     methods = route.methods
     writes = [m for m in methods if m != "get"]
-    assert set(methods) <= {"get", "patch"}, f"{route.route}: teach this test the staff API's writes"
+    assert set(methods) <= {"get", "patch", "post"}, f"{route.route}: teach this test the staff API's writes"
     assert not writes or route.name in STAFF_WRITES, f"{route.route}: teach STAFF_WRITES this route"
     _, staff_token = staff_token_create(
         user=staff_user, name="walker", scopes=[route.view_class.staff_scope], actor=Actor(user=staff_user)
     )
-    assert _bearer(staff_token).get(url).status_code == 200  # positive control: the staff token
-    assert signed_in(staff_user).get(url).status_code == 200  # and the staff session
+    if "get" in methods:
+        assert _bearer(staff_token).get(url).status_code == 200  # positive control: the staff token
+        assert signed_in(staff_user).get(url).status_code == 200  # and the staff session
     a = two_tenants["a"]
     assert Client().get(url).status_code == 401
     refusals = {"tenant token, every scope": _bearer(make_token(a))}
@@ -695,11 +731,12 @@ def test_the_staff_api_is_for_staff_only(route, two_tenants, staff_user, add_mem
     refusals["token made by staff"] = _bearer(by_staff)
     refusals["token made by the system"] = _bearer(by_system)
     for who, client in refusals.items():
-        response = client.get(url)
+        response = client.get(url) if "get" in methods else _call(client, "post", url, {})
         assert response.status_code == 403, f"{route.route} as {who}: {response.status_code}"
         assert response.json()["error"]["code"] == "permission_denied"
     if writes:
         body, current = STAFF_WRITES[route.name]
+        body = body() if callable(body) else body
         before = current()
         for method in writes:
             for who, client in {**refusals, "anonymous": Client()}.items():
@@ -707,7 +744,7 @@ def test_the_staff_api_is_for_staff_only(route, two_tenants, staff_user, add_mem
                 assert response.status_code in (401, 403), f"{method} {route.route} as {who}"
             assert current() == before
             # Positive control: the staff token's write is taken.
-            assert _call(_bearer(staff_token), method, url, body).status_code == 200
+            assert _call(_bearer(staff_token), method, url, body).status_code in (200, 201)
             assert current() != before
 
 
