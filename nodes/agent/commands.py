@@ -298,5 +298,5 @@ class CommandHandlers:
             if sample.row_remap_failure:
                 problems.append(f"GPU {sample.gpu_uuid} has a row remap failure")
         if problems:
-            raise RuntimeFailure("GPU check failed: " + "; ".join(problems))
+            raise RuntimeFailure("; ".join(problems))
         return {"gpus": len(inventory.gpus), "driver_version": inventory.driver_version}

@@ -20,6 +20,7 @@ import ipaddress
 import json
 import logging
 import random
+import sys
 import zlib
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,8 @@ def node_config(
         seed=zlib.crc32(hostname.encode()),
         heartbeat_phase=random.Random(zlib.crc32(hostname.encode())).random(),
         backoff_max_s=backoff_max_s,
+        # A rolling upgrade staff can run on the demo fleet: a second's pause, nothing changed.
+        upgrades={"simulated": [sys.executable, "-c", "import time; time.sleep(1)"]},
     ).validate()
 
 

@@ -185,3 +185,14 @@ def test_a_campaign_upgrades_three_nodes_one_by_one_and_a_failing_one_stops(flee
     refused = run_until(unknown.json()["id"], {RolloutState.FAILED, RolloutState.COMPLETED})
     assert refused.state == RolloutState.FAILED
     assert "no upgrade 'rm-everything' is configured on this node" in refused.state_reason
+
+    # A GPU that fell off the bus: the upgrade runs, the GPU check fails, the node stays drained.
+    last = fleet[2]
+    (last.state_dir / "faults.json").write_text(json.dumps([{"gpu": 0, "kind": "fell_off_bus"}]))
+    checked = api.post("/api/staff/v1/rollouts/", json={**body, "name": "after a fault"})
+    assert checked.status_code == 201, checked.text
+    failed_check = run_until(checked.json()["id"], {RolloutState.FAILED, RolloutState.COMPLETED})
+    assert failed_check.state == RolloutState.FAILED
+    assert failed_check.state_reason.startswith(f"{last.hostname}: GPU check failed: GPU ")
+    assert "fell off the bus" in failed_check.state_reason
+    assert Node.objects.get(hostname=last.hostname).state == NodeState.DRAINING
