@@ -249,10 +249,25 @@ def _staff_url(page: Page, tenant) -> str:
 
     node = Node.objects.get(hostname="walker-h100")
     ids = {"nodes:gpu-return": Gpu.objects.get(node=node).pk, "scheduling:staff-quota": tenant.pk}
+    if page.name in ("nodes:rollout", "nodes:rollout-action"):
+        ids[page.name] = _walker_rollout().pk
     kwargs = {"pk": ids.get(page.name, node.pk)} if "<int:pk>" in page.route else {}
     if "<str:action>" in page.route:
-        kwargs["action"] = "cordon"
+        kwargs["action"] = "pause" if page.name == "nodes:rollout-action" else "cordon"
     return reverse(page.name, kwargs=kwargs)
+
+
+def _walker_rollout():
+    """A running rolling-upgrade campaign over the walker's node."""
+    from nodes.models import RolloutCampaign
+    from nodes.services.rollouts import rollout_start
+
+    if not RolloutCampaign.objects.exists():
+        body = {"name": "walk", "upgrade": "walk-1", "label": "walker=1", "batch_size": 1,
+                "max_region_share": "1", "drain_deadline_s": 60}  # fmt: skip
+        Node.objects.filter(hostname="walker-h100").update(labels={"walker": "1"})
+        rollout_start(data=body, actor=Actor.system())
+    return RolloutCampaign.objects.get()
 
 
 @pytest.mark.parametrize("page", STAFF_PAGES, ids=str)
