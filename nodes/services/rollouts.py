@@ -236,13 +236,18 @@ def rollout_selected_nodes(*, spec: RolloutSpec) -> list[Node]:
         nodes = nodes.filter(region=spec.region)
     if spec.gpu_model is not None:
         nodes = nodes.filter(gpus__model=spec.gpu_model, gpus__removed_at__isnull=True)
-    if spec.label_key:
-        nodes = nodes.filter(**{"labels__contains": {spec.label_key: spec.label_value}})
     held = RolloutStep.objects.filter(
         campaign__state__in=OPEN_ROLLOUT_STATES,
         state__in=(RolloutStepState.PENDING, *ACTIVE_STEP_STATES, RolloutStepState.FAILED),
     ).values("node_id")
-    return list(nodes.exclude(pk__in=held).distinct().order_by("region__code", "hostname"))
+    chosen = nodes.exclude(pk__in=held).distinct().order_by("region__code", "hostname")
+    if not spec.label_key:
+        return list(chosen)
+    # The label is matched here rather than in SQL: JSON containment is PostgreSQL's only (make run
+    # uses SQLite), and a label key may hold characters a JSON key path would read as syntax.
+    return [
+        n for n in chosen if isinstance(n.labels, dict) and n.labels.get(spec.label_key) == spec.label_value
+    ]
 
 
 def _region_limit(share: Decimal, total: int) -> int:
