@@ -347,8 +347,10 @@ def _advance_soon() -> None:
 # --- pause, resume, abort ---------------------------------------------------------------------------
 
 
-def _staff_change(campaign: RolloutCampaign, *, allowed: tuple[str, ...], to: str, actor: Actor, action: str,
-                  reason: str = "") -> RolloutCampaign:  # fmt: skip
+def _staff_change(
+    campaign: RolloutCampaign, *, allowed: tuple[str, ...], to: str, actor: Actor, action: str, reason: str
+) -> RolloutCampaign:
+    """Move a campaign from one of ``allowed`` to ``to`` under its lock, audited; 409 otherwise."""
     with transaction.atomic():
         campaign = lock_rollout(campaign_id=campaign.pk)
         if campaign.state not in allowed:
@@ -405,8 +407,8 @@ def rollout_abort(*, campaign: RolloutCampaign, actor: Actor, reason: str = "") 
 
 def _stop_unstarted(campaign: RolloutCampaign, now: datetime, *, why: str) -> None:
     """The campaign stops (aborted or failed): pending steps are cancelled and draining nodes return."""
-    for step in lock_rollout_steps(campaign_id=campaign.pk, states=(RolloutStepState.PENDING,
-                                                                    RolloutStepState.DRAINING)):  # fmt: skip
+    unstarted = (RolloutStepState.PENDING, RolloutStepState.DRAINING)
+    for step in lock_rollout_steps(campaign_id=campaign.pk, states=unstarted):
         if step.state == RolloutStepState.DRAINING:
             _return_node(step, campaign, now, why=why)
         step.state = RolloutStepState.CANCELLED
