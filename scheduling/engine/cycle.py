@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
+from .constraints import ConstraintIndex, Constraints
 from .fragmentation import Distribution
 from .policies import DEFAULT_POLICY, get_policy
 from .preemption import Preemptor
@@ -92,6 +94,7 @@ class Engine:
             r.excluded,
             r.gpus_per_node,
             r.split_regions_ok,
+            r.constraints.prefer if r.constraints is not None else (),
         )
         d = self._demands.get(k)
         if d is None:
@@ -118,6 +121,7 @@ class Engine:
                 r.excluded,
                 split_sizes(r),
                 r.split_regions_ok,
+                r.constraints.prefer if r.constraints is not None else (),
             )
         return d
 
@@ -283,6 +287,12 @@ class Engine:
         for lst in ends_by_node.values():
             lst.sort(key=lambda e: e[0])
 
+        cons: ConstraintIndex | None = None
+        if any(
+            r.constraints is not None and (r.constraints.filters or r.constraints.spread_key) for r in pending
+        ):
+            cons = ConstraintIndex(st.ids, [n.labels for n in self.nodes], running)
+
         decisions: list[Decision] = []
         failed: set[Demand] = set()
         head_start: float | None = None
@@ -297,15 +307,31 @@ class Engine:
                     continue
                 d = self.demand(req)
                 avoid = self._avoid(req, d) if req.avoid_nodes else frozenset()
-                slots = None if d in failed else st.place(d, avoid)
+                c = req.constraints
+                pick = None
+                narrowed = False
+                if cons is not None and c is not None:
+                    forbid, unmet = self._forbidden(cons, req, c, d)
+                    if unmet is not None:
+                        decisions.append(Pending(req.id, unmet[0], unmet[1]))
+                        continue
+                    if forbid:
+                        avoid = avoid | forbid
+                        narrowed = True
+                    if d.gang and c.spread_key:
+                        pick = partial(cons.spread_pick, key=c.spread_key, max_skew=c.max_skew)
+                        narrowed = True
+                slots = None if d in failed else st.place(d, avoid, pick)
                 if slots is None and d.per_node and d not in failed:
                     slots = st.place_split(d, avoid)
                 if slots is not None:
+                    if cons is not None:
+                        cons.record(req.tenant, req.id, (s.node for s in slots), c.group if c else "")
                     decisions.append(Place(req.id, tuple(self._assignment(s) for s in slots)))
                     for s in slots:
                         fair.add(req.tenant, st.ids[s.node], len(s.positions) * s.milli, s.cpu, s.mem)
                     continue
-                if not avoid:
+                if not avoid and pick is None:
                     failed.add(d)
                 if (
                     held
@@ -316,6 +342,8 @@ class Engine:
                 ):
                     slot = self._place_on_held([i for i in held if i not in avoid], d)
                     if slot is not None:
+                        if cons is not None:
+                            cons.record(req.tenant, req.id, (slot.node,), c.group if c else "")
                         decisions.append(Place(req.id, (self._assignment(slot),), backfill=True))
                         fair.add(
                             req.tenant,
@@ -325,10 +353,12 @@ class Engine:
                             slot.mem,
                         )
                         continue
-                if preemptor is not None:
+                if preemptor is not None and pick is None:
                     choice = preemptor.find(d, int(req.priority_class), avoid)
                     if choice is not None:
                         slots = preemptor.apply(choice, d)
+                        if cons is not None:
+                            cons.record(req.tenant, req.id, (s.node for s in slots), c.group if c else "")
                         decisions.append(
                             Place(
                                 req.id,
@@ -342,6 +372,10 @@ class Engine:
                 reason = reasons.get(d)
                 if reason is None:
                     reason = reasons[d] = self.why(d)
+                if narrowed and reason[0] in (Reason.CAPACITY, Reason.GANG):
+                    # Free capacity may exist, only not where its constraints allow.
+                    decisions.append(Pending(req.id, *self._narrowed_reason(c, reason)))
+                    continue
                 if head_start is None and cfg.backfill and reason[0] in (Reason.CAPACITY, Reason.GANG):
                     res = self.reservation_for(d, ends_by_node)
                     if res is not None:
@@ -377,6 +411,34 @@ class Engine:
             for i in held:
                 st.unhold(i)
         return decisions
+
+    def _forbidden(self, cons: ConstraintIndex, req: Request, c: Constraints, d: Demand):
+        """The nodes ``c`` rules out among those that could ever take ``d``, and the unmet
+        constraint when it rules out all of them."""
+        if not c.filters:
+            return frozenset(), None
+        st = self.state
+        fit = st.class_fit(d)
+        cands = [i for i in range(len(st.ids)) if fit[st.ncls[i]] is not None]
+        if not cands:
+            return frozenset(), None
+        return cons.forbidden(req.tenant, c, cands)
+
+    @staticmethod
+    def _narrowed_reason(c: Constraints | None, reason: tuple[Reason, str]) -> tuple[Reason, str]:
+        if c is None:
+            return reason
+        if c.spread_key and not c.group:
+            return Reason.SPREAD, f"{reason[1]}, spread over {c.spread_key} within max_skew {c.max_skew}"
+        for name, on in (
+            (Reason.SPREAD, c.spread_key and c.group),
+            (Reason.ANTI_AFFINITY, c.anti_affinity),
+            (Reason.AFFINITY, c.affinity),
+            (Reason.NODE_SELECTOR, c.node_selector),
+        ):
+            if on:
+                return name, f"{reason[1]} among the servers its {name.value} allows"
+        return reason
 
     def _fits_held(self, held: list[int], d: Demand) -> bool:
         st = self.state

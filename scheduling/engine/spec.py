@@ -64,6 +64,8 @@ class Demand:
     per_node: tuple[int, ...] = ()
     """Piece sizes it may be split into over several nodes (``Request.gpus_per_node``), largest first."""
     split_regions: bool = False
+    prefer: tuple[str, ...] = ()
+    """Models best first (``Constraints.prefer``): a worse rank adds to the class penalty."""
 
     @property
     def shared(self) -> bool:

@@ -31,6 +31,8 @@ Picks = tuple[tuple[int, int], ...]
 """The GPUs a placement takes on a node, as (island, free milli before) pairs."""
 Option = tuple[int, Picks, GKey]
 """(topology penalty, picks, GPU key after the placement)."""
+PREFER_SPAN = 1 << 16
+"""A region penalty outweighs any model rank of a preference."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,8 +345,16 @@ class ClusterState:
         if demand.cpu > cls.cpu_cap or demand.mem > cls.mem_cap:
             return None
         if demand.region is None or demand.region == cls.region:
-            return 0
-        return 1 if demand.other_regions_ok else None
+            pen = 0
+        elif demand.other_regions_ok:
+            pen = 1
+        else:
+            return None
+        if demand.prefer:
+            # The region first, then the model's rank for the request's preference.
+            rank = demand.prefer.index(cls.model) if cls.model in demand.prefer else len(demand.prefer)
+            pen = pen * PREFER_SPAN + rank
+        return pen
 
     def options(self, key: Key, demand: Demand) -> list[Option]:
         if key[1] < demand.cpu or key[2] < demand.mem:
@@ -440,11 +450,12 @@ class ClusterState:
         self._heaps.clear()
         self._scores.clear()
 
-    def place(self, demand: Demand, avoid: frozenset[int] = frozenset()) -> list[Slot] | None:
+    def place(self, demand: Demand, avoid: frozenset[int] = frozenset(), pick=None) -> list[Slot] | None:
         """Place ``demand`` by the policy, update the index, and return where it went (or None).
-        Nodes in ``avoid`` (indices) are not chosen."""
+        Nodes in ``avoid`` (indices) are not chosen. ``pick(members, need)`` chooses a gang's nodes
+        among a group's free ones (a spread), or returns None; default: the first by id."""
         if demand.gang:
-            return self._place_gang(demand, avoid)
+            return self._place_gang(demand, avoid, pick)
         if self.policy.scan:
             return self._place_scan(demand, avoid)
         h = self._heap(demand)
@@ -529,7 +540,9 @@ class ClusterState:
             r -= n
         raise AssertionError("unreachable")
 
-    def _place_gang(self, demand: Demand, avoid: frozenset[int] = frozenset()) -> list[Slot] | None:
+    def _place_gang(
+        self, demand: Demand, avoid: frozenset[int] = frozenset(), pick=None
+    ) -> list[Slot] | None:
         fit = self.class_fit(demand)
         groups: dict[tuple[int, str, str], list[int]] = {}
         for key, lst in self.buckets.items():
@@ -546,7 +559,9 @@ class ClusterState:
             per = self.classes[self.ncls[members[0]]].gpu_count
             need = demand.gpus // per
             if len(members) >= need:
-                return [self.take_whole(i, demand) for i in sorted(members)[:need]]
+                chosen = sorted(members)[:need] if pick is None else pick(sorted(members), need)
+                if chosen is not None:
+                    return [self.take_whole(i, demand) for i in chosen]
         return None
 
     def place_split(self, demand: Demand, avoid: frozenset[int] = frozenset()) -> list[Slot] | None:

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .constraints import Constraints
 
 MILLI = 1000
 
@@ -99,6 +103,8 @@ class Node:
     """With ``reserved_for``: None when the reservation holds the whole node; else the node is
     partly reserved, and this many whole GPUs (the owner's reserved share not yet in use by its
     reserved work) must stay free or lent: on-demand work may use the rest."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """The labels its agent registered (rack, power domain, ...): for ``Constraints``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +159,8 @@ class Request:
     """(GPU model, region) pairs it may not use at all, e.g. where the spot price is above its maximum."""
     queue_policy: str | None = None
     """Its region's queue policy (``queueing.QueuePolicy`` value); None: the cycle's ``QueueConfig``."""
+    constraints: Constraints | None = None
+    """Node selector, affinity, spread and model preference (``constraints``); None: none."""
 
     @property
     def priority_class(self) -> PriorityClass:
@@ -186,6 +194,8 @@ class Running:
     checkpointable: bool = False
     gang_id: str | None = None
     """Gang members are preempted together."""
+    group: str = ""
+    """The array it is a task of (spread counts its members), or empty."""
 
     @property
     def priority_class(self) -> PriorityClass:
@@ -229,6 +239,10 @@ class Reason(StrEnum):
     BLOCKED_BY_HEAD = "blocked_by_head"
     INVALID = "invalid"
     PRICE = "price"
+    NODE_SELECTOR = "node_selector"
+    AFFINITY = "affinity"
+    ANTI_AFFINITY = "anti_affinity"
+    SPREAD = "spread"
 
 
 @dataclass(frozen=True, slots=True)
