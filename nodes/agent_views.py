@@ -40,6 +40,7 @@ from nodes.services.registration import (
 )
 from nodes.services.wakeup import CommandWaiter
 from nodes.validation import (
+    clean_labels,
     fail,
     get_address,
     get_bool,
@@ -105,11 +106,7 @@ def authenticate_for(request: HttpRequest | str, node_id: int) -> AuthenticatedN
 
 def _parse_registration(data: dict) -> tuple[str, NodeInfo]:
     token = get_str(data, "bootstrap_token", "bootstrap_token", required=True)
-    labels = data.get("labels") or {}
-    if not isinstance(labels, dict) or not all(
-        isinstance(k, str) and isinstance(v, str | int | float | bool) for k, v in labels.items()
-    ):
-        raise fail("labels", "Expected an object of simple values.")
+    labels = clean_labels(data.get("labels") or {}, "labels")
     interconnect = get_str(data, "interconnect", "interconnect", max_length=16) or Interconnect.PCIE
     if interconnect not in Interconnect.values:
         raise fail("interconnect", f"One of {', '.join(Interconnect.values)}.")

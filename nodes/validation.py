@@ -17,6 +17,35 @@ from portal.inputs import json_loads
 HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
 
 
+# Node labels: keys like Kubernetes' (letters, digits, ``-._/``, at most 63), values at most 63 of
+# letters, digits and ``-._``. Registration and workloads' node selectors check the same rules.
+LABEL_KEY = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._/-]{0,61}[A-Za-z0-9])?")
+LABEL_VALUE = re.compile(r"[A-Za-z0-9._-]{0,63}")
+MAX_LABELS = 64
+
+
+def clean_labels(value: Any, field: str, *, max_items: int = MAX_LABELS) -> dict[str, str]:
+    """A label object (key -> simple value) as strings, or a 400 naming ``field[key]``."""
+    if not isinstance(value, dict):
+        raise fail(field, "Expected an object of label keys and values.")
+    if len(value) > max_items:
+        raise fail(field, f"At most {max_items} labels.")
+    out = {}
+    for k, v in value.items():
+        if not isinstance(k, str) or not LABEL_KEY.fullmatch(k):
+            raise fail(
+                field, "Label keys are 1-63 letters, digits and -._/, starting and ending alphanumeric."
+            )
+        if isinstance(v, bool):
+            v = "true" if v else "false"
+        elif isinstance(v, int | float):
+            v = str(v)
+        if not isinstance(v, str) or not LABEL_VALUE.fullmatch(v):
+            raise fail(f"{field}.{k}", "Label values are at most 63 letters, digits and -._.")
+        out[k] = v
+    return out
+
+
 def fail(field: str, message: str) -> ValidationFailed:
     return ValidationFailed(f"{field}: {message}", fields={field: [message]})
 

@@ -104,6 +104,11 @@ class WorkloadSerializer(FieldsOnceModelSerializer):
             "gang",
             "gpus_per_node",
             "split_regions_ok",
+            "node_selector",
+            "affinity",
+            "anti_affinity",
+            "spread",
+            "preference",
             "gpu_fraction_milli",
             "mig_profile",
             "cpu_millicores",
@@ -249,6 +254,32 @@ class _SpecSerializer(serializers.Serializer):
     split_regions_ok = serializers.BooleanField(required=False)
     gpu_fraction_milli = serializers.IntegerField(required=False)
     mig_profile = serializers.CharField(required=False, allow_blank=True)
+    # Placement constraints: the service checks keys, values, sizes and ids (services.placement).
+    node_selector = serializers.DictField(
+        child=serializers.CharField(allow_blank=True),
+        required=False,
+        help_text='Node labels it needs, e.g. {"rack": "r12"}: only servers whose agent registered them.',
+    )
+    affinity = serializers.DictField(
+        required=False,
+        help_text='{"workloads": [ids of yours], "topology_key": "node" | a label such as "rack"}: '
+        "placed in a node or label domain that holds one of them.",
+    )
+    anti_affinity = serializers.DictField(
+        required=False,
+        help_text="Like affinity, but kept out of every domain that holds one of them.",
+    )
+    spread = serializers.DictField(
+        required=False,
+        help_text='{"topology_key": "rack", "max_skew": 1}: an array\'s tasks or a gang\'s nodes spread '
+        "over the label's values, no value more than max_skew members ahead of another.",
+    )
+    preference = serializers.ChoiceField(
+        choices=[("fastest", "fastest"), ("cheapest", "cheapest")],
+        required=False,
+        allow_blank=True,
+        help_text="With several acceptable models: by compute weight, or by compute weight per price.",
+    )
     cpu_millicores = serializers.IntegerField(required=False)
     ram_mib = serializers.IntegerField(required=False)
     region = serializers.CharField(required=False, allow_blank=True)

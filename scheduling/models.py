@@ -161,6 +161,13 @@ class Workload(TenantOwnedModel):
         "unless no other node could ever take it.",
     )
 
+    # Placement constraints (scheduling.engine.constraints), validated by services.placement.
+    node_selector = models.JSONField(default=dict, blank=True, help_text="Node labels it needs.")
+    affinity = models.JSONField(default=dict, blank=True, help_text="Near its own workloads.")
+    anti_affinity = models.JSONField(default=dict, blank=True, help_text="Away from its own workloads.")
+    spread = models.JSONField(default=dict, blank=True, help_text="Members over a label's values.")
+    preference = models.CharField(max_length=16, blank=True, help_text="fastest or cheapest")
+
     # Job arrays (scheduling.services.arrays): the array job keeps the spec, the counts and, in
     # work-queue mode, the items' lease; it never holds GPUs. Its tasks are jobs of their own
     # (state, retries, logs, usage) pointing at it by ``array_parent`` and ``array_index``.

@@ -30,6 +30,7 @@ from scheduling.models import (
 )
 from scheduling.pricing import gpu_price_table
 from scheduling.services.lifecycle import PREEMPTIBLE_STATES
+from scheduling.services.placement import placement_constraints, placement_prices
 from scheduling.services.warm_pools import WarmBinding
 
 ENGINE_VENDORS = {v.value for v in E.Vendor}
@@ -117,7 +118,7 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
     node_rows = {
         n["id"]: n
         for n in Node.objects.filter(state__in=SCHEDULABLE_NODE_STATES).values(
-            "id", "region__code", "domain", "cpu_cores", "ram_mib"
+            "id", "region__code", "domain", "cpu_cores", "ram_mib", "labels"
         )
     }
     gpu_rows = list(
@@ -158,6 +159,7 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
             "workload__checkpoint_resume",
             "workload__requeue_on_preemption",
             "workload__mig_profile",
+            "workload__array_parent_id",
         )
     )
     # Each allocation's GPU index from the GPUs just read, rather than a join that reads every GPU
@@ -252,6 +254,7 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
                 domain=n["domain"],
                 reserved_for=reserved_for.get(nid),
                 reserved_gpus=reserved_gpus.get(nid),
+                labels=n["labels"] if isinstance(n["labels"], dict) else {},
             )
         )
     node_by_id = {int(n.id): n for n in nodes}
@@ -314,6 +317,7 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
                     and a0["workload__requeue_on_preemption"],
                     # Members across nodes (a gang or pooled GPUs) are preempted together.
                     gang_id=str(wid) if a0["workload__gang"] or len(per_node) > 1 else None,
+                    group=str(a0["workload__array_parent_id"] or ""),
                 )
             )
 
@@ -390,6 +394,16 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
                 ctx_quota_blocked.add(w.pk)
                 continue
             spec = E.GpuSpec(models=room, mig_profile=spec.mig_profile)
+        constraints = None
+        if w.node_selector or w.affinity or w.anti_affinity or w.spread or w.preference:
+            allowed_names = sorted(allowed_models(spec, catalog))
+            prices = None
+            if w.preference == "cheapest":
+                rows = [m for m in catalog_rows if m.name in allowed_names]
+                prices = placement_prices(models=rows, region=w.region, plan=w.plan)
+            constraints = placement_constraints(
+                workload=w, allowed=allowed_names, catalog=catalog, prices=prices
+            )
         requests.append(
             E.Request(
                 id=str(w.pk),
@@ -411,6 +425,7 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
                 submit_time=w.submitted_at.timestamp(),
                 est_runtime=float(w.estimated_runtime_s) if w.estimated_runtime_s else None,
                 excluded=excluded.get(w.pk, frozenset()),
+                constraints=constraints,
                 avoid_nodes=tuple(
                     str(n)
                     for n in [

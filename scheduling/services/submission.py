@@ -56,6 +56,7 @@ from scheduling.selectors.shared import QuotaUsage, quota_usage
 from scheduling.services.arrays import MAX_ARRAY_COUNT
 from scheduling.services.dependencies import dependencies_attach, dependencies_validate
 from scheduling.services.env import GANG_ENV_NAMES, env_validate
+from scheduling.services.placement import placement_validate
 from scheduling.services.templates import template_apply, template_for_launch
 from scheduling.services.volumes import VolumeRequest, volumes_attach, volumes_validate
 from scheduling.services.work import WorkSpec, work_items_create, work_validate
@@ -516,6 +517,7 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
     if f["checkpoint_resume"] and not volumes:
         raise _fail("checkpoint_resume", "Checkpoints need a volume: attach one (volumes).")
     work = _validate_array(spec, kind, f, volumes)
+    f.update(placement_validate(tenant=tenant, spec=spec, f=f, candidates=candidates))
     depends_on = dependencies_validate(tenant=tenant, raw=spec.get("depends_on"))
     if depends_on and kind != WorkloadKind.JOB:
         raise _fail("depends_on", "Jobs only.")

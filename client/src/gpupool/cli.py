@@ -260,6 +260,24 @@ def _array(value: str) -> dict:
     return {"count": int(count), **({"parallelism": int(parallelism)} if parallelism else {})}
 
 
+def _spread(value: str) -> dict:
+    key, _, skew = value.partition(":")
+    if not key or (skew and not skew.isdigit()):
+        raise click.BadParameter(f"{value!r}: expected LABEL or LABEL:MAX_SKEW", param_hint="--spread")
+    return {"topology_key": key, **({"max_skew": int(skew)} if skew else {})}
+
+
+def _term(option: str):
+    def convert(value: str) -> dict:
+        ids, _, key = value.partition(":")
+        parts = ids.split(",")
+        if not all(p.isdigit() for p in parts):
+            raise click.BadParameter(f"{value!r}: expected ID[,ID...][:node|LABEL]", param_hint=option)
+        return {"workloads": [int(p) for p in parts], "topology_key": key or "node"}
+
+    return convert
+
+
 def _elastic(value: str) -> dict:
     low, sep, high = value.partition(":")
     if not (sep and low.isdigit() and high.isdigit()):
@@ -358,6 +376,18 @@ def _wait(c: Client, kind: str, workload: Any, until: str) -> Any:
 @click.option("--array", "array", help="COUNT[:PARALLELISM]: a job array.")
 @click.option("--gang", is_flag=True, default=None, help="All GPUs at once across nodes, or none.")
 @click.option("--elastic", help="MIN_GPUS:MAX_GPUS: an elastic job.")
+@click.option(
+    "--node-selector", "node_selector", multiple=True, help="LABEL=VALUE a node must have (repeatable)."
+)
+@click.option(
+    "--prefer",
+    "preference",
+    type=click.Choice(["fastest", "cheapest"]),
+    help="With several --model: the fastest, or the most compute per price.",
+)
+@click.option("--spread", "spread", help="LABEL[:MAX_SKEW]: spread an array's tasks or a gang's nodes.")
+@click.option("--affinity", "affinity", help="ID[,ID...][:node|LABEL]: near these workloads of yours.")
+@click.option("--anti-affinity", "anti_affinity", help="ID[,ID...][:node|LABEL]: away from these workloads.")
 @click.option("--depends-on", "depends_on", multiple=True, help="JOB_ID[:succeeded|finished] (repeatable).")
 @click.option("--idempotency-key", help="Makes a retried `run` create one workload (default: a new UUID).")
 @click.option(
@@ -387,7 +417,9 @@ def run(ctx: click.Context, as_json: bool, command: tuple[str, ...], kind: str, 
         spec["env"] = env
     converters = {"volumes": lambda vs: [_volume(v) for v in vs], "ports": lambda ps: [_port(p) for p in ps],
                   "array": _array, "elastic": _elastic, "depends_on": lambda ds: [_depends(d) for d in ds],
-                  "gpu_models": list}  # fmt: skip
+                  "gpu_models": list, "node_selector": lambda v: _pairs(v, "--node-selector"),
+                  "spread": _spread, "affinity": _term("--affinity"),
+                  "anti_affinity": _term("--anti-affinity")}  # fmt: skip
     ssh_key = flags.pop("ssh_key")
     if ssh_key:
         spec["ssh_public_key"] = Path(ssh_key).read_text().strip() if Path(ssh_key).is_file() else ssh_key

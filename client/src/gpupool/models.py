@@ -70,6 +70,11 @@ class Workload(Model):
     gang: bool = False
     gpus_per_node: Any = None
     split_regions_ok: bool = False
+    node_selector: Any = None
+    affinity: Any = None
+    anti_affinity: Any = None
+    spread: Any = None
+    preference: str = ""
     gpu_fraction_milli: int | None = None
     mig_profile: str = ""
     cpu_millicores: int | None = None

@@ -95,7 +95,7 @@ def test_spread_counts_running_members():
 
 def test_gang_spread_takes_one_node_per_rack():
     snap = snapshot(*(labelled(f"n{i}", "r1" if i < 3 else "r2") for i in range(6)))
-    c = Constraints(spread_key="rack", max_skew=0)
+    c = Constraints(spread_key="rack", max_skew=1)
     placed = nodes_of(schedule(snap, [Request("g", "t1", gpus=16, gang=True, constraints=c)]))
     assert sorted(placed["g"]) == ["n0", "n3"]
     plain = nodes_of(schedule(snap, [Request("g", "t1", gpus=16, gang=True)]))
@@ -103,9 +103,9 @@ def test_gang_spread_takes_one_node_per_rack():
 
 
 def test_gang_spread_unmet_is_named():
-    snap = snapshot(*(labelled(f"n{i}", "r1") for i in range(3)), labelled("x", "r2"))
-    c = Constraints(spread_key="rack", max_skew=0)
-    out = schedule(snap, [Request("g", "t1", gpus=24, gang=True, constraints=c)])
+    snap = snapshot(*(labelled(f"n{i}", "r1") for i in range(4)), labelled("x", "r2"))
+    c = Constraints(spread_key="rack", max_skew=1)
+    out = schedule(snap, [Request("g", "t1", gpus=32, gang=True, constraints=c)])
     assert out[0].reason == Reason.SPREAD
 
 
