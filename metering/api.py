@@ -31,6 +31,7 @@ from portal.api.routers import extra_urlpatterns, router
 from portal.api.viewsets import TenantReadOnlyViewSet
 from portal.models import Scope
 from scheduling.models import MILLI
+from scheduling.services.placement import placement_explain
 
 
 class UsageRecordSerializer(serializers.ModelSerializer):
@@ -218,7 +219,21 @@ class InvoiceViewSet(TenantReadOnlyViewSet):
 
 
 class CostEstimateInput(serializers.Serializer):
-    gpu_model = serializers.CharField(max_length=80, help_text="A model's name or short name.")
+    gpu_model = serializers.CharField(
+        max_length=80, required=False, help_text="A model's name or short name (or gpu_models)."
+    )
+    gpu_models = serializers.ListField(
+        child=serializers.CharField(max_length=80),
+        required=False,
+        min_length=1,
+        max_length=32,
+        help_text="Several acceptable models: the placement section says which one it would choose.",
+    )
+    preference = serializers.ChoiceField(
+        choices=[("fastest", "fastest"), ("cheapest", "cheapest")],
+        required=False,
+        help_text="With several models: rank by compute weight, or by compute weight per price.",
+    )
     gpu_count = serializers.IntegerField(min_value=1, max_value=1024, default=1)
     gpu_fraction_milli = serializers.IntegerField(min_value=1, max_value=MILLI, default=MILLI)
     # The bounds of a submission (scheduling.services.submission): no larger figure can be priced.
@@ -244,7 +259,15 @@ class CostEstimateInput(serializers.Serializer):
             raise serializers.ValidationError(f"Unknown GPU model {value!r}.")
         return model
 
+    def validate_gpu_models(self, value):
+        return list({self.validate_gpu_model(v).pk: self.validate_gpu_model(v) for v in value}.values())
+
     def validate(self, attrs):
+        if ("gpu_model" in attrs) == ("gpu_models" in attrs):
+            raise serializers.ValidationError({"gpu_model": ["Give gpu_model or gpu_models (one of them)."]})
+        attrs["models"] = attrs.pop("gpu_models", None) or [attrs.pop("gpu_model")]
+        if attrs.get("preference") and len(attrs["models"]) < 2:
+            raise serializers.ValidationError({"preference": ["Only with several gpu_models."]})
         if attrs["gpu_fraction_milli"] != MILLI and attrs["gpu_count"] != 1:
             raise serializers.ValidationError(
                 {"gpu_fraction_milli": ["A fraction of a GPU needs gpu_count 1."]}
@@ -252,9 +275,28 @@ class CostEstimateInput(serializers.Serializer):
         return attrs
 
 
+class PlacementCandidateSerializer(serializers.Serializer):
+    gpu_model = serializers.CharField()
+    compute_weight = serializers.DecimalField(max_digits=6, decimal_places=2)
+    price_per_gpu_hour = serializers.DecimalField(max_digits=22, decimal_places=10, allow_null=True)
+    score = serializers.FloatField()
+
+
+class PlacementChoiceSerializer(serializers.Serializer):
+    preference = serializers.CharField(allow_null=True)
+    gpu_model = serializers.CharField()
+    region = serializers.CharField(allow_null=True)
+    reason = serializers.CharField()
+    candidates = PlacementCandidateSerializer(many=True)
+
+
 class CostEstimateOutput(serializers.Serializer):
     currency = serializers.CharField()
     per_hour = serializers.DictField(child=serializers.CharField(allow_null=True))
+    placement = PlacementChoiceSerializer(
+        help_text="The model (and region) the scheduler would choose, with the ranked candidates; "
+        "per_hour prices that model when a preference is given, else the dearest candidate."
+    )
 
 
 class CostEstimateView(APIView):
@@ -266,9 +308,13 @@ class CostEstimateView(APIView):
         data = CostEstimateInput(data=request.data)
         data.is_valid(raise_exception=True)
         spec = data.validated_data
+        placement = placement_explain(
+            models=spec["models"], region=spec.get("region"), preference=spec.get("preference", "")
+        )
+        chosen = [m for m in spec["models"] if m.name == placement["gpu_model"]]
         per_hour = hourly_estimate(
             tenant=tenant,
-            gpu_models=[spec["gpu_model"]],
+            gpu_models=chosen if spec.get("preference") else spec["models"],
             gpu_count=spec["gpu_count"],
             fraction_milli=spec["gpu_fraction_milli"],
             cpu_millicores=spec["cpu_millicores"],
@@ -284,6 +330,7 @@ class CostEstimateView(APIView):
                     plan: None if v is None else str(quantize_money(v, currency))
                     for plan, v in per_hour.items()
                 },
+                "placement": placement,
             }
         )
 

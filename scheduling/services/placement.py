@@ -12,7 +12,8 @@ from typing import Any
 
 from nodes.validation import LABEL_KEY, clean_labels
 from portal.errors import ValidationFailed
-from scheduling.engine.constraints import NODE, PREFERENCES, Constraints, Term, rank_models
+from scheduling.engine.constraints import NODE, PREFERENCES, Constraints, Ranked, Term, rank_models
+from scheduling.engine.types import GpuModelInfo
 from scheduling.models import Workload
 from scheduling.pricing import gpu_price_table, price_key
 
@@ -85,15 +86,37 @@ def placement_validate(*, tenant, spec: dict, f: dict[str, Any], candidates: lis
 
 
 def placement_prices(*, models: list, region, plan: str) -> dict[str, Any]:
-    """The ``plan`` price per GPU-hour of each of ``models`` (GpuModel rows) in ``region`` (or with
-    no region), by name: what "cheapest" divides compute weight by."""
-    table = gpu_price_table(pairs=[(m, region) for m in models])
-    out = {}
+    """The ``plan`` price (else on-demand) per GPU-hour of each of ``models`` (GpuModel rows) by
+    name: in ``region``, or without one the lowest among the regions that have servers of it (the
+    price "cheapest" divides compute weight by), and the region that price is in."""
+    return {name: price for name, (price, _r) in _prices_where(models, region, plan).items()}
+
+
+def _prices_where(models: list, region, plan: str) -> dict[str, tuple[Any, Any]]:
+    from nodes.models import NodeState, Region
+
+    pairs = []
     for m in models:
-        price = table[price_key(m, region)].get(plan) or table[price_key(m, region)].get("on_demand")
-        if price is not None:
-            out[m.name] = price
-    return out
+        regions = (
+            [region]
+            if region is not None
+            else list(
+                Region.objects.filter(nodes__state=NodeState.READY, nodes__gpus__model=m)
+                .distinct()
+                .order_by("code")
+            )
+        )
+        pairs.extend((m, r) for r in regions)
+    table = gpu_price_table(pairs=pairs)
+    out: dict[str, tuple[Any, Any]] = {}
+    for m, r in pairs:
+        row = table[price_key(m, r)]
+        price = row.get(plan) or row.get("on_demand")
+        if price is not None and (m.name not in out or price < out[m.name][0]):
+            out[m.name] = (price, r)
+        elif m.name not in out:
+            out[m.name] = (None, r)
+    return {k: v for k, v in out.items() if v[0] is not None} | {k: v for k, v in out.items() if v[0] is None}
 
 
 def placement_constraints(
@@ -122,3 +145,44 @@ def placement_constraints(
         group=str(w.array_parent_id) if w.spread and w.array_parent_id else "",
         prefer=prefer,
     )
+
+
+def placement_explain(*, models: list, region, preference: str) -> dict[str, Any]:
+    """What the scheduler would choose among ``models`` (GpuModel rows) for ``preference`` (or
+    none), and why: the ranked candidates with their compute weight and on-demand price per GPU-hour
+    in ``region`` (None: without a region), and the region it would look in first (the one asked
+    for, else the first by code that has a READY server of the chosen model)."""
+    catalog = {m.name: m for m in models}
+    where_prices = _prices_where(models, region, "on_demand")
+    prices = {k: p for k, (p, _r) in where_prices.items() if p is not None}
+    info = {m.name: GpuModelInfo(m.name, compute_weight=float(m.compute_weight)) for m in models}
+    if preference:
+        ranked = rank_models(list(catalog), info, preference, prices)
+        why = (
+            "highest compute weight"
+            if preference == "fastest"
+            else "highest compute weight per on-demand price"
+        )
+    else:
+        ranked = [
+            Ranked(m.name, float(m.compute_weight), prices.get(m.name), 0.0)
+            for m in sorted(models, key=lambda m: m.name)
+        ]
+        why = "no preference: any of these models, wherever capacity packs best"
+    chosen = ranked[0].model
+    where = where_prices.get(chosen, (None, region))[1]
+    return {
+        "preference": preference or None,
+        "gpu_model": chosen,
+        "region": where.code if where is not None else None,
+        "reason": why,
+        "candidates": [
+            {
+                "gpu_model": r.model,
+                "compute_weight": f"{r.compute_weight:.2f}",
+                "price_per_gpu_hour": None if r.price is None else str(r.price),
+                "score": round(r.score, 6),
+            }
+            for r in ranked
+        ],
+    }

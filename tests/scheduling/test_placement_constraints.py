@@ -119,3 +119,55 @@ def test_cycle_prefers_the_fastest_model(tenant, make_node, submit, cycle):
     # Without a preference both go where packing puts them; "fastest" goes to the H100s.
     assert _nodes(reload(fast)) == {h.pk}
     assert _nodes(reload(plain)) <= {h.pk, a.pk}
+
+
+def test_cost_estimate_says_which_model_it_chose_and_why(client, make_node):
+    from datetime import UTC, datetime
+
+    from metering.models import RateCard
+    from metering.services.rates import rate_card_version_create
+    from nodes.models import GpuModel
+
+    h100, a100 = GpuModel.objects.get(name=H100), GpuModel.objects.get(name=A100)
+    rc = RateCard.objects.create(name="Standard", currency="USD", is_default=True)
+    rate_card_version_create(
+        rate_card=rc,
+        effective_from=datetime(2020, 1, 1, tzinfo=UTC),
+        gpu_prices={(h100.pk, "on_demand"): "2.00", (a100.pk, "on_demand"): "1.00"},
+        allow_past=True,
+    )
+    make_node(model=H100)
+    make_node(model=A100, region="eu")
+    one = client.post("/api/v1/cost-estimate/", {"gpu_model": "H100"}, content_type="application/json")
+    assert one.status_code == 200, one.content
+    assert one.json()["placement"]["gpu_model"] == H100 and one.json()["placement"]["region"] == "us-east-1"
+    both = [H100, A100]
+    fast = client.post(
+        "/api/v1/cost-estimate/",
+        {"gpu_models": both, "preference": "fastest"},
+        content_type="application/json",
+    ).json()
+    cheap = client.post(
+        "/api/v1/cost-estimate/",
+        {"gpu_models": both, "preference": "cheapest"},
+        content_type="application/json",
+    ).json()
+    assert fast["placement"]["gpu_model"] == H100 and fast["placement"]["reason"] == "highest compute weight"
+    cands = {c["gpu_model"]: c for c in cheap["placement"]["candidates"]}
+    best = max(cands.values(), key=lambda c: float(c["compute_weight"]) / float(c["price_per_gpu_hour"]))
+    assert cheap["placement"]["gpu_model"] == best["gpu_model"]
+    assert cheap["placement"]["candidates"][0]["gpu_model"] == best["gpu_model"] == A100
+    assert cheap["placement"]["region"] == ("us-east-1" if best["gpu_model"] == H100 else "eu-west-1")
+    # per_hour prices the chosen model.
+    alone = client.post(
+        "/api/v1/cost-estimate/", {"gpu_model": best["gpu_model"]}, content_type="application/json"
+    ).json()
+    assert cheap["per_hour"]["on_demand"] == alone["per_hour"]["on_demand"]
+    bad = client.post(
+        "/api/v1/cost-estimate/",
+        {"gpu_model": "H100", "preference": "fastest"},
+        content_type="application/json",
+    )
+    assert bad.status_code == 400 and "preference" in bad.json()["error"]["fields"]
+    neither = client.post("/api/v1/cost-estimate/", {}, content_type="application/json")
+    assert neither.status_code == 400 and "gpu_model" in neither.json()["error"]["fields"]
