@@ -340,3 +340,19 @@ def test_open_prints_a_running_instances_proxy_url(gp, tenant, make_node, cycle)
     url = gp("open", inst["id"], "8888").stdout.strip()
     assert url.endswith(f"/proxy/{inst['id']}/8888/"), url
     assert gp.json("open", inst["id"], "8888")["url"] == url
+
+
+def test_run_with_placement_flags(gp, tenant, make_node):
+    make_node(H100, gpus=8)
+    first = gp.json("run", *JOB, "--", "python", "a.py")
+    job = gp.json("run", *JOB, "--node-selector", "rack=r12", "--node-selector", "pool=a",
+                  "--anti-affinity", f"{first['id']}:rack", "--", "python", "b.py")  # fmt: skip
+    w = Workload.objects.get(pk=job["id"], tenant=tenant)
+    assert w.node_selector == {"rack": "r12", "pool": "a"}
+    assert w.anti_affinity == {"workloads": [first["id"]], "topology_key": "rack"}
+    arr = gp.json("run", *JOB, "--array", "4", "--spread", "rack:2", "--", "python", "c.py")
+    assert Workload.objects.get(pk=arr["id"]).spread == {"topology_key": "rack", "max_skew": 2}
+    refused = gp("run", *JOB, "--prefer", "fastest", "--", "python", "d.py", code=None)
+    assert refused.exit_code == 1 and "preference" in refused.stderr
+    bad = gp("run", *JOB, "--affinity", "x:rack", "--", "python", "e.py", code=None)
+    assert bad.exit_code == 2
