@@ -549,3 +549,26 @@ def test_the_gpus_a_registration_locks_are_locked_in_id_order(register_node):
     assert set(locked) == set(node.uuids)
     (sql,) = [q["sql"] for q in queries.captured_queries if "FOR UPDATE" in q["sql"]]
     assert re.search(r'ORDER BY "nodes_gpu"\."id" ASC', sql), sql
+
+
+@pytest.mark.parametrize(
+    ("labels", "field"),
+    [
+        ({"bad key": "x"}, "labels"),
+        ({"rack": "r 12"}, "labels.rack"),
+        ({"rack": {"nested": 1}}, "labels.rack"),
+        ({f"k{i}": "v" for i in range(65)}, "labels"),
+        (["rack"], "labels"),
+    ],
+)
+def test_labels_follow_the_label_rules_node_selectors_use(client, make_bootstrap_token, labels, field):
+    token = make_bootstrap_token()
+    body = registration_body(token, "gpu-l")
+    body["labels"] = labels
+    response = post_register(client, body)
+    assert response.status_code == 400, response.content
+    assert field in response.json()["error"]["fields"]
+    assert not Node.objects.exists()
+    body["labels"] = {"rack": "r12", "simulated": True, "row": 7}
+    assert post_register(client, body).status_code == 201
+    assert Node.objects.get().labels == {"rack": "r12", "simulated": "true", "row": "7"}
