@@ -106,6 +106,8 @@ class ConstraintIndex:
             self.where[(r.tenant, r.id)].add(i)
             if r.group:
                 self.members[r.group].append(i)
+                # An array job never runs itself: naming it names its tasks.
+                self.where[(r.tenant, r.group)].add(i)
 
     @classmethod
     def for_nodes(cls, nodes: Sequence[Node], running: Iterable[Running]) -> ConstraintIndex:
@@ -119,6 +121,7 @@ class ConstraintIndex:
             self.where[(tenant, request_id)].add(i)
             if group:
                 self.members[group].append(i)
+                self.where[(tenant, group)].add(i)
 
     def _domains(self, tenant: str, term: Term) -> set[str]:
         out = set()

@@ -131,3 +131,13 @@ def test_preference_chooses_the_model():
         snap, [Request("w", "t1", gpu=spec, region="eu", constraints=Constraints(prefer=("H100", "T4")))]
     )
     assert nodes_of(out) == {"w": ["t"]}
+
+
+def test_naming_an_array_job_names_its_running_tasks():
+    snap = snapshot(labelled("a", "r1"), labelled("b", "r2"))
+    snap.running = [Running("task7", "t1", "a", (0,), group="arr")]
+    snap.nodes[0].gpus[0].free_milli = 0
+    near = Constraints(affinity=Term(frozenset({"arr"}), "rack"))
+    away = Constraints(anti_affinity=Term(frozenset({"arr"}), "rack"))
+    assert nodes_of(schedule(snap, [Request("w", "t1", constraints=near)])) == {"w": ["a"]}
+    assert nodes_of(schedule(snap, [Request("w", "t1", constraints=away)])) == {"w": ["b"]}
