@@ -8,7 +8,8 @@ goes through ``workload_submit`` like any other, so every check applies. What is
 - its ``resources.limits`` (``requests`` where a limit is absent): ``nvidia.com/gpu`` is the GPU
   count, ``nvidia.com/gpu.model`` the model, ``cpu`` and ``memory`` the CPU and RAM;
 - the pod's ``nodeSelector``: ``nvidia.com/gpu.product`` the model (as GPU Feature Discovery labels
-  it, e.g. ``NVIDIA-A100-SXM4-80GB``), ``topology.kubernetes.io/region`` the region;
+  it, e.g. ``NVIDIA-A100-SXM4-80GB``), ``topology.kubernetes.io/region`` the region, any other
+  key the workload's ``node_selector`` (the labels agents register);
 - ``completions``/``parallelism`` an array, ``backoffLimit`` the retries, ``activeDeadlineSeconds``
   the maximum runtime, ``metadata.name`` the name.
 
@@ -252,7 +253,8 @@ def _pod(pod: dict, spec: dict, warnings: list[str]) -> None:
                 raise _refuse(path, "A region code, e.g. us-east-1.")
             spec["region"] = value
         else:
-            warnings.append(f"{path}: no such node label here; ignored.")
+            # Any other label: a node selector on the labels agents register (checked by the service).
+            spec.setdefault("node_selector", {})[key] = value
     _unsupported(pod, base, {"containers", "restartPolicy", "nodeSelector"}, warnings)
 
 
