@@ -129,6 +129,11 @@ CATALOG: tuple[GpuSpec, ...] = (
         3277, "oneapi", gfx_target="pvc", aliases=("Intel(R) Data Center GPU Max 1550", "Max 1550"),
         spec_source="Intel Data Center GPU Max Series product brief",
     ),
+    GpuSpec(
+        "intel", "Intel Data Center GPU Max 1100", "Max-1100", "Xe-HPC (Ponte Vecchio)", 48, 352.0, 22.2,
+        1229, "oneapi", gfx_target="pvc", aliases=("Intel(R) Data Center GPU Max 1100", "Max 1100"),
+        spec_source="Intel Data Center GPU Max Series product brief (PCIe card)",
+    ),
 )  # fmt: skip
 
 

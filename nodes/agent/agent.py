@@ -216,6 +216,7 @@ class Agent(CommandHandlers):
         try:
             self.inventory = await asyncio.to_thread(self.collector.discover)
             self.runtime.node_gpus = len(self.inventory.gpus)
+            self.runtime.inventory = self.inventory
             self.log.info(
                 "collector %s found %d GPU(s); runtime %s",
                 self.collector.name,
@@ -556,6 +557,9 @@ class Agent(CommandHandlers):
             "samples": [reading.to_json() for reading in samples],
             "workloads": workloads,
         }
+        if self.inventory is not None:
+            # Every batch: the portal writes them only when they differ from what it holds.
+            body["versions"] = self.inventory.versions()
         active = {status.workload_id for status in statuses if not status.terminal}
         volumes = await asyncio.to_thread(self.runtime.volumes.report, active)
         if volumes:

@@ -47,6 +47,11 @@ class GpuInfo:
     numa_node: int | None = None
     mig_mode: bool = False
     mig_devices: list[MigDevice] = field(default_factory=list)
+    render_node: str = ""
+    """AMD and Intel: the GPU's DRM render node (``/dev/dri/renderD128``), found by the collector from
+    its PCI bus id; the runtimes give a workload the render nodes of its GPUs."""
+    firmware_version: str = ""
+    """The GPU's firmware as its driver reports it (VBIOS on NVIDIA and AMD, GFX firmware on Intel)."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -58,8 +63,21 @@ class NodeInventory:
     driver_version: str = ""
     cuda_version: str = ""
     rocm_version: str = ""
+    level_zero_version: str = ""
     interconnect: str = "pcie"
     vendor: str = ""
+    node_devices: list[str] = field(default_factory=list)
+    """Device files every workload on these GPUs needs besides its GPUs' own (AMD: ``/dev/kfd``)."""
+
+    def versions(self) -> dict[str, Any]:
+        """The driver stack's versions and each GPU's firmware, as heartbeats carry them."""
+        return {
+            "driver_version": self.driver_version,
+            "cuda_version": self.cuda_version,
+            "rocm_version": self.rocm_version,
+            "level_zero_version": self.level_zero_version,
+            "gpus": [{"uuid": gpu.uuid, "firmware_version": gpu.firmware_version} for gpu in self.gpus],
+        }
 
     def gpu(self, uuid: str) -> GpuInfo | None:
         return next((gpu for gpu in self.gpus if gpu.uuid == uuid), None)

@@ -106,6 +106,7 @@ RESERVED_ENV_NAMES = frozenset(
         "GPU_DEVICE_ORDINAL",  # AMD OpenCL
         "AMD_VISIBLE_DEVICES",  # the AMD container toolkit's device list
         "ZE_AFFINITY_MASK",  # Intel Level Zero
+        "ZE_ENABLE_PCI_ID_DEVICE_ORDER",  # the order ZE_AFFINITY_MASK's indices refer to
         "ONEAPI_DEVICE_SELECTOR",
     }
 )

@@ -69,7 +69,7 @@ PLAN_PRIORITY_RANK = {
     PriorityClass.RESERVED: 3,
 }
 # Vendors the placement engine can represent (scheduling.engine.types.Vendor).
-SCHEDULABLE_VENDORS = frozenset({GpuVendor.NVIDIA, GpuVendor.AMD})
+SCHEDULABLE_VENDORS = frozenset({GpuVendor.NVIDIA, GpuVendor.AMD, GpuVendor.INTEL})
 MIG_PROFILE_RE = re.compile(r"^(\d)g\.(\d+)gb$")
 CUDA_CC_RE = re.compile(r"^\d{1,2}\.\d$")
 

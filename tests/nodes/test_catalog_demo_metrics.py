@@ -29,7 +29,7 @@ def test_catalog_is_seeded_by_migrate_and_seeding_is_idempotent(db):
     names = set(GpuModel.objects.values_list("name", flat=True))
     assert {s.name for s in CATALOG} == names
     for required in ("H200", "H100", "H100-PCIe", "A100-40", "A100-80", "L40S", "L4", "A10", "T4", "V100-16",
-                     "V100-32", "P100", "MI300X", "MI250", "Max-1550"):  # fmt: skip
+                     "V100-32", "P100", "MI300X", "MI250", "Max-1550", "Max-1100"):  # fmt: skip
         assert GpuModel.objects.filter(short_name=required).exists(), required
     assert catalog_seed() == (0, 0)
     out = StringIO()

@@ -2,7 +2,8 @@
 
 Every collector has the same interface (:class:`Collector`); ``make_collector`` picks one by name.
 A collector that cannot work here raises :class:`CollectorUnavailable` with the reason; nothing
-falls back silently to another collector (``auto`` tries NVML then AMD SMI and says which it chose).
+falls back silently to another collector (``auto`` tries NVML, AMD SMI, then ``xpu-smi`` for Intel
+GPUs, and says which it chose).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-COLLECTOR_KINDS = ("nvml", "amdsmi", "simulated", "auto")
+COLLECTOR_KINDS = ("nvml", "amdsmi", "xpusmi", "simulated", "auto")
 
 
 class CollectorUnavailable(RuntimeError):
@@ -65,13 +66,17 @@ def make_collector(kind: str, **options: Any) -> Collector:
         from nodes.agent.collectors.amd import AmdSmiCollector
 
         return AmdSmiCollector()
+    if kind == "xpusmi":
+        from nodes.agent.collectors.intel import XpuSmiCollector
+
+        return XpuSmiCollector()
     if kind == "simulated":
         from nodes.agent.collectors.simulated import SimulatedCollector
 
         return SimulatedCollector(**options)
     if kind == "auto":
         reasons = []
-        for candidate in ("nvml", "amdsmi"):
+        for candidate in ("nvml", "amdsmi", "xpusmi"):
             try:
                 collector = make_collector(candidate)
             except CollectorUnavailable as exc:

@@ -4,7 +4,10 @@ Written against the documented amdsmi Python API (ROCm 6.x): ``amdsmi_init``,
 ``amdsmi_get_processor_handles``, ``amdsmi_get_gpu_asic_info`` / ``_device_uuid`` / ``_device_bdf`` /
 ``_vram_usage`` (MB) / ``_activity`` / ``_total_ecc_count`` / ``_process_list``,
 ``amdsmi_get_power_info`` (W), ``amdsmi_get_temp_metric``, ``amdsmi_get_clock_info`` and
-``amdsmi_topo_get_link_type`` / ``amdsmi_topo_get_numa_node_number``. Values the library answers
+``amdsmi_topo_get_link_type`` / ``amdsmi_topo_get_numa_node_number``, ``amdsmi_get_gpu_vbios_info``
+(the firmware). Each GPU's render node comes from its PCI bus id (``collectors.devices``), and the
+node's ``/dev/kfd`` (the ROCm compute interface every workload needs) is checked at discovery.
+GPUs are numbered in PCI order, the order the ROCm runtime enumerates them in. Values the library answers
 "N/A" for, or refuses with an exception, become ``None``. AMD has no XID events; ``xid_errors`` is
 always empty here.
 """
@@ -12,9 +15,11 @@ always empty here.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from nodes.agent.collectors import CollectorError, CollectorUnavailable
+from nodes.agent.collectors.devices import render_node
 from nodes.agent.collectors.nvml import group_islands
 from nodes.agent.types import GpuInfo, GpuSample, NodeInventory, ProcessSample
 
@@ -38,7 +43,9 @@ def _number(value: Any) -> float | None:
 class AmdSmiCollector:
     name = "amdsmi"
 
-    def __init__(self) -> None:
+    def __init__(self, *, dev_root: str | Path = "/dev", sysfs_root: str | Path = "/sys") -> None:
+        self.dev_root = Path(dev_root)
+        self.sysfs_root = Path(sysfs_root)
         try:
             import amdsmi
         except ImportError as exc:
@@ -69,20 +76,25 @@ class AmdSmiCollector:
         gpus: list[GpuInfo] = []
         self._handles = {}
         handles = smi.amdsmi_get_processor_handles()
-        for index, handle in enumerate(handles):
+        bus_ids = {id(h): str(self._get("amdsmi_get_gpu_device_bdf", h) or "").lower() for h in handles}
+        for index, handle in enumerate(sorted(handles, key=lambda h: bus_ids[id(h)])):
             uuid = str(smi.amdsmi_get_gpu_device_uuid(handle))
             asic = self._get("amdsmi_get_gpu_asic_info", handle) or {}
             vram = self._get("amdsmi_get_gpu_vram_usage", handle) or {}
             numa = self._get("amdsmi_topo_get_numa_node_number", handle)
+            vbios = self._get("amdsmi_get_gpu_vbios_info", handle) or {}
             total = _number(vram.get("vram_total"))
+            bus_id = bus_ids[id(handle)]
             gpus.append(
                 GpuInfo(
                     index=index,
                     uuid=uuid,
                     name=str(asic.get("market_name") or "AMD GPU"),
                     memory_mib=int(total) if total is not None else 0,
-                    pci_bus_id=str(self._get("amdsmi_get_gpu_device_bdf", handle) or "").lower(),
+                    pci_bus_id=bus_id,
                     numa_node=numa if isinstance(numa, int) and numa >= 0 else None,
+                    render_node=render_node(bus_id, dev_root=self.dev_root, sysfs_root=self.sysfs_root),
+                    firmware_version=str(vbios.get("version") or vbios.get("vbios_version") or ""),
                 )
             )
             self._handles[uuid] = handle
@@ -97,6 +109,7 @@ class AmdSmiCollector:
             rocm_version=str(rocm or ""),
             interconnect=interconnect,
             vendor="amd",
+            node_devices=[str(self.dev_root / "kfd")],
         )
         return self.inventory
 

@@ -183,6 +183,7 @@ class NvmlCollector:
             numa_node=numa,
             mig_mode=mig_mode,
             mig_devices=self._mig_devices(handle) if mig_mode else [],
+            firmware_version=self._text(self._get("nvmlDeviceGetVbiosVersion", handle) or ""),
         )
 
     def _mig_devices(self, handle: Any) -> list[MigDevice]:

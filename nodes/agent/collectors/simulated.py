@@ -71,6 +71,7 @@ MODELS: dict[str, ModelSpec] = {
     "AMD Instinct MI250": ModelSpec(65536, 500, 90, 1700, "amd"),
     "AMD Instinct MI250X": ModelSpec(65536, 500, 90, 1700, "amd"),
     "Intel(R) Data Center GPU Max 1550": ModelSpec(131072, 600, 100, 1600, "intel"),
+    "Intel(R) Data Center GPU Max 1100": ModelSpec(49152, 300, 60, 1550, "intel"),
 }
 DEFAULT_SPEC = ModelSpec(81920, 400, 50, 1500)
 AMBIENT_C = 30.0

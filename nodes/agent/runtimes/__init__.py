@@ -14,10 +14,20 @@ import tempfile
 import threading
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nodes.agent.types import PREEMPTED, STOPPED, WorkloadHandle, WorkloadSpec, WorkloadStatus, rfc3339
+from nodes.agent.collectors.devices import DeviceFileError, check_device_file
+from nodes.agent.types import (
+    PREEMPTED,
+    STOPPED,
+    NodeInventory,
+    WorkloadHandle,
+    WorkloadSpec,
+    WorkloadStatus,
+    rfc3339,
+)
 
 RUNTIME_KINDS = ("docker", "subprocess", "simulated")
 OutputLine = tuple[float, str, str]
@@ -97,7 +107,7 @@ class RecordStore:
 
 
 def gpu_sharing_env(
-    spec: WorkloadSpec, mode: str, mps_pipe_dir: str = DEFAULT_MPS_PIPE_DIR
+    spec: WorkloadSpec, mode: str, mps_pipe_dir: str = DEFAULT_MPS_PIPE_DIR, vendor: str = ""
 ) -> dict[str, str]:
     """The environment that isolates a fractional share of one GPU that is not a MIG slice.
 
@@ -108,12 +118,14 @@ def gpu_sharing_env(
     not by UUID) caps its GPU memory under MPS; in ``mps`` mode ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``
     (the share / 10, rounded up) caps its SMs and ``CUDA_MPS_PIPE_DIRECTORY`` names the MPS control
     daemon's pipes. In ``time-slicing`` mode the GPU is shared by time slices without a compute cap;
-    the memory variables are set all the same (only an MPS daemon enforces the CUDA one). AMD GPUs
-    have no MPS: their shares are time-sliced and get only the gpupool variables."""
+    the memory variables are set all the same (only an MPS daemon enforces the CUDA one). AMD and
+    Intel GPUs have no MPS: their shares are time-sliced and get only the gpupool variables."""
     fraction = spec.gpu_fraction_milli
     if spec.mig_profile or fraction >= 1000 or len(spec.gpu_uuids) != 1:
         return {}
-    amd = spec.gpu_vendor == "amd"
+    if vendor not in ("nvidia", "amd", "intel"):
+        vendor = spec.gpu_vendor
+    amd = vendor in ("amd", "intel")
     env = {
         "GPUPOOL_GPU_FRACTION_MILLI": str(fraction),
         "GPUPOOL_GPU_SHARING": "time-slicing" if amd else mode,
@@ -131,6 +143,68 @@ def gpu_sharing_env(
     return env
 
 
+@dataclass(frozen=True)
+class DevicePlan:
+    """What a workload on AMD or Intel GPUs is given: device files (host path, path inside a
+    container), the groups that own them (never 0) and the variables that choose its GPUs, for a
+    container (which sees only its own GPUs, numbered from 0) and for a host process (which sees
+    every GPU of the node, numbered in PCI order by the collector)."""
+
+    vendor: str
+    devices: tuple[tuple[str, str], ...] = ()
+    groups: tuple[int, ...] = ()
+    container_env: dict[str, str] = field(default_factory=dict)
+    process_env: dict[str, str] = field(default_factory=dict)
+
+
+def device_plan(inventory: NodeInventory | None, spec: WorkloadSpec) -> DevicePlan | None:
+    """The device plan of ``spec`` on a node whose collector found ``inventory``: None for NVIDIA
+    (the NVIDIA container toolkit gives the GPUs) and for a workload without GPUs. Every device
+    path comes from the collector and is checked here (an absolute path of a character device; a
+    GPU's is a render node); a GPU the collector did not find, or without a render node, is a
+    :class:`RuntimeFailure`."""
+    vendor = inventory.vendor if inventory is not None else ""
+    if vendor not in ("amd", "intel") or not spec.gpu_uuids:
+        return None
+    assert inventory is not None
+    gpus = []
+    for uuid in spec.gpu_uuids:
+        gpu = inventory.gpu(uuid)
+        if gpu is None:
+            raise RuntimeFailure(f"GPU {uuid} is not on this node")
+        if not gpu.render_node:
+            raise RuntimeFailure(f"GPU {uuid} has no render node: the collector found none for it")
+        gpus.append(gpu)
+    devices: list[tuple[str, str]] = []
+    groups: set[int] = set()
+    try:
+        for path in inventory.node_devices:
+            groups.add(check_device_file(path, render=False).st_gid)
+            devices.append((path, "/dev/" + os.path.basename(path)))
+        for gpu in gpus:
+            groups.add(check_device_file(gpu.render_node, render=True).st_gid)
+            devices.append((gpu.render_node, "/dev/dri/" + os.path.basename(gpu.render_node)))
+    except DeviceFileError as exc:
+        raise RuntimeFailure(f"cannot give the workload its GPUs: {exc}") from exc
+    inside = ",".join(str(i) for i in range(len(gpus)))
+    host = ",".join(str(gpu.index) for gpu in gpus)
+    if vendor == "amd":
+        # HIP numbers the devices ROCr left visible from 0, in a container and on the host alike.
+        container_env = {"ROCR_VISIBLE_DEVICES": inside, "HIP_VISIBLE_DEVICES": inside}
+        process_env = {"ROCR_VISIBLE_DEVICES": host, "HIP_VISIBLE_DEVICES": inside}
+    else:
+        order = {"ZE_ENABLE_PCI_ID_DEVICE_ORDER": "1"}
+        container_env = {**order, "ZE_AFFINITY_MASK": inside}
+        process_env = {**order, "ZE_AFFINITY_MASK": host}
+    return DevicePlan(
+        vendor=vendor,
+        devices=tuple(devices),
+        groups=tuple(sorted(g for g in groups if g != 0)),
+        container_env=container_env,
+        process_env=process_env,
+    )
+
+
 class Runtime(ABC):
     name: str
     # False for a runtime whose ``status`` answers from memory (the simulated one), which the agent
@@ -139,6 +213,9 @@ class Runtime(ABC):
     # The node's GPUs, set by the agent once it has found them (the docker runtime sizes the CPU
     # and memory of a workload that names none from its share of them).
     node_gpus: int = 0
+    # What the collector found (vendor, each GPU's render node, the node's device files), set by the
+    # agent with ``node_gpus``: AMD and Intel workloads get their device files from it.
+    inventory: NodeInventory | None = None
 
     def __init__(
         self,
@@ -161,7 +238,11 @@ class Runtime(ABC):
         self.volumes = Volumes("")
 
     def sharing_env(self, spec: WorkloadSpec) -> dict[str, str]:
-        return gpu_sharing_env(spec, self.gpu_sharing, self.mps_pipe_dir)
+        vendor = self.inventory.vendor if self.inventory is not None else ""
+        return gpu_sharing_env(spec, self.gpu_sharing, self.mps_pipe_dir, vendor)
+
+    def device_plan(self, spec: WorkloadSpec) -> DevicePlan | None:
+        return device_plan(self.inventory, spec)
 
     def uses_mps(self, spec: WorkloadSpec) -> bool:
         return "CUDA_MPS_PIPE_DIRECTORY" in self.sharing_env(spec)

@@ -38,7 +38,14 @@ instead of making another. A container runs hardened, whatever its image asks fo
 - json-file logs capped (``LOG_MAX_SIZE`` x ``LOG_MAX_FILES``): a workload cannot fill the disk with
   its output.
 
-GPUs are device requests (``--gpus device=...``): the UUIDs of the workload's GPUs or MIG slices.
+GPUs: on NVIDIA they are device requests (``--gpus device=...``, the NVIDIA Container Toolkit): the
+UUIDs of the workload's GPUs or MIG slices. On AMD and Intel (the collector says which) there is no
+toolkit: the container gets device files, each checked where it is used (an absolute path of a
+character device, from the collector, never from a payload): AMD's ``/dev/kfd`` and each of its
+GPUs' render node (``/dev/dri/renderD<N>``, found from the GPU's PCI bus id), Intel's render nodes;
+the groups that own them (``video``/``render``, by number: never 0), and ``ROCR_VISIBLE_DEVICES`` and
+``HIP_VISIBLE_DEVICES`` (AMD) or ``ZE_AFFINITY_MASK`` (Intel) naming its GPUs as the container
+numbers them (from 0; it sees no other).
 """
 
 from __future__ import annotations
@@ -59,7 +66,15 @@ from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import DeviceRequest, LogConfig, Mount
 
 from nodes.agent import workload_rules
-from nodes.agent.runtimes import STREAMS, OutputLine, Runtime, RuntimeFailure, safe_name, volume_env
+from nodes.agent.runtimes import (
+    STREAMS,
+    DevicePlan,
+    OutputLine,
+    Runtime,
+    RuntimeFailure,
+    safe_name,
+    volume_env,
+)
 from nodes.agent.types import (
     EXITED,
     FAILED,
@@ -244,11 +259,15 @@ class DockerRuntime(Runtime):
         memory = ram_mib * 1024 * 1024 or max(64 << 20, int(self._engine["MemTotal"] * share))
         return nano, memory
 
-    def _environment(self, spec: WorkloadSpec, env: dict[str, str], prepared: Prepared) -> list[str]:
+    def _environment(
+        self, spec: WorkloadSpec, env: dict[str, str], prepared: Prepared, plan: DevicePlan | None
+    ) -> list[str]:
         env = dict(env)
         env["GPUPOOL_WORKLOAD_ID"] = spec.workload_id
         env["GPUPOOL_PREEMPT_NOTICE_FILE"] = f"{NOTICE_DIR_IN_CONTAINER}/preempt"
-        env["NVIDIA_VISIBLE_DEVICES"] = ",".join(spec.gpu_uuids) or "void"
+        env["NVIDIA_VISIBLE_DEVICES"] = "void" if plan is not None else ",".join(spec.gpu_uuids) or "void"
+        if plan is not None:
+            env.update(plan.container_env)
         env.update(self.sharing_env(spec))
         env.update(spec.platform_env)
         env.update(volume_env(prepared, prepared.checkpoint_in_workload))
@@ -259,6 +278,7 @@ class DockerRuntime(Runtime):
     ) -> dict[str, Any]:
         name = self.container_name(spec.workload_id)
         nano_cpus, memory = self._limits(spec)
+        plan = self.device_plan(spec)
         mounts = [
             Mount(
                 NOTICE_DIR_IN_CONTAINER,
@@ -273,7 +293,7 @@ class DockerRuntime(Runtime):
         options: dict[str, Any] = {
             "name": name,
             "labels": {LABEL: spec.workload_id},
-            "environment": self._environment(spec, env, prepared),
+            "environment": self._environment(spec, env, prepared, plan),
             "detach": True,
             "privileged": False,
             "cap_drop": ["ALL"],
@@ -287,7 +307,11 @@ class DockerRuntime(Runtime):
                 type="json-file", config={"max-size": LOG_MAX_SIZE, "max-file": LOG_MAX_FILES}
             ),
         }
-        if spec.gpu_uuids:
+        if plan is not None:
+            options["devices"] = [f"{host}:{inside}:rwm" for host, inside in plan.devices]
+            if plan.groups:
+                options["group_add"] = [str(gid) for gid in plan.groups]
+        elif spec.gpu_uuids:
             options["device_requests"] = [
                 DeviceRequest(device_ids=list(spec.gpu_uuids), capabilities=[["gpu"]])
             ]

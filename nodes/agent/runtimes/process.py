@@ -3,13 +3,16 @@
 The host is not a boundary between tenants, so this runtime runs only on a node configured
 single-tenant (``single_tenant``, ``GPUPOOL_SINGLE_TENANT=1``): without it the agent does not start,
 and no workload starts. It never runs a workload as root: an agent running as root runs them as
-``process_user`` (``GPUPOOL_PROCESS_USER``; uid and gid not 0, no supplementary groups) and refuses
+``process_user`` (``GPUPOOL_PROCESS_USER``; uid and gid not 0, no supplementary groups but, on AMD
+and Intel GPUs, the groups owning their device files) and refuses
 to start without one; an agent running as another user runs them as itself.
 
 The argv is executed as given (never through a shell). The environment is exactly: ``PATH`` (and
 ``LANG`` when set) of the agent, ``HOME``, ``USER`` and ``LOGNAME`` of the workload's user, the
 workload's own env byte for byte, and the platform's variables (``CUDA_VISIBLE_DEVICES`` = its GPU
-UUIDs, ``GPUPOOL_WORKLOAD_ID``, ``GPUPOOL_PREEMPT_NOTICE_FILE``, the GPU share's); nothing else of
+UUIDs on NVIDIA; on AMD ``ROCR_VISIBLE_DEVICES`` = its GPUs' indices in PCI order and
+``HIP_VISIBLE_DEVICES``; on Intel ``ZE_AFFINITY_MASK`` with ``ZE_ENABLE_PCI_ID_DEVICE_ORDER=1``,
+``GPUPOOL_WORKLOAD_ID``, ``GPUPOOL_PREEMPT_NOTICE_FILE``, the GPU share's); nothing else of
 the agent's environment (its bootstrap token) reaches it.
 
 Files: ``<process_work_dir>/<id>/`` (root's, readable) holds the preemption notice the agent
@@ -225,7 +228,11 @@ class SubprocessRuntime(Runtime):
             env["LANG"] = os.environ["LANG"]
         env.update({"HOME": str(home), "USER": user.name, "LOGNAME": user.name})
         env.update(spec.env)  # checked by the workload rules: no platform name among them
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpu_uuids)
+        plan = self.device_plan(spec)
+        if plan is None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpu_uuids)
+        else:
+            env.update(plan.process_env)  # HIP reads CUDA_VISIBLE_DEVICES too: not set here
         env["GPUPOOL_WORKLOAD_ID"] = spec.workload_id
         env["GPUPOOL_PREEMPT_NOTICE_FILE"] = str(self.workload_dir(spec.workload_id) / "preempt")
         env.update(self.sharing_env(spec))
@@ -234,12 +241,16 @@ class SubprocessRuntime(Runtime):
         return env
 
     @staticmethod
-    def _launch_options(user: ProcessUser, home: Path, env: dict[str, str]) -> dict[str, Any]:
+    def _launch_options(
+        user: ProcessUser, home: Path, env: dict[str, str], groups: list[int] | tuple[int, ...] = ()
+    ) -> dict[str, Any]:
         """How every process of a workload starts, its command and its SSH sessions alike: as its
-        user (no supplementary groups), in its home, with exactly its environment, in a session of
-        its own, files private by default."""
+        user (no supplementary groups but those owning its AMD or Intel GPUs' device files), in its
+        home, with exactly its environment, in a session of its own, files private by default."""
         identity: dict[str, Any] = (
-            {"user": user.uid, "group": user.gid, "extra_groups": []} if user.switch else {}
+            {"user": user.uid, "group": user.gid, "extra_groups": [g for g in groups if g != 0]}
+            if user.switch
+            else {}
         )
         return {"env": env, "cwd": home, "start_new_session": True, "umask": 0o077, **identity}
 
@@ -259,7 +270,7 @@ class SubprocessRuntime(Runtime):
             env = dict(record["env"])
             if term:
                 env["TERM"] = term
-            return self._launch_options(user, Path(record["home"]), env)
+            return self._launch_options(user, Path(record["home"]), env, record.get("groups") or ())
 
     def session_started(self, workload_id: str, pid: int) -> None:
         """An SSH session's process (the leader of its own group): stopped with the workload."""
@@ -297,6 +308,8 @@ class SubprocessRuntime(Runtime):
             log_path = log_dir / f"{safe_name(spec.workload_id)}.log"
             err_path = log_dir / f"{safe_name(spec.workload_id)}.err"
             environment = {**self._environment(spec, user, home, prepared), **port_env}
+            plan = self.device_plan(spec)
+            groups = list(plan.groups) if plan is not None else []
             with open(log_path, "ab") as log_file, open(err_path, "ab") as err_file:
                 try:
                     proc = subprocess.Popen(
@@ -304,7 +317,7 @@ class SubprocessRuntime(Runtime):
                         stdin=subprocess.DEVNULL,
                         stdout=log_file,
                         stderr=err_file,
-                        **self._launch_options(user, home, environment),
+                        **self._launch_options(user, home, environment, groups),
                     )
                 except OSError as exc:
                     raise RuntimeFailure(f"cannot run {spec.command[0]!r}: {exc}") from exc
@@ -316,6 +329,7 @@ class SubprocessRuntime(Runtime):
                 # is its alone, 0700: the env may hold the tenant's secrets).
                 "env": environment,
                 "home": str(home),
+                "groups": groups,
                 "gpu_uuids": spec.gpu_uuids,
                 "log": str(log_path),
                 "err": str(err_path),
