@@ -31,13 +31,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
-import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,17 +46,21 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-PY = sys.executable
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# The fleet: (catalog model, what the driver reports, GPUs per node, share of the nodes, cpu, ram GiB)
-FLEET_MIX = (
-    ("NVIDIA H100 SXM 80GB", "NVIDIA H100 80GB HBM3", 8, 0.4, 192, 2048),
-    ("NVIDIA A100 SXM 80GB", "NVIDIA A100-SXM4-80GB", 8, 0.3, 128, 1024),
-    ("NVIDIA L40S", "NVIDIA L40S", 4, 0.2, 64, 512),
-    ("NVIDIA L4", "NVIDIA L4", 2, 0.1, 32, 128),
+from bench.stack import (
+    METRICS_TOKEN,
+    PY,
+    ROOT,
+    Stack,
+    free_port,
+    role_of,
+    seed,
+    stack_env,
+    up,
+    wait_for,
 )
-REGIONS = ("us-east-1", "eu-west-1", "ap-northeast-1")
+
 # The tenant mix: (name, weight). Reads are the GETs.
 MIX = (
     ("GET /api/v1/instances/", 22),
@@ -71,12 +72,6 @@ MIX = (
     ("POST /api/v1/instances/", 3),
 )
 JOB_RUN_S = 30
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tenth_ms() -> float:
@@ -280,102 +275,6 @@ async def tenant_load(base: str, tokens: list[str], rate: float, duration: float
 # --- the stack ----------------------------------------------------------------------------------------
 
 
-# /metrics answers only a scrape that sends the deployment's token, as Prometheus does.
-METRICS_TOKEN = secrets.token_urlsafe(24)
-
-
-def stack_env(db_url: str, redis_url: str, var_dir: Path, pool_size: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("DJANGO_SETTINGS_MODULE", "TEST_DB_NAME")}
-    env.update(
-        DATABASE_URL=db_url,
-        REDIS_URL=redis_url,
-        DJANGO_SETTINGS_MODULE="portal.settings",
-        DEBUG="0",
-        SECRET_KEY="bench-only-secret-key-" + "x" * 40,
-        SECURE_SSL_REDIRECT="0",
-        LOG_LEVEL="WARNING",
-        GPUPOOL_VAR_DIR=str(var_dir),
-        # Capacity is what is measured here, not the per-token limit or the default quotas.
-        API_RATE_LIMIT="1000000/min",
-        METRICS_TOKEN=METRICS_TOKEN,
-        SCHEDULING_DEFAULT_MAX_GPUS="100000",
-        SCHEDULING_DEFAULT_MAX_WORKLOADS="100000",
-        PYTHONPATH=str(ROOT),
-        EMAIL_URL="dummymail://",
-        # Under ASGI every request in flight holds a connection: a pool per process keeps a burst
-        # (500 agents registering) within the server's max_connections.
-        DB_POOL_MAX_SIZE=str(pool_size),
-        # This process's own connections (seeding, counting); start() names each part's.
-        DB_APPLICATION_NAME="gpupool-bench",
-    )
-    return env
-
-
-def seed(args, port: int) -> tuple[list[str], list[dict], dict[str, int]]:
-    """Tenants with tokens, regions, a rate card, and the fleet's bootstrap tokens."""
-    from datetime import UTC, datetime
-
-    from metering.models import RateCard
-    from metering.services.rates import rate_card_version_create
-    from nodes.models import GpuModel, Region
-    from nodes.services.registration import bootstrap_token_create
-    from portal.actors import Actor
-    from portal.services.tenants import tenant_create
-    from portal.services.tokens import api_token_create
-    from scheduling.models import Plan
-
-    system = Actor.system()
-    regions = {
-        code: Region.objects.get_or_create(code=code, defaults={"name": code, "location": code})[0]
-        for code in REGIONS
-    }
-    models = {m: GpuModel.objects.get(name=m) for m, *_ in FLEET_MIX}
-    per_node = {m: count for m, _, count, *_ in FLEET_MIX}
-    card = RateCard.objects.create(name="Bench", currency="USD", is_default=True)
-    prices = {"on_demand": "2.00", "spot": "0.80", "reserved": "1.50"}
-    rate_card_version_create(
-        rate_card=card,
-        effective_from=datetime(2020, 1, 1, tzinfo=UTC),
-        gpu_prices={(m.pk, plan): prices[plan] for m in models.values() for plan in Plan.values},
-        allow_past=True,
-    )
-    tokens = []
-    for i in range(args.tenants):
-        tenant = tenant_create(
-            slug=f"bench-{i:03d}", name=f"Bench {i}", owner_email=f"owner@bench-{i:03d}.test", actor=system
-        )
-        tokens.append(
-            api_token_create(tenant=tenant, name="bench", scopes=["read", "write", "billing"], actor=system)[
-                1
-            ]
-        )
-    nodes = []
-    kinds = [k for k in FLEET_MIX for _ in range(round(k[3] * 100))]
-    random.Random(1).shuffle(kinds)  # every model in every region, whatever the fleet's size
-    for n in range(args.nodes):
-        model, driver, count, _, cpu, ram = kinds[n % len(kinds)]
-        region = REGIONS[n % len(REGIONS)]
-        hostname = f"scale-{n:04d}"
-        token = bootstrap_token_create(region=regions[region], actor=system, intended_hostname=hostname)[1]
-        nodes.append(
-            {
-                "hostname": hostname,
-                "region": region,
-                "bootstrap_token": token,
-                "cpu_cores": cpu,
-                "ram_mib": ram * 1024,
-                "interconnect": "nvswitch" if count == 8 else "pcie",
-                "gpus": [{"model": driver, "count": count, "memory_mib": models[model].memory_gib * 1024}],
-            }
-        )
-    return tokens, nodes, per_node
-
-
-def role_of(name: str) -> str:
-    """The part of the stack a process started here belongs to: ``agents-3`` is ``agents``."""
-    return name.rstrip("0123456789").rstrip("-")
-
-
 def _stat(pid: int | str, tick: int) -> tuple[int, float] | None:
     """A process's parent and the CPU seconds (user + system) it has used, from /proc."""
     try:
@@ -437,27 +336,6 @@ def cpu_by_role(procs: dict[str, subprocess.Popen]) -> dict[str, float]:
         if role is not None:
             out[role] += seconds
     return out
-
-
-def session_nice(pid: int, nice: int) -> None:
-    """Put a session's processes (a process started with ``start_new_session``) at ``nice`` against
-    the machine's other sessions, as a container's CPU shares put it against the other containers.
-    With the kernel's autogroups on (``/proc/sys/kernel/sched_autogroup_enabled``, as on this
-    machine and by default in most distributions' kernels), each session is one group: a
-    process's own nice orders it only against the other processes of its session, and every
-    group gets an equal share of a contended CPU whatever its processes' nice. Without
-    autogroups, the process's own nice (``nice -n``) does it."""
-    with contextlib.suppress(FileNotFoundError):
-        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
-
-
-def wait_for(predicate, timeout: float, every: float = 0.5) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(every)
-    return False
 
 
 def scrape_metrics(base: str) -> dict[str, float]:
@@ -570,26 +448,15 @@ def main() -> int:
     base = f"http://127.0.0.1:{port}"
     agent_port = free_port() if args.agent_web_workers else port
     agent_base = f"http://127.0.0.1:{agent_port}"
-    tokens, fleet_nodes, models = seed(args, port)
+    tokens, fleet_nodes, models = seed(tenants=args.tenants, nodes=args.nodes)
     connection.close()
     print(
         f"database {args.db_name}: migrated; {args.tenants} tenants, {len(fleet_nodes)} nodes to register; logs in {work}"
     )
 
-    procs: dict[str, subprocess.Popen] = {}
-
-    def start(name: str, cmd: list[str], nice: int = 0) -> None:
-        log = open(work / f"{name}.log", "w")  # noqa: SIM115  (closed with the process)
-        # A session (process group) of its own: the teardown can reach its children too.
-        # Its database connections are named as deploy/'s services name theirs: gpupool-<role>.
-        role_env = {**env, "DB_APPLICATION_NAME": f"gpupool-{role_of(name)}"}
-        if nice:
-            cmd = ["nice", "-n", str(nice), *cmd]
-        procs[name] = subprocess.Popen(
-            cmd, cwd=ROOT, env=role_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        if nice:
-            session_nice(procs[name].pid, nice)
+    stack = Stack(env, work)
+    procs = stack.procs
+    start = stack.start
 
     # Separate processes for the agents' heartbeats, long polls and reports, below the web's
     # priority with the rest of the background. At --rate 70 on a 2-core machine, interleaved:
@@ -601,29 +468,18 @@ def main() -> int:
     # share of a contended CPU as any one of the nine background ones. Interleaved at the default
     # --rate, read p99 105 and 159 ms at --background-nice 0 (as it was), 33 and 27 ms at 10.
     background = args.background_nice  # start()'s nice for every part but the web
-    celery = [PY, "-m", "celery", "-A", "portal"]
-
-    def uvicorn(port: int, workers: int) -> list[str]:
-        return [PY, "-m", "uvicorn", "portal.asgi:application", "--host", "127.0.0.1", "--port", str(port),
-                "--workers", str(workers), "--http", "httptools", "--loop", "uvloop", "--log-level", "warning",
-                "--no-access-log", "--lifespan", "off", "--timeout-keep-alive", "75",
-                "--timeout-graceful-shutdown", "10"]  # fmt: skip
 
     agent_outs = []
     try:
-        start("web", uvicorn(port, 2))
-        if args.agent_web_workers:
-            start("agent-web", uvicorn(agent_port, args.agent_web_workers), background)
-        start("worker-scheduling", [*celery, "worker", "-Q", "scheduling,commands", "-n", "scheduling@%h",
-                                    "--pool", "threads", "-c", "2", "--loglevel", "WARNING"], background)  # fmt: skip
-        start("worker-default", [*celery, "worker", "-Q", "default,metering", "-n", "default@%h",
-                                 "--pool", "threads", "-c", "2", "--loglevel", "WARNING"], background)  # fmt: skip
-        start(
-            "beat",
-            [*celery, "beat", "--schedule", str(work / "beat-schedule"), "--loglevel", "WARNING"],
-            background,
+        stack.start_layout(
+            port=port,
+            agent_port=agent_port,
+            agent_web_workers=args.agent_web_workers,
+            web_workers=2,
+            background=background,
+            beat_schedule=work / "beat-schedule",
         )
-        if not wait_for(lambda: _up(base) and _up(agent_base), 60):
+        if not wait_for(lambda: up(base) and up(agent_base), 60):
             print("the web processes did not start", file=sys.stderr)
             return 1
         from nodes.models import Node, NodeState
@@ -715,16 +571,7 @@ def main() -> int:
         wait_for(settled, args.settle, 1)
         metrics_after = scrape_metrics(base)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=20)
-            # Whatever is left of its group: a uvicorn worker outlived its supervisor when the
-            # supervisor was killed, and went on holding its connections.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
+        stack.stop_all()
 
     # --- figures ----------------------------------------------------------------------------------------
     # Again with the stack gone: a machine whose speed changed during the run shows it here.
@@ -914,13 +761,6 @@ def main() -> int:
     }
     print(json.dumps(figures))
     return 0 if figures["errors"] == 0 and no_reason == 0 else 1
-
-
-def _up(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 if __name__ == "__main__":

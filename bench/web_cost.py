@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.pgdb import drop_database, recreate_database  # noqa: E402
-from bench.scale import free_port, stack_env  # noqa: E402
+from bench.stack import free_port, stack_env  # noqa: E402
 
 DB_NAME = "gpupool_bench_web_cost"
 ENDPOINTS = ("/api/v1/jobs/", "/api/v1/jobs/{id}/", "/api/v1/instances/", "/api/v1/gpu-types/")
