@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from celery import shared_task
+from django.conf import settings
 
 
 @shared_task(name="metering.tasks.usage_build")
@@ -12,9 +13,15 @@ def usage_build() -> int:
     return build().created
 
 
-# The monthly run over every tenant: far longer than the default limits (portal/settings.py), and
-# within GPUPOOL_TASK_LONGEST_RUN_S, which the broker's visibility timeout outlasts.
-@shared_task(name="metering.tasks.invoice_run", soft_time_limit=3300, time_limit=3600)
+# The monthly run over every tenant: the long limits (portal/settings.py), within
+# GPUPOOL_TASK_LONGEST_RUN_S, which the broker's visibility timeout outlasts.
+LONG_LIMITS = {
+    "soft_time_limit": settings.GPUPOOL_LONG_TASK_SOFT_TIME_LIMIT_S,
+    "time_limit": settings.GPUPOOL_LONG_TASK_TIME_LIMIT_S,
+}
+
+
+@shared_task(name="metering.tasks.invoice_run", **LONG_LIMITS)
 def invoice_run(period_start: str | None = None) -> int:
     from datetime import date
 
@@ -45,7 +52,7 @@ def invoice_payment_submit(invoice_id: int) -> str:
         raise invoice_payment_submit.retry(exc=e, countdown=30) from e
 
 
-@shared_task(name="metering.tasks.invoice_payments_sweep", soft_time_limit=840, time_limit=900)
+@shared_task(name="metering.tasks.invoice_payments_sweep", **LONG_LIMITS)
 def invoice_payments_sweep() -> dict:
     """Every few minutes: finalized invoices the provider never received are sent again."""
     from metering.services.payments import invoice_payments_sweep as sweep

@@ -183,17 +183,50 @@ PROXY_MAX_CONNECTIONS_PER_WORKLOAD = env.int("PROXY_MAX_CONNECTIONS_PER_WORKLOAD
 # --- Redis: Celery broker, cache, channel layer -------------------------------------------------
 REDIS_URL = env.str("REDIS_URL", default="")
 
-# The longest a task may run (the invoice run's hard limit) plus the longest countdown a task is sent
-# with (a payment submission's retry); tests/portal/test_beat.py holds the tasks to it.
-GPUPOOL_TASK_LONGEST_RUN_S = 3600 + 60
+# Task time limits (seconds, hard; the soft limit comes a minute before, or a quarter of the limit
+# when that is shorter). Most tasks take the default; the two that walk every tenant (the invoice
+# run, the payments sweep) take the long one, fifteen times what bench/invoices.py measures for
+# 1,000 tenants. Enforced by the prefork pool; thread-pool workers run only short, single-flight
+# tasks.
+GPUPOOL_TASK_TIME_LIMIT_S = env.int("GPUPOOL_TASK_TIME_LIMIT_S", default=300)
+GPUPOOL_LONG_TASK_TIME_LIMIT_S = env.int("GPUPOOL_LONG_TASK_TIME_LIMIT_S", default=900)
+if min(GPUPOOL_TASK_TIME_LIMIT_S, GPUPOOL_LONG_TASK_TIME_LIMIT_S) < 4:
+    raise ImproperlyConfigured("GPUPOOL_TASK_TIME_LIMIT_S and GPUPOOL_LONG_TASK_TIME_LIMIT_S: at least 4 s.")
+GPUPOOL_TASK_SOFT_TIME_LIMIT_S = GPUPOOL_TASK_TIME_LIMIT_S - min(60, GPUPOOL_TASK_TIME_LIMIT_S // 4)
+GPUPOOL_LONG_TASK_SOFT_TIME_LIMIT_S = GPUPOOL_LONG_TASK_TIME_LIMIT_S - min(
+    60, GPUPOOL_LONG_TASK_TIME_LIMIT_S // 4
+)
+# The longest countdown a task is sent with (a webhook delivery's retry; longer waits are left to
+# the webhooks sweeper).
+GPUPOOL_TASK_LONGEST_COUNTDOWN_S = env.int("GPUPOOL_TASK_LONGEST_COUNTDOWN_S", default=300)
+# The longest a task may be held by a worker before it acknowledges it: its countdown, then its
+# run. tests/portal/test_beat.py holds the tasks to it.
+GPUPOOL_TASK_LONGEST_RUN_S = (
+    max(GPUPOOL_TASK_TIME_LIMIT_S, GPUPOOL_LONG_TASK_TIME_LIMIT_S) + GPUPOOL_TASK_LONGEST_COUNTDOWN_S
+)
+# Redis hands a message that was delivered and not acknowledged (acks late: a worker killed with
+# it) to another worker after this long. It must outlast the longest hold, or a task still running
+# would be started a second time; and it is how long a killed worker's task waits to run again, so
+# it is not much longer. It was 2 h: a metering worker killed in the invoice run left the month's
+# drafts unbuilt for 2 h (bench/chaos.py, docs/reliability.md).
+CELERY_VISIBILITY_TIMEOUT_S = env.int("CELERY_VISIBILITY_TIMEOUT_S", default=GPUPOOL_TASK_LONGEST_RUN_S + 60)
+if CELERY_VISIBILITY_TIMEOUT_S <= GPUPOOL_TASK_LONGEST_RUN_S:
+    raise ImproperlyConfigured(
+        f"CELERY_VISIBILITY_TIMEOUT_S must be more than the longest time a worker holds a task "
+        f"({GPUPOOL_TASK_LONGEST_RUN_S} s), not {CELERY_VISIBILITY_TIMEOUT_S}."
+    )
 
 if REDIS_URL:
     CELERY_BROKER_URL = REDIS_URL
     CELERY_RESULT_BACKEND = None
-    # Redis hands an unacknowledged message (acks late) to another worker after this long: it must
-    # outlast the longest task and countdown, or a long invoice run would be started a second time
-    # while the first still runs. Twice that, for a margin.
-    CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 2 * GPUPOOL_TASK_LONGEST_RUN_S}
+    # A killed worker's messages come back once the visibility timeout has passed: the workers look
+    # for such messages every unacked_restore_interval seconds (kombu's default looks every 100 s:
+    # every 10th of its 10 s sweeps), one sorted-set range read on Redis.
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "visibility_timeout": CELERY_VISIBILITY_TIMEOUT_S,
+        "unacked_restore_interval": max(1, min(10, CELERY_VISIBILITY_TIMEOUT_S // 6)),
+        "unacked_restore_throttle": 1,
+    }
     CACHES = {
         "default": {
             # django-redis keeps one connection pool per process; get_redis_connection("default")
@@ -247,10 +280,9 @@ CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
 # the broker's visibility timeout instead.
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
-# Time limits (seconds) for every task; longer ones set their own (metering.tasks.invoice_run).
-# Enforced by the prefork pool; thread-pool workers run short tasks that never come near them.
-CELERY_TASK_SOFT_TIME_LIMIT = 240
-CELERY_TASK_TIME_LIMIT = 300
+# Time limits for every task (GPUPOOL_TASK_TIME_LIMIT_S above); the long ones set their own.
+CELERY_TASK_SOFT_TIME_LIMIT = GPUPOOL_TASK_SOFT_TIME_LIMIT_S
+CELERY_TASK_TIME_LIMIT = GPUPOOL_TASK_TIME_LIMIT_S
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]

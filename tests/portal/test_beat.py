@@ -120,8 +120,13 @@ def test_the_stock_database_scheduler_would_lose_a_missed_crontab_far_from_now()
 def test_visibility_timeout_outlasts_every_task_and_limits_are_set():
     assert app.conf.beat_scheduler == "portal.beat:Scheduler"
     longest = settings.GPUPOOL_TASK_LONGEST_RUN_S
+    countdown = settings.GPUPOOL_TASK_LONGEST_COUNTDOWN_S
     if settings.REDIS_URL:
-        assert settings.CELERY_BROKER_TRANSPORT_OPTIONS["visibility_timeout"] > longest
+        options = settings.CELERY_BROKER_TRANSPORT_OPTIONS
+        assert longest < options["visibility_timeout"] <= longest + 120
+        # A killed worker's task runs again within minutes, not hours.
+        assert options["visibility_timeout"] <= 30 * 60
+        assert options["unacked_restore_throttle"] == 1 and options["unacked_restore_interval"] <= 10
     app.loader.import_default_modules()
     ours = {name: t for name, t in app.tasks.items() if not name.startswith("celery.")}
     assert "metering.tasks.invoice_run" in ours
@@ -129,9 +134,30 @@ def test_visibility_timeout_outlasts_every_task_and_limits_are_set():
         hard = task.time_limit or app.conf.task_time_limit
         soft = task.soft_time_limit or app.conf.task_soft_time_limit
         assert hard and soft and soft < hard, name
-        assert hard + 60 <= longest, name  # 60: the longest countdown (a payment submission's retry)
-    assert ours["metering.tasks.invoice_run"].time_limit == 3600
+        assert hard + countdown <= longest, name
+    assert ours["metering.tasks.invoice_run"].time_limit == settings.GPUPOOL_LONG_TASK_TIME_LIMIT_S == 900
     assert app.conf.task_acks_late and app.conf.task_reject_on_worker_lost
+
+
+def test_a_visibility_timeout_shorter_than_a_task_is_refused_at_start_up():
+    from tests.conftest import python_run
+
+    code = "import django; django.setup(); from django.conf import settings; print(settings.CELERY_VISIBILITY_TIMEOUT_S)"
+    env = {"DJANGO_SETTINGS_MODULE": "portal.settings", "DEBUG": "1", "REDIS_URL": "redis://127.0.0.1:1/0"}
+    fits = python_run(code, **env, CELERY_VISIBILITY_TIMEOUT_S="1261")
+    assert fits.returncode == 0 and fits.stdout.strip() == "1261", fits.stderr
+    short = python_run(code, **env, CELERY_VISIBILITY_TIMEOUT_S="1200")
+    assert short.returncode != 0 and "CELERY_VISIBILITY_TIMEOUT_S must be more than" in short.stderr
+    # Shorter limits allow a shorter timeout (what bench/chaos.py runs with).
+    quick = python_run(
+        code,
+        **env,
+        GPUPOOL_TASK_TIME_LIMIT_S="60",
+        GPUPOOL_LONG_TASK_TIME_LIMIT_S="60",
+        GPUPOOL_TASK_LONGEST_COUNTDOWN_S="30",
+        CELERY_VISIBILITY_TIMEOUT_S=None,
+    )
+    assert quick.returncode == 0 and quick.stdout.strip() == "150", quick.stderr
 
 
 @pytest.mark.django_db(transaction=True)  # the probe is another process: it must see committed rows

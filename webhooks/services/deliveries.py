@@ -31,8 +31,6 @@ from webhooks.services.endpoints import endpoint_secret
 from webhooks.services.events import event_body
 
 logger = logging.getLogger(__name__)
-# Retries this soon are queued with a countdown; later ones are sent by the sweeper (deliver_due).
-COUNTDOWN_MAX_S = 300
 
 
 def retry_delay_s(attempt: int) -> float:
@@ -132,7 +130,9 @@ def delivery_attempt(*, delivery_id: int) -> WebhookAttempt | None:
         outcome.error or "ok",
         outcome.latency_ms,
     )
-    if delay is not None and delay <= COUNTDOWN_MAX_S:
+    # Retries this soon are queued with a countdown (no longer than the broker's visibility timeout
+    # allows, portal/settings.py); later ones are sent by the sweeper (deliver_due).
+    if delay is not None and delay <= settings.GPUPOOL_TASK_LONGEST_COUNTDOWN_S:
         from webhooks.tasks import deliver
 
         deliver.apply_async(args=[d.pk], countdown=delay)
