@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PORT ?= 8000
 STAMP := $(VENV)/.gpupool-installed
 
-.PHONY: run test lint fmt venv system-deps docker-up migrate seed clean
+.PHONY: run test lint fmt venv system-deps docker-up slurm-up migrate seed clean
 
 $(STAMP): pyproject.toml client/pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,12 @@ system-deps:
 docker-up: system-deps
 	-@scripts/docker-up
 
+# The single-host Slurm cluster of the Slurm region's tests (munged, slurmdbd on the local MariaDB,
+# slurmctld, slurmd with GRES gpus), under /var/lib/gpupool-slurm. When it cannot, it says why and
+# those tests skip with that reason (CI makes them fail instead).
+slurm-up: system-deps
+	-@scripts/slurm-up
+
 migrate: venv
 	DEBUG=1 $(BIN)/python manage.py migrate --noinput
 
@@ -37,7 +43,7 @@ run: seed
 	@echo ""
 	DEBUG=1 GPUPOOL_PORT=$(PORT) GPUPOOL_PYTHON=$(BIN)/python exec $(BIN)/honcho -f Procfile start
 
-test: venv system-deps docker-up
+test: venv system-deps docker-up slurm-up
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: venv
