@@ -113,6 +113,11 @@ class QueuePolicy(models.TextChoices):
     PRIORITY_AGING = "priority_aging", "Priority with aging (one class per hour waited)"
 
 
+class RegionBackend(models.TextChoices):
+    AGENTS = "agents", "gpupool agents"
+    SLURM = "slurm", "A Slurm cluster"
+
+
 class Region(models.Model):
     code = models.SlugField(max_length=32, unique=True)
     name = models.CharField(max_length=100)
@@ -120,6 +125,9 @@ class Region(models.Model):
     queue_policy = models.CharField(max_length=20, choices=QueuePolicy.choices, blank=True, default="")
     queue_policy_by_plan = models.JSONField(default=dict, blank=True)
     """Per plan (``on_demand``, ``spot``, ``reserved``) a policy that replaces ``queue_policy``."""
+    backend = models.CharField(max_length=16, choices=RegionBackend.choices, default=RegionBackend.AGENTS)
+    slurm = models.JSONField(default=dict, blank=True)
+    """A Slurm region's connection and mapping (``nodes.slurm.config``): empty for agent regions."""
 
     class Meta:
         ordering = ["code"]
@@ -138,6 +146,9 @@ class NodeState(models.TextChoices):
     SUSPECT = "suspect", "Suspect"
     DOWN = "down", "Down"
     MAINTENANCE = "maintenance", "Maintenance"
+    # A node of a Slurm region: its inventory is read from Slurm, Slurm places work on it, and
+    # gpupool's engine and heartbeat watch leave it alone (its Slurm state is in ``state_reason``).
+    SLURM = "slurm", "Run by Slurm"
 
 
 # States in which a node takes new work.

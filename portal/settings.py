@@ -650,6 +650,14 @@ WORKLOAD_LOG_LINE_MAX_CHARS = 4096
 WORKLOAD_LOG_BATCH_MAX_LINES = 10_000
 # A follow stream with nothing new sends a comment this often (proxies close idle streams).
 WORKLOAD_LOG_FOLLOW_KEEPALIVE_S = env.float("WORKLOAD_LOG_FOLLOW_KEEPALIVE_S", default=15.0)
+# Slurm regions (scheduling.services.slurm): how often their inventory, jobs, states and
+# accounting are read from Slurm and their queued jobs submitted.
+SLURM_SYNC_INTERVAL_S = env.int("SLURM_SYNC_INTERVAL_S", default=10)
+CELERY_BEAT_SCHEDULE["scheduling-slurm-sync"] = {
+    "task": "scheduling.tasks.slurm_sync",
+    "schedule": timedelta(seconds=SLURM_SYNC_INTERVAL_S),
+    "options": {"expires": SLURM_SYNC_INTERVAL_S},
+}
 CELERY_BEAT_SCHEDULE["scheduling-purge-logs"] = {
     "task": "scheduling.tasks.purge_logs",
     "schedule": crontab(minute=27),

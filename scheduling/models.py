@@ -839,3 +839,30 @@ class WorkItem(TenantOwnedModel):
     class Meta:
         constraints = [models.UniqueConstraint(fields=["job", "index"], name="work_item_once")]
         indexes = [models.Index(fields=["job", "state", "index"], name="work_item_next")]
+
+
+class SlurmJob(models.Model):
+    """The Slurm job a workload of a Slurm region became (``scheduling.services.slurm``): its id in
+    that cluster, Slurm's state and reason as last read, how far its output file was read into the
+    workload's log, and whether its accounting (sacct) has been turned into allocations."""
+
+    workload = models.OneToOneField(Workload, on_delete=models.CASCADE, related_name="slurm_job")
+    region = models.ForeignKey("nodes.Region", on_delete=models.PROTECT, related_name="+")
+    job_id = models.BigIntegerField()
+    account = models.CharField(max_length=64)
+    partition = models.CharField(max_length=64, blank=True)
+    gres = models.CharField(max_length=80, blank=True)
+    output_path = models.CharField(max_length=255)
+    state = models.CharField(max_length=32, blank=True, help_text="Slurm's, e.g. PENDING, RUNNING.")
+    reason = models.CharField(max_length=64, blank=True, help_text="Slurm's pending reason.")
+    submitted_at = models.DateTimeField(default=timezone.now)
+    cancel_sent_at = models.DateTimeField(null=True, blank=True)
+    output_offset = models.PositiveBigIntegerField(default=0)
+    accounted_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["region", "job_id"], name="slurmjob_region_job_id")]
+        indexes = [models.Index(fields=["accounted_at"], name="slurmjob_accounted_at")]
+
+    def __str__(self) -> str:
+        return f"slurm {self.region_id}:{self.job_id} for workload {self.workload_id}"

@@ -48,3 +48,14 @@ def refresh_gpu_types() -> None:
 @shared_task(name="scheduling.tasks.purge_logs")
 def purge_logs() -> dict:
     return workload_logs_purge()
+
+
+@shared_task(name="scheduling.tasks.slurm_sync", ignore_result=True)
+def slurm_sync() -> list[dict]:
+    """Every Slurm region: inventory, submissions, states, stops, accounting and output."""
+    from scheduling.services.slurm import slurm_regions_sync
+
+    return [
+        {"region": r.region, "submitted": len(r.submitted), "ended": len(r.ended), "error": r.error}
+        for r in slurm_regions_sync()
+    ]

@@ -22,7 +22,7 @@ from portal.services.audit import audit_record
 logger = logging.getLogger(__name__)
 
 # States the reconciler leaves alone: staff took the node out of service, or it is already DOWN.
-UNWATCHED_STATES = (NodeState.MAINTENANCE, NodeState.DOWN)
+UNWATCHED_STATES = (NodeState.MAINTENANCE, NodeState.DOWN, NodeState.SLURM)
 
 
 @dataclass
@@ -121,7 +121,7 @@ _STAFF_TRANSITIONS: dict[str, tuple[str, ...]] = {
     NodeState.CORDONED: (NodeState.READY, NodeState.DRAINING, NodeState.SUSPECT),
     NodeState.DRAINING: (NodeState.READY, NodeState.CORDONED, NodeState.SUSPECT),
     NodeState.READY: (NodeState.CORDONED, NodeState.DRAINING, NodeState.MAINTENANCE, NodeState.DOWN),
-    NodeState.MAINTENANCE: tuple(NodeState.values),
+    NodeState.MAINTENANCE: tuple(v for v in NodeState.values if v != NodeState.SLURM),
 }
 
 
@@ -130,6 +130,8 @@ def _node_staff_set_state(*, node: Node, state: str, actor: Actor, reason: str, 
     node = lock_node(node_id=node.pk)
     if node.state == state:
         return node
+    if node.state == NodeState.SLURM:
+        raise Conflict("A Slurm node's state is Slurm's: change it with scontrol.", code="invalid_state")
     if node.state not in _STAFF_TRANSITIONS[state]:
         raise Conflict(f"A {node.state} node cannot be {action}ed.", code="invalid_state")
     old = node.state

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from nodes.models import SCHEDULABLE_NODE_STATES, Gpu, GpuHealth, GpuModel, Node, Region
+from nodes.models import SCHEDULABLE_NODE_STATES, Gpu, GpuHealth, GpuModel, Node, Region, RegionBackend
 from scheduling.engine import types as E
 from scheduling.engine.queueing import QueuePolicy as EnginePolicy
 from scheduling.engine.spec import allowed_models
@@ -321,7 +321,11 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
                 )
             )
 
-    queue = {w.pk: w for w in lock_workloads_where(state=WorkloadState.QUEUED)}
+    # A Slurm region's jobs are placed by its Slurm (scheduling.services.slurm), never by the engine.
+    queue = {
+        w.pk: w
+        for w in lock_workloads_where(state=WorkloadState.QUEUED).exclude(region__backend=RegionBackend.SLURM)
+    }
     # Work a reservation took its capacity back from does not borrow that reservation's nodes again
     # (no preemption loop between a borrower and one reservation), unless nothing else can take it.
     reclaimed: dict[int, set[int]] = defaultdict(set)

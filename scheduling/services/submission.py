@@ -29,7 +29,8 @@ from nodes.agent.workload_rules import (
     check_ssh_public_key,
     check_template,
 )
-from nodes.models import Gpu, GpuModel, NodeState, Region
+from nodes.models import Gpu, GpuModel, NodeState, Region, RegionBackend
+from nodes.slurm.config import slurm_config_parse
 from portal.actors import Actor
 from portal.errors import DomainError, ValidationFailed
 from portal.events import publish
@@ -243,7 +244,8 @@ def _fleet_nodes(candidates: Iterable[GpuModel], *, fresh: bool = False) -> list
         return kept[1]
     rows = (
         Gpu.objects.filter(model_id__in=key, removed_at__isnull=True)
-        .exclude(node__state__in=[NodeState.DOWN, NodeState.MAINTENANCE])
+        # Slurm's nodes take work only through their region's Slurm (``_validate_slurm``).
+        .exclude(node__state__in=[NodeState.DOWN, NodeState.MAINTENANCE, NodeState.SLURM])
         .values("node_id")
         .annotate(gpus=Count("id"))
         .values_list("node__region_id", "gpus", "node__cpu_cores", "node__ram_mib")
@@ -487,11 +489,15 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
     f["ram_mib"] = _int(spec, "ram_mib", 0, 0, 1 << 40)
 
     # Against the fleet: some node must be able to hold it. The shapes may be a few seconds old
-    # (_fleet_nodes): a request is refused only on what the fleet is now.
-    try:
-        _check_fleet(f, region, _fleet_nodes(candidates))
-    except ValidationFailed:
-        _check_fleet(f, region, _fleet_nodes(candidates, fresh=True))
+    # (_fleet_nodes): a request is refused only on what the fleet is now. A Slurm region's
+    # cluster decides for itself (its own checks are in _validate_slurm).
+    if region is not None and region.backend == RegionBackend.SLURM:
+        f["other_regions_ok"] = False
+    else:
+        try:
+            _check_fleet(f, region, _fleet_nodes(candidates))
+        except ValidationFailed:
+            _check_fleet(f, region, _fleet_nodes(candidates, fresh=True))
 
     # Spot price.
     f["spot_max_price"] = _decimal(spec, "spot_max_price")
@@ -533,6 +539,14 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
             raise _fail("command", "A job needs a command.")
         if f["ssh_public_key"] or f["ports"]:
             raise _fail("ssh_public_key" if f["ssh_public_key"] else "ports", "Instances only.")
+    if region is not None and region.backend == RegionBackend.SLURM:
+        _validate_slurm(f, kind=kind, region=region, candidates=candidates, explicit=explicit, work=work)
+        if reservation is not None:
+            raise _fail("reservation", "Reservations are not made in Slurm regions.")
+        if volumes:
+            raise _fail(
+                "volumes", "Volumes are not mounted in Slurm regions (use the cluster's filesystems)."
+            )
     return f, _Resolved(
         models=explicit,
         candidates=candidates,
@@ -542,6 +556,30 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
         depends_on=depends_on,
         work=work,
     )
+
+
+def _validate_slurm(
+    f: dict[str, Any], *, kind: str, region: Region, candidates: list[GpuModel], explicit: list, work
+) -> None:
+    """What a Slurm region runs: batch jobs of whole GPUs on one node, which Slurm places
+    (``scheduling.services.slurm``). What Slurm cannot be told is refused here, naming the field."""
+    if kind != WorkloadKind.JOB:
+        raise _fail("region", f"{region.code} is a Slurm region: it runs jobs, not instances.")
+    if f["gang"] or f["gpus_per_node"]:
+        raise _fail(
+            "gang" if f["gang"] else "gpus_per_node", "Work across nodes is not run in Slurm regions yet."
+        )
+    if f["gpu_fraction_milli"] < MILLI or f["mig_profile"]:
+        raise _fail("gpu_fraction_milli", "Slurm allocates whole GPUs (GRES), not fractions or MIG slices.")
+    if work is not None:
+        raise _fail("work", "Work queues are not served to Slurm jobs.")
+    if f["checkpoint_resume"]:
+        raise _fail("checkpoint_resume", "Checkpoints need a volume, and Slurm regions have none.")
+    if any(isinstance(v, dict) for v in f["env"].values()):
+        raise _fail("env", "Secrets are not handed to Slurm (its job records keep the environment).")
+    config = slurm_config_parse(region.slurm)
+    if explicit and not any(m.name in config.gres_types for m in candidates):
+        raise _fail("gpu_models", f"No GRES type of {region.code} is one of these models.")
 
 
 # --- quotas ----------------------------------------------------------------------------------------

@@ -206,12 +206,12 @@ def test_overview_counts_nodes_by_state_and_region_and_gpus_by_model_and_health(
     counts = response.context["counts"]
     assert counts["total"] == 8 and counts["simulated"] == 2
     assert counts["by_state"] == {
-        "ready": 5, "cordoned": 1, "draining": 0, "suspect": 0, "down": 1, "maintenance": 1,
+        "ready": 5, "cordoned": 1, "draining": 0, "suspect": 0, "down": 1, "maintenance": 1, "slurm": 0,
     }  # fmt: skip
     by_region = {r["code"]: r["states"] for r in counts["regions"]}
     assert by_region["us-east-1"]["ready"] == 3 and by_region["us-east-1"]["cordoned"] == 1
     assert by_region["eu-west-1"] == {
-        "ready": 2, "cordoned": 0, "draining": 0, "suspect": 0, "down": 1, "maintenance": 1,
+        "ready": 2, "cordoned": 0, "draining": 0, "suspect": 0, "down": 1, "maintenance": 1, "slurm": 0,
     }  # fmt: skip
 
     gpus = response.context["gpu_counts"]

@@ -1,0 +1,271 @@
+"""The Slurm connector: Slurm's own commands, their JSON output (``--json``, Slurm 22.05 and
+later) read into plain dataclasses. Every call is an argv list (never a shell), with SLURM_CONF
+set to the region's slurm.conf where it names one and a timeout; a failure is a ``SlurmError``
+with what the command said.
+
+Why the commands and not slurmrestd: they need nothing deployed beyond what every login node has
+(munge and slurm.conf, no JWT keys to hand out and rotate), and they answer the same on a cluster
+whose REST daemon is not running; the JSON they print is the same data parser slurmrestd uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from nodes.slurm.config import SlurmConfig
+
+GRES_RE = re.compile(r"^gpu:(?P<type>[A-Za-z0-9_.-]+):(?P<count>\d+)")
+# GRES as sacct's TRES names it: gres/gpu:<type>.
+TRES_GPU_TYPE_RE = re.compile(r"^gpu:(?P<type>[A-Za-z0-9_.-]+)$")
+JOB_NAME_PREFIX = "gpupool-"
+
+
+class SlurmError(Exception):
+    """A Slurm command failed or answered what we cannot read."""
+
+
+@dataclass(frozen=True)
+class SlurmNode:
+    name: str
+    state: str  # Slurm's, lower case: idle, mixed, allocated, down, drained, ...
+    flags: tuple[str, ...]
+    partitions: tuple[str, ...]
+    cpus: int
+    memory_mib: int
+    gpus: dict[str, int]  # GRES type -> count
+    reason: str
+    address: str
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    job_id: int
+    name: str
+    state: str  # PENDING, RUNNING, COMPLETED, ...
+    reason: str
+    start: datetime | None
+    end: datetime | None
+    exit_code: int | None
+    nodes: str
+    submitted: datetime | None = None
+
+
+@dataclass(frozen=True)
+class SlurmAccounting:
+    job_id: int
+    state: str
+    start: datetime | None
+    end: datetime | None
+    elapsed_s: int
+    exit_code: int | None
+    nodes: str
+    gpus: dict[str, int] = field(default_factory=dict)  # GRES type -> count allocated
+    cpus: int = 0
+    memory_mib: int = 0
+
+
+def _time(value: Any) -> datetime | None:
+    if isinstance(value, dict):  # later releases: {"set": true, "number": N}
+        value = value.get("number") if value.get("set", True) else None
+    if not isinstance(value, int) or value <= 0:
+        return None
+    return datetime.fromtimestamp(value, tz=UTC)
+
+
+def _int(value: Any) -> int | None:
+    if isinstance(value, dict):
+        value = value.get("number") if value.get("set", True) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def parse_gres(text: str) -> dict[str, int]:
+    """``gpu:h100:2,gpu:a100:2(S:0)`` -> {"h100": 2, "a100": 2}; untyped GPUs count as ''."""
+    out: dict[str, int] = {}
+    for part in (text or "").split(","):
+        m = GRES_RE.match(part.strip())
+        if m:
+            out[m["type"]] = out.get(m["type"], 0) + int(m["count"])
+        elif re.match(r"^gpu:\d+", part.strip()):
+            out[""] = out.get("", 0) + int(part.strip().split(":")[1].split("(")[0])
+    return out
+
+
+class SlurmCli:
+    def __init__(self, config: SlurmConfig):
+        self.config = config
+
+    def run(self, argv: list[str], *, stdin: str | None = None) -> str:
+        env = dict(os.environ)
+        if self.config.slurm_conf:
+            env["SLURM_CONF"] = self.config.slurm_conf
+        try:
+            done = subprocess.run(
+                argv,
+                input=stdin,
+                capture_output=True,
+                text=True,
+                timeout=self.config.timeout_s,
+                env=env,
+                check=False,
+            )
+        except FileNotFoundError as exc:
+            raise SlurmError(f"{argv[0]} is not installed on this host") from exc
+        except subprocess.TimeoutExpired as exc:
+            raise SlurmError(f"{argv[0]} did not answer within {self.config.timeout_s} s") from exc
+        if done.returncode != 0:
+            said = (done.stderr or done.stdout).strip().splitlines()
+            raise SlurmError(f"{' '.join(argv[:2])} failed: {said[-1] if said else done.returncode}")
+        return done.stdout
+
+    def _json(self, argv: list[str]) -> dict[str, Any]:
+        out = self.run(argv)
+        try:
+            data = json.loads(out)
+        except ValueError as exc:
+            raise SlurmError(f"{argv[0]} --json printed no JSON") from exc
+        if not isinstance(data, dict):
+            raise SlurmError(f"{argv[0]} --json printed no object")
+        return data
+
+    # --- inventory ---------------------------------------------------------------------------------
+
+    def nodes(self) -> list[SlurmNode]:
+        data = self._json(["sinfo", "--json"])
+        seen: dict[str, SlurmNode] = {}
+        for n in data.get("nodes", []):
+            name = str(n.get("name", ""))
+            if not name or name in seen:
+                continue
+            state = n.get("state", "")
+            if isinstance(state, list):
+                state = state[0] if state else ""
+            seen[name] = SlurmNode(
+                name=name,
+                state=str(state).lower(),
+                flags=tuple(str(f).lower() for f in n.get("state_flags", []) or []),
+                partitions=tuple(str(p) for p in n.get("partitions", []) or []),
+                cpus=_int(n.get("cpus")) or 0,
+                memory_mib=_int(n.get("real_memory")) or 0,
+                gpus=parse_gres(str(n.get("gres", ""))),
+                reason=str(n.get("reason", "") or ""),
+                address=str(n.get("address", "") or ""),
+            )
+        return list(seen.values())
+
+    # --- jobs ------------------------------------------------------------------------------------
+
+    def submit(self, *, options: list[str], script: str) -> int:
+        out = self.run(["sbatch", "--parsable", *options], stdin=script).strip()
+        try:
+            return int(out.split(";")[0])
+        except ValueError as exc:
+            raise SlurmError(f"sbatch printed no job id: {out[:100]!r}") from exc
+
+    def jobs(self) -> dict[int, SlurmJob]:
+        """gpupool's jobs that slurmctld still knows (pending, running, and ended for MinJobAge)."""
+        data = self._json(["squeue", "--json"])
+        out = {}
+        for j in data.get("jobs", []):
+            name = str(j.get("name", ""))
+            if not name.startswith(JOB_NAME_PREFIX):
+                continue
+            jid = _int(j.get("job_id"))
+            if jid is None:
+                continue
+            state = j.get("job_state", "")
+            if isinstance(state, list):
+                state = state[0] if state else ""
+            out[jid] = SlurmJob(
+                job_id=jid,
+                name=name,
+                state=str(state).upper(),
+                reason=str(j.get("state_reason", "") or ""),
+                start=_time(j.get("start_time")),
+                end=_time(j.get("end_time")),
+                exit_code=_int(j.get("exit_code")),
+                nodes=str(j.get("nodes", "") or ""),
+                submitted=_time(j.get("submit_time")),
+            )
+        return out
+
+    def accounting(self, job_ids: list[int]) -> dict[int, SlurmAccounting]:
+        """Accounting (slurmdbd) of these jobs: one row per job, its steps left out."""
+        if not job_ids:
+            return {}
+        data = self._json(["sacct", "--json", "-j", ",".join(str(i) for i in job_ids)])
+        out = {}
+        for j in data.get("jobs", []):
+            jid = _int(j.get("job_id"))
+            if jid is None:
+                continue
+            gpus: dict[str, int] = {}
+            cpus = mem = 0
+            for t in (j.get("tres") or {}).get("allocated", []) or []:
+                count = _int(t.get("count")) or 0
+                if t.get("type") == "gres" and t.get("name"):
+                    m = TRES_GPU_TYPE_RE.match(str(t["name"]))
+                    if m:
+                        gpus[m["type"]] = count
+                elif t.get("type") == "cpu":
+                    cpus = count
+                elif t.get("type") == "mem":
+                    mem = count
+            state = (j.get("state") or {}).get("current", "")
+            if isinstance(state, list):
+                state = state[0] if state else ""
+            times = j.get("time") or {}
+            exit_code = (j.get("exit_code") or {}).get("return_code")
+            out[jid] = SlurmAccounting(
+                job_id=jid,
+                state=str(state).upper(),
+                start=_time(times.get("start")),
+                end=_time(times.get("end")),
+                elapsed_s=_int(times.get("elapsed")) or 0,
+                exit_code=_int(exit_code),
+                nodes=str(j.get("nodes", "") or ""),
+                gpus=gpus,
+                cpus=cpus,
+                memory_mib=mem,
+            )
+        return out
+
+    def cancel(self, job_id: int) -> None:
+        self.run(["scancel", str(int(job_id))])
+
+    # --- accounts --------------------------------------------------------------------------------
+
+    def associations(self) -> set[tuple[str, str]]:
+        out = self.run(["sacctmgr", "-n", "-P", "show", "associations", "format=account,user"])
+        pairs = set()
+        for line in out.splitlines():
+            account, _, user = line.partition("|")
+            pairs.add((account.strip(), user.strip()))
+        return pairs
+
+    def account_ensure(self, *, account: str, description: str, user: str) -> bool:
+        """Make the account and the user's association in it where missing; True if it made any."""
+        have = self.associations()
+        made = False
+        if not any(a == account for a, _ in have):
+            self.run(
+                [
+                    "sacctmgr",
+                    "-i",
+                    "add",
+                    "account",
+                    account,
+                    f"description={description}",
+                    "organization=gpupool",
+                ]
+            )
+            made = True
+        if (account, user) not in have:
+            self.run(["sacctmgr", "-i", "add", "user", user, f"account={account}"])
+            made = True
+        return made

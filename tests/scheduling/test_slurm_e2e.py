@@ -1,0 +1,199 @@
+"""A Slurm region end to end on a real single-host Slurm (tests/slurm_cluster.py): jobs submitted
+through gpupool's API become Slurm jobs (checked in ``scontrol show job``), their states and pending
+reasons come back, stop is scancel, and sacct's accounting becomes usage records and invoice lines.
+"""
+
+from __future__ import annotations
+
+import time
+from decimal import Decimal
+
+import pytest
+from django.utils import timezone
+
+from metering.models import RateCard, UsageRecord
+from metering.periods import period_of
+from metering.services.invoices import invoice_build
+from metering.services.rates import rate_card_version_create
+from metering.services.usage import usage_build
+from nodes.models import Gpu, GpuModel, Node, NodeState, Region, RegionBackend
+from scheduling.models import Plan, SlurmJob, WorkloadLogLine
+from scheduling.models import WorkloadState as S
+from scheduling.services.slurm import slurm_region_sync
+from tests.scheduling.conftest import A100, H100
+from tests.slurm_cluster import OUTPUT_DIR, SLURM_CONF, slurm
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def region(slurm_cluster, db):
+    return Region.objects.create(
+        code="hpc-1",
+        name="HPC cluster",
+        backend=RegionBackend.SLURM,
+        slurm={
+            "connector": "cli",
+            "slurm_conf": str(SLURM_CONF),
+            "partitions": {"default": "gpu", "spot": "batch"},
+            "gres_types": {H100: "h100", A100: "a100"},
+            "output_dir": str(OUTPUT_DIR),
+            "account_prefix": "gpt-",
+        },
+    )
+
+
+@pytest.fixture
+def client(tenant, make_token, api):
+    return api(make_token(tenant))
+
+
+def job(**spec):
+    return {"image": "ghcr.io/acme/train:1", "region": "hpc-1", "gpu_models": ["H100"], **spec}
+
+
+def submit(client, **spec):
+    r = client.post("/api/v1/jobs/", job(**spec), content_type="application/json")
+    assert r.status_code == 201, r.content
+    return r.json()["id"]
+
+
+def sync_until(region, cycle, check, timeout=30.0):
+    """Run the cycle and the region's sync until ``check()`` holds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        cycle()
+        result = slurm_region_sync(region=region)
+        assert not result.error, result.error
+        if check():
+            return
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.5)
+
+
+def scontrol_job(job_id: int) -> dict[str, str]:
+    out = slurm("scontrol", "show", "job", "-o", str(job_id))
+    return dict(part.split("=", 1) for part in out.split() if "=" in part)
+
+
+def test_inventory_the_fleet_and_a_job_from_submission_to_invoice(region, client, tenant, cycle):
+    # Inventory: the node and its GRES GPUs, by catalog model, in Slurm's own state.
+    assert slurm_region_sync(region=region).error == ""
+    node = Node.objects.get(region=region)
+    assert node.state == NodeState.SLURM and node.state_reason.startswith("Slurm: ")
+    assert node.labels["partitions"] == ["gpu", "batch"] and node.cpu_cores == 8
+    gpus = Gpu.objects.filter(node=node, removed_at__isnull=True)
+    assert sorted((g.model.name, g.reported_name) for g in gpus) == sorted(
+        [(A100, "gres gpu:a100")] * 2 + [(H100, "gres gpu:h100")] * 2
+    )
+    r = client.get("/api/v1/gpu-types/")
+    assert r.status_code == 200
+
+    h100 = GpuModel.objects.get(name=H100)
+    card = RateCard.objects.create(name="Standard", currency="USD", is_default=True)
+    rate_card_version_create(
+        rate_card=card,
+        effective_from=timezone.now() - timezone.timedelta(days=1),
+        gpu_prices={(h100.pk, Plan.ON_DEMAND): "3.60"},
+        allow_past=True,
+    )
+
+    wid = submit(
+        client,
+        gpu_count=1,
+        cpu_millicores=1500,
+        ram_mib=256,
+        max_runtime_s=120,
+        env={"GREETING": "hello 'there'"},
+        command=["sh", "-c", 'echo "$GREETING from $GPUPOOL_WORKLOAD_ID"; sleep 1'],
+    )
+    sync_until(region, cycle, lambda: SlurmJob.objects.filter(workload_id=wid).exists())
+    sj = SlurmJob.objects.get(workload_id=wid)
+    seen = scontrol_job(sj.job_id)  # Slurm's own view
+    assert (
+        seen["JobName"] == f"gpupool-{wid}" and seen["Account"] == "gpt-acme" and seen["Partition"] == "gpu"
+    )
+    assert "gres/gpu:h100=1" in seen["TRES"] and seen["TimeLimit"] == "00:02:00"
+    assert seen["NumCPUs"] == "2" and "mem=256M" in seen["TRES"]
+
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{wid}/").json()["state"] == "succeeded")
+    body = client.get(f"/api/v1/jobs/{wid}/").json()
+    assert body["exit_code"] == 0
+    lines = list(WorkloadLogLine.objects.filter(workload_id=wid).values_list("text", flat=True))
+    assert lines == [f"hello 'there' from {wid}"]
+    events = [e["to_state"] for e in client.get(f"/api/v1/jobs/{wid}/events/").json()]
+    assert events[-3:] == ["scheduled", "running", "succeeded"]
+
+    # Accounting: sacct's interval, billed at the minimum of 60 s, on the invoice.
+    usage_build(tenant=tenant)
+    (rec,) = UsageRecord.objects.filter(workload_id=wid)
+    assert rec.region_id == region.pk and rec.gpu_model_id == h100.pk and rec.plan == Plan.ON_DEMAND
+    assert rec.seconds + rec.minimum_topup_s == 60
+    assert rec.amount == Decimal("0.06")
+    invoice = invoice_build(tenant=tenant, period_start=period_of(timezone.now()))
+    assert [(line.gpu_model_id, line.amount) for line in invoice.lines.all()] == [(h100.pk, Decimal("0.06"))]
+
+
+def test_pending_reasons_stop_and_refusals(region, client, cycle):
+    hog = submit(client, gpu_count=2, command=["sleep", "60"])
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{hog}/").json()["state"] == "running")
+    waiting = submit(client, gpu_count=1, command=["true"])
+
+    def capacity():
+        body = client.get(f"/api/v1/jobs/{waiting}/").json()
+        return body["state"] == "queued" and body["pending"]["reason"] == "capacity"
+
+    sync_until(region, cycle, capacity)
+    body = client.get(f"/api/v1/jobs/{waiting}/").json()
+    assert "Resources" in body["pending"]["message"]
+    assert scontrol_job(SlurmJob.objects.get(workload_id=waiting).job_id)["JobState"] == "PENDING"
+
+    # Stop is scancel; the freed GPUs go to the waiting job.
+    assert client.post(f"/api/v1/jobs/{hog}/stop/").status_code in (200, 202)
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{hog}/").json()["state"] == "stopped")
+    assert scontrol_job(SlurmJob.objects.get(workload_id=hog).job_id)["JobState"] == "CANCELLED"
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{waiting}/").json()["state"] == "succeeded")
+
+    # What Slurm cannot hold is refused by Slurm, and the job fails with its words.
+    big = submit(client, gpu_count=3, command=["true"])
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{big}/").json()["state"] == "failed")
+    assert "Slurm refused the job" in client.get(f"/api/v1/jobs/{big}/").json()["state_reason"]
+
+    # What gpupool cannot tell Slurm is refused at the API, naming the field.
+    for spec, field in (
+        ({"gpu_fraction_milli": 500}, "gpu_fraction_milli"),
+        ({"gang": True, "gpu_count": 2}, "gang"),
+        ({"env": {"K": {"secret": "nope"}}}, "env"),
+    ):
+        r = client.post("/api/v1/jobs/", job(command=["true"], **spec), content_type="application/json")
+        assert r.status_code == 400 and field in r.json()["error"]["fields"], r.content
+    r = client.post("/api/v1/instances/", job(), content_type="application/json")
+    assert r.status_code == 400 and "region" in r.json()["error"]["fields"]
+
+
+def test_a_dependency_and_an_array(region, client, cycle):
+    first = submit(client, command=["sleep", "2"])
+    after = submit(client, command=["true"], depends_on=[{"job": first, "condition": "succeeded"}])
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{first}/").json()["state"] == "running")
+    body = client.get(f"/api/v1/jobs/{after}/").json()
+    assert body["state"] == "pending" and body["pending"]["reason"] == "dependency"
+    assert not SlurmJob.objects.filter(workload_id=after).exists()
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{after}/").json()["state"] == "succeeded")
+
+    arr = client.post(
+        "/api/v1/jobs/",
+        job(
+            command=["sh", "-c", "echo task $GPUPOOL_ARRAY_INDEX of $GPUPOOL_ARRAY_COUNT"], array={"count": 2}
+        ),
+        content_type="application/json",
+    )
+    assert arr.status_code == 201, arr.content
+    aid = arr.json()["id"]
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{aid}/").json()["state"] == "succeeded")
+    tasks = SlurmJob.objects.filter(workload__array_parent_id=aid).order_by("workload__array_index")
+    texts = [
+        list(WorkloadLogLine.objects.filter(workload_id=t.workload_id).values_list("text", flat=True))
+        for t in tasks
+    ]
+    assert texts == [["task 0 of 2"], ["task 1 of 2"]]
+    assert client.get(f"/api/v1/jobs/{aid}/").json()["state"] == S.SUCCEEDED
