@@ -63,10 +63,11 @@ class GpuModelAdmin(admin.ModelAdmin):
 
 @admin.register(Region)
 class RegionAdmin(admin.ModelAdmin):
-    list_display = ["code", "name", "location", "node_count"]
+    list_display = ["code", "name", "location", "backend", "node_count"]
     search_fields = ["code", "name", "location"]
-    # Set on /staff/queue-policy/ or the staff API, where they are validated and audited.
-    readonly_fields = ["queue_policy", "queue_policy_by_plan"]
+    # Set on /staff/queue-policy/ or the staff API, where they are validated and audited; a Slurm
+    # region's backend and configuration by ``manage.py slurm_region`` (nodes.services.slurm).
+    readonly_fields = ["queue_policy", "queue_policy_by_plan", "backend", "slurm"]
 
     def get_queryset(self, request):
         return super().get_queryset(request).annotate(_nodes=Count("nodes"))

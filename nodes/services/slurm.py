@@ -18,9 +18,11 @@ from django.db import transaction
 from django.utils import timezone
 
 from nodes.models import Gpu, GpuModel, Node, NodeState, Region, RegionBackend
-from nodes.slurm.cli import SlurmCli, SlurmNode
+from nodes.slurm.cli import SlurmCli, SlurmError, SlurmNode
 from nodes.slurm.config import SlurmConfig, slurm_config_parse
-from portal.errors import ValidationFailed
+from portal.actors import Actor
+from portal.errors import Conflict, ValidationFailed
+from portal.services.audit import audit_record
 
 
 @dataclass
@@ -164,3 +166,45 @@ def slurm_inventory_refresh(*, region: Region, now: datetime | None = None) -> I
     """Read the region's nodes from Slurm and store them (``SlurmError`` when Slurm does not answer)."""
     config = slurm_config(region)
     return slurm_inventory_store(region=region, nodes=SlurmCli(config).nodes(), config=config, now=now)
+
+
+def region_slurm_set(
+    *, code: str, name: str, slurm: dict, actor: Actor, check: bool = True, now: datetime | None = None
+) -> tuple[Region, InventoryResult | None]:
+    """Make region ``code`` a Slurm region with this configuration (or change it): validate the
+    configuration against the catalog, refuse a region that has agent nodes, save, audit, and, with
+    ``check``, read the inventory once (a cluster that does not answer is refused: nothing saved)."""
+    config = slurm_config_parse(slurm, model_names=set(GpuModel.objects.values_list("name", flat=True)))
+    if not name or len(name) > 100:
+        raise ValidationFailed(
+            "name is required (at most 100 characters).", fields={"name": ["1 to 100 characters."]}
+        )
+    with transaction.atomic():
+        region = Region.objects.select_for_update().filter(code=code).first()
+        created = region is None
+        if created:
+            region = Region(code=code)
+            region.full_clean(exclude=["name", "backend", "slurm"])
+        elif Node.objects.filter(region=region).exclude(state=NodeState.SLURM).exists():
+            raise Conflict(
+                f"Region {code} has agent nodes; a Slurm region has only Slurm's.", code="invalid_state"
+            )
+        old = {"backend": region.backend, "slurm": region.slurm}
+        region.name, region.backend, region.slurm = name, RegionBackend.SLURM, slurm
+        region.save()
+        inventory = None
+        if check:
+            try:
+                inventory = slurm_inventory_store(
+                    region=region, nodes=SlurmCli(config).nodes(), config=config, now=now
+                )
+            except SlurmError as exc:
+                raise ValidationFailed(f"Slurm does not answer: {exc}", fields={"slurm": [str(exc)]}) from exc
+        audit_record(
+            tenant=None,
+            actor=actor,
+            action="region.slurm_created" if created else "region.slurm_changed",
+            target=region,
+            data={"from": old, "to": {"backend": region.backend, "slurm": slurm}},
+        )
+    return region, inventory

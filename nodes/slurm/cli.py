@@ -27,7 +27,12 @@ JOB_NAME_PREFIX = "gpupool-"
 
 
 class SlurmError(Exception):
-    """A Slurm command failed or answered what we cannot read."""
+    """A Slurm command failed or answered what we cannot read. ``transient``: Slurm could not be
+    asked (no answer in time, the command or slurm.conf missing), as opposed to Slurm refusing."""
+
+    def __init__(self, message: str, *, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,9 @@ class SlurmCli:
     def run(self, argv: list[str], *, stdin: str | None = None) -> str:
         env = dict(os.environ)
         if self.config.slurm_conf:
+            # Without it the commands look for the cluster in DNS for a minute before giving up.
+            if not os.path.isfile(self.config.slurm_conf):
+                raise SlurmError(f"{self.config.slurm_conf} is not on this host", transient=True)
             env["SLURM_CONF"] = self.config.slurm_conf
         try:
             done = subprocess.run(
@@ -115,9 +123,11 @@ class SlurmCli:
                 check=False,
             )
         except FileNotFoundError as exc:
-            raise SlurmError(f"{argv[0]} is not installed on this host") from exc
+            raise SlurmError(f"{argv[0]} is not installed on this host", transient=True) from exc
         except subprocess.TimeoutExpired as exc:
-            raise SlurmError(f"{argv[0]} did not answer within {self.config.timeout_s} s") from exc
+            raise SlurmError(
+                f"{argv[0]} did not answer within {self.config.timeout_s} s", transient=True
+            ) from exc
         if done.returncode != 0:
             said = (done.stderr or done.stdout).strip().splitlines()
             raise SlurmError(f"{' '.join(argv[:2])} failed: {said[-1] if said else done.returncode}")

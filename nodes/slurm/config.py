@@ -68,7 +68,7 @@ def _names(value: Any, field_name: str, keys: tuple[str, ...] | None) -> dict[st
             raise ValidationFailed(
                 f"{field_name} has an unknown key {k!r}.", fields={field_name: [f"Keys: {', '.join(keys)}."]}
             )
-        if not isinstance(v, str) or not NAME_RE.match(v):
+        if not isinstance(v, str) or not NAME_RE.fullmatch(v):
             raise ValidationFailed(
                 f"{field_name}[{k!r}] is not a Slurm name.",
                 fields={field_name: ["Letters, digits, '_', '.', '-'; at most 64."]},
@@ -80,7 +80,7 @@ def _names(value: Any, field_name: str, keys: tuple[str, ...] | None) -> dict[st
 def _path(value: Any, field_name: str) -> str:
     if value in (None, ""):
         return ""
-    if not isinstance(value, str) or not PATH_RE.match(value) or "/../" in value + "/" or "/./" in value:
+    if not isinstance(value, str) or not PATH_RE.fullmatch(value) or "/../" in value + "/" or "/./" in value:
         raise ValidationFailed(
             f"{field_name} must be an absolute path.", fields={field_name: ["Absolute path."]}
         )
@@ -113,7 +113,7 @@ def slurm_config_parse(data: Any, *, model_names: set[str] | None = None) -> Slu
                 fields={"gres_types": ["Catalog model names."]},
             )
     prefix = data.get("account_prefix", "gp-")
-    if not isinstance(prefix, str) or not re.match(r"^[a-z0-9_-]{0,16}$", prefix):
+    if not isinstance(prefix, str) or not re.fullmatch(r"[a-z0-9_-]{0,16}", prefix):
         raise ValidationFailed(
             "account_prefix is not valid.", fields={"account_prefix": ["[a-z0-9_-], at most 16."]}
         )

@@ -39,6 +39,7 @@ from nodes.slurm.cli import JOB_NAME_PREFIX, SlurmAccounting, SlurmCli, SlurmErr
 from nodes.slurm.cli import SlurmJob as LiveJob
 from nodes.slurm.config import SlurmConfig
 from portal.actors import Actor
+from portal.errors import ValidationFailed
 from scheduling.locks import lock_workload
 from scheduling.models import (
     MILLI,
@@ -123,7 +124,12 @@ def slurm_regions_sync(*, now: datetime | None = None) -> list[SyncResult]:
 def slurm_region_sync(*, region: Region, now: datetime | None = None) -> SyncResult:
     """One pass of the rules above for one region; Slurm not answering is reported, not raised."""
     result = SyncResult(region=region.code)
-    config = slurm_config(region)
+    try:
+        config = slurm_config(region)
+    except ValidationFailed as exc:
+        result.error = f"configuration: {exc.message}"
+        logger.error("Slurm region %s: %s", region.code, result.error)
+        return result
     cli = SlurmCli(config)
     try:
         result.nodes = slurm_inventory_store(region=region, nodes=cli.nodes(), config=config, now=now).nodes
@@ -241,7 +247,7 @@ def _submit(region: Region, cli: SlurmCli, live: dict[int, LiveJob], result: Syn
                 try:
                     job_id = cli.submit(options=options, script=script)
                 except SlurmError as exc:
-                    if "did not answer" in str(exc) or "not installed" in str(exc):
+                    if exc.transient:
                         raise
                     workload_transition(
                         workload=w,

@@ -16,6 +16,7 @@ from nodes.models import Gpu, GpuModel, Node, Region
 from nodes.services.registration import bootstrap_token_create
 from portal.actors import Actor
 from tests.conftest import keeping_the_test_connection
+from tests.slurm_cluster import slurm_cluster  # noqa: F401  (the real Slurm, for Slurm regions)
 
 _counter = itertools.count(1)
 

@@ -1,0 +1,70 @@
+"""Connecting a Slurm cluster as a region: the configuration's checks (every value reaches an argv
+or a path) and ``manage.py slurm_region``, which reads the real cluster's inventory once."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from nodes.models import Gpu, Node, NodeState, Region, RegionBackend
+from nodes.services.health import node_cordon
+from nodes.slurm.config import slurm_config_parse
+from portal.actors import Actor
+from portal.errors import Conflict, ValidationFailed
+from portal.models import AuditEvent
+from tests.slurm_cluster import OUTPUT_DIR, SLURM_CONF
+
+H100 = "NVIDIA H100 SXM 80GB"
+GOOD = {"output_dir": "/srv/out", "partitions": {"default": "gpu"}, "gres_types": {H100: "h100"}}
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"partitions": {"default": "gpu --uid=0"}}, "partitions"),
+        ({"partitions": {"gold": "gpu"}}, "partitions"),
+        ({"qos": {"spot": "$(id)"}}, "qos"),
+        ({"gres_types": {H100: "h100:8"}}, "gres_types"),
+        ({"output_dir": "relative/out"}, "output_dir"),
+        ({"output_dir": "/srv/../etc"}, "output_dir"),
+        ({"slurm_conf": "/etc/slurm/slurm.conf\n"}, "slurm_conf"),
+        ({"connector": "rest"}, "connector"),
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"account_prefix": "Gp "}, "account_prefix"),
+        ({"surprise": 1}, "slurm"),
+    ],
+)
+def test_the_configuration_refuses_what_is_not_a_slurm_name_or_a_path(change, field):
+    assert slurm_config_parse(GOOD).partition("spot") == "gpu"
+    with pytest.raises(ValidationFailed) as err:
+        slurm_config_parse({**GOOD, **change})
+    assert field in err.value.fields
+
+
+@pytest.mark.django_db
+def test_the_command_connects_the_cluster_and_reads_its_inventory(slurm_cluster, tmp_path, capsys):
+    config = tmp_path / "hpc.json"
+    config.write_text(
+        json.dumps(
+            {"slurm_conf": str(SLURM_CONF), "output_dir": str(OUTPUT_DIR), "gres_types": {H100: "h100"}}
+        )
+    )
+    call_command("slurm_region", "hpc-2", "--name", "HPC", "--config", str(config))
+    assert "Slurm lists 1 node(s) with 4 GPU(s)." in capsys.readouterr().out
+    region = Region.objects.get(code="hpc-2")
+    assert region.backend == RegionBackend.SLURM
+    node = Node.objects.get(region=region)
+    assert node.state == NodeState.SLURM
+    mapped = Gpu.objects.filter(node=node, model__name=H100).count()
+    assert mapped == 2 and Gpu.objects.filter(node=node, model__isnull=True).count() == 2  # a100 not mapped
+    assert AuditEvent.objects.filter(action="region.slurm_created").count() == 1
+    # Slurm's node state is Slurm's.
+    with pytest.raises(Conflict):
+        node_cordon(node=node, actor=Actor.system())
+
+    config.write_text(json.dumps({"output_dir": str(OUTPUT_DIR), "slurm_conf": "/nonexistent/slurm.conf"}))
+    with pytest.raises(CommandError, match="Slurm does not answer"):
+        call_command("slurm_region", "hpc-3", "--name", "HPC", "--config", str(config))
+    assert not Region.objects.filter(code="hpc-3").exists()
