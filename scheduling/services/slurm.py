@@ -297,7 +297,10 @@ def _cancel(region: Region, cli: SlurmCli, live: dict[int, LiveJob], result: Syn
 
 
 def _to_running(w: Workload, at: datetime, job_id: int) -> None:
-    """QUEUED -> SCHEDULED -> RUNNING at Slurm's start time (billing starts at the RUNNING event)."""
+    """QUEUED -> SCHEDULED -> RUNNING at Slurm's start time (billing starts at the RUNNING event),
+    or at the workload's last change where that is later (Slurm counts whole seconds; events stay
+    in order)."""
+    at = max(at, w.state_changed_at)
     if w.state == WorkloadState.QUEUED:
         workload_transition(
             workload=w,
