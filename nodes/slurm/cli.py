@@ -208,7 +208,15 @@ class SlurmCli:
         """Accounting (slurmdbd) of these jobs: one row per job, its steps left out."""
         if not job_ids:
             return {}
-        data = self._json(["sacct", "--json", "-j", ",".join(str(i) for i in job_ids)])
+        ids = ",".join(str(int(i)) for i in job_ids)
+        data = self._json(["sacct", "--json", "-j", ids])
+        # Slurm 22.05's JSON writes a failed job's exit code as 0 ("SUCCESS"); the parsable text
+        # has it right ("1:0": code 1, signal 0), so the code is read from there.
+        codes: dict[int, int] = {}
+        for line in self.run(["sacct", "-n", "-P", "-X", "-o", "JobID,ExitCode", "-j", ids]).splitlines():
+            jid, _, code = line.partition("|")
+            if jid.isdigit() and code.partition(":")[0].isdigit():
+                codes[int(jid)] = int(code.partition(":")[0])
         out = {}
         for j in data.get("jobs", []):
             jid = _int(j.get("job_id"))
@@ -230,7 +238,7 @@ class SlurmCli:
             if isinstance(state, list):
                 state = state[0] if state else ""
             times = j.get("time") or {}
-            exit_code = (j.get("exit_code") or {}).get("return_code")
+            exit_code = codes.get(jid, (j.get("exit_code") or {}).get("return_code"))
             out[jid] = SlurmAccounting(
                 job_id=jid,
                 state=str(state).upper(),
@@ -238,7 +246,7 @@ class SlurmCli:
                 end=_time(times.get("end")),
                 elapsed_s=_int(times.get("elapsed")) or 0,
                 exit_code=_int(exit_code),
-                nodes=str(j.get("nodes", "") or ""),
+                nodes="" if str(j.get("nodes", "")) == "None assigned" else str(j.get("nodes", "") or ""),
                 gpus=gpus,
                 cpus=cpus,
                 memory_mib=mem,

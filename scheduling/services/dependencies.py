@@ -9,6 +9,10 @@ ways one could be spelt anyway (an id not yet given, the same job twice).
 
 The scheduling cycle calls ``dependencies_gate`` before it admits PENDING work: the jobs it returns
 are not admitted (their ``pending_reason`` is ``dependency``) or have just failed.
+
+In a Slurm region the wait is Slurm's: a job whose open dependencies are all jobs of its own Slurm
+region already submitted there is admitted, and submitted with ``--dependency=afterok:<id>`` (or
+``afterany``) and ``--kill-on-invalid-dep=yes`` (``scheduling.services.slurm``).
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ from collections import defaultdict
 from datetime import datetime
 from typing import Any
 
+from nodes.models import RegionBackend
 from portal.actors import Actor
 from portal.errors import ValidationFailed
 from scheduling.locks import lock_workloads_where
 from scheduling.models import (
     TERMINAL_STATES,
     DependencyCondition,
+    SlurmJob,
     Workload,
     WorkloadDependency,
     WorkloadKind,
@@ -91,13 +97,34 @@ def dependencies_gate(*, now: datetime) -> set[int]:
     rows = list(
         WorkloadDependency.objects.filter(workload__state=WorkloadState.PENDING)
         .order_by("workload_id", "on_id")
-        .values_list("workload_id", "on_id", "condition", "on__state")
+        .values_list(
+            "workload_id",
+            "on_id",
+            "condition",
+            "on__state",
+            "workload__region__backend",
+            "workload__region_id",
+        )
     )
     if not rows:
         return set()
     verdicts: dict[int, list[tuple[int, str, str, str]]] = defaultdict(list)
-    for wid, on, condition, state in rows:
+    slurm_regions: dict[int, int] = {}
+    for wid, on, condition, state, backend, region_id in rows:
         verdicts[wid].append((on, condition, state, _verdict(condition, state)))
+        if backend == RegionBackend.SLURM:
+            slurm_regions[wid] = region_id
+    if slurm_regions:
+        # Dependencies Slurm holds: jobs of the same Slurm region, already submitted there.
+        submitted = set(
+            SlurmJob.objects.filter(
+                workload_id__in=[on for wid in slurm_regions for on, _, _, _ in verdicts[wid]]
+            ).values_list("workload_id", "region_id")
+        )
+        for wid, region_id in slurm_regions.items():
+            items = verdicts[wid]
+            if all(v == "met" or (v == "waiting" and (on, region_id) in submitted) for on, _, _, v in items):
+                verdicts[wid] = [(on, c, st, "met") for on, c, st, _ in items]
     never: dict[int, str] = {}
     waiting: dict[int, str] = {}
     for wid, items in verdicts.items():

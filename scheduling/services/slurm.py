@@ -45,9 +45,11 @@ from scheduling.models import (
     MILLI,
     TERMINAL_STATES,
     Allocation,
+    DependencyCondition,
     LogStream,
     SlurmJob,
     Workload,
+    WorkloadDependency,
     WorkloadLogLine,
     WorkloadState,
 )
@@ -170,6 +172,22 @@ def _platform_env(w: Workload) -> dict[str, str]:
     return env
 
 
+def _dependency(w: Workload) -> str:
+    """Slurm's ``afterok:<id>,afterany:<id>`` for the dependencies not yet met (the gate admitted the
+    job only when those are jobs of this region submitted to Slurm)."""
+    parts = []
+    for condition, job_id in (
+        WorkloadDependency.objects.filter(workload=w, on__slurm_job__region_id=w.region_id)
+        .exclude(on__state__in=TERMINAL_STATES)
+        .order_by("on_id")
+        .values_list("condition", "on__slurm_job__job_id")
+    ):
+        parts.append(
+            f"{'afterok' if condition == DependencyCondition.SUCCEEDED else 'afterany'}:{int(job_id)}"
+        )
+    return ",".join(parts)
+
+
 def sbatch_request(w: Workload, config: SlurmConfig, account: str) -> tuple[list[str], str, str]:
     """(sbatch options, batch script, output path pattern) of a workload. Every value is one argv
     element or shell-quoted in the script: names were checked by the workload rules and the
@@ -192,6 +210,9 @@ def sbatch_request(w: Workload, config: SlurmConfig, account: str) -> tuple[list
         options.append(f"--mem={w.ram_mib}M")
     if w.max_runtime_s:
         options.append(f"--time={max(1, math.ceil(w.max_runtime_s / 60))}")
+    dependency = _dependency(w)
+    if dependency:
+        options += [f"--dependency={dependency}", "--kill-on-invalid-dep=yes"]
     partition = config.partition(w.plan)
     if partition:
         options.append(f"--partition={partition}")
@@ -351,11 +372,17 @@ def _follow(region: Region, cli: SlurmCli, live: dict[int, LiveJob], result: Syn
                 result.ended.append(sj.workload_id)
 
 
-def _end_state(w: Workload, acct: SlurmAccounting) -> tuple[str, str, str]:
+def _end_state(w: Workload, acct: SlurmAccounting, sj_reason: str) -> tuple[str, str, str]:
     if acct.state == "COMPLETED" and (acct.exit_code or 0) == 0:
         return WorkloadState.SUCCEEDED, "exited", f"Slurm job {acct.job_id} completed."
     if acct.state == "CANCELLED" and w.stop_requested_at is not None:
         return WorkloadState.STOPPED, "stopped", f"Slurm job {acct.job_id} was cancelled (scancel)."
+    if acct.state == "CANCELLED" and "Dependency" in sj_reason:
+        return (
+            WorkloadState.FAILED,
+            "dependency_never_satisfied",
+            f"Slurm job {acct.job_id}: its dependency failed.",
+        )
     if acct.state == "TIMEOUT":
         return WorkloadState.FAILED, "max_runtime", f"Slurm job {acct.job_id} reached its time limit."
     code = f" (exit code {acct.exit_code})" if acct.exit_code is not None else ""
@@ -372,10 +399,10 @@ def _finish(region: Region, sj: SlurmJob, acct: SlurmAccounting, config: SlurmCo
         if sj.accounted_at is not None:
             return False
         w = lock_workload(workload_id=sj.workload_id)
-        ran = acct.start is not None and acct.end is not None and acct.end >= acct.start
+        ran = bool(acct.nodes) and acct.start is not None and acct.end is not None and acct.end >= acct.start
         if ran and w.state not in TERMINAL_STATES:
             _to_running(w, acct.start, sj.job_id)
-        to, reason, message = _end_state(w, acct)
+        to, reason, message = _end_state(w, acct, sj.reason)
         if w.state not in TERMINAL_STATES:
             w.exit_code = acct.exit_code
             w.save(update_fields=["exit_code"])

@@ -172,13 +172,28 @@ def test_pending_reasons_stop_and_refusals(region, client, cycle):
 
 
 def test_a_dependency_and_an_array(region, client, cycle):
-    first = submit(client, command=["sleep", "2"])
+    first = submit(client, command=["sleep", "3"])
     after = submit(client, command=["true"], depends_on=[{"job": first, "condition": "succeeded"}])
-    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{first}/").json()["state"] == "running")
-    body = client.get(f"/api/v1/jobs/{after}/").json()
-    assert body["state"] == "pending" and body["pending"]["reason"] == "dependency"
-    assert not SlurmJob.objects.filter(workload_id=after).exists()
+    doomed = submit(client, command=["false"])
+    never = submit(client, command=["true"], depends_on=[{"job": doomed, "condition": "succeeded"}])
+    # Once its dependency is Slurm's, the wait is Slurm's: afterok on the first job's Slurm id.
+    sync_until(region, cycle, lambda: SlurmJob.objects.filter(workload_id=after).exists())
+    seen = scontrol_job(SlurmJob.objects.get(workload_id=after).job_id)
+    first_id = SlurmJob.objects.get(workload_id=first).job_id
+    assert seen["Dependency"].startswith(f"afterok:{first_id}") and seen["JobState"] == "PENDING"
+
+    def waits_in_slurm():
+        body = client.get(f"/api/v1/jobs/{after}/").json()
+        return body["state"] == "queued" and body["pending"]["reason"] == "dependency"
+
+    sync_until(region, cycle, waits_in_slurm)
+    assert "Dependency" in client.get(f"/api/v1/jobs/{after}/").json()["pending"]["message"]
     sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{after}/").json()["state"] == "succeeded")
+    # A dependency that fails: Slurm drops the dependent (--kill-on-invalid-dep), and it fails.
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{never}/").json()["state"] == "failed")
+    assert client.get(f"/api/v1/jobs/{doomed}/").json()["exit_code"] == 1
+    events = [e["to_state"] for e in client.get(f"/api/v1/jobs/{never}/events/").json()]
+    assert events[-1] == "failed" and "running" not in events  # it never ran: nothing billed
 
     arr = client.post(
         "/api/v1/jobs/",
