@@ -7,13 +7,14 @@ import json
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.test import Client
 
 from nodes.models import Gpu, Node, NodeState, Region, RegionBackend
 from nodes.services.health import node_cordon
 from nodes.slurm.config import slurm_config_parse
 from portal.actors import Actor
 from portal.errors import Conflict, ValidationFailed
-from portal.models import AuditEvent
+from portal.models import AuditEvent, User
 from tests.slurm_cluster import OUTPUT_DIR, SLURM_CONF
 
 H100 = "NVIDIA H100 SXM 80GB"
@@ -63,6 +64,15 @@ def test_the_command_connects_the_cluster_and_reads_its_inventory(slurm_cluster,
     # Slurm's node state is Slurm's.
     with pytest.raises(Conflict):
         node_cordon(node=node, actor=Actor.system())
+    # The staff fleet pages show it, with Slurm's own state.
+    staff = User.objects.create_user(email="ops@gpupool.test", password="pw-for-tests-1", is_staff=True)
+    web = Client()
+    web.force_login(staff)
+    page = web.get(f"/fleet/nodes/{node.pk}/")
+    assert page.status_code == 200
+    text = page.content.decode()
+    assert node.hostname in text and "Run by Slurm" in text and node.state_reason in text
+    assert web.get("/fleet/").status_code == 200
 
     config.write_text(json.dumps({"output_dir": str(OUTPUT_DIR), "slurm_conf": "/nonexistent/slurm.conf"}))
     with pytest.raises(CommandError, match="Slurm does not answer"):

@@ -134,6 +134,20 @@ def test_inventory_the_fleet_and_a_job_from_submission_to_invoice(region, client
     assert [(line.gpu_model_id, line.amount) for line in invoice.lines.all()] == [(h100.pk, Decimal("0.06"))]
 
 
+def test_hostile_env_and_arguments_reach_the_job_as_text(region, client, cycle, tmp_path):
+    marker = tmp_path / "pwned"
+    hostile = f"$(touch {marker}); `touch {marker}` ' \" \\n"
+    wid = submit(
+        client,
+        env={"X": hostile},
+        command=["sh", "-c", 'printf "%s|%s\\n" "$X" "$1"', "sh", f"; touch {marker}"],
+    )
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{wid}/").json()["state"] == "succeeded")
+    lines = list(WorkloadLogLine.objects.filter(workload_id=wid).values_list("text", flat=True))
+    assert lines == [f"{hostile}|; touch {marker}"]
+    assert not marker.exists()
+
+
 def test_pending_reasons_stop_and_refusals(region, client, cycle):
     hog = submit(client, gpu_count=2, command=["sleep", "60"])
     sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{hog}/").json()["state"] == "running")
