@@ -78,3 +78,11 @@ def test_the_command_connects_the_cluster_and_reads_its_inventory(slurm_cluster,
     with pytest.raises(CommandError, match="Slurm does not answer"):
         call_command("slurm_region", "hpc-3", "--name", "HPC", "--config", str(config))
     assert not Region.objects.filter(code="hpc-3").exists()
+
+
+@pytest.mark.django_db
+def test_a_region_whose_configuration_is_broken_is_reported_not_raised():
+    from scheduling.services.slurm import slurm_region_sync
+
+    region = Region.objects.create(code="hpc-9", name="Broken", backend=RegionBackend.SLURM, slurm={})
+    assert slurm_region_sync(region=region).error == "configuration: output_dir is required."

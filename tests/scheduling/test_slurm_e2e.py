@@ -148,6 +148,26 @@ def test_hostile_env_and_arguments_reach_the_job_as_text(region, client, cycle, 
     assert not marker.exists()
 
 
+def test_a_job_sbatch_made_before_a_crash_is_adopted_not_submitted_again(region, client, cycle):
+    wid = submit(client, command=["true"])
+    cycle()
+    # The sync that ran sbatch died before its row was saved: Slurm has the job, gpupool does not.
+    made = int(
+        slurm(
+            "sbatch", "--parsable", f"--job-name=gpupool-{wid}", "--account=gpt-acme", "--wrap=true"
+        ).strip()
+    )
+    result = slurm_region_sync(region=region)
+    assert result.submitted == [wid] and not result.error
+    assert SlurmJob.objects.get(workload_id=wid).job_id == made
+    names = slurm("squeue", "-h", "-o", "%j", "--name", f"gpupool-{wid}").split()
+    assert len(names) <= 1  # the one job (it may have ended already)
+    # The beat task runs the same sync for every Slurm region.
+    from scheduling.tasks import slurm_sync
+
+    assert [r["region"] for r in slurm_sync()] == ["hpc-1"]
+
+
 def test_pending_reasons_stop_and_refusals(region, client, cycle):
     hog = submit(client, gpu_count=2, command=["sleep", "60"])
     sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{hog}/").json()["state"] == "running")
