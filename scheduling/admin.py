@@ -15,6 +15,7 @@ from scheduling.models import (
     Quota,
     QuotaModelLimit,
     Reservation,
+    SlurmJob,
     SshKey,
     Volume,
     VolumeResize,
@@ -412,6 +413,25 @@ class WorkloadDependencyAdmin(RecordAdmin):
     list_filter = ["condition"]
     search_fields = ["workload__id", "on__id", "tenant__slug"]
     list_select_related = ["workload", "on", "tenant"]
+
+
+@admin.register(SlurmJob)
+class SlurmJobAdmin(RecordAdmin):
+    """Read-only: the Slurm job a Slurm region's workload became (scheduling.services.slurm)."""
+
+    list_display = [
+        "workload",
+        "region",
+        "job_id",
+        "account",
+        "state",
+        "reason",
+        "submitted_at",
+        "accounted_at",
+    ]
+    list_filter = ["region", "state"]
+    search_fields = ["=workload__id", "=job_id", "account"]
+    list_select_related = ["workload", "region"]
 
 
 @admin.register(WorkItem)
