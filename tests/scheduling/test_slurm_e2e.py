@@ -154,7 +154,12 @@ def test_a_job_sbatch_made_before_a_crash_is_adopted_not_submitted_again(region,
     # The sync that ran sbatch died before its row was saved: Slurm has the job, gpupool does not.
     made = int(
         slurm(
-            "sbatch", "--parsable", f"--job-name=gpupool-{wid}", "--account=gpt-acme", "--wrap=true"
+            "sbatch",
+            "--parsable",
+            f"--job-name=gpupool-{wid}",
+            "--account=gpt-acme",
+            "--output=/dev/null",
+            "--wrap=true",
         ).strip()
     )
     result = slurm_region_sync(region=region)
