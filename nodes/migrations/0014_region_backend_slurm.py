@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("nodes", "0012_region_queue_policy"),
+        ("nodes", "0013_rollout_campaigns"),
     ]
 
     operations = [

@@ -7,8 +7,8 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("nodes", "0013_region_backend_slurm"),
-        ("scheduling", "0017_reservation_billing_times"),
+        ("nodes", "0014_region_backend_slurm"),
+        ("scheduling", "0018_placement_constraints"),
     ]
 
     operations = [
