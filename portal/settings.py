@@ -185,9 +185,9 @@ REDIS_URL = env.str("REDIS_URL", default="")
 
 # Task time limits (seconds, hard; the soft limit comes a minute before, or a quarter of the limit
 # when that is shorter). Most tasks take the default; the two that walk every tenant (the invoice
-# run, the payments sweep) take the long one, fifteen times what bench/invoices.py measures for
-# 1,000 tenants. Enforced by the prefork pool; thread-pool workers run only short, single-flight
-# tasks.
+# run, the payments sweep) take the long one (its margin over bench/invoices.py is in
+# docs/performance.md). Enforced by the prefork pool; thread-pool workers run only short,
+# single-flight tasks.
 GPUPOOL_TASK_TIME_LIMIT_S = env.int("GPUPOOL_TASK_TIME_LIMIT_S", default=300)
 GPUPOOL_LONG_TASK_TIME_LIMIT_S = env.int("GPUPOOL_LONG_TASK_TIME_LIMIT_S", default=900)
 if min(GPUPOOL_TASK_TIME_LIMIT_S, GPUPOOL_LONG_TASK_TIME_LIMIT_S) < 4:
@@ -207,8 +207,7 @@ GPUPOOL_TASK_LONGEST_RUN_S = (
 # Redis hands a message that was delivered and not acknowledged (acks late: a worker killed with
 # it) to another worker after this long. It must outlast the longest hold, or a task still running
 # would be started a second time; and it is how long a killed worker's task waits to run again, so
-# it is not much longer. It was 2 h: a metering worker killed in the invoice run left the month's
-# drafts unbuilt for 2 h (bench/chaos.py, docs/reliability.md).
+# it is not much longer (docs/reliability.md).
 CELERY_VISIBILITY_TIMEOUT_S = env.int("CELERY_VISIBILITY_TIMEOUT_S", default=GPUPOOL_TASK_LONGEST_RUN_S + 60)
 if CELERY_VISIBILITY_TIMEOUT_S <= GPUPOOL_TASK_LONGEST_RUN_S:
     raise ImproperlyConfigured(
