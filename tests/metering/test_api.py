@@ -60,7 +60,11 @@ def test_cost_estimate_prices_a_spec_per_plan_with_the_discount(tenant, card, ma
     body = client.post(
         "/api/v1/cost-estimate/", {"gpu_model": H100, "gpu_count": 4}, content_type="application/json"
     ).json()
-    assert body == {"currency": "USD", "per_hour": {"on_demand": "7.20", "spot": "2.88", "reserved": "5.40"}}
+    assert body["currency"] == "USD"
+    assert body["per_hour"] == {"on_demand": "7.20", "spot": "2.88", "reserved": "5.40"}
+    # No READY server of the model: no region to price the placement candidate in.
+    assert body["placement"]["gpu_model"] == H100 and body["placement"]["region"] is None
+    assert body["placement"]["candidates"][0]["price_per_gpu_hour"] is None
     bad = client.post("/api/v1/cost-estimate/", {"gpu_model": "nope"}, content_type="application/json")
     assert bad.status_code == 400 and "gpu_model" in bad.json()["error"]["fields"]
 
