@@ -29,9 +29,17 @@ from portal.api.filters import BoundedDateFilter, TenantFilterSet
 from portal.api.pagination import CursorPagination
 from portal.api.routers import extra_urlpatterns, router
 from portal.api.viewsets import TenantReadOnlyViewSet
+from portal.errors import ValidationFailed
 from portal.models import Scope
 from scheduling.models import MILLI
+from scheduling.selectors.versions import regions_meeting_versions
 from scheduling.services.placement import placement_explain
+from scheduling.services.versions import (
+    MIN_VERSION_FIELDS,
+    min_driver_check,
+    min_versions_validate,
+    min_versions_vendor_ok,
+)
 
 
 class UsageRecordSerializer(serializers.ModelSerializer):
@@ -245,6 +253,19 @@ class CostEstimateInput(serializers.Serializer):
         help_text="A region's code: its own price. Without one, the dearest region that has the model.",
     )
 
+    min_driver = serializers.CharField(
+        max_length=32,
+        required=False,
+        allow_blank=True,
+        help_text="Price only nodes with at least this driver.",
+    )
+    min_cuda = serializers.CharField(
+        max_length=32, required=False, allow_blank=True, help_text="Price only nodes with at least this CUDA."
+    )
+    min_rocm = serializers.CharField(
+        max_length=32, required=False, allow_blank=True, help_text="Price only nodes with at least this ROCm."
+    )
+
     def validate_region(self, value):
         region = Region.objects.filter(code=value).first()
         if region is None:
@@ -272,6 +293,23 @@ class CostEstimateInput(serializers.Serializer):
             raise serializers.ValidationError(
                 {"gpu_fraction_milli": ["A fraction of a GPU needs gpu_count 1."]}
             )
+        # The submission's rules, the same messages (scheduling.services.versions): min_cuda keeps
+        # the NVIDIA models, min_rocm the AMD ones; none left is a 400 naming the field.
+        values = min_versions_validate(attrs)
+        for key in ("min_cuda", "min_rocm"):
+            if not values[key]:
+                continue
+            kept = [m for m in attrs["models"] if min_versions_vendor_ok(m.vendor, {key: values[key]})]
+            if not kept:
+                names = ", ".join(m.name for m in attrs["models"])
+                stack = "CUDA" if key == "min_cuda" else "ROCm"
+                message = (
+                    f"{names} has no {stack}." if len(attrs["models"]) == 1 else f"None of {names} has {stack}."
+                )
+                raise serializers.ValidationError({key: [message]})
+            attrs["models"] = kept
+        min_driver_check(values, {m.vendor for m in attrs["models"]})
+        attrs.update(values)
         return attrs
 
 
@@ -312,14 +350,29 @@ class CostEstimateView(APIView):
             models=spec["models"], region=spec.get("region"), preference=spec.get("preference", "")
         )
         chosen = [m for m in spec["models"] if m.name == placement["gpu_model"]]
+        models = chosen if spec.get("preference") else spec["models"]
+        regions = [spec["region"]] if spec.get("region") is not None else None
+        wanted = {k: spec[k] for k in MIN_VERSION_FIELDS if spec[k]}
+        if wanted:
+            # Priced only where a node meets the minimums: where the scheduler could place it.
+            meeting = {r for m in models for r in regions_meeting_versions(gpu_model=m, values=wanted)}
+            if regions is not None:
+                meeting &= set(regions)
+            if not meeting:
+                field = next(iter(wanted))
+                where = f" in {spec['region'].code}" if spec.get("region") is not None else ""
+                needs = ", ".join(f"{k} {v}" for k, v in wanted.items())
+                message = f"No node with {' or '.join(m.name for m in models)}{where} meets {needs}."
+                raise ValidationFailed(f"{field}: {message}", fields={field: [message]})
+            regions = sorted(meeting, key=lambda r: r.code)
         per_hour = hourly_estimate(
             tenant=tenant,
-            gpu_models=chosen if spec.get("preference") else spec["models"],
+            gpu_models=models,
             gpu_count=spec["gpu_count"],
             fraction_milli=spec["gpu_fraction_milli"],
             cpu_millicores=spec["cpu_millicores"],
             ram_mib=spec["ram_mib"],
-            regions=[spec["region"]] if spec.get("region") is not None else None,
+            regions=regions,
         )
         card = rate_card_for_tenant(tenant=tenant)
         currency = card.currency if card is not None else tenant.currency

@@ -136,6 +136,7 @@ def _parse_registration(data: dict) -> tuple[str, NodeInfo]:
                 ),
                 numa_node=get_int(g, "numa_node", f"gpus[{i}].numa_node", min_value=-1, max_value=1023),
                 mig_mode=get_bool(g, "mig_mode", f"gpus[{i}].mig_mode"),
+                firmware_version=get_str(g, "firmware_version", f"gpus[{i}].firmware_version", max_length=64),
             )
         )
     info = NodeInfo(
@@ -148,6 +149,7 @@ def _parse_registration(data: dict) -> tuple[str, NodeInfo]:
         driver_version=get_str(data, "driver_version", "driver_version", max_length=64),
         cuda_version=get_str(data, "cuda_version", "cuda_version", max_length=32),
         rocm_version=get_str(data, "rocm_version", "rocm_version", max_length=32),
+        level_zero_version=get_str(data, "level_zero_version", "level_zero_version", max_length=32),
         agent_version=get_str(data, "agent_version", "agent_version", max_length=32),
         interconnect=interconnect,
         gpus=tuple(gpus),

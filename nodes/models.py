@@ -185,6 +185,10 @@ class Node(models.Model):
     driver_version = models.CharField(max_length=64, blank=True)
     cuda_version = models.CharField(max_length=32, blank=True)
     rocm_version = models.CharField(max_length=32, blank=True)
+    level_zero_version = models.CharField(max_length=32, blank=True)
+    # Hash of the versions (driver stack, GPU firmware) the last heartbeat carried: they are
+    # written only when it changes (an upgrade), not every 10 s.
+    versions_digest = models.CharField(max_length=32, blank=True, editable=False)
     agent_version = models.CharField(max_length=32, blank=True)
     interconnect = models.CharField(max_length=16, choices=Interconnect.choices, default=Interconnect.PCIE)
     state = models.CharField(max_length=16, choices=NodeState.choices, default=NodeState.READY)
@@ -240,6 +244,7 @@ class Gpu(models.Model):
     nvlink_island = models.SmallIntegerField(null=True, blank=True)
     numa_node = models.SmallIntegerField(null=True, blank=True)
     mig_mode = models.BooleanField(default=False)
+    firmware_version = models.CharField(max_length=64, blank=True, help_text="VBIOS or GFX firmware.")
     health = models.CharField(max_length=16, choices=GpuHealth.choices, default=GpuHealth.HEALTHY)
     health_reason = models.CharField(max_length=255, blank=True)
     health_changed_at = models.DateTimeField(null=True, blank=True)

@@ -100,6 +100,9 @@ class WorkloadSerializer(FieldsOnceModelSerializer):
             "gpu_vendor",
             "cuda_capability",
             "rocm_target",
+            "min_driver",
+            "min_cuda",
+            "min_rocm",
             "gpu_count",
             "gang",
             "gpus_per_node",
@@ -248,6 +251,17 @@ class _SpecSerializer(serializers.Serializer):
     gpu_vendor = serializers.CharField(required=False, allow_blank=True)
     cuda_capability = serializers.CharField(required=False, allow_blank=True)
     rocm_target = serializers.CharField(required=False, allow_blank=True)
+    min_driver = serializers.CharField(
+        required=False, allow_blank=True, help_text="Minimum GPU driver version of the node, e.g. 550.54."
+    )
+    min_cuda = serializers.CharField(
+        required=False,
+        allow_blank=True,
+        help_text="Minimum CUDA version the node's driver supports, e.g. 12.4.",
+    )
+    min_rocm = serializers.CharField(
+        required=False, allow_blank=True, help_text="Minimum ROCm version of the node, e.g. 6.1."
+    )
     gpu_count = serializers.IntegerField(required=False)
     gang = serializers.BooleanField(required=False)
     gpus_per_node = serializers.JSONField(required=False)  # checked by the service: sizes or "any"

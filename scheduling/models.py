@@ -107,6 +107,10 @@ class Workload(TenantOwnedModel):
     gpu_vendor = models.CharField(max_length=16, choices=GpuVendor.choices, blank=True)
     cuda_capability = models.CharField(max_length=8, blank=True, help_text="Minimum, e.g. 8.0")
     rocm_target = models.CharField(max_length=16, blank=True, help_text="Exact gfx target, e.g. gfx942")
+    # Minimum versions of the node's software stack (release versions, e.g. "12.4"); blank: any.
+    min_driver = models.CharField(max_length=32, blank=True, help_text="Minimum GPU driver, e.g. 550.54")
+    min_cuda = models.CharField(max_length=32, blank=True, help_text="Minimum CUDA (driver API), e.g. 12.4")
+    min_rocm = models.CharField(max_length=32, blank=True, help_text="Minimum ROCm, e.g. 6.1")
     gpu_count = models.PositiveSmallIntegerField(default=1)
     gang = models.BooleanField(default=False, help_text="All-or-nothing across whole nodes.")
     gpus_per_node = models.JSONField(

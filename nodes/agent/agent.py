@@ -339,6 +339,7 @@ class Agent(CommandHandlers):
             "driver_version": inventory.driver_version,
             "cuda_version": inventory.cuda_version,
             "rocm_version": inventory.rocm_version,
+            "level_zero_version": inventory.level_zero_version,
             "agent_version": __version__,
             "interconnect": self.config.interconnect or inventory.interconnect,
             "gpus": [gpu.to_json() for gpu in inventory.gpus],

@@ -72,6 +72,18 @@ class VolumeReport:
     measured_at: datetime
 
 
+@dataclass(frozen=True)
+class Versions:
+    """The driver stack and each GPU's firmware, as a batch's ``versions`` carries them."""
+
+    driver_version: str
+    cuda_version: str
+    rocm_version: str
+    level_zero_version: str
+    firmware: dict[str, str]  # GPU uuid -> firmware version
+    digest: str
+
+
 @dataclass
 class HeartbeatData:
     seq: int
@@ -81,6 +93,7 @@ class HeartbeatData:
     workloads: list[WorkloadReport] = field(default_factory=list)
     workloads_digest: str = ""
     volumes: list[VolumeReport] = field(default_factory=list)
+    versions: Versions | None = None
 
 
 @dataclass(frozen=True)
@@ -319,7 +332,32 @@ def heartbeat_parse(raw: bytes, *, now: datetime | None = None) -> HeartbeatData
         workloads=workloads,
         workloads_digest=digest,
         volumes=_volumes(data.get("volumes", [])),
+        versions=_versions(data.get("versions")),
     )
+
+
+VERSION_LENGTHS = {"driver_version": 64, "cuda_version": 32, "rocm_version": 32, "level_zero_version": 32}
+
+
+def _versions(raw: Any) -> Versions | None:
+    """A batch's optional ``versions``: ``{"driver_version", "cuda_version", "rocm_version",
+    "level_zero_version", "gpus": [{"uuid", "firmware_version"}]}`` (absent: unchanged)."""
+    if raw is None:
+        return None
+    require_object(raw, "versions")
+    texts = {key: get_str(raw, key, f"versions.{key}", max_length=n) for key, n in VERSION_LENGTHS.items()}
+    gpus = raw.get("gpus", [])
+    if not isinstance(gpus, list) or len(gpus) > 64:
+        raise fail("versions.gpus", "Expected a list of at most 64 GPUs.")
+    firmware = {}
+    for i, g in enumerate(gpus):
+        require_object(g, f"versions.gpus[{i}]")
+        uuid = get_str(g, "uuid", f"versions.gpus[{i}].uuid", required=True, max_length=96)
+        firmware[uuid] = get_str(g, "firmware_version", f"versions.gpus[{i}].firmware_version", max_length=64)
+    digest = hashlib.md5(
+        orjson.dumps([texts, firmware], option=orjson.OPT_SORT_KEYS), usedforsecurity=False
+    ).hexdigest()
+    return Versions(firmware=firmware, digest=digest, **texts)
 
 
 def _volumes(raw: Any) -> list[VolumeReport]:

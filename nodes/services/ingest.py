@@ -156,7 +156,10 @@ def _statements(vendor: str) -> _Statements:
     N, C, B, G = _names(Node), _names(NodeCredential), _names(HeartbeatBatch), _names(Gpu)
     S, R = _names(GpuSample), _names(GpuMinuteRollup)
     pg = vendor == "postgresql"
-    node_cols = f"n.{N.seq_epoch}, n.{N.last_seq}, n.{N.state}, n.{N.resume_state}, n.{N.workloads_digest}"
+    node_cols = (
+        f"n.{N.seq_epoch}, n.{N.last_seq}, n.{N.state}, n.{N.resume_state}, n.{N.workloads_digest}, "
+        f"n.{N.versions_digest}"
+    )
     gpu_cols = f"g.{G.id}, g.{G.uuid}, g.{G.health}, g.{G.ecc_dbe_total}, g.{G.last_sample_at}"
     gpus_join = f"LEFT JOIN {G.table} g ON g.{G.node} = n.{N.id} AND g.{G.removed_at} IS NULL"
     marker_cols = (
@@ -258,6 +261,7 @@ class _NodeRow:
     state: str
     resume_state: str
     workloads_digest: str
+    versions_digest: str
 
 
 def heartbeat_ingest(
@@ -290,6 +294,8 @@ def heartbeat_ingest(
                 and (bool(batch.workloads) or n.workloads_digest not in NO_WORKLOADS_DIGESTS)
             )
             tail.append(_node_update(sql.node, n, batch, newest, now, pg))
+            if newest and batch.versions is not None and batch.versions.digest != n.versions_digest:
+                tail.extend(_firmware_updates(n.id, gpus, batch.versions))
             if pg:
                 # One round trip for all of them; Django's atomic block commits after it.
                 with connection.connection.pipeline():
@@ -340,8 +346,8 @@ def _head(
         rows = cur.fetchall()
     if not rows or not hmac.compare_digest(rows[0][0], key_hash):
         raise NotAuthenticated("Invalid node credential.")
-    n = _NodeRow(node_id, *rows[0][1:6])
-    marker_id = rows[0][6]
+    n = _NodeRow(node_id, *rows[0][1:7])
+    marker_id = rows[0][7]
     if not pg:
         cur.execute(
             sql.marker,
@@ -349,7 +355,7 @@ def _head(
         )
         row = cur.fetchone()
         marker_id = row[0] if row else None
-    gpus = {r[8]: r[7:] for r in rows if r[7] is not None}
+    gpus = {r[9]: r[8:] for r in rows if r[8] is not None}
     return n, marker_id, gpus
 
 
@@ -365,6 +371,14 @@ def _node_update(
             f"{N.workloads_digest} = %s",
         ]
         params += [batch.seq, _dumps(batch.status), batch.workloads_digest]
+        versions = batch.versions
+        if versions is not None and versions.digest != n.versions_digest:
+            # Only when they changed (an upgrade): the same digest writes nothing more.
+            for field in ("driver_version", "cuda_version", "rocm_version", "level_zero_version"):
+                sets.append(f"{getattr(N, field)} = %s")
+                params.append(getattr(versions, field))
+            sets.append(f"{N.versions_digest} = %s")
+            params.append(versions.digest)
         agent_version = batch.status.get("agent_version")
         if isinstance(agent_version, str) and agent_version:
             sets.append(f"{N.agent_version} = %s")
@@ -379,6 +393,17 @@ def _node_update(
         params += [n.resume_state or NodeState.READY, "", "Heartbeats resumed.", _db_dt(now)]
     params.append(n.id)
     return f"UPDATE {N.table} SET {', '.join(sets)} WHERE {N.id} = %s", params
+
+
+def _firmware_updates(node_id: int, gpus: dict[str, tuple], versions) -> list[tuple[str, list]]:
+    """Each GPU's firmware as the batch reports it (only run when the versions changed)."""
+    G = _names(Gpu)
+    statement = f"UPDATE {G.table} SET {G.firmware_version} = %s WHERE {G.id} = %s AND {G.node} = %s"
+    return [
+        (statement, [firmware, gpus[uuid][0], node_id])
+        for uuid, firmware in sorted(versions.firmware.items())
+        if uuid in gpus
+    ]
 
 
 def _record_sequence(

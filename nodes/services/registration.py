@@ -80,6 +80,7 @@ class GpuInfo:
     nvlink_island: int | None = None
     numa_node: int | None = None
     mig_mode: bool = False
+    firmware_version: str = ""
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class NodeInfo:
     driver_version: str = ""
     cuda_version: str = ""
     rocm_version: str = ""
+    level_zero_version: str = ""
     agent_version: str = ""
     interconnect: str = Interconnect.PCIE
     gpus: tuple[GpuInfo, ...] = ()
@@ -262,6 +264,8 @@ def _node_register(*, bootstrap_token: str, info: NodeInfo, now: datetime) -> tu
         "driver_version": info.driver_version,
         "cuda_version": info.cuda_version,
         "rocm_version": info.rocm_version,
+        "level_zero_version": info.level_zero_version,
+        "versions_digest": "",  # the first heartbeat writes what it carries
         "agent_version": info.agent_version,
         "interconnect": info.interconnect,
         "registered_at": now,
@@ -413,6 +417,7 @@ def _sync_gpus(node: Node, gpus: tuple[GpuInfo, ...], now: datetime) -> list[str
             "nvlink_island": info.nvlink_island,
             "numa_node": info.numa_node,
             "mig_mode": info.mig_mode,
+            "firmware_version": info.firmware_version,
             "removed_at": None,
         }
         gpu = existing.get(info.uuid)

@@ -13,7 +13,7 @@ from .cycle import CycleConfig, Engine, schedule
 from .fragmentation import Distribution
 from .policies import DEFAULT_POLICY, POLICIES, get_policy
 from .queueing import QueueConfig, QueuePolicy
-from .spec import Demand, allowed_models, model_matches, validate
+from .spec import Demand, allowed_models, model_matches, validate, version_key
 from .state import ClusterState
 from .types import (
     MILLI,
@@ -32,6 +32,7 @@ from .types import (
     Request,
     Running,
     Snapshot,
+    SoftwareVersions,
     Vendor,
 )
 
@@ -61,10 +62,12 @@ __all__ = [
     "Request",
     "Running",
     "Snapshot",
+    "SoftwareVersions",
     "Vendor",
     "allowed_models",
     "get_policy",
     "model_matches",
     "schedule",
     "validate",
+    "version_key",
 ]

@@ -95,6 +95,7 @@ class Engine:
             r.gpus_per_node,
             r.split_regions_ok,
             r.constraints.prefer if r.constraints is not None else (),
+            r.min_versions,
         )
         d = self._demands.get(k)
         if d is None:
@@ -122,6 +123,7 @@ class Engine:
                 split_sizes(r),
                 r.split_regions_ok,
                 r.constraints.prefer if r.constraints is not None else (),
+                r.min_versions,
             )
         return d
 
@@ -178,6 +180,8 @@ class Engine:
             )
         fit = st.class_fit(d)
         if not any(fit[c.id] is not None for c in model_ok):
+            if d.min_versions and not any(c.software.meets(d.min_versions) for c in model_ok):
+                return Reason.VERSIONS, _versions_message(d, model_ok)
             if d.excluded and all((c.model, c.region) in d.excluded for c in model_ok):
                 return Reason.PRICE, "the spot price is above the request's maximum wherever it could run"
             if d.access not in ("", ACCESS_LEND) and not any(c.reserved_for == d.access for c in model_ok):
@@ -464,6 +468,24 @@ class Engine:
         if best is None:
             return None
         return st.place_on(best[2], d)
+
+
+def _versions_message(d: Demand, classes: list) -> str:
+    """Which minimum no server of an acceptable model meets, and the newest there is."""
+
+    def text(key: tuple[int, ...] | None) -> str:
+        return ".".join(map(str, key)) if key else "none"
+
+    parts = []
+    for name, label in (("driver", "driver"), ("cuda", "CUDA"), ("rocm", "ROCm")):
+        need = getattr(d.min_versions, name)
+        if need is None:
+            continue
+        have = [v for c in classes if (v := getattr(c.software, name)) is not None]
+        if not have or max(have) < need:
+            parts.append(f"{label} >= {text(need)} (newest: {text(max(have) if have else None)})")
+    what = "; ".join(parts) or "these driver, CUDA and ROCm versions together"
+    return f"no server of an acceptable model has {what}"
 
 
 def schedule(

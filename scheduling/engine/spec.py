@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .types import MILLI, GpuModelInfo, GpuSpec, Plan, Request, Vendor
+from .types import MILLI, NO_VERSIONS, GpuModelInfo, GpuSpec, Plan, Request, SoftwareVersions, Vendor
 
 
 def _rocm_matches(info: GpuModelInfo, target: str) -> bool:
@@ -66,6 +66,8 @@ class Demand:
     split_regions: bool = False
     prefer: tuple[str, ...] = ()
     """Models best first (``Constraints.prefer``): a worse rank adds to the class penalty."""
+    min_versions: SoftwareVersions = NO_VERSIONS
+    """Only nodes whose software meets these (``Request.min_versions``)."""
 
     @property
     def shared(self) -> bool:
@@ -121,7 +123,28 @@ def demand_for(request: Request, catalog: dict[str, GpuModelInfo]) -> Demand:
         excluded=request.excluded,
         per_node=split_sizes(request),
         split_regions=request.split_regions_ok,
+        min_versions=request.min_versions,
     )
+
+
+def version_key(text: str) -> tuple[int, ...] | None:
+    """The leading release number of a version as reported (``550.54.15``, ``6.2.0-1``, ``12.4``),
+    trailing zeros dropped; None when it does not start with one."""
+    digits = []
+    for part in text.strip().split("."):
+        number = ""
+        for ch in part:
+            if not ch.isdigit():
+                break
+            number += ch
+        if not number:
+            break
+        digits.append(int(number))
+        if len(number) != len(part):
+            break
+    while len(digits) > 1 and digits[-1] == 0:
+        digits.pop()
+    return tuple(digits) or None
 
 
 def split_sizes(request: Request) -> tuple[int, ...]:

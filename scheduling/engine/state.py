@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from .spec import ACCESS_LEND, ACCESS_NONE, Demand
-from .types import MILLI, GpuModelInfo, Node, NodeState
+from .types import MILLI, NO_VERSIONS, GpuModelInfo, Node, NodeState, SoftwareVersions
 
 if TYPE_CHECKING:
     from .policies import Policy
@@ -48,6 +48,8 @@ class NodeClass:
     reserved_for: str | None
     oversub: int = MILLI
     """The model's over-subscription factor in thousandths (1000: none)."""
+    software: SoftwareVersions = NO_VERSIONS
+    """The nodes' driver, CUDA and ROCm versions (nodes that differ are classes of their own)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +231,7 @@ class ClusterState:
             isl,
             node.reserved_for,
             self._oversub(node.model),
+            node.software,
         )
         partial = node.reserved_for is not None and node.reserved_gpus is not None
         cid = None if partial else class_ids.get(sig)
@@ -329,6 +332,8 @@ class ClusterState:
         if demand.gpus and cls.model not in demand.models:
             return None
         if demand.excluded and (cls.model, cls.region) in demand.excluded:
+            return None
+        if demand.min_versions and not cls.software.meets(demand.min_versions):
             return None
         if cls.reserved_for is None:
             if demand.access not in ("", ACCESS_LEND):

@@ -54,6 +54,36 @@ PLAN_PRIORITY = {
 }
 
 
+VersionKey = tuple[int, ...]
+"""A release version as numbers, trailing zeros dropped (``12.0`` and ``12`` are ``(12,)``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SoftwareVersions:
+    """A node's driver stack (``None``: not reported), or a request's minimums (``None``: any)."""
+
+    driver: VersionKey | None = None
+    cuda: VersionKey | None = None
+    rocm: VersionKey | None = None
+
+    def meets(self, minimum: SoftwareVersions) -> bool:
+        """Whether these versions are at least ``minimum``'s; an unknown version meets no minimum."""
+        for have, need in (
+            (self.driver, minimum.driver),
+            (self.cuda, minimum.cuda),
+            (self.rocm, minimum.rocm),
+        ):
+            if need is not None and (have is None or have < need):
+                return False
+        return True
+
+    def __bool__(self) -> bool:
+        return self.driver is not None or self.cuda is not None or self.rocm is not None
+
+
+NO_VERSIONS = SoftwareVersions()
+
+
 @dataclass(frozen=True, slots=True)
 class GpuModelInfo:
     """One entry of the GPU catalog."""
@@ -99,6 +129,8 @@ class Node:
     state: NodeState = NodeState.READY
     reserved_for: str | None = None
     """Tenant whose reservation holds this node; others may only borrow it for preemptible work."""
+    software: SoftwareVersions = NO_VERSIONS
+    """The node's driver, CUDA and ROCm versions, for requests with minimums."""
     reserved_gpus: int | None = None
     """With ``reserved_for``: None when the reservation holds the whole node; else the node is
     partly reserved, and this many whole GPUs (the owner's reserved share not yet in use by its
@@ -157,6 +189,8 @@ class Request:
     """Nodes that failed to start it: placed elsewhere unless no other node could ever take it."""
     excluded: frozenset[tuple[str, str]] = frozenset()
     """(GPU model, region) pairs it may not use at all, e.g. where the spot price is above its maximum."""
+    min_versions: SoftwareVersions = NO_VERSIONS
+    """Minimum driver, CUDA and ROCm versions of the node it runs on."""
     queue_policy: str | None = None
     """Its region's queue policy (``queueing.QueuePolicy`` value); None: the cycle's ``QueueConfig``."""
     constraints: Constraints | None = None
@@ -243,6 +277,7 @@ class Reason(StrEnum):
     AFFINITY = "affinity"
     ANTI_AFFINITY = "anti_affinity"
     SPREAD = "spread"
+    VERSIONS = "versions"
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ reservations in force, per-model quota limits and preemptions in progress).
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -14,7 +15,7 @@ from typing import Any
 from nodes.models import SCHEDULABLE_NODE_STATES, Gpu, GpuHealth, GpuModel, Node, Region, RegionBackend
 from scheduling.engine import types as E
 from scheduling.engine.queueing import QueuePolicy as EnginePolicy
-from scheduling.engine.spec import allowed_models
+from scheduling.engine.spec import allowed_models, version_key
 from scheduling.locks import lock_workloads_where
 from scheduling.models import (
     MILLI,
@@ -34,6 +35,12 @@ from scheduling.services.placement import placement_constraints, placement_price
 from scheduling.services.warm_pools import WarmBinding
 
 ENGINE_VENDORS = {v.value for v in E.Vendor}
+
+
+@functools.lru_cache(maxsize=256)
+def node_versions(driver: str, cuda: str, rocm: str) -> E.SoftwareVersions:
+    """A node's reported versions as the engine compares them (a fleet has few distinct ones)."""
+    return E.SoftwareVersions(driver=version_key(driver), cuda=version_key(cuda), rocm=version_key(rocm))
 
 
 ENGINE_POLICIES = frozenset(p.value for p in EnginePolicy)
@@ -118,7 +125,15 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
     node_rows = {
         n["id"]: n
         for n in Node.objects.filter(state__in=SCHEDULABLE_NODE_STATES).values(
-            "id", "region__code", "domain", "cpu_cores", "ram_mib", "labels"
+            "id",
+            "region__code",
+            "domain",
+            "cpu_cores",
+            "ram_mib",
+            "labels",
+            "driver_version",
+            "cuda_version",
+            "rocm_version",
         )
     }
     gpu_rows = list(
@@ -254,6 +269,7 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
                 domain=n["domain"],
                 reserved_for=reserved_for.get(nid),
                 reserved_gpus=reserved_gpus.get(nid),
+                software=node_versions(n["driver_version"], n["cuda_version"], n["rocm_version"]),
                 labels=n["labels"] if isinstance(n["labels"], dict) else {},
             )
         )
@@ -429,6 +445,11 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
                 submit_time=w.submitted_at.timestamp(),
                 est_runtime=float(w.estimated_runtime_s) if w.estimated_runtime_s else None,
                 excluded=excluded.get(w.pk, frozenset()),
+                min_versions=E.SoftwareVersions(
+                    driver=version_key(w.min_driver) if w.min_driver else None,
+                    cuda=version_key(w.min_cuda) if w.min_cuda else None,
+                    rocm=version_key(w.min_rocm) if w.min_rocm else None,
+                ),
                 constraints=constraints,
                 avoid_nodes=tuple(
                     str(n)

@@ -59,6 +59,7 @@ from scheduling.services.dependencies import dependencies_attach, dependencies_v
 from scheduling.services.env import GANG_ENV_NAMES, env_validate
 from scheduling.services.placement import placement_validate
 from scheduling.services.templates import template_apply, template_for_launch
+from scheduling.services.versions import min_driver_check, min_versions_validate, min_versions_vendor_ok
 from scheduling.services.volumes import VolumeRequest, volumes_attach, volumes_validate
 from scheduling.services.work import WorkSpec, work_items_create, work_validate
 
@@ -205,6 +206,8 @@ def _meets_constraints(m: GpuModel, c: dict[str, Any]) -> bool:
         cc = m.cuda_cc_tuple
         if m.vendor != GpuVendor.NVIDIA or cc is None or cc < _cc_tuple(c["cuda_capability"]):
             return False
+    if not min_versions_vendor_ok(m.vendor, c):
+        return False
     return not c["rocm_target"] or (m.vendor == GpuVendor.AMD and m.gfx_target == c["rocm_target"])
 
 
@@ -217,6 +220,8 @@ def candidate_models(*, workload: Workload, catalog: list[GpuModel] | None = Non
         "gpu_vendor": workload.gpu_vendor,
         "cuda_capability": workload.cuda_capability,
         "rocm_target": workload.rocm_target,
+        "min_cuda": workload.min_cuda,
+        "min_rocm": workload.min_rocm,
     }
     pool = list(workload.gpu_models.all()) if workload.pk else []
     if not pool:
@@ -380,7 +385,14 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
     f["rocm_target"] = _str(spec, "rocm_target", 16)
     if f["cuda_capability"] and f["rocm_target"]:
         raise _fail("rocm_target", "A request needs CUDA or ROCm, not both.")
+    f.update(min_versions_validate(spec))
     pool = explicit or catalog
+    for key in ("min_cuda", "min_rocm"):
+        if f[key] and not any(min_versions_vendor_ok(m.vendor, {key: f[key]}) for m in pool):
+            raise _fail(
+                key,
+                f"No GPU model {'of the request ' if explicit else ''}has {'CUDA' if key == 'min_cuda' else 'ROCm'}.",
+            )
     candidates = [m for m in pool if _meets_constraints(m, f)]
     if not candidates:
         raise _fail(
@@ -392,6 +404,7 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
     if not candidates:
         names = ", ".join(m.name for m in unschedulable)
         raise _fail("gpu_models", f"{names}: this vendor's GPUs cannot be scheduled yet.")
+    min_driver_check(f, {m.vendor for m in candidates})
 
     # Plan, reservation and priority.
     f["plan"] = _str(spec, "plan", 16, Plan.ON_DEMAND) or Plan.ON_DEMAND

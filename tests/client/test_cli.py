@@ -356,3 +356,16 @@ def test_run_with_placement_flags(gp, tenant, make_node):
     assert refused.exit_code == 1 and "preference" in refused.stderr
     bad = gp("run", *JOB, "--affinity", "x:rack", "--", "python", "e.py", code=None)
     assert bad.exit_code == 2
+
+
+def test_run_with_minimum_versions(gp, tenant, make_node):
+    make_node(H100, gpus=8)
+    made = gp.json("run", *job("--min-driver", "550.54", "--min-cuda", "12.4"))
+    w = Workload.objects.get(pk=made["id"], tenant=tenant)
+    assert (w.min_driver, w.min_cuda, w.min_rocm) == ("550.54", "12.4", "")
+    assert (made["min_driver"], made["min_cuda"], made["min_rocm"]) == ("550.54", "12.4", "")
+    r = gp("run", *job("--min-cuda", "twelve"), code=1)
+    assert "min_cuda" in r.stderr and "Not a version" in r.stderr
+    r = gp("run", *job("--min-rocm", "6.1"), code=1)
+    assert "min_rocm" in r.stderr
+    assert Workload.objects.filter(tenant=tenant).count() == 1  # the refusals stored nothing

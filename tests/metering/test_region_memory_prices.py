@@ -191,3 +191,32 @@ def test_the_reservation_quote_uses_the_regions_reserved_price(tenant, owner, pr
     ).content.decode()
     assert f'data-quote="monthly">{Decimal("1.80") * 730:.2f} USD<' in eu_html
     assert f'data-quote="monthly">{Decimal("1.50") * 730:.2f} USD<' in us_html
+
+
+def test_the_cost_estimate_prices_only_where_the_minimum_versions_are_met(
+    tenant, priced, node, eu_node, make_token, api
+):
+    """eu-west-1 is dearer; with min_cuda only us-east-1's upgraded node qualifies, so the estimate
+    is us-east-1's price; with a minimum no node meets, a 400 names the field."""
+    Node.objects.filter(pk=node.pk).update(driver_version="550.54.15", cuda_version="12.4")
+    Node.objects.filter(pk=eu_node.pk).update(driver_version="525.60.13", cuda_version="12.0")
+    client = api(make_token(tenant))
+
+    def estimate(**extra):
+        body = {"gpu_model": "NVIDIA H100 SXM 80GB", "gpu_count": 1, **extra}
+        return client.post("/api/v1/cost-estimate/", body, content_type="application/json")
+
+    mem = Decimal(80) * Decimal("0.01")
+    assert Decimal(estimate(min_cuda="12").json()["per_hour"]["on_demand"]) == Decimal("2.60") + mem
+    assert Decimal(estimate(min_cuda="12.4").json()["per_hour"]["on_demand"]) == Decimal("2.00") + mem
+    none = estimate(min_cuda="12.4", region="eu-west-1")
+    assert none.status_code == 400 and "no node with" in none.json()["error"]["fields"]["min_cuda"][0].lower()
+    newest = estimate(min_driver="560")
+    assert newest.status_code == 400 and "min_driver" in newest.json()["error"]["fields"]
+    for field, value, reason in (
+        ("min_cuda", "12.x", "Not a version"),
+        ("min_rocm", "6.1", "has no ROCm"),
+        ("min_driver", "550.0.dev1", "release version"),
+    ):
+        bad = estimate(**{field: value})
+        assert bad.status_code == 400 and reason in bad.json()["error"]["fields"][field][0], bad.json()

@@ -34,7 +34,7 @@ from django.core.management import call_command
 from django.db import connections
 from django.db.models import Count, Sum
 
-from nodes.agent.collectors.simulated import simulated_gpu_uuid
+from nodes.agent.collectors.simulated import SIMULATED_FIRMWARE, simulated_gpu_uuid
 from nodes.models import (
     Gpu,
     GpuHealth,
@@ -595,3 +595,21 @@ def test_missed_heartbeats_make_a_node_suspect_then_down(start_agent, signals, s
     assert agent.stop() == 0
     assert_stored_once_and_complete(node, gpus=1)
     assert django_settings.NODE_DOWN_AFTER_S > django_settings.NODE_SUSPECT_AFTER_S
+
+
+def test_heartbeats_keep_the_driver_versions_current(start_agent):
+    """The versions the node held (an old registration's, before a driver upgrade) are replaced by
+    what the real agent's heartbeats carry, GPU firmware included."""
+    agent = start_agent("e2e-versions", gpus=2)
+    node = registered(agent)
+    wait_for(lambda: len(seqs(node)) >= 1, what="a heartbeat")
+    Node.objects.filter(pk=node.pk).update(driver_version="535.0", cuda_version="12.2", versions_digest="")
+    Gpu.objects.filter(node=node).update(firmware_version="old")
+
+    def current() -> bool:
+        n = Node.objects.get(pk=node.pk)
+        firmware = set(Gpu.objects.filter(node=node).values_list("firmware_version", flat=True))
+        return (n.driver_version, n.cuda_version, firmware) == ("560.35.03", "12.6", {SIMULATED_FIRMWARE})
+
+    wait_for(current, what="the heartbeat's versions")
+    assert agent.stop() == 0

@@ -365,6 +365,11 @@ def _wait(c: Client, kind: str, workload: Any, until: str) -> Any:
 @click.option("--model", "gpu_models", multiple=True, help="A GPU model (repeat for alternatives).")
 @click.option("--plan", type=click.Choice(["on_demand", "spot", "reserved"]))
 @click.option("--region")
+@click.option("--min-driver", "min_driver", help="Only nodes with at least this GPU driver (e.g. 550.54).")
+@click.option(
+    "--min-cuda", "min_cuda", help="Only nodes whose driver supports at least this CUDA (e.g. 12.4)."
+)
+@click.option("--min-rocm", "min_rocm", help="Only nodes with at least this ROCm (e.g. 6.1).")
 @click.option("--env", "env", multiple=True, help="NAME=VALUE (repeatable).")
 @click.option(
     "--secret", "secret_env", multiple=True, help="NAME=SECRET: the tenant secret SECRET as env NAME."

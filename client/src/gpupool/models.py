@@ -66,6 +66,9 @@ class Workload(Model):
     gpu_vendor: str = ""
     cuda_capability: str = ""
     rocm_target: str = ""
+    min_driver: str = ""
+    min_cuda: str = ""
+    min_rocm: str = ""
     gpu_count: int = 0
     gang: bool = False
     gpus_per_node: Any = None

@@ -73,6 +73,7 @@ MODELS: dict[str, ModelSpec] = {
     "Intel(R) Data Center GPU Max 1550": ModelSpec(131072, 600, 100, 1600, "intel"),
     "Intel(R) Data Center GPU Max 1100": ModelSpec(49152, 300, 60, 1550, "intel"),
 }
+SIMULATED_FIRMWARE = "96.00.99.00.01"
 DEFAULT_SPEC = ModelSpec(81920, 400, 50, 1500)
 AMBIENT_C = 30.0
 TEMP_TIME_CONSTANT_S = 20.0
@@ -152,6 +153,7 @@ class SimulatedCollector:
             memory_mib=spec.memory_mib,
             pci_bus_id=f"0000:{0x18 + 0x10 * position:02x}:00.0",
             nvlink_island=island,
+            firmware_version=SIMULATED_FIRMWARE,
         )
 
     def attach(self, load_source: LoadSource) -> None:
