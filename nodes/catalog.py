@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_UP, Decimal
 
+from nodes import mig_profiles
+
 H100_BF16_DENSE_TFLOPS = 989.4
 H100_MEMORY_BANDWIDTH_GBPS = 3350
 
@@ -53,9 +55,12 @@ class GpuSpec:
         return compute_weight(self.bf16_tflops, self.memory_bandwidth_gbps)
 
 
-_MIG_40 = ("1g.5gb", "1g.10gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb")
-_MIG_80 = ("1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb")
-_MIG_141 = ("1g.18gb", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb")
+# MIG profiles from the hardware's tables (nodes/mig_profiles.py: slices, starts, counts).
+_MIG_40 = mig_profiles.A100_40.names
+_MIG_80 = mig_profiles.A100_80.names
+_MIG_H100 = mig_profiles.H100_80.names
+_MIG_141 = mig_profiles.H200_141.names
+_MIG_A30 = mig_profiles.A30_24.names
 
 CATALOG: tuple[GpuSpec, ...] = (
     GpuSpec(
@@ -65,12 +70,12 @@ CATALOG: tuple[GpuSpec, ...] = (
     ),
     GpuSpec(
         "nvidia", "NVIDIA H100 SXM 80GB", "H100", "Hopper", 80, 989.4, 67.0, 3350, "cuda", "9.0",
-        mig_profiles=_MIG_80, aliases=("NVIDIA H100 80GB HBM3", "NVIDIA H100 SXM5 80GB", "H100"),
+        mig_profiles=_MIG_H100, aliases=("NVIDIA H100 80GB HBM3", "NVIDIA H100 SXM5 80GB", "H100"),
         spec_source="NVIDIA H100 Tensor Core GPU datasheet (SXM)",
     ),
     GpuSpec(
         "nvidia", "NVIDIA H100 PCIe 80GB", "H100-PCIe", "Hopper", 80, 756.0, 51.0, 2000, "cuda", "9.0",
-        mig_profiles=_MIG_80, aliases=("NVIDIA H100 PCIe", "H100-PCIE"),
+        mig_profiles=_MIG_H100, aliases=("NVIDIA H100 PCIe", "H100-PCIE"),
         spec_source="NVIDIA H100 Tensor Core GPU datasheet (PCIe)",
     ),
     GpuSpec(
@@ -83,6 +88,11 @@ CATALOG: tuple[GpuSpec, ...] = (
         "nvidia", "NVIDIA A100 SXM 40GB", "A100-40", "Ampere", 40, 312.0, 19.5, 1555, "cuda", "8.0",
         mig_profiles=_MIG_40, aliases=("NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB", "A100-40"),
         spec_source="NVIDIA A100 Tensor Core GPU datasheet",
+    ),
+    GpuSpec(
+        "nvidia", "NVIDIA A30", "A30", "Ampere", 24, 165.0, 10.3, 933, "cuda", "8.0",
+        mig_profiles=_MIG_A30, aliases=("NVIDIA A30", "A30"),
+        spec_source="NVIDIA A30 Tensor Core GPU datasheet",
     ),
     GpuSpec(
         "nvidia", "NVIDIA L40S", "L40S", "Ada Lovelace", 48, 362.1, 91.6, 864, "cuda", "8.9",

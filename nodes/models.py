@@ -244,6 +244,11 @@ class Gpu(models.Model):
     nvlink_island = models.SmallIntegerField(null=True, blank=True)
     numa_node = models.SmallIntegerField(null=True, blank=True)
     mig_mode = models.BooleanField(default=False)
+    # The staff MIG layout the agent made ([{"profile", "start"}]; empty: instances are made per
+    # workload), and whether a MIG reconfiguration is under way (no placements on the GPU until the
+    # agent answers): set by nodes.services.mig.
+    mig_layout = models.JSONField(default=list, blank=True)
+    mig_configuring = models.BooleanField(default=False)
     firmware_version = models.CharField(max_length=64, blank=True, help_text="VBIOS or GFX firmware.")
     health = models.CharField(max_length=16, choices=GpuHealth.choices, default=GpuHealth.HEALTHY)
     health_reason = models.CharField(max_length=255, blank=True)

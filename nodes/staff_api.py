@@ -5,6 +5,12 @@ with an optional ``{"reason": "..."}``).
 Staff only, like the other staff APIs: a staff session, or a staff token with ``fleet:write``; a
 tenant's token gets 403. The rules are ``nodes.services.rollouts``'; a bad field answers 400 naming
 it and writes nothing, an action the campaign's state does not allow answers 409.
+
+``/api/staff/v1/gpus/<id>/mig/`` reads a GPU's MIG mode, layout and the profiles its model offers;
+PATCH ``{"enable": true, "profiles": ["3g.40gb", "3g.40gb"], "reason": "..."}`` asks its agent to set
+them (``nodes.services.mig``: refused with 409 while work holds the GPU; the GPU takes no new work
+until the agent answers). ``enable: false`` leaves MIG mode. Same access (``fleet:write``); a bad
+layout answers 400 naming its field and changes nothing.
 """
 
 from __future__ import annotations
@@ -16,9 +22,12 @@ from rest_framework import serializers, status, viewsets
 from rest_framework.authentication import SessionAuthentication
 from rest_framework.decorators import action
 from rest_framework.response import Response
+from rest_framework.views import APIView
 
-from nodes.models import RolloutCampaign, RolloutStep, RolloutStepState
+from nodes.mig_profiles import table_for
+from nodes.models import Gpu, RolloutCampaign, RolloutStep, RolloutStepState
 from nodes.services import rollouts
+from nodes.services.mig import gpu_mig_configure
 from portal.actors import actor_from_request
 from portal.api.authentication import BearerTokenAuthentication, StaffTokenAuthentication
 from portal.api.permissions import StaffPermission
@@ -183,3 +192,58 @@ class RolloutViewSet(viewsets.GenericViewSet):
     @action(detail=True, methods=["post"])
     def abort(self, request, pk=None):
         return self._act(request, pk, rollouts.rollout_abort)
+
+
+def gpu_mig_state(gpu: Gpu) -> dict:
+    table = table_for(gpu.model.name if gpu.model_id else gpu.reported_name)
+    return {
+        "gpu": gpu.pk,
+        "node": gpu.node.hostname,
+        "index": gpu.index,
+        "uuid": gpu.uuid,
+        "model": gpu.model.name if gpu.model_id else gpu.reported_name,
+        "mig_capable": table is not None,
+        "profiles": list(table.names) if table is not None else [],
+        "mig_mode": gpu.mig_mode,
+        "layout": gpu.mig_layout,
+        "configuring": gpu.mig_configuring,
+    }
+
+
+class GpuMigApi(APIView):
+    # Tenant tokens are authenticated only so that StaffPermission can refuse them with a reason.
+    authentication_classes = [StaffTokenAuthentication, BearerTokenAuthentication, SessionAuthentication]
+    permission_classes = [StaffPermission]
+    staff_scope = StaffScope.FLEET_WRITE
+
+    def _gpu(self, pk: int) -> Gpu:
+        return get_object_or_404(Gpu.objects.select_related("node", "model"), pk=pk, removed_at__isnull=True)
+
+    @extend_schema(operation_id="staff_v1_gpu_mig_read", responses={200: dict})
+    def get(self, request, pk: int):
+        return Response(gpu_mig_state(self._gpu(pk)))
+
+    @extend_schema(operation_id="staff_v1_gpu_mig_configure", request=dict, responses={200: dict})
+    def patch(self, request, pk: int):
+        gpu = self._gpu(pk)
+        data = request.data if isinstance(request.data, dict) else None
+        allowed = {"enable", "profiles", "reason"}
+        if not data or "enable" not in data or set(data) - allowed:
+            unknown = sorted(set(data) - allowed) if data else []
+            name = str(unknown[0])[:40] if unknown else "enable"
+            raise ValidationFailed(
+                f"{name}: send enable, and profiles and reason if you like.",
+                fields={name: ["Send enable (true or false), profiles (a list) and reason only."]},
+            )
+        reason = data.get("reason", "")
+        if not isinstance(reason, str) or len(reason) > 255:
+            raise ValidationFailed("reason: at most 255 characters.", fields={"reason": ["A short text."]})
+        command = gpu_mig_configure(
+            gpu=gpu,
+            enable=data["enable"],
+            profiles=data.get("profiles", []),
+            actor=actor_from_request(request),
+            reason=reason,
+        )
+        gpu.refresh_from_db()
+        return Response({**gpu_mig_state(gpu), "command": str(command.pk)})

@@ -1,11 +1,15 @@
 """The fleet's staff API, mounted at ``/api/staff/v1/`` by the project URLconf."""
 
+from django.urls import path
 from rest_framework.routers import SimpleRouter
 
-from nodes.staff_api import RolloutViewSet
+from nodes.staff_api import GpuMigApi, RolloutViewSet
 
 router = SimpleRouter()
 router.register("rollouts", RolloutViewSet, basename="staff-rollout")
 
 app_name = "nodes-staff-api"
-urlpatterns = router.urls
+urlpatterns = [
+    path("gpus/<int:pk>/mig/", GpuMigApi.as_view(), name="gpu-mig"),
+    *router.urls,
+]

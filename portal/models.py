@@ -282,7 +282,7 @@ class StaffScope(models.TextChoices):
 
     FINANCE_READ = "finance:read", "Read finance reports"
     SCHEDULING_WRITE = "scheduling:write", "Change scheduling settings (queue policies)"
-    FLEET_WRITE = "fleet:write", "Run fleet operations (rolling upgrades)"
+    FLEET_WRITE = "fleet:write", "Run fleet operations (rolling upgrades, MIG layouts)"
 
 
 class StaffTokenQuerySet(UsableTokens, models.QuerySet):

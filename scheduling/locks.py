@@ -107,6 +107,18 @@ def lock_reservation_capacity(*, gpu_model_id: int, region_id: int) -> None:
         cursor.execute("SELECT pg_advisory_xact_lock(%s)", [key])
 
 
+def cycle_lock_wait() -> None:
+    """Take the cycle's lock for the current transaction, waiting for a running cycle to end: a
+    staff change that must not race a placement (a GPU's MIG reconfiguration) holds it while it
+    checks and marks the GPU. SQLite: see ``try_cycle_lock``."""
+    if not transaction.get_connection().in_atomic_block:
+        raise RuntimeError("cycle_lock_wait needs a transaction")
+    if connection.vendor != "postgresql":
+        return
+    with connection.cursor() as cur:
+        cur.execute("SELECT pg_advisory_xact_lock(%s)", [CYCLE_LOCK_KEY])
+
+
 def try_cycle_lock() -> bool:
     """Take the cycle's single-flight lock for the current transaction, or return False at once.
 

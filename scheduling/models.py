@@ -332,6 +332,11 @@ class Allocation(TenantOwnedModel):
         help_text="Capacity of the GPU held, when less than the fraction (an over-subscribed GPU).",
     )
     milli_offset = models.PositiveSmallIntegerField(default=0)
+    mig_start = models.PositiveSmallIntegerField(
+        null=True,
+        blank=True,
+        help_text="A MIG instance: the memory slice it starts at on the GPU (the agent makes it there).",
+    )
     started_at = models.DateTimeField(default=timezone.now)
     ended_at = models.DateTimeField(null=True, blank=True)
     end_reason = models.CharField(max_length=64, blank=True)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from nodes import signals
 from nodes.models import CommandKind
+from scheduling.locks import cycle_lock_wait
+from scheduling.models import Allocation
 from scheduling.services import lifecycle, orphans, warm_pools
 from scheduling.services import volumes as volume_services
 from scheduling.services.triggers import cycle_request
@@ -28,6 +30,21 @@ def on_command_finished(sender, command, state, result, **kwargs) -> None:
         )
     elif command.kind == CommandKind.PREWARM:
         warm_pools.warm_slots_on_prewarm_finished(command_id=command.pk, state=state)
+    elif command.kind == CommandKind.CONFIGURE_MIG:
+        cycle_request(reason="mig_configured")  # the GPU takes work again, in its new shape
+
+
+def gpu_holders(gpu_id: int) -> list[str]:
+    """Workloads holding a GPU now, checked after any running cycle ends (``gpu_mig_configure``)."""
+    cycle_lock_wait()
+    return [
+        str(w)
+        for w in Allocation.objects.active()
+        .filter(gpu_id=gpu_id)
+        .order_by("workload_id")
+        .values_list("workload_id", flat=True)
+        .distinct()
+    ]
 
 
 def on_workload_exited(
@@ -68,9 +85,11 @@ def on_gpu_unhealthy(sender, gpu, node, reason, **kwargs) -> None:
 
 def connect() -> None:
     from nodes.services.commands import wire_payload_register
+    from nodes.services.mig import gpu_holders_register
     from scheduling.services.env import start_payload_for_node
 
     wire_payload_register(CommandKind.START_WORKLOAD, start_payload_for_node)
+    gpu_holders_register(gpu_holders)
     signals.command_finished.connect(on_command_finished, dispatch_uid="scheduling.command_finished")
     signals.workload_exited.connect(on_workload_exited, dispatch_uid="scheduling.workload_exited")
     signals.node_down.connect(on_node_down, dispatch_uid="scheduling.node_down")

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nodes.agent.collectors import CollectorError
+from nodes.agent.mig import mig_layout_from_payload
 from nodes.agent.runtimes import RuntimeFailure
 from nodes.agent.types import (
     PREEMPTED,
@@ -210,12 +211,11 @@ class CommandHandlers:
             raise RuntimeFailure(
                 f"GPU {uuid} runs workloads {', '.join(busy)}; MIG can change only on an idle GPU"
             )
-        result = await asyncio.to_thread(
-            self.collector.configure_mig,
-            uuid,
-            bool(payload.get("enable", True)),
-            list(payload.get("profiles") or []),
-        )
+        enable = payload.get("enable", True)
+        if not isinstance(enable, bool):
+            raise RuntimeFailure("enable must be true or false")
+        placements = mig_layout_from_payload(payload, self.inventory, uuid) if enable else []
+        result = await asyncio.to_thread(self.collector.configure_mig, uuid, enable, placements)
         self.inventory = await asyncio.to_thread(self.collector.discover)
         return result
 

@@ -34,6 +34,9 @@ class MigDevice:
     uuid: str
     name: str = ""
     memory_mib: int = 0
+    profile: str = ""
+    start: int | None = None
+    """The GPU instance's profile and start (memory slice), where the collector knows them."""
 
 
 @dataclass
@@ -163,7 +166,9 @@ class WorkloadSpec:
     max_runtime_s: int | None = None
     sim_duration_s: float | None = None
     mig_profile: str = ""
-    """Run on a MIG slice of this profile, made on ``gpu_uuids[0]`` for the workload (``1g.10gb``)."""
+    """Run on a MIG instance of this profile on ``gpu_uuids[0]`` (``1g.10gb``)."""
+    mig_start: int | None = None
+    """The memory slice the portal placed the instance at (made there, or the staff layout's)."""
     gpu_memory_limit_mib: int | None = None
     """GPU memory a fractional (non-MIG) share may use."""
     gpu_vendor: str = ""

@@ -524,6 +524,7 @@ _NUMBERS: dict[str, tuple[float, float, bool]] = {
     "gpu_memory_limit_mib": (0, 1 << 30, False),
     "sim_duration_s": (0, 366 * 86400, True),
     "attempt": (0, 1 << 31, False),
+    "mig_start": (0, 7, False),
 }
 
 

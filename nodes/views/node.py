@@ -1,6 +1,6 @@
 """A node: facts, GPUs, live telemetry charts, command history, and the staff actions (cordon,
-drain, uncordon, maintenance; return a GPU to service; make a re-key token), each through the nodes
-services (audited)."""
+drain, uncordon, maintenance; return a GPU to service; set a GPU's MIG mode and layout; make a re-key
+token), each through the nodes services (audited)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ from django.utils.cache import add_never_cache_headers
 from django.views.generic import View
 
 from nodes import selectors
+from nodes.mig_profiles import table_for
 from nodes.models import Gpu, GpuHealth, Node, NodeState
 from nodes.services import health as health_services
 from nodes.services import registration
+from nodes.services.mig import gpu_mig_configure
 from nodes.views.base import StaffRequiredMixin
 from portal.errors import DomainError
 from portal.views.base import htmx_partial, render_page
@@ -69,9 +71,11 @@ def _page_context(request, node: Node, **state) -> dict:
     telemetry = selectors.node_telemetry(gpus=gpus, start=now - RANGES[range_key], now=now)
     stale = selectors.telemetry_stale_before(now)
     gpu_errors = state.get("gpu_errors") or {}
+    mig_errors = state.pop("mig_errors", None) or {}
     for g in gpus:
         g.fresh = g.last_sample_at is not None and g.last_sample_at >= stale
         g.form = gpu_errors.get(g.pk)
+        _mig_context(g, mig_errors.get(g.pk))
     return {
         **_state_context(node, **state),
         "gpus": gpus,
@@ -81,6 +85,24 @@ def _page_context(request, node: Node, **state) -> dict:
         "commands": list(selectors.node_commands_history(node=node, limit=20)),
         "history": list(selectors.node_state_history(node=node)),
     }
+
+
+def _mig_context(gpu: Gpu, form: MigForm | None = None) -> None:
+    """What the GPU row shows of MIG: the profiles its model offers, its layout, the form."""
+    table = table_for(gpu.model.name if gpu.model_id else gpu.reported_name)
+    gpu.mig_profiles = list(table.names) if table is not None else []
+    gpu.mig_layout_text = ", ".join(f"{row['profile']}@{row['start']}" for row in gpu.mig_layout or [])
+    gpu.mig_form = form
+
+
+class MigForm(forms.Form):
+    enable = forms.BooleanField(label="MIG mode on", required=False)
+    profiles = forms.CharField(label="Layout", required=False, max_length=200, strip=True)
+    reason = forms.CharField(label="Reason", required=False, max_length=255, strip=True)
+
+    def clean_profiles(self) -> list[str]:
+        text = self.cleaned_data["profiles"]
+        return [p.strip() for p in text.replace(",", " ").split() if p.strip()]
 
 
 TEMPLATE = "nodes/node_detail.html"
@@ -178,5 +200,50 @@ class GpuReturnView(StaffRequiredMixin, View):
         gpu.fresh = (
             gpu.last_sample_at is not None and gpu.last_sample_at >= selectors.telemetry_stale_before()
         )
+        _mig_context(gpu)
         context = {"gpu": gpu, "node": gpu.node, "gpu_form": form, "done": done}
+        return render_page(self.request, "nodes/_gpu_row.html", context, status=status)
+
+
+class GpuMigView(StaffRequiredMixin, View):
+    """POST ``enable``, ``profiles`` (a layout: profile names, space or comma separated; empty: an
+    instance per workload) and ``reason``: the GPU's agent is asked to set them (audited). Refused
+    with the reason in the row (400 for a layout the GPU cannot make, 409 while work holds it)."""
+
+    http_method_names = ["post"]
+
+    def post(self, request, pk: int):
+        gpu = get_object_or_404(Gpu.objects.select_related("node", "model"), pk=pk, removed_at__isnull=True)
+        form = MigForm(request.POST)
+        if not form.is_valid():
+            return self._respond(gpu, form=form, status=400)
+        try:
+            gpu_mig_configure(
+                gpu=gpu,
+                enable=form.cleaned_data["enable"],
+                profiles=form.cleaned_data["profiles"],
+                actor=self.actor,
+                reason=form.cleaned_data["reason"],
+            )
+        except DomainError as exc:
+            gpu = Gpu.objects.select_related("node", "model").get(pk=gpu.pk)
+            field = "profiles" if "profiles" in exc.fields else None
+            form.add_error(field, exc.message)
+            return self._respond(gpu, form=form, status=exc.status_code)
+        message = f"GPU {gpu.index} of {gpu.node.hostname}: MIG change sent to its agent."
+        if htmx_partial(request):
+            gpu = Gpu.objects.select_related("node", "model").get(pk=gpu.pk)
+            return self._respond(gpu, form=None, status=200, done=message)
+        messages.success(request, message)
+        return redirect("nodes:node", pk=gpu.node_id)
+
+    def _respond(self, gpu: Gpu, *, form: MigForm | None, status: int, done: str = ""):
+        if not htmx_partial(self.request):
+            context = _page_context(self.request, gpu.node, mig_errors={gpu.pk: form})
+            return render_page(self.request, TEMPLATE, context, status=status)
+        gpu.fresh = (
+            gpu.last_sample_at is not None and gpu.last_sample_at >= selectors.telemetry_stale_before()
+        )
+        _mig_context(gpu, form)
+        context = {"gpu": gpu, "node": gpu.node, "gpu_form": None, "mig_done": done}
         return render_page(self.request, "nodes/_gpu_row.html", context, status=status)

@@ -118,7 +118,7 @@ class Engine:
                 r.region,
                 r.other_regions_ok,
                 access,
-                r.mig,
+                r.gpu.mig_profile or "",
                 r.excluded,
                 split_sizes(r),
                 r.split_regions_ok,
@@ -141,7 +141,15 @@ class Engine:
             i = st.index[a.node_id]
             idx = st.gpu_index[i]
             st.release(
-                Slot(i, tuple(idx.index(g) for g in a.gpu_indices), a.milli, a.cpu_milli, a.memory_mib)
+                Slot(
+                    i,
+                    tuple(idx.index(g) for g in a.gpu_indices),
+                    a.milli,
+                    a.cpu_milli,
+                    a.memory_mib,
+                    a.mig_use,
+                    -1 if a.mig_start is None else a.mig_start,
+                )
             )
 
     def _avoid(self, req: Request, d: Demand) -> frozenset[int]:
@@ -159,7 +167,15 @@ class Engine:
     def _assignment(self, s: Slot) -> Assignment:
         st = self.state
         idx = st.gpu_index[s.node]
-        return Assignment(st.ids[s.node], tuple(idx[p] for p in s.positions), s.milli, s.cpu, s.mem)
+        return Assignment(
+            st.ids[s.node],
+            tuple(idx[p] for p in s.positions),
+            s.milli,
+            s.cpu,
+            s.mem,
+            s.mig_start if s.mig else None,
+            s.mig,
+        )
 
     # -- reasons and expected starts --------------------------------------------------------------------
 
@@ -198,21 +214,24 @@ class Engine:
         st = self.state
         cls = st.classes[st.ncls[i]]
         g = list(st.gfree[i])
+        ms = None if st.mstate[i] is None else list(st.mstate[i])
         cpu, mem = st.cpu_free[i], st.mem_free[i]
 
         def fits() -> bool:
             if cpu < d.cpu or mem < d.mem:
                 return False
             if whole:
-                return all(x == MILLI for x in g) and not st.kept(cls.id, d)
-            gk = tuple(tuple(sorted((g[p] for p in isl), reverse=True)) for isl in cls.islands)
-            return bool(st.keeping(cls.id, d, gpu_options(cls, gk, d, st.mig_key(i, g))))
+                return ms is None and all(x == MILLI for x in g) and not st.kept(cls.id, d)
+            gk, mk = st.gkeys(i, g, ms)
+            return bool(st.keeping(cls.id, d, gpu_options(cls, gk, d, mk)))
 
         if fits():
             return self.now
         for t, s in ends:
             for p in s.positions:
                 g[p] += s.milli
+                if s.mig and ms is not None:
+                    ms[p] -= s.mig
             cpu += s.cpu
             mem += s.mem
             if fits():
@@ -285,8 +304,9 @@ class Engine:
             i = st.index.get(r.node_id)
             if i is None:
                 continue
-            idx = st.gpu_index[i]
-            slot = Slot(i, tuple(idx.index(g) for g in r.gpu_indices), r.milli, r.cpu_milli, r.memory_mib)
+            slot = st.slot_for(
+                i, r.gpu_indices, r.milli, r.cpu_milli, r.memory_mib, r.mig_profile, r.mig_start
+            )
             ends_by_node.setdefault(i, []).append((max(r.est_end, now), slot))
         for lst in ends_by_node.values():
             lst.sort(key=lambda e: e[0])

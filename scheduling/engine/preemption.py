@@ -90,9 +90,9 @@ class Preemptor:
         i = self.state.index.get(r.node_id)
         if i is None:
             return None
-        idx = self.state.gpu_index[i]
-        positions = tuple(idx.index(g) for g in r.gpu_indices if g in idx)
-        return Slot(i, positions, r.milli, r.cpu_milli, r.memory_mib)
+        return self.state.slot_for(
+            i, r.gpu_indices, r.milli, r.cpu_milli, r.memory_mib, r.mig_profile, r.mig_start
+        )
 
     def _with_gang(self, r: Running) -> list[Running]:
         if r.gang_id and r.gang_id in self.gangs:
@@ -116,11 +116,14 @@ class Preemptor:
             sum(work_lost(v, self.now) for v in taken),
         )
 
-    def _freeing(self, i: int, cands: list[Running]) -> Iterator[tuple[list[int], int, int, list[Running]]]:
-        """Node ``i``'s free GPU milli, CPU and RAM as ``cands`` (each with its whole gang) are
-        preempted one after another, with the victims so far; yielded after each candidate."""
+    def _freeing(
+        self, i: int, cands: list[Running]
+    ) -> Iterator[tuple[list[int], list[int] | None, int, int, list[Running]]]:
+        """Node ``i``'s free GPU milli, MIG states, CPU and RAM as ``cands`` (each with its whole gang)
+        are preempted one after another, with the victims so far; yielded after each candidate."""
         state = self.state
         g = list(state.gfree[i])
+        ms = None if state.mstate[i] is None else list(state.mstate[i])
         cpu, mem = state.cpu_free[i], state.mem_free[i]
         taken: list[Running] = []
         seen: set[str] = set()
@@ -137,9 +140,11 @@ class Preemptor:
                     continue
                 for p in s.positions:
                     g[p] += s.milli
+                    if s.mig and ms is not None and ms[p] >= 0:
+                        ms[p] -= s.mig
                 cpu += s.cpu
                 mem += s.mem
-            yield g, cpu, mem, taken
+            yield g, ms, cpu, mem, taken
 
     def find(
         self, demand: Demand, priority: int, avoid: frozenset[int] = frozenset()
@@ -162,11 +167,11 @@ class Preemptor:
                 cands = [r for r in cands if r.plan in LENT_PLANS]
             if not cands:
                 continue
-            for g, cpu, mem, taken in self._freeing(i, cands):
+            for g, ms, cpu, mem, taken in self._freeing(i, cands):
                 if cpu < demand.cpu or mem < demand.mem:
                     continue
-                gk = tuple(tuple(sorted((g[p] for p in isl), reverse=True)) for isl in cls.islands)
-                if state.keeping(cls.id, demand, gpu_options(cls, gk, demand, state.mig_key(i, g))):
+                gk, mk = state.gkeys(i, g, ms)
+                if state.keeping(cls.id, demand, gpu_options(cls, gk, demand, mk)):
                     cost = self._cost(pen, taken)
                     if best is None or cost < best.cost:
                         best = PreemptionChoice((i,), tuple(taken), cost)
@@ -191,7 +196,8 @@ class Preemptor:
 
         for key, lst in state.buckets.items():
             if (
-                any(f != MILLI for island in key[3] for f in island)
+                key[4]
+                or any(f != MILLI for island in key[3] for f in island)
                 or key[1] < demand.cpu
                 or key[2] < demand.mem
             ):
@@ -204,15 +210,15 @@ class Preemptor:
                     groups.setdefault(g, []).append(((), i, []))
         for i, lst in self.by_node.items():
             grp = usable(i)
-            if grp is None or i in state.held:
-                continue
+            if grp is None or i in state.held or state.mstate[i] is not None:
+                continue  # (a node with GPUs in MIG mode never takes a gang)
             live = [r for r in lst if r.id not in self.gone]
             cands = self._candidates(live, priority)
             if len(cands) != len(live):
                 continue  # something here may not be preempted: the node cannot be emptied
             last = deque(self._freeing(i, cands), maxlen=1)
-            g, cpu, mem, taken = (
-                last[0] if last else (state.gfree[i], state.cpu_free[i], state.mem_free[i], [])
+            g, _ms, cpu, mem, taken = (
+                last[0] if last else (state.gfree[i], None, state.cpu_free[i], state.mem_free[i], [])
             )
             if cpu < demand.cpu or mem < demand.mem or any(x != MILLI for x in g):
                 continue  # an unhealthy GPU, or capacity the victims do not free

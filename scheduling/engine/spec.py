@@ -57,8 +57,9 @@ class Demand:
     other_regions_ok: bool = True
     access: str = ACCESS_NONE
     """ACCESS_NONE, ACCESS_LEND, or the tenant id for work on that tenant's own reservation."""
-    mig: bool = False
-    """A MIG slice: only on an empty GPU or one holding MIG slices, never over-subscribed."""
+    mig: str = ""
+    """A MIG instance's profile (empty for other work): only on a GPU in MIG mode, where the hardware
+    can make it; never over-subscribed."""
     excluded: frozenset[tuple[str, str]] = frozenset()
     """(model, region) pairs it may not use (``Request.excluded``)."""
     per_node: tuple[int, ...] = ()
@@ -119,7 +120,7 @@ def demand_for(request: Request, catalog: dict[str, GpuModelInfo]) -> Demand:
         region=request.region,
         other_regions_ok=request.other_regions_ok,
         access=access_for(request),
-        mig=request.mig,
+        mig=request.gpu.mig_profile or "",
         excluded=request.excluded,
         per_node=split_sizes(request),
         split_regions=request.split_regions_ok,

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from . import mig as M
 from .spec import ACCESS_LEND, ACCESS_NONE, Demand
 from .types import MILLI, NO_VERSIONS, GpuModelInfo, Node, NodeState, SoftwareVersions
 
@@ -25,10 +26,11 @@ if TYPE_CHECKING:
 
 GKey = tuple[tuple[int, ...], ...]
 Key = tuple[int, int, int, GKey, GKey]
-"""(class id, free CPU, free RAM, free capacity units per GPU by island, the same for the GPUs that
-hold MIG slices: empty when the node has none)."""
-Picks = tuple[tuple[int, int], ...]
-"""The GPUs a placement takes on a node, as (island, free milli before) pairs."""
+"""(class id, free CPU, free RAM, free capacity units per GPU not in MIG mode by island, the MIG
+states (``mig.py``) of the GPUs in MIG mode by island: empty when the node has none)."""
+Picks = tuple[tuple[int, ...], ...]
+"""The GPUs a placement takes on a node, as (island, free milli before) pairs; for a MIG instance
+(island, free milli before, MIG state before)."""
 Option = tuple[int, Picks, GKey]
 """(topology penalty, picks, GPU key after the placement)."""
 PREFER_SPAN = 1 << 16
@@ -61,6 +63,10 @@ class Slot:
     milli: int
     cpu: int
     mem: int
+    mig: int = 0
+    """A MIG instance's use of its GPU's MIG state (``mig.py``); 0 for other work."""
+    mig_start: int = -1
+    """The memory slice the MIG instance starts at (-1: not a MIG instance)."""
 
 
 class _Heap:
@@ -85,40 +91,31 @@ def share_units(cls: NodeClass, demand: Demand) -> int:
     return -(-milli * MILLI // cls.oversub)
 
 
-def _share_frees(island: tuple[int, ...], mig: tuple[int, ...], for_mig: bool) -> list[int]:
-    """The free units (largest first) of the GPUs of one island that a share may use: for MIG work
-    the empty GPUs and those holding MIG slices, for other shares every GPU without MIG slices."""
-    if for_mig:
-        return sorted((*(f for f in island if f == MILLI), *mig), reverse=True)
-    rest = list(island)
-    for f in mig:
-        rest.remove(f)
-    return rest
+def _mig_options(cls: NodeClass, gkey: GKey, demand: Demand, mig: GKey) -> list[Option]:
+    """The GPUs in MIG mode (states per island in ``mig``) on which the hardware can make an instance
+    of ``demand``'s profile; the GPU key of the other GPUs does not change."""
+    out: list[Option] = []
+    for ii, island in enumerate(mig):
+        last = -1
+        for state in island:
+            if state == last:
+                continue
+            last = state
+            if M.place(cls.model, state, demand.mig) is not None:
+                out.append((0, ((ii, M.free_milli(cls.model, state), state),), gkey))
+    return out
 
 
 def gpu_options(cls: NodeClass, gkey: GKey, demand: Demand, mig: GKey = ()) -> list[Option]:
-    """Every distinct way to take ``demand``'s GPUs from a node whose GPUs are ``gkey`` (free capacity
-    units per island), of which those in ``mig`` (per island; empty when none) hold MIG slices: MIG
-    work only goes to an empty GPU or one holding MIG slices, other shares never to the latter.
-    Without ``mig`` every GPU counts as not MIG (MIG work then only takes empty GPUs)."""
+    """Every distinct way to take ``demand``'s GPUs from a node whose GPUs not in MIG mode are
+    ``gkey`` (free capacity units per island) and whose GPUs in MIG mode are ``mig`` (MIG states per
+    island; empty when none): a MIG instance only goes to a GPU in MIG mode where the hardware can
+    make it, other work only to the other GPUs."""
     if demand.gpus == 0:
         return [(0, (), gkey)]
+    if demand.mig:
+        return _mig_options(cls, gkey, demand, mig) if mig else []
     milli = demand.milli
-    if milli < MILLI and (mig or demand.mig):
-        need = share_units(cls, demand)
-        out: list[Option] = []
-        for ii, island in enumerate(gkey):
-            last = -1
-            for free in _share_frees(island, mig[ii] if mig else (), demand.mig):
-                if free < need:
-                    break
-                if free == last:
-                    continue
-                last = free
-                pos = island.index(free)
-                new_island = tuple(sorted((*island[:pos], free - need, *island[pos + 1 :]), reverse=True))
-                out.append((0, ((ii, free),), (*gkey[:ii], new_island, *gkey[ii + 1 :])))
-        return out
     if milli < MILLI:
         milli = share_units(cls, demand)
         out = []
@@ -206,8 +203,9 @@ class ClusterState:
         self._fits: dict[Demand, list[int | None]] = {}
         self.capacity_milli = 0
         self._max_spec: tuple[int, int] | None = None
-        self.gmig: list[list[bool] | None] = []
-        """Per node: which GPUs hold MIG slices now (None when none does)."""
+        self.mstate: list[list[int] | None] = []
+        """Per node: the MIG state (``mig.py``) of each GPU in MIG mode, -1 for the others (None when
+        no GPU of the node is in MIG mode)."""
         # A partly reserved node is a class of its own: class id -> node, and per node the whole
         # GPUs that must stay free (or lent) for the owner's unused reserved share.
         self.keep_node: dict[int, int] = {}
@@ -250,8 +248,10 @@ class ClusterState:
         self.cpu_free.append(node.cpu_milli - node.cpu_used)
         self.mem_free.append(node.memory_mib - node.memory_used)
         self.gfree.append([g.free_milli if g.healthy else 0 for g in node.gpus])
-        mig = [g.mig and g.healthy and g.free_milli < MILLI for g in node.gpus]
-        self.gmig.append(mig if any(mig) else None)
+        states = [
+            M.state_of(node.model, g.mig_layout, g.mig_used) if g.mig and g.healthy else -1 for g in node.gpus
+        ]
+        self.mstate.append(states if any(st >= 0 for st in states) else None)
         self.gpu_index.append(tuple(g.index for g in node.gpus))
         self.domain.append(node.domain)
         self.keys.append(None)
@@ -266,23 +266,39 @@ class ClusterState:
 
     def _key(self, i: int) -> Key:
         cls = self.classes[self.ncls[i]]
-        g = self.gfree[i]
-        if len(cls.islands) == 1:
-            gk: GKey = (tuple(sorted(g, reverse=True)),)
-        else:
-            gk = tuple(tuple(sorted((g[p] for p in isl), reverse=True)) for isl in cls.islands)
-        return (cls.id, self.cpu_free[i], self.mem_free[i], gk, self.mig_key(i, g))
+        gk, mk = self.gkeys(i, self.gfree[i], self.mstate[i])
+        return (cls.id, self.cpu_free[i], self.mem_free[i], gk, mk)
 
-    def mig_key(self, i: int, g: list[int]) -> GKey:
-        """Free units per island of node ``i``'s GPUs that hold MIG slices, if its GPUs had the free
-        units ``g`` (a GPU whose slices all ended is a plain GPU again); empty when none does."""
-        m = self.gmig[i]
-        if m is None:
-            return ()
+    def gkeys(self, i: int, g: list[int], ms: list[int] | None) -> tuple[GKey, GKey]:
+        """The GPU key (free units per island of the GPUs not in MIG mode) and the MIG key (states per
+        island of the GPUs in MIG mode; empty when none) of node ``i`` if its GPUs had the free units
+        ``g`` and the MIG states ``ms``."""
         cls = self.classes[self.ncls[i]]
-        return tuple(
-            tuple(sorted((g[p] for p in isl if m[p] and g[p] < MILLI), reverse=True)) for isl in cls.islands
-        )
+        if ms is None:
+            if len(cls.islands) == 1:
+                return (tuple(sorted(g, reverse=True)),), ()
+            return tuple(tuple(sorted((g[p] for p in isl), reverse=True)) for isl in cls.islands), ()
+        gk = tuple(tuple(sorted((g[p] for p in isl if ms[p] < 0), reverse=True)) for isl in cls.islands)
+        mk = tuple(tuple(sorted((ms[p] for p in isl if ms[p] >= 0), reverse=True)) for isl in cls.islands)
+        return gk, mk
+
+    def slot_for(
+        self,
+        i: int,
+        gpu_indices: Iterable[int],
+        milli: int,
+        cpu: int,
+        mem: int,
+        mig_profile: str | None = None,
+        mig_start: int | None = None,
+    ) -> Slot:
+        """The slot of work already placed on node ``i`` (its GPUs by index)."""
+        idx = self.gpu_index[i]
+        positions = tuple(idx.index(g) for g in gpu_indices if g in idx)
+        if mig_profile and mig_start is not None and mig_start >= 0:
+            use = M.use_of(self.classes[self.ncls[i]].model, mig_profile, mig_start)
+            return Slot(i, positions, milli, cpu, mem, use, mig_start)
+        return Slot(i, positions, milli, cpu, mem)
 
     def _enter(self, i: int) -> None:
         key = self._key(i)
@@ -555,7 +571,7 @@ class ClusterState:
             if pen is None or key[1] < demand.cpu or key[2] < demand.mem or self.kept(key[0], demand):
                 continue
             cls = self.classes[key[0]]
-            if any(f != MILLI for island in key[3] for f in island):
+            if key[4] or any(f != MILLI for island in key[3] for f in island):
                 continue
             groups.setdefault((pen, cls.model, cls.region), []).extend(n for n in lst if n not in avoid)
         for (_pen, _model, _region), members in sorted(groups.items()):
@@ -636,11 +652,13 @@ class ClusterState:
         cls = self.classes[self.ncls[i]]
         g = self.gfree[i]
         milli = share_units(cls, demand)
-        m = self.gmig[i]
+        ms = self.mstate[i]
+        if demand.mig:
+            return self._apply_mig(i, cls, picks, demand, milli)
         taken: list[int] = []
-        for ii, free in picks:
+        for ii, free, *_ in picks:
             for p in cls.islands[ii]:
-                if g[p] == free and p not in taken and (free == MILLI or m is None or m[p] == demand.mig):
+                if g[p] == free and p not in taken and (ms is None or ms[p] < 0):
                     taken.append(p)
                     break
             else:
@@ -653,13 +671,31 @@ class ClusterState:
             self.keep[i] = max(0, self.keep[i] - sum(1 for p in taken if g[p] == MILLI))
         for p in taken:
             g[p] -= milli
-        if demand.mig and milli < MILLI and taken:
-            self._mark_mig(i, taken)
         self.cpu_free[i] -= demand.cpu
         self.mem_free[i] -= demand.mem
         if not held:
             self._enter(i)
         return Slot(i, tuple(taken), milli if taken else 0, demand.cpu, demand.mem)
+
+    def _apply_mig(self, i: int, cls: NodeClass, picks: Picks, demand: Demand, milli: int) -> Slot:
+        """Make ``demand``'s MIG instance on the GPU in MIG mode of ``picks`` (island, free, state)."""
+        ms = self.mstate[i]
+        (ii, _free, state), *_ = picks
+        p = next((p for p in cls.islands[ii] if ms is not None and ms[p] == state), None)
+        placed = M.place(cls.model, state, demand.mig)
+        if p is None or ms is None or placed is None:
+            raise AssertionError("index out of step with node state")
+        start, use = placed
+        held = i in self.held
+        if not held:
+            self._leave(i)
+        ms[p] += use
+        self.gfree[i][p] -= milli
+        self.cpu_free[i] -= demand.cpu
+        self.mem_free[i] -= demand.mem
+        if not held:
+            self._enter(i)
+        return Slot(i, (p,), milli, demand.cpu, demand.mem, use, start)
 
     def release(self, slot: Slot) -> None:
         i = slot.node
@@ -669,44 +705,33 @@ class ClusterState:
         g = self.gfree[i]
         for p in slot.positions:
             g[p] += slot.milli
-        m = self.gmig[i]
-        if m is not None:
+        ms = self.mstate[i]
+        if slot.mig and ms is not None:
             for p in slot.positions:
-                if g[p] >= MILLI:
-                    m[p] = False
-            if not any(m):
-                self.gmig[i] = None
+                if ms[p] >= 0:
+                    ms[p] -= slot.mig
         self.cpu_free[i] += slot.cpu
         self.mem_free[i] += slot.mem
         if not held and self.keys[i] is None and self.pos[i] == -1:
             self._enter(i)
 
-    def _mark_mig(self, i: int, positions: Iterable[int]) -> None:
-        m = self.gmig[i]
-        if m is None:
-            m = self.gmig[i] = [False] * len(self.gfree[i])
-        for p in positions:
-            m[p] = True
-
-    def allocate(
-        self, i: int, positions: Iterable[int], milli: int, cpu: int, mem: int, mig: bool = False
-    ) -> Slot:
-        """Take capacity (units) on a given node directly (existing allocations, preemption
-        targets); ``mig``: the share is a MIG slice."""
+    def allocate(self, slot: Slot) -> Slot:
+        """Take what ``slot`` names on its node directly (existing allocations, preemption targets)."""
+        i = slot.node
         held = i in self.held
         if not held:
             self._leave(i)
         g = self.gfree[i]
-        pos = tuple(positions)
-        for p in pos:
-            g[p] -= milli
-        if mig and milli < MILLI and pos:
-            self._mark_mig(i, pos)
-        self.cpu_free[i] -= cpu
-        self.mem_free[i] -= mem
+        ms = self.mstate[i]
+        for p in slot.positions:
+            g[p] -= slot.milli
+            if slot.mig and ms is not None and ms[p] >= 0:
+                ms[p] += slot.mig
+        self.cpu_free[i] -= slot.cpu
+        self.mem_free[i] -= slot.mem
         if not held:
             self._enter(i)
-        return Slot(i, pos, milli, cpu, mem)
+        return slot
 
     def hold(self, i: int) -> None:
         """Take a node out of the index (kept for the job at the head of the queue)."""
@@ -726,8 +751,18 @@ class ClusterState:
         free = 0
         for key, lst in self.buckets.items():
             free += sum(map(sum, key[3])) * len(lst)
+            if key[4]:
+                model = self.classes[key[0]].model
+                free += sum(M.free_milli(model, st) for isl in key[4] for st in isl) * len(lst)
         for i in self.held:
-            free += sum(self.gfree[i])
+            ms = self.mstate[i]
+            if ms is None:
+                free += sum(self.gfree[i])
+            else:
+                model = self.classes[self.ncls[i]].model
+                free += sum(
+                    f if m < 0 else M.free_milli(model, m) for f, m in zip(self.gfree[i], ms, strict=True)
+                )
         return self.capacity_milli - free
 
     def fragmentation(self, dist) -> float:

@@ -110,7 +110,12 @@ class Gpu:
     free_milli: int = MILLI
     """Capacity units left (of 1000); an over-subscribed share takes fewer units than its milli."""
     mig: bool = False
-    """Holds MIG slices now: only MIG work may join it (and no MIG work joins a GPU shared otherwise)."""
+    """In MIG mode (set by staff): only MIG instances go to it, and they go nowhere else."""
+    mig_layout: tuple[tuple[str, int], ...] = ()
+    """In MIG mode, the staff layout's instances ((profile, start)) that work takes; empty: an instance
+    is made for each workload where the hardware can make it."""
+    mig_used: tuple[tuple[str, int], ...] = ()
+    """The MIG instances ((profile, start)) that work holds now."""
 
 
 @dataclass(slots=True)
@@ -152,8 +157,8 @@ class GpuSpec:
     rocm_target: str | None = None
     """Exact ROCm gfx target, e.g. ``gfx90a`` (AMD only)."""
     mig_profile: str | None = None
-    """A MIG slice such as ``1g.10gb``: only models offering it, and only on a GPU that is empty or
-    already holds MIG slices."""
+    """A MIG instance such as ``1g.10gb``: only models offering it, and only on a GPU in MIG mode
+    where the hardware can make it (``mig.py``)."""
 
 
 @dataclass(slots=True)
@@ -228,6 +233,9 @@ class Running:
     checkpointable: bool = False
     gang_id: str | None = None
     """Gang members are preempted together."""
+    mig_profile: str | None = None
+    mig_start: int | None = None
+    """A MIG instance's profile and start (memory slice) on its GPU."""
     group: str = ""
     """The array it is a task of (spread counts its members), or empty."""
 
@@ -253,6 +261,10 @@ class Assignment:
     """Capacity units taken per GPU (less than the request's share on an over-subscribed GPU)."""
     cpu_milli: int
     memory_mib: int
+    mig_start: int | None = None
+    """A MIG instance: the memory slice it starts at (the agent makes it there)."""
+    mig_use: int = 0
+    """A MIG instance: what it takes of its GPU's MIG state (``mig.py``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
+from nodes.mig_profiles import fit_starts, layout_from_json, table_for
 from nodes.models import CommandKind
 from nodes.services.commands import CommandRequest, node_commands_enqueue_many
 from portal.actors import Actor
@@ -155,12 +156,29 @@ def _start_payload(
         payload["template"] = w.template
     if w.mig_profile:
         payload["mig_profile"] = w.mig_profile
+        if assignment.mig_start is not None:
+            payload["mig_start"] = assignment.mig_start
     if volumes:
         payload["volumes"] = volumes
     if w.kind == WorkloadKind.JOB and w.checkpoint_resume and volumes:
         # Checkpoints go to the first volume, in a directory of this workload's own.
         payload["checkpoint"] = {"volume_id": volumes[0]["volume_id"], "resume": _resumes(w)}
     return payload
+
+
+def _mig_fits(ctx: CycleContext, g: dict[str, Any], profile: str, start: int | None) -> bool:
+    """Whether the hardware can make ``profile`` at ``start`` on GPU ``g`` beside the instances its
+    allocations hold (and, on a GPU with a staff layout, whether the layout has that instance): the
+    engine's placement checked again against the rows read, before it is written."""
+    info = ctx.model_info.get(g["model_id"])
+    table = table_for(info.name) if info is not None else None
+    if table is None or start is None:
+        return False
+    used = ctx.mig_used.get(g["id"], [])
+    layout = layout_from_json(g["mig_layout"])
+    if layout and (profile, start) not in layout:
+        return False
+    return start in fit_starts(table, used, profile)
 
 
 @dataclass
@@ -182,27 +200,32 @@ def _plan_place(ctx: CycleContext, batch: _Batch, w: Workload, decision: E.Place
     """Prepare the allocation rows, state change and start commands of one placement, or say why
     it cannot be committed: a per-model quota passed by an earlier placement of this cycle, or
     capacity the engine counted free that is still held (work being preempted)."""
-    rows: list[tuple[dict[str, Any], int]] = []
+    rows: list[tuple[dict[str, Any], int, int | None]] = []
     need: dict[int, int] = defaultdict(int)
     for a in decision.assignments:
         if int(a.node_id) in ctx.draining_nodes:
             return "capacity", "Capacity on the chosen node is still being freed by preemption."
         for index in a.gpu_indices:
             g = ctx.gpus[(int(a.node_id), index)]
-            rows.append((g, a.milli))
+            rows.append((g, a.milli, a.mig_start))
             need[g["model_id"]] += w.gpu_fraction_milli
     for mid, milli in need.items():
         limit = ctx.model_limits.get((w.tenant_id, mid))
         if limit is not None and ctx.model_use[(w.tenant_id, mid)] + milli > limit * MILLI:
             return "quota", "Waiting for the per-model GPU quota."
-    for g, milli in rows:
+    for g, milli, mig_start in rows:
         if sum(f for _, f, _ in ctx.ranges[g["id"]]) + milli > MILLI:
             logger.error("Engine placed %s milli on GPU %s, which has no room; skipped", milli, g["id"])
             return "capacity", "Waiting for capacity."
-        if ctx.ranges[g["id"]] and (g["id"] in ctx.mig_gpus) != bool(w.mig_profile):
-            logger.error("Engine mixed MIG and other shares on GPU %s; skipped", g["id"])
+        if (g["id"] in ctx.mig_gpus) != bool(w.mig_profile):
+            logger.error("Engine put MIG work off a GPU in MIG mode, or other work on one: GPU %s", g["id"])
             return "capacity", "Waiting for capacity."
-    for g, milli in rows:
+        if w.mig_profile and not _mig_fits(ctx, g, w.mig_profile, mig_start):
+            logger.error(
+                "Engine placed a %s instance where GPU %s cannot make it; skipped", w.mig_profile, g["id"]
+            )
+            return "capacity", "Waiting for capacity."
+    for g, milli, mig_start in rows:
         choice = gpu_range_choose(ctx.ranges[g["id"]], milli)
         assert choice is not None  # room checked above
         offset, moves = choice
@@ -226,12 +249,13 @@ def _plan_place(ctx: CycleContext, batch: _Batch, w: Workload, decision: E.Place
             fraction_milli=w.gpu_fraction_milli,
             span_milli=milli if milli != w.gpu_fraction_milli else None,
             milli_offset=offset,
+            mig_start=mig_start if w.mig_profile else None,
             started_at=ctx.now,
         )
         ctx.ranges[g["id"]].append((offset, milli, key))
         ctx.model_use[(w.tenant_id, g["model_id"])] += w.gpu_fraction_milli
-        if w.mig_profile and milli < MILLI:
-            ctx.mig_gpus.add(g["id"])
+        if w.mig_profile and mig_start is not None:
+            ctx.mig_used.setdefault(g["id"], []).append((w.mig_profile, mig_start))
     w.attempt += 1
     warm = ctx.warm_hits.get(w.pk)
     reason = warm.reason if warm else "backfilled" if decision.backfill else "placed"

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from nodes.mig_profiles import layout_from_json
 from nodes.models import SCHEDULABLE_NODE_STATES, Gpu, GpuHealth, GpuModel, Node, Region, RegionBackend
 from scheduling.engine import types as E
 from scheduling.engine.queueing import QueuePolicy as EnginePolicy
@@ -84,7 +85,8 @@ class CycleContext:
     chosen_models: dict[int, list[str]] = field(default_factory=dict)  # workload -> model names
     warm_hits: dict[int, WarmBinding] = field(default_factory=dict)  # workload -> warm slots it binds
     draining_nodes: set[int] = field(default_factory=set)  # nodes whose victims are stopping
-    mig_gpus: set[int] = field(default_factory=set)  # GPUs holding MIG slices
+    mig_gpus: set[int] = field(default_factory=set)  # GPUs in MIG mode
+    mig_used: dict[int, list[tuple[str, int]]] = field(default_factory=dict)  # gpu id -> (profile, start)
     model_info: dict[int, E.GpuModelInfo] = field(default_factory=dict)  # model id -> catalog entry
 
 
@@ -142,7 +144,18 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
         Gpu.objects.filter(node__state__in=SCHEDULABLE_NODE_STATES, removed_at__isnull=True)
         .order_by("node_id", "index")
         .values(
-            "id", "node_id", "index", "uuid", "model_id", "health", "isolated", "nvlink_island", "numa_node"
+            "id",
+            "node_id",
+            "index",
+            "uuid",
+            "model_id",
+            "health",
+            "isolated",
+            "nvlink_island",
+            "numa_node",
+            "mig_mode",
+            "mig_layout",
+            "mig_configuring",
         )
     )
     # (A node that became schedulable between the two statements waits for the next cycle.)
@@ -159,6 +172,7 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
             "fraction_milli",
             "span_milli",
             "milli_offset",
+            "mig_start",
             "tenant_id",
             "workload__state",
             "workload__kind",
@@ -189,7 +203,8 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
     holders: dict[int, list[dict[str, Any]]] = defaultdict(list)
     model_use: dict[tuple[int, int], int] = defaultdict(int)
     node_load: dict[int, dict[int, tuple[int, int]]] = defaultdict(dict)  # node -> workload -> (cpu, ram)
-    mig_gpus: set[int] = set()
+    mig_gpus = {g["id"] for g in gpu_rows if g["mig_mode"]}
+    mig_used: dict[int, list[tuple[str, int]]] = defaultdict(list)
     for a in allocs:
         # Capacity is counted in what each row spans (less than its fraction on an over-subscribed
         # GPU); quotas count the fractions asked for.
@@ -197,8 +212,8 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
         a["gpu__index"] = gpu_index[a["gpu_id"]]
         used[a["gpu_id"]] += a["span"]
         ranges[a["gpu_id"]].append((a["milli_offset"], a["span"], a["id"]))
-        if a["workload__mig_profile"] and a["span"] < MILLI:
-            mig_gpus.add(a["gpu_id"])
+        if a["workload__mig_profile"] and a["mig_start"] is not None:
+            mig_used[a["gpu_id"]].append((a["workload__mig_profile"], a["mig_start"]))
         holders[a["workload_id"]].append(a)
         model_use[(a["tenant_id"], a["gpu_model_id"])] += a["fraction_milli"]
         node_load[a["node_id"]][a["workload_id"]] = (a["workload__cpu_millicores"], a["workload__ram_mib"])
@@ -290,6 +305,7 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
         ok = (
             g["health"] == GpuHealth.HEALTHY
             and not g["isolated"]
+            and not g["mig_configuring"]  # staff are changing its MIG mode or layout
             and g["model_id"] == node_model[g["node_id"]]
             and g["id"] not in unconfirmed
         )
@@ -300,7 +316,9 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
                 healthy=ok,
                 island=island,
                 free_milli=max(MILLI - used[g["id"]], 0),
-                mig=g["id"] in mig_gpus,
+                mig=g["mig_mode"],
+                mig_layout=layout_from_json(g["mig_layout"]),
+                mig_used=tuple(mig_used.get(g["id"], ())),
             )
         )
 
@@ -333,6 +351,8 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
                     and a0["workload__requeue_on_preemption"],
                     # Members across nodes (a gang or pooled GPUs) are preempted together.
                     gang_id=str(wid) if a0["workload__gang"] or len(per_node) > 1 else None,
+                    mig_profile=a0["workload__mig_profile"] or None,
+                    mig_start=a0["mig_start"],
                     group=str(a0["workload__array_parent_id"] or ""),
                 )
             )
@@ -480,6 +500,7 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
         quota_blocked=ctx_quota_blocked,
         chosen_models=dict(chosen),
         mig_gpus=mig_gpus,
+        mig_used=dict(mig_used),
         model_info={model_ids[name]: info for name, info in catalog.items()},
     )
     return snapshot, requests, ctx

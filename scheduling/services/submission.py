@@ -29,6 +29,7 @@ from nodes.agent.workload_rules import (
     check_ssh_public_key,
     check_template,
 )
+from nodes.mig_profiles import table_for
 from nodes.models import Gpu, GpuModel, NodeState, Region, RegionBackend
 from nodes.slurm.config import slurm_config_parse
 from portal.actors import Actor
@@ -469,10 +470,21 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
     fraction = _int(spec, "gpu_fraction_milli", None, 1, MILLI)
     if f["mig_profile"]:
         match = MIG_PROFILE_RE.match(f["mig_profile"])
-        lacking = [m.name for m in candidates if f["mig_profile"] not in (m.mig_profiles or [])]
+        tables = {m.name: table_for(m.name) for m in candidates}
+        lacking = [
+            m.name
+            for m in candidates
+            if f["mig_profile"] not in (m.mig_profiles or [])
+            or tables[m.name] is None
+            or tables[m.name].profile(f["mig_profile"]) is None  # type: ignore[union-attr]
+        ]
         if match is None or lacking:
             raise _fail("mig_profile", f"Not a MIG profile of {', '.join(lacking) or 'these GPUs'}.")
-        mig_fraction = int(match.group(1)) * MILLI // 7
+        # The instance's share of its GPU: its compute slices of the GPU's (7; 4 on an A30).
+        table = next((t for t in tables.values() if t is not None), None)
+        mig_fraction = (
+            table.fraction_milli(f["mig_profile"]) if table is not None else int(match.group(1)) * MILLI // 7
+        )
         if fraction is not None and fraction != mig_fraction:
             raise _fail("gpu_fraction_milli", f"The MIG profile {f['mig_profile']} is {mig_fraction}/1000.")
         fraction = mig_fraction

@@ -2,7 +2,12 @@
 
 The fake answers the functions the collector calls with the types the real module returns (byte
 strings in PCI structs, bytes of memory, milliwatts, lists for MIG mode) and raises the real
-``pynvml`` error classes with their real codes. Its constants come from the real module.
+``pynvml`` error classes with their real codes. Its constants and the placement struct come from the
+real module. Its MIG is the hardware's: GPU instances only at a profile's valid starts
+(``NVML_ERROR_INVALID_ARGUMENT`` otherwise), never on a memory slice another holds nor past the
+compute slices (``NVML_ERROR_INSUFFICIENT_RESOURCES``), only in MIG mode (``NVML_ERROR_NOT_SUPPORTED``),
+MIG mode unchangeable while instances exist and a GPU instance undestroyable while it has compute
+instances (``NVML_ERROR_IN_USE``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import pytest
 
 from nodes.agent.collectors import CollectorError, CollectorUnavailable, make_collector
 from nodes.agent.collectors.nvml import NvmlCollector
+from nodes.mig_profiles import table_for
 
 GIB = 1024**3
 MIB = 1024**2
@@ -43,6 +49,8 @@ class FakeGpu:
     links: list[tuple[bytes, int]] = field(default_factory=list)  # (remote bus id, remote type)
     processes: list[tuple[int, int | None]] = field(default_factory=list)
     lost: bool = False
+    gi_id: int = 0
+    ci_id: int = 0
 
 
 class _Struct:
@@ -50,11 +58,19 @@ class _Struct:
         self.__dict__.update(values)
 
 
-def fake_pynvml(gpus: list[FakeGpu], init_error: int | None = None) -> types.ModuleType:
+# NVIDIA's GPU instance profile ids (``nvidia-smi mig -lgip``) per table entry.
+PROFILE_IDS = {"1_SLICE": 19, "1_SLICE_REV2": 15, "2_SLICE": 14, "3_SLICE": 9, "4_SLICE": 5, "7_SLICE": 0}
+A30_PROFILE_IDS = {"1_SLICE": 14, "2_SLICE": 5, "4_SLICE": 0}
+
+
+def fake_pynvml(
+    gpus: list[FakeGpu], init_error: int | None = None, fail_compute: bool = False
+) -> types.ModuleType:
     nvml = types.ModuleType("pynvml")
     for name in dir(real_nvml):
         if name.startswith(("NVML_", "NVMLError", "nvmlEventType")):
             setattr(nvml, name, getattr(real_nvml, name))
+    nvml.c_nvmlGpuInstancePlacement_t = real_nvml.c_nvmlGpuInstancePlacement_t
     events: list[_Struct] = []
     calls: list[str] = []
     nvml.events = events
@@ -95,6 +111,8 @@ def fake_pynvml(gpus: list[FakeGpu], init_error: int | None = None) -> types.Mod
     def nvmlDeviceSetMigMode(h: FakeGpu, mode: int) -> int:
         if device(h).mig is None:
             raise err(real_nvml.NVML_ERROR_NOT_SUPPORTED)
+        if any(gi.parent is h for gi in nvml.instances):
+            raise err(real_nvml.NVML_ERROR_IN_USE)
         h.mig = [mode, mode]
         return 0
 
@@ -188,24 +206,123 @@ def fake_pynvml(gpus: list[FakeGpu], init_error: int | None = None) -> types.Mod
     nvml.nvmlEventSetWait = nvmlEventSetWait
     nvml.nvmlEventSetFree = lambda handle: calls.append("event-set-free")
 
-    def nvmlDeviceGetGpuInstanceProfileInfo(h: FakeGpu, profile: int) -> _Struct:
-        names = {real_nvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE: b"MIG 1g.10gb"}
-        if profile not in names:
+    # -- MIG, as the hardware does it (nodes.mig_profiles has NVIDIA's tables) ------------------
+    serial = iter(range(1, 1000))
+
+    def table(h: FakeGpu):
+        found = table_for(device(h).name)
+        if found is None or h.mig is None:
             raise err(real_nvml.NVML_ERROR_NOT_SUPPORTED)
-        return _Struct(id=19, name=names[profile], sliceCount=1, memorySizeMB=9856)
+        return found
+
+    def profile_by_constant(h: FakeGpu, constant: int):
+        t = table(h)
+        ids = A30_PROFILE_IDS if t.key == "A30" else PROFILE_IDS
+        for p in t.profiles:
+            if getattr(real_nvml, f"NVML_GPU_INSTANCE_PROFILE_{p.nvml_profile}") == constant:
+                return p, ids[p.nvml_profile]
+        raise err(real_nvml.NVML_ERROR_NOT_SUPPORTED)
+
+    def profile_by_id(h: FakeGpu, profile_id: int):
+        t = table(h)
+        ids = A30_PROFILE_IDS if t.key == "A30" else PROFILE_IDS
+        for p in t.profiles:
+            if ids[p.nvml_profile] == profile_id:
+                return p
+        raise err(real_nvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    def nvmlDeviceGetGpuInstanceProfileInfo(h: FakeGpu, constant: int) -> _Struct:
+        p, pid = profile_by_constant(h, constant)
+        memory_mb = table(h).memory_slices and (h.total // MIB) * p.memory // table(h).memory_slices
+        return _Struct(
+            id=pid,
+            name=f"MIG {p.name}".encode(),
+            sliceCount=p.compute,
+            instanceCount=p.max_count,
+            memorySizeMB=memory_mb,
+        )
+
+    def create(h: FakeGpu, profile_id: int, start: int | None, size: int | None) -> _Struct:
+        t = table(h)
+        if not h.mig[0]:
+            raise err(real_nvml.NVML_ERROR_NOT_SUPPORTED)  # MIG mode is off
+        p = profile_by_id(h, profile_id)
+        mine = [gi for gi in nvml.instances if gi.parent is h]
+        mask = compute = 0
+        for gi in mine:
+            mask |= gi.profile.mask(gi.start)
+            compute += gi.profile.compute
+        if start is None:  # the driver picks the first start that is free
+            start = next((x for x in p.starts if not mask & p.mask(x)), None)
+            if start is None:
+                raise err(real_nvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+        elif start not in p.starts or size != p.memory:
+            raise err(real_nvml.NVML_ERROR_INVALID_ARGUMENT)
+        if mask & p.mask(start) or compute + p.compute > t.compute_slices:
+            raise err(real_nvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+        gi = _Struct(parent=h, id=next(serial), profile=p, profile_id=profile_id, start=start, cis=[])
+        nvml.instances.append(gi)
+        return gi
 
     def nvmlDeviceCreateGpuInstance(h: FakeGpu, profile_id: int) -> _Struct:
-        instance = _Struct(parent=h, profile_id=profile_id)
-        nvml.instances.append(instance)
-        h.mig_devices.append(
-            FakeGpu(f"MIG-{len(h.mig_devices)}", f"{h.name} MIG 1g.10gb", b"", total=9856 * MIB)
-        )
-        return instance
+        return create(h, profile_id, None, None)
+
+    def nvmlDeviceCreateGpuInstanceWithPlacement(h: FakeGpu, profile_id: int, placement: Any) -> _Struct:
+        return create(h, profile_id, placement.contents.start, placement.contents.size)
+
+    def nvmlGpuInstanceCreateComputeInstance(gi: _Struct, profile_id: int) -> _Struct:
+        if fail_compute:
+            raise err(real_nvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+        if gi not in nvml.instances or gi.cis:
+            raise err(real_nvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+        ci = _Struct(gi=gi, id=0)
+        gi.cis.append(ci)
+        h = gi.parent
+        memory = (h.total // table(h).memory_slices) * gi.profile.memory
+        mig = FakeGpu(f"MIG-{gi.id:04d}", f"{h.name} MIG {gi.profile.name}", b"", total=memory)
+        mig.gi_id, mig.ci_id = gi.id, ci.id
+        h.mig_devices.append(mig)
+        return ci
+
+    def nvmlComputeInstanceDestroy(ci: _Struct) -> None:
+        nvml.calls.append(f"destroy-ci:{ci.gi.id}")
+        ci.gi.cis.remove(ci)
+        parent = ci.gi.parent
+        parent.mig_devices[:] = [d for d in parent.mig_devices if d.gi_id != ci.gi.id]
+
+    def nvmlGpuInstanceDestroy(gi: _Struct) -> None:
+        if gi.cis:
+            raise err(real_nvml.NVML_ERROR_IN_USE)
+        nvml.calls.append(f"destroy-gi:{gi.id}")
+        nvml.instances.remove(gi)
+
+    def nvmlDeviceGetGpuInstanceById(h: FakeGpu, gi_id: int) -> _Struct:
+        for gi in nvml.instances:
+            if gi.parent is h and gi.id == gi_id:
+                return gi
+        raise err(real_nvml.NVML_ERROR_NOT_FOUND)
+
+    def nvmlGpuInstanceGetComputeInstanceById(gi: _Struct, ci_id: int) -> _Struct:
+        for ci in gi.cis:
+            if ci.id == ci_id:
+                return ci
+        raise err(real_nvml.NVML_ERROR_NOT_FOUND)
 
     nvml.nvmlDeviceGetGpuInstanceProfileInfo = nvmlDeviceGetGpuInstanceProfileInfo
     nvml.nvmlDeviceCreateGpuInstance = nvmlDeviceCreateGpuInstance
-    nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo = lambda gi, profile, engine: _Struct(id=0)
-    nvml.nvmlGpuInstanceCreateComputeInstance = lambda gi, profile_id: _Struct(gi=gi)
+    nvml.nvmlDeviceCreateGpuInstanceWithPlacement = nvmlDeviceCreateGpuInstanceWithPlacement
+    nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo = lambda gi, profile, engine: _Struct(id=profile)
+    nvml.nvmlGpuInstanceCreateComputeInstance = nvmlGpuInstanceCreateComputeInstance
+    nvml.nvmlGpuInstanceGetInfo = lambda gi: _Struct(
+        id=gi.id, profileId=gi.profile_id, placement=_Struct(start=gi.start, size=gi.profile.memory)
+    )
+    nvml.nvmlComputeInstanceGetInfo = lambda ci: _Struct(id=ci.id)
+    nvml.nvmlDeviceGetGpuInstanceId = lambda mig: mig.gi_id
+    nvml.nvmlDeviceGetComputeInstanceId = lambda mig: mig.ci_id
+    nvml.nvmlDeviceGetGpuInstanceById = nvmlDeviceGetGpuInstanceById
+    nvml.nvmlGpuInstanceGetComputeInstanceById = nvmlGpuInstanceGetComputeInstanceById
+    nvml.nvmlComputeInstanceDestroy = nvmlComputeInstanceDestroy
+    nvml.nvmlGpuInstanceDestroy = nvmlGpuInstanceDestroy
     return nvml
 
 
@@ -381,19 +498,41 @@ def test_gpu_lost_before_discovery_is_left_out(
     assert collector.lost_indices == [1]
 
 
-def test_configure_mig_creates_instances(collector: NvmlCollector, gpus: list[FakeGpu]) -> None:
-    gpus[3].name = "NVIDIA A100-SXM4-80GB"
+def test_configure_mig_sets_the_mode_and_makes_the_layout(
+    collector: NvmlCollector, gpus: list[FakeGpu]
+) -> None:
+    gpus[3].name, gpus[3].total = "NVIDIA A100-SXM4-80GB", 80 * GIB
     collector.discover()
 
-    result = collector.configure_mig("GPU-dddd", True, ["1g.10gb"])
+    layout = [("2g.20gb", 0), ("1g.10gb", 2), ("1g.10gb", 3), ("3g.40gb", 4)]
+    result = collector.configure_mig("GPU-dddd", True, layout)
 
     assert result["mig_mode"] is True
-    assert result["created"] == ["1g.10gb"]
-    assert [d["uuid"] for d in result["mig_devices"]] == ["MIG-0"]
-    with pytest.raises(CollectorError, match=r"no MIG profile named 7g\.80gb"):
-        collector.configure_mig("GPU-dddd", True, ["7g.80gb"])
+    assert [(c["profile"], c["start"]) for c in result["created"]] == layout
+    assert [d.name.rsplit(" ", 1)[-1] for d in gpus[3].mig_devices] == [
+        "2g.20gb",
+        "1g.10gb",
+        "1g.10gb",
+        "3g.40gb",
+    ]
+    assert [d.memory_mib for d in collector.inventory.gpu("GPU-dddd").mig_devices] == [
+        20480,
+        10240,
+        10240,
+        40960,
+    ]
+    # A layout the hardware cannot make is refused before anything changes.
+    with pytest.raises(CollectorError, match="cannot start at memory slice 4"):
+        collector.configure_mig("GPU-dddd", True, [("3g.40gb", 0), ("3g.40gb", 4), ("1g.10gb", 4)])
+    assert len(gpus[3].mig_devices) == 4
+    # Reconfiguring replaces the layout; turning MIG off leaves no instance.
+    assert [c["start"] for c in collector.configure_mig("GPU-dddd", True, [("7g.80gb", 0)])["created"]] == [0]
+    off = collector.configure_mig("GPU-dddd", False, [])
+    assert off == {"gpu_uuid": "GPU-dddd", "mig_mode": False, "created": []}
+    assert gpus[3].mig == [real_nvml.NVML_DEVICE_MIG_DISABLE] * 2 and gpus[3].mig_devices == []
+    # An H100 whose driver has MIG off-limits answers Not Supported.
     with pytest.raises(CollectorError, match="Not Supported"):
-        collector.configure_mig("GPU-aaaa", True, [])
+        collector.configure_mig("GPU-bbbb", True, [])
 
 
 def test_close_frees_the_event_set_and_shuts_down(collector: NvmlCollector) -> None:

@@ -146,14 +146,17 @@ def test_injected_faults(runtime: SimulatedRuntime, tmp_path: Path) -> None:
 def test_mig_reconfiguration(runtime: SimulatedRuntime, tmp_path: Path) -> None:
     collector = make_node(runtime, tmp_path)
     gpus = collector.discover().gpus
-    result = collector.configure_mig(gpus[0].uuid, True, ["3g.40gb", "3g.40gb"])
-    assert result["mig_mode"] is True and len(result["mig_devices"]) == 2
+    result = collector.configure_mig(gpus[0].uuid, True, [("3g.40gb", 0), ("3g.40gb", 4)])
+    assert result["mig_mode"] is True and [c["start"] for c in result["created"]] == [0, 4]
     assert collector.discover().gpus[0].mig_mode is True
+    # The simulated GPU keeps the hardware's rules: no third instance on the eight memory slices.
+    with pytest.raises(CollectorError, match="Insufficient Resources"):
+        collector.create_mig_instance(gpus[0].uuid, "1g.10gb")
     sample = collector.sample(1.0)
     assert sample[0].util_pct is None and sample[0].to_json()["util_pct"] is None  # as NVML: no counter
     assert sample[1].util_pct is not None
     with pytest.raises(CollectorError, match="does not support MIG"):
-        collector.configure_mig(gpus[4].uuid, True, ["1g.5gb"])
+        collector.configure_mig(gpus[4].uuid, True, [("1g.5gb", 0)])
 
 
 def test_runtime_timers(runtime: SimulatedRuntime, clock: Clock) -> None:

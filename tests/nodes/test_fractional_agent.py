@@ -25,7 +25,7 @@ from nodes.agent.runtimes.process import SubprocessRuntime
 from nodes.agent.runtimes.simulated import SimulatedRuntime
 from nodes.agent.types import WorkloadSpec
 from tests.agent.conftest import process_options  # noqa: F401  (a fixture)
-from tests.agent.test_nvml_collector import FakeGpu, _Struct, fake_pynvml
+from tests.agent.test_nvml_collector import FakeGpu, fake_pynvml
 from tests.docker_engine import TEST_IMAGE, docker_engine  # noqa: F401  (a fixture)
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -222,194 +222,232 @@ def gpu_info(agent: Agent, index: int = 0):
     return agent.collector.discover().gpus[index]
 
 
-def test_a_mig_start_makes_a_slice_runs_on_it_and_stop_destroys_it(agent: Agent):
+def mig_on(agent: Agent, gpu: int = 0, profiles: list[str] | None = None, command_id: str = "cm") -> dict:
+    payload = {"gpu_uuid": agent.inventory.gpus[gpu].uuid, "enable": True, "profiles": profiles or []}
+    state, result, message = run_command(agent, f"{command_id}{gpu}", "configure_mig", payload)
+    assert state == "succeeded", message
+    return result
+
+
+def test_a_mig_start_needs_mig_mode_and_never_turns_it_on(agent: Agent):
+    state, _, message = run_command(
+        agent, "c1", "start_workload", start_payload(agent, "m1", "1g.10gb", mig_start=6)
+    )
+    assert state == "failed" and "MIG mode is off" in message and "staff turn it on" in message
+    assert gpu_info(agent).mig_mode is False and gpu_info(agent).mig_devices == []
+
+
+def test_a_mig_start_makes_its_instance_at_the_portals_start_and_stop_destroys_it(agent: Agent):
+    mig_on(agent)
     parent = agent.inventory.gpus[0].uuid
-    state, result, _ = run_command(agent, "c1", "start_workload", start_payload(agent, "m1", "1g.10gb"))
+    state, result, _ = run_command(
+        agent, "c1", "start_workload", start_payload(agent, "m1", "1g.10gb", mig_start=6)
+    )
     assert state == "succeeded"
     slice1 = result["mig_uuid"]
     assert slice1.startswith("MIG-")
     assert agent.runtime.get_status("m1").gpu_uuids == [slice1]
-    assert agent.inventory.gpu(parent).mig_mode is True  # the agent's inventory follows
-    # A second slice joins the first on the same GPU without disturbing it.
-    state, result, _ = run_command(agent, "c2", "start_workload", start_payload(agent, "m2", "3g.40gb"))
+    assert [(d.profile, d.start) for d in gpu_info(agent).mig_devices] == [("1g.10gb", 6)]
+    # A second instance joins the first at its own start without disturbing it.
+    state, result, _ = run_command(
+        agent, "c2", "start_workload", start_payload(agent, "m2", "3g.40gb", mig_start=0)
+    )
     assert state == "succeeded"
     assert [d.uuid for d in gpu_info(agent).mig_devices] == [slice1, result["mig_uuid"]]
-    # Its telemetry lands on the slice's GPU.
     sample = next(s for s in agent.collector.sample(agent.runtime.clock()) if s.gpu_uuid == parent)
     assert {p.workload_id for p in sample.processes} == {"m1", "m2"}
     assert sample.util_pct is None  # a GPU in MIG mode has no utilisation counter
 
     assert run_command(agent, "c3", "stop_workload", {"workload_id": "m1"})[0] == "succeeded"
     assert [d.uuid for d in gpu_info(agent).mig_devices] == [result["mig_uuid"]]
-    assert gpu_info(agent).mig_mode is True
     assert (
         run_command(agent, "c4", "preempt_workload", {"workload_id": "m2", "notice_s": 0})[0] == "succeeded"
     )
-    assert gpu_info(agent).mig_devices == [] and gpu_info(agent).mig_mode is False
+    # The last instance went; MIG mode stays on (only staff change it).
+    assert gpu_info(agent).mig_devices == [] and gpu_info(agent).mig_mode is True
     assert agent.mig.records() == {}
 
 
+def test_the_agent_refuses_what_the_hardware_cannot_make(agent: Agent):
+    mig_on(agent)
+    for k, start in enumerate((0, 2, 4, 6)):
+        payload = start_payload(agent, f"m{k}", "1g.20gb", mig_start=start)
+        assert run_command(agent, f"c{k}", "start_workload", payload)[0] == "succeeded"
+    state, _, message = run_command(agent, "c5", "start_workload", start_payload(agent, "m5", "1g.20gb"))
+    assert state == "failed" and "Insufficient Resources" in message
+    mig_on(agent, gpu=1)
+    # 1g.20gb never starts at an odd memory slice; 3g.40gb + 3g.40gb leave no slice for a 1g.10gb.
+    state, _, message = run_command(
+        agent, "c6", "start_workload", start_payload(agent, "x", "1g.20gb", gpu=1, mig_start=1)
+    )
+    assert state == "failed" and "cannot start at memory slice 1" in message
+    for k, start in enumerate((0, 4)):
+        payload = start_payload(agent, f"t{k}", "3g.40gb", gpu=1, mig_start=start)
+        assert run_command(agent, f"c7{k}", "start_workload", payload)[0] == "succeeded"
+    state, _, message = run_command(
+        agent, "c8", "start_workload", start_payload(agent, "y", "1g.10gb", gpu=1)
+    )
+    assert state == "failed" and "no room" in message
+    assert len(gpu_info(agent, 1).mig_devices) == 2
+
+
+def test_a_layout_instance_is_taken_and_kept(agent: Agent):
+    result = mig_on(agent, profiles=["3g.40gb", "3g.40gb"])
+    assert [(c["profile"], c["start"]) for c in result["created"]] == [("3g.40gb", 0), ("3g.40gb", 4)]
+    layout = {c["start"]: c["mig_uuid"] for c in result["created"]}
+    state, started, _ = run_command(
+        agent, "c1", "start_workload", start_payload(agent, "m1", "3g.40gb", mig_start=4)
+    )
+    assert state == "succeeded" and started["mig_uuid"] == layout[4]
+    # The same instance cannot go to a second workload.
+    state, _, message = run_command(
+        agent, "c2", "start_workload", start_payload(agent, "m2", "3g.40gb", mig_start=4)
+    )
+    assert state == "failed" and "is workload m1's" in message
+    assert run_command(agent, "c3", "stop_workload", {"workload_id": "m1"})[0] == "succeeded"
+    assert sorted(d.uuid for d in gpu_info(agent).mig_devices) == sorted(layout.values())  # kept
+
+
 def test_a_repeated_start_reuses_its_slice(agent: Agent):
-    first = run_command(agent, "c1", "start_workload", start_payload(agent, "m1", "1g.10gb"))[1]
+    mig_on(agent)
+    first = run_command(agent, "c1", "start_workload", start_payload(agent, "m1", "1g.10gb", mig_start=0))[1]
     # Run again (an agent that died before it stored the command's end runs it once more).
-    again = asyncio.run(agent._start_workload(start_payload(agent, "m1", "1g.10gb")))
+    again = asyncio.run(agent._start_workload(start_payload(agent, "m1", "1g.10gb", mig_start=0)))
     assert again["mig_uuid"] == first["mig_uuid"]
     assert len(gpu_info(agent).mig_devices) == 1
 
 
 def test_a_slice_goes_when_its_workload_exits_before_the_portal_hears_of_it(agent: Agent):
-    payload = start_payload(agent, "m1", "2g.20gb", env={"GPUPOOL_SIM_DURATION_S": "0"})
+    mig_on(agent)
+    payload = start_payload(agent, "m1", "2g.20gb", mig_start=0, env={"GPUPOOL_SIM_DURATION_S": "0"})
     assert run_command(agent, "c1", "start_workload", payload)[0] == "succeeded"
     seq = asyncio.run(agent.build_heartbeat(sample=False))
     body = next(
         item.body for item in agent.buffer.pending() if item.kind == "heartbeat" and item.key == str(seq)
     )
     assert [(w["workload_id"], w["state"]) for w in body["workloads"]] == [("m1", "exited")]
-    assert gpu_info(agent).mig_devices == [] and gpu_info(agent).mig_mode is False
+    assert gpu_info(agent).mig_devices == [] and gpu_info(agent).mig_mode is True
 
 
 def test_a_failed_start_gives_its_slice_back(agent: Agent):
-    payload = start_payload(agent, "m1", "1g.10gb", env={"GPUPOOL_SIM_EXIT_CODE": "not a number"})
+    mig_on(agent)
+    payload = start_payload(
+        agent, "m1", "1g.10gb", mig_start=0, env={"GPUPOOL_SIM_EXIT_CODE": "not a number"}
+    )
     state, _, message = run_command(agent, "c1", "start_workload", payload)
     assert state == "failed" and "bad simulation setting" in message
     assert gpu_info(agent).mig_devices == [] and agent.mig.records() == {}
 
 
-def test_no_slice_on_a_gpu_running_other_work_nor_past_seven_slices(agent: Agent):
+def test_configure_mig_checks_the_layout_and_the_gpu(agent: Agent):
+    uuid = agent.inventory.gpus[0].uuid
+    state, _, message = run_command(
+        agent,
+        "c1",
+        "configure_mig",
+        {"gpu_uuid": uuid, "enable": True, "profiles": ["3g.40gb", "3g.40gb", "1g.10gb"]},
+    )
+    assert state == "failed" and "does not fit one GPU" in message
+    bad = {"gpu_uuid": uuid, "enable": True, "placements": [{"profile": "4g.40gb", "start": 4}]}
+    state, _, message = run_command(agent, "c2", "configure_mig", bad)
+    assert state == "failed" and "cannot start at memory slice 4" in message
+    assert gpu_info(agent).mig_mode is False  # nothing changed
+    mig_on(agent)
+    assert run_command(agent, "c3", "start_workload", start_payload(agent, "m1", "4g.40gb", mig_start=0))[
+        0
+    ] == ("succeeded")
+    # Staff cannot reconfigure MIG under a workload's instance.
+    state, _, message = run_command(agent, "c4", "configure_mig", {"gpu_uuid": uuid, "enable": False})
+    assert state == "failed" and "m1" in message
+    assert gpu_info(agent).mig_mode is True
+
+
+def test_no_slice_on_a_gpu_running_other_work(agent: Agent):
     assert run_command(agent, "c1", "start_workload", start_payload(agent, "s1", None))[0] == "succeeded"
     state, _, message = run_command(agent, "c2", "start_workload", start_payload(agent, "m1", "1g.10gb"))
     assert state == "failed" and "not on MIG slices" in message
+    mig_on(agent, gpu=1)
     assert run_command(agent, "c3", "start_workload", start_payload(agent, "m2", "4g.40gb", gpu=1))[0] == (
         "succeeded"
     )
-    state, _, message = run_command(
-        agent, "c4", "start_workload", start_payload(agent, "m3", "4g.40gb", gpu=1)
-    )
-    assert state == "failed" and "4 of 7 slices in use" in message
-    assert len(gpu_info(agent, 1).mig_devices) == 1
     # Nor other work on a GPU holding slices.
     state, _, message = run_command(agent, "c6", "start_workload", start_payload(agent, "s2", None, gpu=1))
     assert state == "failed" and "MIG slices of workloads m2 are on its GPU" in message
-    # Staff cannot reconfigure MIG under a workload's slice.
-    state, _, message = run_command(
-        agent, "c5", "configure_mig", {"gpu_uuid": agent.inventory.gpus[1].uuid, "enable": False}
-    )
-    assert state == "failed" and "m2" in message
 
 
 # --- NVML at the pynvml boundary ------------------------------------------------------------------
 
 
-def nvml_with_instances(gpus: list[FakeGpu], fail_compute: bool = False):
-    """The fake of the NVML collector tests, with GPU and compute instances that have ids, MIG
-    devices that say which instances they are, and destroy calls."""
-    nvml = fake_pynvml(gpus)
-    serial = iter(range(1, 100))
-
-    def create_gi(h: FakeGpu, profile_id: int) -> _Struct:
-        gi = _Struct(parent=h, id=next(serial), profile_id=profile_id, cis=[])
-        nvml.instances.append(gi)
-        return gi
-
-    def create_ci(gi: _Struct, profile_id: int) -> _Struct:
-        if fail_compute:
-            raise real_nvml.NVMLError(real_nvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
-        ci = _Struct(gi=gi, id=0)
-        gi.cis.append(ci)
-        device = FakeGpu(f"MIG-{gi.id:04d}", f"{gi.parent.name} MIG 1g.10gb", b"", total=9856 * 1024**2)
-        device.gi_id, device.ci_id = gi.id, ci.id
-        gi.parent.mig_devices.append(device)
-        return ci
-
-    def destroy_ci(ci: _Struct) -> None:
-        nvml.calls.append(f"destroy-ci:{ci.gi.id}")
-        ci.gi.cis.remove(ci)
-        ci.gi.parent.mig_devices[:] = [d for d in ci.gi.parent.mig_devices if d.gi_id != ci.gi.id]
-
-    def destroy_gi(gi: _Struct) -> None:
-        nvml.calls.append(f"destroy-gi:{gi.id}")
-        assert not gi.cis, "a GPU instance goes after its compute instances"
-        nvml.instances.remove(gi)
-
-    nvml.nvmlDeviceCreateGpuInstance = create_gi
-    nvml.nvmlGpuInstanceCreateComputeInstance = create_ci
-    nvml.nvmlGpuInstanceGetInfo = lambda gi: _Struct(id=gi.id, profileId=gi.profile_id)
-    nvml.nvmlComputeInstanceGetInfo = lambda ci: _Struct(id=ci.id)
-    nvml.nvmlDeviceGetGpuInstanceId = lambda mig: mig.gi_id
-    nvml.nvmlDeviceGetComputeInstanceId = lambda mig: mig.ci_id
-    nvml.nvmlDeviceGetGpuInstanceById = lambda h, gi_id: next(
-        gi for gi in nvml.instances if gi.parent is h and gi.id == gi_id
-    )
-    nvml.nvmlGpuInstanceGetComputeInstanceById = lambda gi, ci_id: next(ci for ci in gi.cis if ci.id == ci_id)
-    nvml.nvmlComputeInstanceDestroy = destroy_ci
-    nvml.nvmlGpuInstanceDestroy = destroy_gi
-    return nvml
-
-
 @pytest.fixture
 def nvml_gpus() -> list[FakeGpu]:
     return [
-        FakeGpu("GPU-aaaa", "NVIDIA A100-SXM4-80GB", b"00000000:18:00.0", mig=[0, 0]),
-        FakeGpu("GPU-bbbb", "NVIDIA L4", b"00000000:2A:00.0"),  # no MIG
+        FakeGpu("GPU-aaaa", "NVIDIA A100-SXM4-80GB", b"00000000:18:00.0", mig=[1, 1]),
+        FakeGpu("GPU-bbbb", "NVIDIA H100 80GB HBM3", b"00000000:2A:00.0", mig=[0, 0]),
     ]
 
 
 def nvml_collector(monkeypatch, tmp_path, gpus, **kwargs) -> tuple[NvmlCollector, Any]:
-    nvml = nvml_with_instances(gpus, **kwargs)
+    nvml = fake_pynvml(gpus, **kwargs)
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
     return NvmlCollector(sysfs_root=tmp_path), nvml
 
 
-def test_nvml_makes_slices_beside_others_and_turns_mig_off_after_the_last(monkeypatch, tmp_path, nvml_gpus):
+def test_nvml_makes_instances_at_the_start_asked_and_never_touches_mig_mode(monkeypatch, tmp_path, nvml_gpus):
     collector, nvml = nvml_collector(monkeypatch, tmp_path, nvml_gpus)
-    first = collector.create_mig_instance("GPU-aaaa", "1g.10gb")
+    first = collector.create_mig_instance("GPU-aaaa", "3g.40gb", 4)
     assert first == {
         "gpu_uuid": "GPU-aaaa",
         "mig_uuid": "MIG-0001",
-        "profile": "1g.10gb",
-        "mig_mode_enabled": True,
+        "profile": "3g.40gb",
+        "start": 4,
+        "made": True,
     }
-    assert nvml_gpus[0].mig == [real_nvml.NVML_DEVICE_MIG_ENABLE] * 2
-    second = collector.create_mig_instance("GPU-aaaa", "1g.10gb")
-    assert (second["mig_uuid"], second["mig_mode_enabled"]) == ("MIG-0002", False)
+    assert [(gi.profile.name, gi.start) for gi in nvml.instances] == [("3g.40gb", 4)]
+    second = collector.create_mig_instance("GPU-aaaa", "1g.10gb", 2)
+    assert (second["mig_uuid"], second["start"]) == ("MIG-0002", 2)
     assert [d.uuid for d in collector.inventory.gpu("GPU-aaaa").mig_devices] == ["MIG-0001", "MIG-0002"]
+    # Where the hardware cannot: the driver's error, nothing made.
+    with pytest.raises(CollectorError, match="NVML_ERROR_INSUFFICIENT_RESOURCES"):
+        collector.create_mig_instance("GPU-aaaa", "4g.40gb", 0)  # slices 0-3 overlap the 1g at 2
+    with pytest.raises(CollectorError, match="NVML_ERROR_INVALID_ARGUMENT"):
+        collector.create_mig_instance("GPU-aaaa", "1g.20gb", 1)  # not a start of 1g.20gb
+    assert len(nvml.instances) == 2
 
     gone = collector.destroy_mig_instance("GPU-aaaa", "MIG-0001")
-    assert gone == {"gpu_uuid": "GPU-aaaa", "mig_uuid": "MIG-0001", "destroyed": True, "mig_mode": True}
-    assert [d.uuid for d in nvml_gpus[0].mig_devices] == ["MIG-0002"]
+    assert gone == {"gpu_uuid": "GPU-aaaa", "mig_uuid": "MIG-0001", "destroyed": True}
     assert collector.destroy_mig_instance("GPU-aaaa", "MIG-0001")["destroyed"] is False  # idempotent
-    assert collector.destroy_mig_instance("GPU-aaaa", "MIG-0002")["mig_mode"] is False
-    assert nvml_gpus[0].mig == [real_nvml.NVML_DEVICE_MIG_DISABLE] * 2
+    collector.destroy_mig_instance("GPU-aaaa", "MIG-0002")
     assert [c for c in nvml.calls if c.startswith("destroy")] == [
         "destroy-ci:1",
         "destroy-gi:1",
         "destroy-ci:2",
         "destroy-gi:2",
     ]
-    assert collector.inventory.gpu("GPU-aaaa").mig_mode is False
+    assert nvml_gpus[0].mig == [real_nvml.NVML_DEVICE_MIG_ENABLE] * 2  # still on
+    # A GPU in MIG mode off is refused, and left off.
+    with pytest.raises(CollectorError, match="MIG mode is off"):
+        collector.create_mig_instance("GPU-bbbb", "1g.10gb", 0)
+    assert nvml_gpus[1].mig == [0, 0] and nvml.instances == []
     collector.close()
 
 
-def test_nvml_refuses_what_it_cannot_do(monkeypatch, tmp_path, nvml_gpus):
+def test_nvml_takes_a_layout_instance_and_refuses_unknown_profiles(monkeypatch, tmp_path, nvml_gpus):
     collector, nvml = nvml_collector(monkeypatch, tmp_path, nvml_gpus)
-    with pytest.raises(CollectorError, match="cannot be turned on"):
-        collector.create_mig_instance("GPU-bbbb", "1g.10gb")
-    with pytest.raises(CollectorError, match="no GPU GPU-cccc"):
-        collector.create_mig_instance("GPU-cccc", "1g.10gb")
-    with pytest.raises(CollectorError, match=r"no MIG profile named 2g\.20gb"):
-        collector.create_mig_instance("GPU-aaaa", "2g.20gb")
-    # MIG mode that needs a GPU reset is reported, nothing is made.
-    nvml.nvmlDeviceSetMigMode = lambda h, mode: h.mig.__setitem__(1, mode)
-    nvml_gpus[0].mig = [0, 0]
-    with pytest.raises(CollectorError, match="needs a GPU reset"):
-        collector.create_mig_instance("GPU-aaaa", "1g.10gb")
-    assert nvml.instances == []
+    made = collector.configure_mig("GPU-bbbb", True, [("4g.40gb", 0), ("3g.40gb", 4)])["created"]
+    taken = collector.create_mig_instance("GPU-bbbb", "3g.40gb", 4)
+    assert (taken["mig_uuid"], taken["made"]) == (made[1]["mig_uuid"], False)
+    with pytest.raises(CollectorError, match=r"no MIG profile named 2g\.10gb"):
+        collector.create_mig_instance("GPU-bbbb", "2g.10gb", 0)
+    # MIG mode cannot change under instances: the driver says In Use; configure_mig removes them first.
+    with pytest.raises(real_nvml.NVMLError) as caught:
+        nvml.nvmlDeviceSetMigMode(nvml_gpus[1], 0)
+    assert caught.value.value == real_nvml.NVML_ERROR_IN_USE
     collector.close()
 
 
 def test_nvml_gives_back_a_gpu_instance_whose_compute_instance_fails(monkeypatch, tmp_path, nvml_gpus):
     collector, nvml = nvml_collector(monkeypatch, tmp_path, nvml_gpus, fail_compute=True)
     with pytest.raises(CollectorError, match=r"creating MIG instance 1g\.10gb failed"):
-        collector.create_mig_instance("GPU-aaaa", "1g.10gb")
+        collector.create_mig_instance("GPU-aaaa", "1g.10gb", 0)
     assert nvml.instances == [] and "destroy-gi:1" in nvml.calls
     collector.close()

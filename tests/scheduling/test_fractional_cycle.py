@@ -146,9 +146,14 @@ def test_oversubscription_is_validated_by_model_and_database(db):
             GpuModel.objects.filter(pk=model.pk).update(oversubscription=Decimal(value))
 
 
+def _mig_mode(node, *indices: int, layout=None) -> None:
+    node.gpus.filter(index__in=indices).update(mig_mode=True, mig_layout=layout or [])
+
+
 def test_mig_slices_share_a_gpu_apart_from_other_shares(tenant, make_node, submit, cycle):
     _factor("2.00")
     node = make_node(gpus=2)
+    _mig_mode(node, 0)
     m1 = submit(tenant, mig_profile="1g.10gb")
     s1 = submit(tenant, gpu_fraction_milli=300)
     m2 = submit(tenant, mig_profile="3g.40gb")
@@ -161,19 +166,56 @@ def test_mig_slices_share_a_gpu_apart_from_other_shares(tenant, make_node, submi
     assert (mig.fraction_milli, mig.span_milli) == (428, None)  # 3/7, never over-subscribed
     payload = _payload(m2)
     assert payload["mig_profile"] == "3g.40gb"
+    # The 1g.10gb went to slice 6 (it keeps the 4g.40gb and the 3g.40gb at 0 possible): the 3g at 0.
+    assert Allocation.objects.get(workload=m1).mig_start == 6
+    assert payload["mig_start"] == mig.mig_start == 0
     assert payload["gpu_uuids"] == [node.gpus.get(pk=gpu[m2.pk]).uuid]
     assert "gpu_memory_limit_mib" not in payload
+    assert _payload(m1)["mig_start"] == Allocation.objects.get(workload=m1).mig_start
     assert _payload(s1)["gpu_memory_limit_mib"] == 150 * H100_MIB // 1000
+    assert Allocation.objects.get(workload=s1).mig_start is None
 
 
-def test_a_share_waits_for_a_gpu_holding_mig_slices_and_vice_versa(tenant, make_node, submit, cycle):
-    make_node(gpus=1)
+def test_mig_work_goes_only_to_a_gpu_in_mig_mode_and_other_work_never(tenant, make_node, submit, cycle):
+    node = make_node(gpus=1)
     m = submit(tenant, mig_profile="1g.10gb")
     cycle()
+    assert reload(m).state == S.QUEUED  # no GPU in MIG mode: the agent would not turn it on
+    _mig_mode(node, 0)
     s = submit(tenant, gpu_fraction_milli=100)
     cycle()
     assert reload(m).state == S.SCHEDULED
     assert reload(s).state == S.QUEUED and reload(s).pending_reason == "capacity"
+
+
+def test_the_cycle_places_mig_instances_only_where_the_hardware_can(tenant, make_node, submit, cycle):
+    # The two cases, through the live cycle and the database.
+    node = make_node(gpus=1)
+    _mig_mode(node, 0)
+    seven = [submit(tenant, mig_profile="1g.20gb") for _ in range(7)]
+    cycle()
+    placed = [w for w in seven if reload(w).state == S.SCHEDULED]
+    assert len(placed) == 4
+    assert sorted(Allocation.objects.get(workload=w).mig_start for w in placed) == [0, 2, 4, 6]
+    other = make_node(gpus=1)
+    _mig_mode(other, 0)
+    for w in seven:
+        if w not in placed:
+            w.delete()
+    a, b, c = (submit(tenant, mig_profile=p) for p in ("3g.40gb", "3g.40gb", "1g.10gb"))
+    cycle()
+    assert reload(a).state == reload(b).state == S.SCHEDULED
+    assert reload(c).state == S.QUEUED  # a 9th memory slice does not exist
+
+
+def test_a_layout_gpu_hands_out_its_instances(tenant, make_node, submit, cycle):
+    node = make_node(gpus=1)
+    _mig_mode(node, 0, layout=[{"profile": "4g.40gb", "start": 0}, {"profile": "3g.40gb", "start": 4}])
+    big, small, again = (submit(tenant, mig_profile=p) for p in ("4g.40gb", "1g.10gb", "3g.40gb"))
+    cycle()
+    assert reload(big).state == reload(again).state == S.SCHEDULED
+    assert reload(small).state == S.QUEUED  # no 1g.10gb instance in the layout
+    assert (_payload(big)["mig_start"], _payload(again)["mig_start"]) == (0, 4)
 
 
 def test_billing_counts_the_fraction_asked_for_not_the_span(tenant, make_node, submit, cycle):

@@ -1,14 +1,14 @@
-"""Fractional GPUs in the engine: over-subscription per model and MIG slices kept apart from other
-shares (plain data, no database)."""
+"""Fractional GPUs in the engine: over-subscription per model and MIG instances kept apart from other
+work: they go only to GPUs in MIG mode, and nothing else does (plain data, no database). The
+hardware's placement rules are in ``engine/test_mig.py``."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nodes.mig_profiles import H100_80
 from scheduling.engine import (
     MILLI,
     CycleConfig,
@@ -27,7 +27,7 @@ from scheduling.engine import (
     schedule,
 )
 
-MIG = ("1g.10gb", "2g.20gb", "3g.40gb", "7g.80gb")
+MIG = ("1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb")
 
 
 def catalog(f: float = 1.0) -> dict[str, GpuModelInfo]:
@@ -99,8 +99,15 @@ def test_existing_shares_count_in_units():
     assert set(places(schedule(snap, [share("a", 500, t=1), share("b", 502, t=2)]))) == {"a"}
 
 
+def mig_node(id: str = "n1", gpus: int = 2, mig_gpus: tuple[int, ...] = (0,)) -> Node:
+    node = gpu_node(id, gpus=gpus)
+    for g in mig_gpus:
+        node.gpus[g].mig = True
+    return node
+
+
 def test_mig_slices_share_a_gpu_but_never_with_other_shares():
-    snap = Snapshot([gpu_node(gpus=2)], catalog(2.0))
+    snap = Snapshot([mig_node()], catalog(2.0))
     decisions = schedule(
         snap,
         [
@@ -143,33 +150,42 @@ def test_mig_only_on_models_offering_the_profile():
     assert decisions[0].reason == "no_matching_model"
 
 
-def test_a_gpu_whose_slices_all_ended_is_a_plain_gpu_again():
-    engine = Engine([gpu_node()], catalog(), CycleConfig())
-    first = places(engine.cycle([share("m", 142, mig="1g.10gb")]))
-    assert places(engine.cycle([share("s", 100, t=1)])) == {}
+def test_a_gpu_in_mig_mode_takes_no_other_work_even_when_empty():
+    engine = Engine([mig_node(gpus=1)], catalog(), CycleConfig())
+    assert places(engine.cycle([whole("w", t=1), share("s", 100, t=2)])) == {}
+    first = places(engine.cycle([share("m", 142, mig="1g.10gb", t=3)]))
     engine.release(first["m"].assignments)
-    assert set(places(engine.cycle([whole("w", t=2)]))) == {"w"}
+    # Its instances all ended: still in MIG mode (only staff change that), still only MIG work.
+    assert places(engine.cycle([whole("w", t=4)])) == {}
+    assert set(places(engine.cycle([share("m2", 142, mig="1g.10gb", t=5)]))) == {"m2"}
 
 
-def test_preemption_frees_mig_slices_for_a_share_only_when_the_gpu_empties():
-    node = gpu_node(g0=858 - 142)
-    node.gpus[0].mig = True
+def test_preemption_frees_mig_instances_for_an_instance_only():
+    node = gpu_node()
+    node.gpus[0] = Gpu(0, free_milli=1000 - 2 * 428, mig=True, mig_used=(("3g.40gb", 0), ("3g.40gb", 4)))
     running = [
-        Running("spot-a", "t2", "n1", (0,), milli=142, plan=Plan.SPOT, start_time=1),
-        Running("ondemand-b", "t2", "n1", (0,), milli=142, plan=Plan.ON_DEMAND, start_time=2),
+        Running(
+            "spot-a",
+            "t2",
+            "n1",
+            (0,),
+            milli=428,
+            plan=Plan.SPOT,
+            start_time=1,
+            mig_profile="3g.40gb",
+            mig_start=4,
+        ),
+        Running("ondemand-b", "t2", "n1", (0,), milli=428, start_time=2, mig_profile="3g.40gb", mig_start=0),
     ]
     snap = Snapshot([node], catalog(), running, now=10)
-    # A non-MIG share may not join the MIG GPU; freeing the spot slice leaves the on-demand one, so
-    # no preemption can make room and nothing is preempted.
-    decisions = schedule(snap, [share("s", 100, t=3)])
-    assert not places(decisions)
-    # A MIG slice may join once the spot slice goes.
-    snap = Snapshot(
-        [dataclasses.replace(node, gpus=[Gpu(0, free_milli=0, mig=True)])], catalog(), running, now=10
-    )
-    decisions = schedule(snap, [share("m", 142, mig="1g.10gb", t=3)])
-    placed = places(decisions)
+    # A non-MIG share never goes to a GPU in MIG mode: nothing is preempted for it.
+    assert not places(schedule(snap, [share("s", 100, t=3)]))
+    # Neither can a 1g.10gb fit beside the two 3g.40gb (every memory slice is held) ...
+    snap = Snapshot([node], catalog(), running, now=10)
+    placed = places(schedule(snap, [share("m", 142, mig="1g.10gb", t=3)]))
+    # ... until the spot instance goes: then it goes where the spot instance was.
     assert placed["m"].preempt == ("spot-a",)
+    assert placed["m"].assignments[0].mig_start in (4, 5, 6)
 
 
 @settings(max_examples=60, deadline=None)
@@ -180,13 +196,14 @@ def test_preemption_frees_mig_slices_for_a_share_only_when_the_gpu_empties():
     ),
 )
 def test_units_never_exceed_a_gpu_and_mig_never_mixes(factor, reqs):
-    nodes = [gpu_node("n1", gpus=2), gpu_node("n2", gpus=2)]
+    nodes = [mig_node("n1"), mig_node("n2")]
     requests = []
     for k, (milli, mig) in enumerate(reqs):
         if milli == 0:
             requests.append(whole(f"r{k}", t=k))
         elif mig and milli < MILLI:
-            requests.append(share(f"r{k}", 142 * (1 + milli % 3), mig=MIG[milli % 3], t=k))
+            profile = MIG[milli % len(MIG)]
+            requests.append(share(f"r{k}", H100_80.fraction_milli(profile), mig=profile, t=k))
         else:
             requests.append(share(f"r{k}", milli, t=k))
     by_id = {r.id: r for r in requests}

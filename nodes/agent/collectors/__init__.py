@@ -39,18 +39,19 @@ class Collector(Protocol):
     def sample(self, now: float) -> list[GpuSample]:
         """One sample per GPU found by ``discover``."""
 
-    def configure_mig(self, gpu_uuid: str, enable: bool, profiles: list[str]) -> dict[str, Any]:
-        """Switch MIG mode on a GPU and create the given instance profiles; returns what was done."""
+    def configure_mig(self, gpu_uuid: str, enable: bool, placements: list[tuple[str, int]]) -> dict[str, Any]:
+        """Staff's MIG change of an idle GPU: its instances go, MIG mode is set, and with ``enable``
+        the layout's instances ((profile, start), checked against ``nodes.mig_profiles``) are made.
+        Returns ``{"gpu_uuid", "mig_mode", "created": [{"profile", "start", "mig_uuid"}]}``."""
 
-    def create_mig_instance(self, gpu_uuid: str, profile: str) -> dict[str, Any]:
-        """Make one MIG slice of ``profile`` (a GPU instance with one compute instance) on a GPU,
-        turning MIG mode on first if it is off, without touching the slices already there; returns
-        ``{"gpu_uuid", "mig_uuid", "profile", "mig_mode_enabled"}`` (the last: MIG mode was off)."""
+    def create_mig_instance(self, gpu_uuid: str, profile: str, start: int | None = None) -> dict[str, Any]:
+        """The MIG instance of ``profile`` at memory slice ``start`` on a GPU in MIG mode: the staff
+        layout's instance there, or one made there now (a GPU instance with one compute instance);
+        never changes MIG mode. Returns ``{"gpu_uuid", "mig_uuid", "profile", "start", "made"}``."""
 
     def destroy_mig_instance(self, gpu_uuid: str, mig_uuid: str) -> dict[str, Any]:
-        """Remove one MIG slice (nothing if it is gone already); when none is left, turn MIG mode
-        off so the GPU serves whole-GPU and shared work again. Returns ``{"gpu_uuid", "mig_uuid",
-        "destroyed", "mig_mode"}``."""
+        """Remove one MIG instance (nothing if it is gone already); MIG mode stays as it is.
+        Returns ``{"gpu_uuid", "mig_uuid", "destroyed"}``."""
 
     def close(self) -> None:
         """Release the library."""

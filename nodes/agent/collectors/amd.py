@@ -197,13 +197,13 @@ class AmdSmiCollector:
             processes=self._processes(handle),
         )
 
-    def configure_mig(self, gpu_uuid: str, enable: bool, profiles: list[str]) -> dict[str, Any]:
+    def configure_mig(self, gpu_uuid: str, enable: bool, placements: list[tuple[str, int]]) -> dict[str, Any]:
         raise CollectorError(
             "MIG is an NVIDIA feature; AMD GPUs are partitioned with compute partitions instead"
         )
 
-    def create_mig_instance(self, gpu_uuid: str, profile: str) -> dict[str, Any]:
-        return self.configure_mig(gpu_uuid, True, [profile])
+    def create_mig_instance(self, gpu_uuid: str, profile: str, start: int | None = None) -> dict[str, Any]:
+        return self.configure_mig(gpu_uuid, True, [(profile, start or 0)])
 
     def destroy_mig_instance(self, gpu_uuid: str, mig_uuid: str) -> dict[str, Any]:
         return self.configure_mig(gpu_uuid, False, [])

@@ -9,12 +9,14 @@ waiting.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 from pathlib import Path
 from typing import Any
 
 from nodes.agent.collectors import CollectorError, CollectorUnavailable
 from nodes.agent.types import GpuInfo, GpuSample, MigDevice, NodeInventory, ProcessSample
+from nodes.mig_profiles import MigProfile, MigTable, best_start, check_placements, table_for
 
 log = logging.getLogger(__name__)
 
@@ -351,70 +353,10 @@ class NvmlCollector:
         )
 
     # -- MIG --------------------------------------------------------------------------------------
-
-    def configure_mig(self, gpu_uuid: str, enable: bool, profiles: list[str]) -> dict[str, Any]:
-        nvml = self.nvml
-        if self.inventory is None:
-            self.discover()
-        handle = self._handles.get(gpu_uuid)
-        if handle is None:
-            raise CollectorError(f"no GPU {gpu_uuid} on this node")
-        mode = nvml.NVML_DEVICE_MIG_ENABLE if enable else nvml.NVML_DEVICE_MIG_DISABLE
-        try:
-            nvml.nvmlDeviceSetMigMode(handle, mode)
-            current, pending = nvml.nvmlDeviceGetMigMode(handle)
-        except nvml.NVMLError as exc:
-            raise CollectorError(f"setting MIG mode on {gpu_uuid} failed: {exc}") from exc
-        if current != mode:
-            raise CollectorError(
-                f"MIG mode on {gpu_uuid} is pending ({pending}) and needs a GPU reset before instances can be made"
-            )
-        created = []
-        for profile in profiles if enable else []:
-            created.append(self._create_instance(handle, profile))
-        self.discover()
-        gpu = self.inventory.gpu(gpu_uuid) if self.inventory else None
-        return {
-            "gpu_uuid": gpu_uuid,
-            "mig_mode": enable,
-            "created": created,
-            "mig_devices": [vars(device) for device in gpu.mig_devices] if gpu else [],
-        }
-
-    def _create_instance(self, handle: Any, profile: str) -> str:
-        self._make_instance(handle, profile)
-        return profile
-
-    def _make_instance(self, handle: Any, profile: str) -> tuple[Any, Any]:
-        """Create one GPU instance and one full compute instance of a profile such as ``1g.10gb``;
-        returns both handles. A GPU instance whose compute instance fails is destroyed again."""
-        nvml = self.nvml
-        slices = profile.split("g.", 1)[0]
-        for attr in sorted(dir(nvml)):
-            if not attr.startswith(f"NVML_GPU_INSTANCE_PROFILE_{slices}_SLICE"):
-                continue
-            try:
-                info = nvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, getattr(nvml, attr))
-            except nvml.NVMLError:
-                continue
-            if self._text(getattr(info, "name", "")).removeprefix("MIG ") != profile:
-                continue
-            try:
-                instance = nvml.nvmlDeviceCreateGpuInstance(handle, info.id)
-            except (nvml.NVMLError, AttributeError) as exc:
-                raise CollectorError(f"creating MIG instance {profile} failed: {exc}") from exc
-            try:
-                compute = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-                    instance,
-                    getattr(nvml, f"NVML_COMPUTE_INSTANCE_PROFILE_{slices}_SLICE"),
-                    nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
-                )
-                return instance, nvml.nvmlGpuInstanceCreateComputeInstance(instance, compute.id)
-            except (nvml.NVMLError, AttributeError) as exc:
-                with contextlib.suppress(nvml.NVMLError, AttributeError):
-                    nvml.nvmlGpuInstanceDestroy(instance)
-                raise CollectorError(f"creating MIG instance {profile} failed: {exc}") from exc
-        raise CollectorError(f"this GPU has no MIG profile named {profile}")
+    # MIG mode changes only by ``configure_mig`` (staff, through the portal); making and destroying
+    # a workload's instance never touches it. Instances are made at the start the portal chose
+    # (``nvmlDeviceCreateGpuInstanceWithPlacement``), checked first against the profile table of
+    # ``nodes.mig_profiles`` so that what the portal placed and what the GPU holds agree.
 
     def _handle(self, gpu_uuid: str) -> Any:
         if self.inventory is None:
@@ -424,34 +366,89 @@ class NvmlCollector:
             raise CollectorError(f"no GPU {gpu_uuid} on this node")
         return handle
 
-    def _mig_handles(self, handle: Any) -> list[Any]:
+    def _why(self, exc: Any) -> str:
+        """An NVML error with its code's name (``NVML_ERROR_INSUFFICIENT_RESOURCES``): the driver's
+        text for some codes is only a number."""
+        code = getattr(exc, "value", None)
+        name = next(
+            (n for n in dir(self.nvml) if n.startswith("NVML_ERROR_") and getattr(self.nvml, n) == code), None
+        )
+        return f"{exc} ({name})" if name else str(exc)
+
+    def _table(self, handle: Any) -> MigTable:
+        name = self._text(self.nvml.nvmlDeviceGetName(handle))
+        table = table_for(name)
+        if table is None:
+            raise CollectorError(f"{name} has no MIG profiles this agent knows")
+        return table
+
+    def _mig_on(self, handle: Any, gpu_uuid: str) -> None:
+        nvml = self.nvml
+        try:
+            current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+        except nvml.NVMLError as exc:
+            raise CollectorError(f"MIG mode of {gpu_uuid} cannot be read: {exc}") from exc
+        if current != nvml.NVML_DEVICE_MIG_ENABLE:
+            raise CollectorError(f"MIG mode is off on {gpu_uuid}; staff turn it on (configure_mig)")
+
+    def _profile_id(self, handle: Any, profile: MigProfile) -> int:
+        nvml = self.nvml
+        try:
+            constant = getattr(nvml, f"NVML_GPU_INSTANCE_PROFILE_{profile.nvml_profile}")
+            return int(nvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, constant).id)
+        except (nvml.NVMLError, AttributeError) as exc:
+            raise CollectorError(f"this GPU cannot make MIG profile {profile.name}: {exc}") from exc
+
+    def _instances(self, handle: Any, table: MigTable) -> list[dict[str, Any]]:
+        """The GPU's instances as ``{"profile", "start", "mig_uuid", "gi", "ci"}``, from its MIG devices."""
+        nvml = self.nvml
+        names = {}
+        for profile in table.profiles:
+            with contextlib.suppress(CollectorError):
+                names[self._profile_id(handle, profile)] = profile.name
         found = []
-        for slot in range(self._get("nvmlDeviceGetMaxMigDeviceCount", handle) or 0):
-            mig_handle = self._get("nvmlDeviceGetMigDeviceHandleByIndex", handle, slot)
-            if mig_handle is not None:  # an empty slot answers NVML_ERROR_NOT_FOUND
-                found.append(mig_handle)
+        for mig in self._mig_handles(handle):
+            gi = nvml.nvmlDeviceGetGpuInstanceById(handle, nvml.nvmlDeviceGetGpuInstanceId(mig))
+            info = nvml.nvmlGpuInstanceGetInfo(gi)
+            found.append(
+                {
+                    "profile": names.get(int(info.profileId), ""),
+                    "start": int(info.placement.start),
+                    "mig_uuid": self._text(nvml.nvmlDeviceGetUUID(mig)),
+                    "gi": gi,
+                    "ci": nvml.nvmlGpuInstanceGetComputeInstanceById(
+                        gi, nvml.nvmlDeviceGetComputeInstanceId(mig)
+                    ),
+                }
+            )
         return found
 
-    def create_mig_instance(self, gpu_uuid: str, profile: str) -> dict[str, Any]:
+    def _make_instance(self, handle: Any, table: MigTable, profile_name: str, start: int) -> str:
+        """Make one GPU instance of ``profile_name`` at ``start`` with one compute instance over all
+        of it; returns its MIG device UUID. A GPU instance whose compute instance fails goes again."""
         nvml = self.nvml
-        handle = self._handle(gpu_uuid)
-        enabled = False
+        profile = table.profile(profile_name)
+        if profile is None:
+            raise CollectorError(f"this GPU has no MIG profile named {profile_name}")
+        placement = nvml.c_nvmlGpuInstancePlacement_t()
+        placement.start, placement.size = start, profile.memory
         try:
-            current, pending = nvml.nvmlDeviceGetMigMode(handle)
-            if current != nvml.NVML_DEVICE_MIG_ENABLE:
-                nvml.nvmlDeviceSetMigMode(handle, nvml.NVML_DEVICE_MIG_ENABLE)
-                current, pending = nvml.nvmlDeviceGetMigMode(handle)
-                enabled = True
-        except nvml.NVMLError as exc:
-            raise CollectorError(f"MIG mode on {gpu_uuid} cannot be turned on: {exc}") from exc
-        if current != nvml.NVML_DEVICE_MIG_ENABLE:
-            raise CollectorError(
-                f"MIG mode on {gpu_uuid} is pending ({pending}) and needs a GPU reset before instances can be made"
+            instance = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(
+                handle, self._profile_id(handle, profile), ctypes.pointer(placement)
             )
-        instance, compute = self._make_instance(handle, profile)
+        except nvml.NVMLError as exc:
+            raise CollectorError(
+                f"creating MIG instance {profile_name} at {start} failed: {self._why(exc)}"
+            ) from exc
         try:
+            compute = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                instance,
+                getattr(nvml, f"NVML_COMPUTE_INSTANCE_PROFILE_{profile.compute}_SLICE"),
+                nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+            )
+            made = nvml.nvmlGpuInstanceCreateComputeInstance(instance, compute.id)
             gi_id = nvml.nvmlGpuInstanceGetInfo(instance).id
-            ci_id = nvml.nvmlComputeInstanceGetInfo(compute).id
+            ci_id = nvml.nvmlComputeInstanceGetInfo(made).id
             mig_uuid = next(
                 (
                     self._text(nvml.nvmlDeviceGetUUID(mig))
@@ -462,48 +459,91 @@ class NvmlCollector:
                 None,
             )
             if mig_uuid is None:
-                raise CollectorError(f"the new {profile} instance on {gpu_uuid} has no MIG device")
-        except (nvml.NVMLError, CollectorError) as exc:
+                nvml.nvmlComputeInstanceDestroy(made)
+                raise CollectorError(f"the new {profile_name} instance has no MIG device")
+        except (nvml.NVMLError, AttributeError, CollectorError) as exc:
             with contextlib.suppress(nvml.NVMLError):
-                nvml.nvmlComputeInstanceDestroy(compute)
                 nvml.nvmlGpuInstanceDestroy(instance)
-            raise CollectorError(f"creating MIG instance {profile} on {gpu_uuid} failed: {exc}") from exc
-        self.discover()
-        return {"gpu_uuid": gpu_uuid, "mig_uuid": mig_uuid, "profile": profile, "mig_mode_enabled": enabled}
+            why = self._why(exc) if isinstance(exc, nvml.NVMLError) else str(exc)
+            raise CollectorError(f"creating MIG instance {profile_name} failed: {why}") from exc
+        return mig_uuid
 
-    def destroy_mig_instance(self, gpu_uuid: str, mig_uuid: str) -> dict[str, Any]:
+    def _destroy(self, instance: dict[str, Any]) -> None:
+        nvml = self.nvml
+        try:
+            nvml.nvmlComputeInstanceDestroy(instance["ci"])
+            nvml.nvmlGpuInstanceDestroy(instance["gi"])
+        except nvml.NVMLError as exc:
+            raise CollectorError(f"destroying MIG instance {instance['mig_uuid']} failed: {exc}") from exc
+
+    def configure_mig(self, gpu_uuid: str, enable: bool, placements: list[tuple[str, int]]) -> dict[str, Any]:
         nvml = self.nvml
         handle = self._handle(gpu_uuid)
-        target, others = None, 0
-        for mig in self._mig_handles(handle):
-            if self._text(nvml.nvmlDeviceGetUUID(mig)) == mig_uuid:
-                target = mig
-            else:
-                others += 1
-        if target is not None:
-            try:
-                instance = nvml.nvmlDeviceGetGpuInstanceById(handle, nvml.nvmlDeviceGetGpuInstanceId(target))
-                compute = nvml.nvmlGpuInstanceGetComputeInstanceById(
-                    instance, nvml.nvmlDeviceGetComputeInstanceId(target)
-                )
-                nvml.nvmlComputeInstanceDestroy(compute)
-                nvml.nvmlGpuInstanceDestroy(instance)
-            except nvml.NVMLError as exc:
-                raise CollectorError(f"destroying MIG instance {mig_uuid} failed: {exc}") from exc
-        mig_mode = True
-        if not others:
-            try:
-                nvml.nvmlDeviceSetMigMode(handle, nvml.NVML_DEVICE_MIG_DISABLE)
-                mig_mode = nvml.nvmlDeviceGetMigMode(handle)[0] == nvml.NVML_DEVICE_MIG_ENABLE
-            except nvml.NVMLError as exc:
-                log.warning("MIG mode on %s stays on: %s", gpu_uuid, exc)
+        table = self._table(handle)
+        try:
+            check_placements(table, placements)
+        except ValueError as exc:
+            raise CollectorError(str(exc)) from exc
+        current = nvml.NVML_DEVICE_MIG_DISABLE
+        with contextlib.suppress(nvml.NVMLError):
+            current = nvml.nvmlDeviceGetMigMode(handle)[0]
+        if current == nvml.NVML_DEVICE_MIG_ENABLE:
+            for instance in self._instances(handle, table):
+                self._destroy(instance)
+        mode = nvml.NVML_DEVICE_MIG_ENABLE if enable else nvml.NVML_DEVICE_MIG_DISABLE
+        try:
+            nvml.nvmlDeviceSetMigMode(handle, mode)
+            current, pending = nvml.nvmlDeviceGetMigMode(handle)
+        except nvml.NVMLError as exc:
+            raise CollectorError(f"setting MIG mode on {gpu_uuid} failed: {exc}") from exc
+        if current != mode:
+            raise CollectorError(f"MIG mode on {gpu_uuid} is pending ({pending}) and needs a GPU reset")
+        created = []
+        for profile, start in placements if enable else []:
+            mig_uuid = self._make_instance(handle, table, profile, start)
+            created.append({"profile": profile, "start": start, "mig_uuid": mig_uuid})
         self.discover()
-        return {
-            "gpu_uuid": gpu_uuid,
-            "mig_uuid": mig_uuid,
-            "destroyed": target is not None,
-            "mig_mode": mig_mode,
-        }
+        return {"gpu_uuid": gpu_uuid, "mig_mode": enable, "created": created}
+
+    def _mig_handles(self, handle: Any) -> list[Any]:
+        found = []
+        for slot in range(self._get("nvmlDeviceGetMaxMigDeviceCount", handle) or 0):
+            mig_handle = self._get("nvmlDeviceGetMigDeviceHandleByIndex", handle, slot)
+            if mig_handle is not None:  # an empty slot answers NVML_ERROR_NOT_FOUND
+                found.append(mig_handle)
+        return found
+
+    def create_mig_instance(self, gpu_uuid: str, profile: str, start: int | None = None) -> dict[str, Any]:
+        handle = self._handle(gpu_uuid)
+        self._mig_on(handle, gpu_uuid)
+        table = self._table(handle)
+        instances = self._instances(handle, table)
+        if start is None:
+            start = best_start(table, [(i["profile"], i["start"]) for i in instances], profile)
+            if start is None:
+                raise CollectorError(f"no room for a {profile} instance on {gpu_uuid}")
+        there = next((i for i in instances if (i["profile"], i["start"]) == (profile, start)), None)
+        if there is not None:  # an instance of the staff layout
+            return {
+                "gpu_uuid": gpu_uuid,
+                "mig_uuid": there["mig_uuid"],
+                "profile": profile,
+                "start": start,
+                "made": False,
+            }
+        mig_uuid = self._make_instance(handle, table, profile, start)
+        self.discover()
+        return {"gpu_uuid": gpu_uuid, "mig_uuid": mig_uuid, "profile": profile, "start": start, "made": True}
+
+    def destroy_mig_instance(self, gpu_uuid: str, mig_uuid: str) -> dict[str, Any]:
+        handle = self._handle(gpu_uuid)
+        target = next(
+            (i for i in self._instances(handle, self._table(handle)) if i["mig_uuid"] == mig_uuid), None
+        )
+        if target is not None:
+            self._destroy(target)
+            self.discover()
+        return {"gpu_uuid": gpu_uuid, "mig_uuid": mig_uuid, "destroyed": target is not None}
 
     def close(self) -> None:
         if not self._open:

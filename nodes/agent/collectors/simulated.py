@@ -25,22 +25,12 @@ from typing import Any
 
 from nodes.agent.collectors import CollectorError
 from nodes.agent.types import GpuInfo, GpuSample, MigDevice, NodeInventory, ProcessSample
+from nodes.mig_profiles import MigTable, best_start_free, check_placements, occupancy, starts_free, table_for
 
 log = logging.getLogger(__name__)
 
 UUID_NAMESPACE = uuidlib.UUID("6f1c3b52-5a0e-4f0b-9a51-8c8d7e0c2a11")
 FAULT_KINDS = ("xid", "dbe", "sbe", "fell_off_bus", "retired_pages", "row_remap_failure", "clear")
-MIG_MODELS = ("NVIDIA A100", "NVIDIA H100", "NVIDIA H200")
-MIG_SLICES = 7  # compute slices of a MIG-capable GPU
-
-
-def parse_mig_profile(profile: str) -> tuple[int, int]:
-    """``3g.40gb`` -> (3 compute slices, 40 GB)."""
-    try:
-        slices, memory = profile.split(".", 1)
-        return int(slices.removesuffix("g")), int(memory.removesuffix("gb"))
-    except ValueError as exc:
-        raise CollectorError(f"MIG profile {profile!r} is not of the form 1g.10gb") from exc
 
 
 @dataclass(frozen=True)
@@ -282,34 +272,55 @@ class SimulatedCollector:
             processes=processes,
         )
 
-    def configure_mig(self, gpu_uuid: str, enable: bool, profiles: list[str]) -> dict[str, Any]:
-        try:
-            uuid = self._resolve(gpu_uuid)
-        except KeyError as exc:
-            raise CollectorError(str(exc)) from exc
-        gpu = next(info for info, _ in self._gpus if info.uuid == uuid)
-        if enable and not gpu.name.startswith(MIG_MODELS):
+    # MIG as the hardware does it (``nodes.mig_profiles``): instances at valid starts on free memory
+    # slices within the compute slices; MIG mode changes only by ``configure_mig``.
+
+    def _mig_table(self, gpu: GpuInfo) -> MigTable:
+        table = table_for(gpu.name)
+        if table is None:
             raise CollectorError(f"{gpu.name} does not support MIG")
-        gpu.mig_mode = enable
-        gpu.mig_devices = []
-        for slot, profile in enumerate(profiles if enable else []):
-            try:
-                memory_gb = int(profile.split(".", 1)[1].removesuffix("gb"))
-            except (IndexError, ValueError) as exc:
-                raise CollectorError(f"MIG profile {profile!r} is not of the form 1g.10gb") from exc
-            gpu.mig_devices.append(
-                MigDevice(
-                    uuid=f"MIG-{uuidlib.uuid5(UUID_NAMESPACE, f'{uuid}/{slot}/{profile}')}",
-                    name=f"{gpu.name} MIG {profile}",
-                    memory_mib=memory_gb * 1024,
-                )
+        return table
+
+    def _mig_device(self, gpu: GpuInfo, table: MigTable, profile: str, start: int) -> MigDevice:
+        p = table.profile(profile)
+        if p is None or start not in p.starts:
+            raise CollectorError(f"Invalid Argument: {profile} cannot start at memory slice {start}")
+        if start not in starts_free(table, *self._occupancy(gpu, table), profile):
+            raise CollectorError(
+                f"Insufficient Resources: no {profile} instance can start at memory slice {start} on {gpu.uuid}"
             )
-        return {
-            "gpu_uuid": uuid,
-            "mig_mode": enable,
-            "created": list(profiles if enable else []),
-            "mig_devices": [vars(device) for device in gpu.mig_devices],
-        }
+        self._mig_serial += 1
+        memory_gb = int(profile.split(".", 1)[1].removesuffix("gb"))
+        device = MigDevice(
+            uuid=f"MIG-{uuidlib.uuid5(UUID_NAMESPACE, f'{gpu.uuid}/{self._mig_serial}/{profile}/{start}')}",
+            name=f"{gpu.name} MIG {profile}",
+            memory_mib=memory_gb * 1024,
+            profile=profile,
+            start=start,
+        )
+        gpu.mig_devices.append(device)
+        return device
+
+    @staticmethod
+    def _occupancy(gpu: GpuInfo, table: MigTable) -> tuple[int, int]:
+        found = occupancy(table, [(d.profile, d.start or 0) for d in gpu.mig_devices])
+        return found if found is not None else (0, 0)
+
+    def configure_mig(self, gpu_uuid: str, enable: bool, placements: list[tuple[str, int]]) -> dict[str, Any]:
+        gpu = self._gpu(gpu_uuid)
+        table = self._mig_table(gpu)
+        try:
+            check_placements(table, placements)
+        except ValueError as exc:
+            raise CollectorError(str(exc)) from exc
+        with self._lock:
+            gpu.mig_devices = []
+            gpu.mig_mode = enable
+            created = []
+            for profile, start in placements if enable else []:
+                device = self._mig_device(gpu, table, profile, start)
+                created.append({"profile": profile, "start": start, "mig_uuid": device.uuid})
+        return {"gpu_uuid": gpu.uuid, "mig_mode": enable, "created": created}
 
     def _gpu(self, gpu_uuid: str) -> GpuInfo:
         try:
@@ -318,31 +329,29 @@ class SimulatedCollector:
             raise CollectorError(str(exc)) from exc
         return next(info for info, _ in self._gpus if info.uuid == uuid)
 
-    def create_mig_instance(self, gpu_uuid: str, profile: str) -> dict[str, Any]:
+    def create_mig_instance(self, gpu_uuid: str, profile: str, start: int | None = None) -> dict[str, Any]:
         gpu = self._gpu(gpu_uuid)
-        if not gpu.name.startswith(MIG_MODELS):
-            raise CollectorError(f"{gpu.name} does not support MIG")
-        slices, memory_gb = parse_mig_profile(profile)
+        table = self._mig_table(gpu)
+        if table.profile(profile) is None:
+            raise CollectorError(f"this GPU has no MIG profile named {profile}")
         with self._lock:
-            used = sum(parse_mig_profile(d.name.rsplit(" ", 1)[-1])[0] for d in gpu.mig_devices)
-            if used + slices > MIG_SLICES:
-                raise CollectorError(
-                    f"no room for a {profile} slice on {gpu.uuid}: {used} of {MIG_SLICES} slices in use"
-                )
-            enabled = not gpu.mig_mode
-            gpu.mig_mode = True
-            self._mig_serial += 1
-            device = MigDevice(
-                uuid=f"MIG-{uuidlib.uuid5(UUID_NAMESPACE, f'{gpu.uuid}/{self._mig_serial}/{profile}')}",
-                name=f"{gpu.name} MIG {profile}",
-                memory_mib=memory_gb * 1024,
-            )
-            gpu.mig_devices.append(device)
+            if not gpu.mig_mode:
+                raise CollectorError(f"MIG mode is off on {gpu.uuid}; staff turn it on (configure_mig)")
+            if start is None:
+                start = best_start_free(table, *self._occupancy(gpu, table), profile)
+                if start is None:
+                    raise CollectorError(
+                        f"Insufficient Resources: no room for a {profile} instance on {gpu.uuid}"
+                    )
+            there = next((d for d in gpu.mig_devices if (d.profile, d.start) == (profile, start)), None)
+            made = there is None
+            device = there or self._mig_device(gpu, table, profile, start)
         return {
             "gpu_uuid": gpu.uuid,
             "mig_uuid": device.uuid,
             "profile": profile,
-            "mig_mode_enabled": enabled,
+            "start": start,
+            "made": made,
         }
 
     def destroy_mig_instance(self, gpu_uuid: str, mig_uuid: str) -> dict[str, Any]:
@@ -351,9 +360,7 @@ class SimulatedCollector:
             kept = [d for d in gpu.mig_devices if d.uuid != mig_uuid]
             destroyed = len(kept) < len(gpu.mig_devices)
             gpu.mig_devices = kept
-            if not kept:
-                gpu.mig_mode = False
-        return {"gpu_uuid": gpu.uuid, "mig_uuid": mig_uuid, "destroyed": destroyed, "mig_mode": gpu.mig_mode}
+        return {"gpu_uuid": gpu.uuid, "mig_uuid": mig_uuid, "destroyed": destroyed}
 
     def close(self) -> None:
         self.load_source = None
