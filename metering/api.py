@@ -304,7 +304,9 @@ class CostEstimateInput(serializers.Serializer):
                 names = ", ".join(m.name for m in attrs["models"])
                 stack = "CUDA" if key == "min_cuda" else "ROCm"
                 message = (
-                    f"{names} has no {stack}." if len(attrs["models"]) == 1 else f"None of {names} has {stack}."
+                    f"{names} has no {stack}."
+                    if len(attrs["models"]) == 1
+                    else f"None of {names} has {stack}."
                 )
                 raise serializers.ValidationError({key: [message]})
             attrs["models"] = kept

@@ -11,7 +11,7 @@ from __future__ import annotations
 from nodes import signals
 from nodes.models import CommandKind
 from scheduling.locks import cycle_lock_wait
-from scheduling.models import Allocation
+from scheduling.selectors.shared import workloads_holding_gpu
 from scheduling.services import lifecycle, orphans, warm_pools
 from scheduling.services import volumes as volume_services
 from scheduling.services.triggers import cycle_request
@@ -37,14 +37,7 @@ def on_command_finished(sender, command, state, result, **kwargs) -> None:
 def gpu_holders(gpu_id: int) -> list[str]:
     """Workloads holding a GPU now, checked after any running cycle ends (``gpu_mig_configure``)."""
     cycle_lock_wait()
-    return [
-        str(w)
-        for w in Allocation.objects.active()
-        .filter(gpu_id=gpu_id)
-        .order_by("workload_id")
-        .values_list("workload_id", flat=True)
-        .distinct()
-    ]
+    return workloads_holding_gpu(gpu_id=gpu_id)
 
 
 def on_workload_exited(

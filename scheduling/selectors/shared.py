@@ -313,3 +313,9 @@ def workload_log_lines(
         rows = list(qs.order_by("-id")[:tail])
         rows.reverse()
     return rows, rows[-1][0] if rows else (since or 0)
+
+
+def workloads_holding_gpu(*, gpu_id: int) -> list[str]:
+    """Ids of the workloads with an open allocation on a GPU (a staff MIG change waits for none)."""
+    rows = Allocation.objects.active().filter(gpu_id=gpu_id).order_by("workload_id")
+    return [str(w) for w in rows.values_list("workload_id", flat=True).distinct()]

@@ -626,3 +626,26 @@ def test_gpu_check_without_nvml_exits_2(
 ) -> None:
     assert run_gpu_check(monkeypatch) == 2
     assert capsys.readouterr().err.startswith("gpu-check: NVML is not available: ")
+
+
+def test_gpu_check_checks_mig_placement_against_the_table(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gpus = [FakeGpu("GPU-eeee", "NVIDIA H100 80GB HBM3", b"00000000:18:00.0", mig=[1, 1])]
+    nvml = fake_pynvml(gpus)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+
+    assert run_gpu_check(monkeypatch, "--samples", "0", "--mig", "0") == 0
+    out = capsys.readouterr().out
+    assert "MIG placement on GPU 0: agrees with the table" in out
+    assert "1g.20gb at 1: refused" in out and nvml.instances == [] and gpus[0].mig_devices == []
+
+    # A GPU that makes what the table forbids (a driver that ignores the start) is reported.
+    monkeypatch.setattr(
+        nvml,
+        "nvmlDeviceCreateGpuInstanceWithPlacement",
+        lambda h, pid, p: nvml.nvmlDeviceCreateGpuInstance(h, pid),
+    )
+    assert run_gpu_check(monkeypatch, "--samples", "0", "--mig", "0") == 3
+    assert "DIFFERS:" in capsys.readouterr().out
+    assert nvml.instances == []

@@ -679,9 +679,22 @@ def _staff_url(route) -> str:
                 rollout_pause(campaign=campaign, actor=Actor.system())
             _walked[route.name] = campaign
             kwargs[name] = campaign.pk
+        elif name == "pk" and route.name == "nodes-staff-api:gpu-mig":
+            kwargs[name] = _walk_gpu().pk
         else:
             raise AssertionError(f"{route.route}: teach this test the kwarg {name!r}")
     return reverse(route.name, kwargs=kwargs)
+
+
+def _walk_gpu():
+    """An idle H100 for the staff MIG route."""
+    from nodes.models import Gpu, GpuModel
+
+    node = Node.objects.get_or_create(hostname="walk-gpu-node", defaults={"region": _walk_region()})[0]
+    model = GpuModel.objects.get(name="NVIDIA H100 SXM 80GB")
+    return Gpu.objects.get_or_create(
+        node=node, index=0, defaults={"uuid": "GPU-walk-0", "model": model, "reported_name": model.name}
+    )[0]
 
 
 def _walked_state(name: str):
@@ -691,6 +704,10 @@ def _walked_state(name: str):
 # What a write sends (valid, so that only the permission can refuse it; a callable makes it) and the
 # row it would change.
 STAFF_WRITES = {
+    "nodes-staff-api:gpu-mig": (
+        {"enable": True, "profiles": ["7g.80gb"]},
+        lambda: _walk_gpu().mig_configuring,
+    ),
     "scheduling:staff-api-region": (
         {"queue_policy": "sjf"},
         lambda: Region.objects.get(code="walk-region").queue_policy,
