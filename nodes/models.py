@@ -380,6 +380,7 @@ class CommandKind(models.TextChoices):
     UNDRAIN = "undrain", "Undrain"
     UPGRADE = "upgrade", "Upgrade"
     GPU_CHECK = "gpu_check", "GPU check"
+    RESIZE_WORKLOAD = "resize_workload", "Resize workload"
 
 
 class CommandState(models.TextChoices):

@@ -62,6 +62,7 @@ from scheduling.selectors.shared import (
 )
 from scheduling.selectors.workload_metrics import workload_gpu_metrics, workload_held, workload_last_placement
 from scheduling.services.access import share_link_create, share_link_revoke
+from scheduling.services.elastic import workload_resize
 from scheduling.services.lifecycle import workload_stop
 from scheduling.services.reservations import reservation_cancel, reservation_request
 from scheduling.services.submission import workload_submit
@@ -76,6 +77,17 @@ METRICS_DEFAULT_WINDOW = timedelta(hours=1)
 # --- serializers -----------------------------------------------------------------------------------
 
 
+class ElasticStateSerializer(serializers.Serializer):
+    min_gpus = serializers.IntegerField()
+    max_gpus = serializers.IntegerField()
+    target_gpus = serializers.IntegerField()
+    on_resize = serializers.ChoiceField(choices=[("signal", "signal"), ("restart", "restart")])
+
+
+class ResizeSerializer(serializers.Serializer):
+    gpu_count = serializers.IntegerField(help_text="The GPUs the elastic job should hold, within its bounds.")
+
+
 class WorkloadSerializer(FieldsOnceModelSerializer):
     gpu_models = serializers.SerializerMethodField()
     # A read-only model field loses its blank and null in DRF's schema: they are declared here, as
@@ -84,6 +96,7 @@ class WorkloadSerializer(FieldsOnceModelSerializer):
     priority_class = serializers.ChoiceField(choices=PriorityClass.choices, allow_blank=True, read_only=True)
     region = serializers.SlugRelatedField(read_only=True, slug_field="code", allow_null=True)
     pending = serializers.SerializerMethodField()
+    elastic = serializers.SerializerMethodField()
 
     class Meta:
         model = Workload
@@ -136,6 +149,7 @@ class WorkloadSerializer(FieldsOnceModelSerializer):
             "retries",
             "attempt",
             "exit_code",
+            "elastic",
             "array_count",
             "array_parallelism",
             "array_parent",
@@ -154,6 +168,19 @@ class WorkloadSerializer(FieldsOnceModelSerializer):
         if names is None:
             names = workload_gpu_model_names(workload_ids=[w.pk])[w.pk]
         return names
+
+    @extend_schema_field(ElasticStateSerializer(allow_null=True))
+    def get_elastic(self, w: Workload) -> dict | None:
+        """An elastic job's bounds, the size its tenant asked for and how a resize reaches it; the
+        GPUs it holds now are ``gpu_count``."""
+        if not w.is_elastic:
+            return None
+        return {
+            "min_gpus": w.elastic_min_gpus,
+            "max_gpus": w.elastic_max_gpus,
+            "target_gpus": w.elastic_target_gpus,
+            "on_resize": w.elastic_on_resize or "signal",
+        }
 
     def get_pending(self, w: Workload) -> dict | None:
         """Why it waits and, where the scheduler can tell, when it is expected to start."""
@@ -352,6 +379,13 @@ class JobCreateSerializer(_SpecSerializer):
     requeue_on_preemption = serializers.BooleanField(required=False)
     checkpoint_resume = serializers.BooleanField(required=False)
     max_retries = serializers.IntegerField(required=False)
+    elastic = serializers.DictField(
+        required=False,
+        help_text='{"min_gpus": 2, "max_gpus": 8, "on_resize": "signal" | "restart"}: the scheduler may grow '
+        "the job into idle GPUs of its node and shrinks it toward min_gpus before preempting others; "
+        "gpu_count is its starting size (default min_gpus). A resize reaches it as GPUPOOL_RESIZE_FILE "
+        "and SIGUSR1, or as a restart from its checkpoint with the new WORLD_SIZE.",
+    )
 
 
 class WorkloadEventSerializer(serializers.Serializer):
@@ -720,6 +754,16 @@ class JobViewSet(_WorkloadViewSet):
         workload = self.get_queryset().get(pk=workload.pk)
         body = {**WorkloadDetailSerializer(workload).data, "warnings": warnings}
         return Response(body, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=ResizeSerializer, responses=WorkloadDetailSerializer)
+    @action(detail=True, methods=["post"])
+    def resize(self, request, pk=None):
+        """Resize a running elastic job: a shrink is at once, a growth as GPUs of its node free up."""
+        job = self.get_object()  # another tenant's: 404
+        serializer = ResizeSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        workload_resize(workload=job, gpu_count=serializer.validated_data["gpu_count"], actor=self.actor)
+        return Response(WorkloadDetailSerializer(self.get_queryset().get(pk=pk)).data)
 
     @extend_schema(responses=WorkloadSerializer(many=True))
     @action(detail=True, methods=["get"], filter_backends=[])

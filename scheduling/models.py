@@ -123,6 +123,18 @@ class Workload(TenantOwnedModel):
         null=True, blank=True, help_text="MASTER_PORT of its placement across nodes (rank 0 listens)."
     )
     gpu_fraction_milli = models.PositiveSmallIntegerField(default=MILLI)
+    # Elastic jobs (scheduling.engine.elastic): ``gpu_count`` is what it holds now (or starts with),
+    # between these bounds; the scheduler grows it up to ``elastic_target_gpus`` (the tenant's
+    # wish, the maximum unless resized) and shrinks it toward the minimum before preempting others.
+    elastic_min_gpus = models.PositiveSmallIntegerField(null=True, blank=True)
+    elastic_max_gpus = models.PositiveSmallIntegerField(null=True, blank=True)
+    elastic_target_gpus = models.PositiveSmallIntegerField(null=True, blank=True)
+    elastic_on_resize = models.CharField(
+        max_length=8,
+        choices=[("signal", "Signal"), ("restart", "Restart")],
+        blank=True,
+        help_text="How a resize reaches it: a file and SIGUSR1, or a restart from its checkpoint.",
+    )
     mig_profile = models.CharField(max_length=32, blank=True)
     cpu_millicores = models.PositiveIntegerField(default=0, help_text="Per node.")
     ram_mib = models.PositiveBigIntegerField(default=0, help_text="Per node.")
@@ -240,6 +252,10 @@ class Workload(TenantOwnedModel):
         return self.state in TERMINAL_STATES
 
     @property
+    def is_elastic(self) -> bool:
+        return self.elastic_min_gpus is not None
+
+    @property
     def is_array(self) -> bool:
         """An array job: its tasks run, it does not."""
         return self.array_count is not None
@@ -332,6 +348,9 @@ class Allocation(TenantOwnedModel):
         help_text="Capacity of the GPU held, when less than the fraction (an over-subscribed GPU).",
     )
     milli_offset = models.PositiveSmallIntegerField(default=0)
+    resized = models.BooleanField(
+        default=False, help_text="Given to a running elastic job by a resize: billed from its start."
+    )
     mig_start = models.PositiveSmallIntegerField(
         null=True,
         blank=True,

@@ -26,6 +26,12 @@ fee. Prices are the region's own where the card has one (``PricedVersion.price``
 
 Per-second billing with a minimum (``METERING_MINIMUM_BILLABLE_S``, default 60): an allocation that
 ran less than the minimum bills the minimum; the difference is added to its last piece.
+
+Elastic jobs (``scheduling.services.elastic``): each GPU is its own allocation, so the bill follows
+the GPUs held second by second. A GPU a resize gives a running job (``Allocation.resized``) is billed
+from that instant, as a warm bind is; a GPU a resize takes away ends then (``end_reason`` "resized").
+Neither gets the minimum: a resize bills exactly the seconds each GPU was held. vCPUs and RAM stay
+with the GPUs of the placement (a grown GPU carries none; a shrunk-away GPU's share ends with it).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from nodes.models import GpuMinuteRollup, GpuModel
 from scheduling.models import MILLI, Allocation, Plan, Reservation, WarmSlot, WorkloadEvent, WorkloadState
 
 NODE_DOWN_REASONS = frozenset({"node_down"})
+RESIZED = "resized"  # an elastic job's GPU taken back by a resize
 
 
 @dataclass
@@ -99,11 +106,21 @@ def _start_of(allocation: Allocation, events: dict[int, list[datetime]]) -> date
     return None
 
 
+def _running_at(allocation: Allocation, events: dict[int, list[datetime]]) -> datetime | None:
+    """The allocation's start if its workload had started running by then (an elastic grow)."""
+    if any(at <= allocation.started_at for at in events.get(allocation.workload_id, ())):
+        return allocation.started_at
+    return None
+
+
 def _per_gpu_share(
     allocation: Allocation, siblings: dict[tuple[int, int, datetime], int]
 ) -> tuple[Decimal, Decimal]:
     """vCPUs and GiB of RAM one allocation carries: the workload's per-node figures shared by its
     allocations made on that node in the same placement."""
+    if allocation.resized:
+        # A resize changes the GPUs, not the job's vCPUs and RAM: those stay with the placement's GPUs.
+        return ZERO, ZERO
     w = allocation.workload
     n = siblings.get((allocation.workload_id, allocation.node_id, allocation.started_at), 1) or 1
     return Decimal(w.cpu_millicores) / Decimal(1000) / n, Decimal(w.ram_mib) / Decimal(1024) / n
@@ -151,6 +168,9 @@ class _Rater:
 
     def span(self, a: Allocation) -> tuple[datetime, datetime | None] | None:
         started = _start_of(a, self.events)
+        if started is None and a.resized:
+            # Given to a running elastic job: it runs on it from the resize (while the job ran).
+            started = _running_at(a, self.events)
         if started is not None and (a.workload_id, a.gpu_id, a.started_at) in self.warm:
             # Bound to a warm slot: the tenant pays from the bind (until then the platform did).
             started = a.started_at
@@ -277,7 +297,11 @@ def usage_build(
         if end is None:
             # Only pieces that end at a boundary already passed are final.
             pieces = [p for p in pieces if p[1] in set(cuts)]
-        topup = max(ZERO, minimum - _seconds(end - start)) if end is not None else ZERO
+        topup = (
+            max(ZERO, minimum - _seconds(end - start))
+            if end is not None and not a.resized and a.end_reason != RESIZED
+            else ZERO
+        )
         for i, (s, e) in enumerate(pieces):
             last = end is not None and i == len(pieces) - 1
             row = rater.rate(a, s, e, topup=topup if last else ZERO, now=now)

@@ -52,6 +52,7 @@ REQUIRED_PAYLOAD_KEYS: dict[str, tuple[str, ...]] = {
     CommandKind.UNDRAIN: (),
     CommandKind.UPGRADE: ("upgrade", "timeout_s"),
     CommandKind.GPU_CHECK: (),
+    CommandKind.RESIZE_WORKLOAD: ("workload_id", "gpu_uuids", "world_size", "on_resize"),
 }
 REPORT_STATUSES = ("accepted", "succeeded", "failed")
 

@@ -2,10 +2,12 @@
 
 Requests are tried in fair-queue order (see ``queueing``). A request is placed by the policy if it
 fits; otherwise, if it may preempt, on the node whose lower-priority victims are cheapest; otherwise
-it stays pending with a reason. The first request that cannot start becomes the *head*: where the
-running work's estimated ends tell when it could start, the nodes it will need are held for it, and
-later (smaller) work may start on them only if its own estimate ends before that time (backfill), so
-it never delays the head's reserved start.
+it stays pending with a reason. Elastic jobs are shrunk toward their minimum before anyone is
+preempted, and grown into idle GPUs once the queue is served (``elastic``; ``Resize`` decisions).
+The first request that cannot start becomes the *head*: where the running work's estimated ends
+tell when it could start, the nodes it will need are held for it, and later (smaller) work may start
+on them only if its own estimate ends before that time (backfill), so it never delays the head's
+reserved start.
 
 A request's ``avoid_nodes`` (nodes that failed to start it) are not chosen, by placement, backfill or
 preemption, unless no other node could ever take it: then they may be chosen again.
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from .constraints import ConstraintIndex, Constraints
+from .elastic import Elastic
 from .fragmentation import Distribution
 from .policies import DEFAULT_POLICY, get_policy
 from .preemption import Preemptor
@@ -50,6 +53,8 @@ class CycleConfig:
     expected_start_limit: int = 64
     """At most this many distinct pending demands get an expected start computed per cycle."""
     seed: int = 0
+    elastic: bool = True
+    """Shrink elastic jobs before preempting, and grow them into idle GPUs (``elastic``)."""
 
 
 class Engine:
@@ -317,6 +322,7 @@ class Engine:
         ):
             cons = ConstraintIndex(st.ids, [n.labels for n in self.nodes], running)
 
+        elastic = Elastic(st, self.nodes, running) if cfg.elastic and running else None
         decisions: list[Decision] = []
         failed: set[Demand] = set()
         head_start: float | None = None
@@ -369,6 +375,22 @@ class Engine:
                         if cons is not None:
                             cons.record(req.tenant, req.id, (slot.node,), c.group if c else "")
                         decisions.append(Place(req.id, (self._assignment(slot),), backfill=True))
+                        fair.add(
+                            req.tenant,
+                            st.ids[slot.node],
+                            len(slot.positions) * slot.milli,
+                            slot.cpu,
+                            slot.mem,
+                        )
+                        continue
+                if elastic and pick is None:
+                    shrunk = elastic.shrink_for(d, int(req.priority_class), req.tenant, req.id, avoid)
+                    if shrunk is not None:
+                        slot, resizes = shrunk
+                        if cons is not None:
+                            cons.record(req.tenant, req.id, (slot.node,), c.group if c else "")
+                        decisions += resizes
+                        decisions.append(Place(req.id, (self._assignment(slot),)))
                         fair.add(
                             req.tenant,
                             st.ids[slot.node],
@@ -431,6 +453,8 @@ class Engine:
                     )
                 else:
                     decisions.append(Pending(req.id, reason[0], reason[1], expected_start=expected.get(d)))
+            if elastic:
+                decisions += elastic.grow()
         finally:
             for i in held:
                 st.unhold(i)

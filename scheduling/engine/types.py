@@ -238,6 +238,10 @@ class Running:
     """A MIG instance's profile and start (memory slice) on its GPU."""
     group: str = ""
     """The array it is a task of (spread counts its members), or empty."""
+    elastic_min: int = 0
+    """An elastic job (on one node): it may shrink to this many GPUs (0: not elastic)."""
+    elastic_max: int = 0
+    """...and grow to this many (its tenant's current wish within its bounds)."""
 
     @property
     def priority_class(self) -> PriorityClass:
@@ -300,4 +304,18 @@ class Pending:
     expected_start: float | None = None
 
 
-Decision = Place | Pending
+@dataclass(frozen=True, slots=True)
+class Resize:
+    """A running elastic job's new GPUs on its node (``gpu_indices``: the whole new set).
+    ``for_request``: the placement it shrinks for (it comes just before that ``Place``); None for
+    growth into idle GPUs."""
+
+    request_id: str
+    node_id: str
+    gpu_indices: tuple[int, ...]
+    added: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+    for_request: str | None = None
+
+
+Decision = Place | Pending | Resize

@@ -43,6 +43,7 @@ from scheduling.models import (
 from scheduling.services.allocations import allocation_ranges_move, gpu_range_choose
 from scheduling.services.arrays import arrays_advance
 from scheduling.services.dependencies import dependencies_gate
+from scheduling.services.elastic import resize_apply
 from scheduling.services.gangs import (
     GangMember,
     gang_members,
@@ -70,6 +71,7 @@ class CycleResult:
     placed: list[int] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
     pending: int = 0
+    resized: list[int] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -353,6 +355,37 @@ def _commit_preempt(
     return done
 
 
+def _commit_resizes(ctx: CycleContext, batch: _Batch, resizes: list[E.Resize]) -> list[int]:
+    """Apply the engine's resizes of running elastic jobs (before the placements they make room
+    for): their allocation rows change now, and the capacity bookkeeping of this cycle with them."""
+    locked = lock_workloads(ids={int(r.request_id) for r in resizes}, states=[WorkloadState.RUNNING])
+    done = []
+    for r in resizes:
+        w = locked.get(int(r.request_id))
+        if w is None or not w.is_elastic:
+            continue
+        command, ended, made = resize_apply(
+            workload=w,
+            node_id=int(r.node_id),
+            indices=r.gpu_indices,
+            now=ctx.now,
+            reason="shrunk" if r.for_request else "grown",
+        )
+        if command is None:
+            continue
+        gone = set(ended)
+        for a in ctx.holders.get(w.pk, []):
+            if a["id"] in gone:
+                ctx.ranges[a["gpu_id"]] = [x for x in ctx.ranges[a["gpu_id"]] if x[2] not in gone]
+                ctx.model_use[(w.tenant_id, a["gpu_model_id"])] -= a["fraction_milli"]
+        for a in made:
+            ctx.ranges[a.gpu_id].append((0, MILLI, a.pk))
+            ctx.model_use[(w.tenant_id, a.gpu_model_id)] += MILLI
+        batch.commands.append(command)
+        done.append(w.pk)
+    return done
+
+
 def _set_pending(w: Workload, reason: str, message: str, expected: datetime | None) -> bool:
     if (w.pending_reason, w.pending_message, w.expected_start_at) == (reason, message[:255], expected):
         return False
@@ -413,7 +446,12 @@ def scheduling_cycle_run(*, now: datetime | None = None, config: CycleConfig | N
         batch.volumes = workload_volume_payloads(
             workload_ids=[int(d.request_id) for d in decisions if isinstance(d, E.Place) and not d.preempt]
         )
+        resizes = [d for d in decisions if isinstance(d, E.Resize)]
+        if resizes:
+            result.resized = _commit_resizes(ctx, batch, resizes)
         for d in decisions:
+            if isinstance(d, E.Resize):
+                continue
             w = ctx.workloads[int(d.request_id)]
             if isinstance(d, E.Place) and d.preempt:
                 victims = [int(v) for v in d.preempt]

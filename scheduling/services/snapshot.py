@@ -189,6 +189,8 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
             "workload__requeue_on_preemption",
             "workload__mig_profile",
             "workload__array_parent_id",
+            "workload__elastic_min_gpus",
+            "workload__elastic_target_gpus",
         )
     )
     # Each allocation's GPU index from the GPUs just read, rather than a join that reads every GPU
@@ -332,6 +334,12 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
         per_node: dict[int, list[int]] = defaultdict(list)
         for a in rows:
             per_node[a["node_id"]].append(a["gpu__index"])
+        # A running elastic job on one node may be resized by the engine (scheduling.engine.elastic).
+        elastic = (
+            a0["workload__elastic_min_gpus"] is not None
+            and a0["workload__state"] == WorkloadState.RUNNING
+            and len(per_node) == 1
+        )
         for nid, indices in per_node.items():
             running.append(
                 E.Running(
@@ -353,6 +361,8 @@ def cycle_snapshot_load(now: datetime) -> tuple[E.Snapshot, list[E.Request], Cyc
                     gang_id=str(wid) if a0["workload__gang"] or len(per_node) > 1 else None,
                     mig_profile=a0["workload__mig_profile"] or None,
                     mig_start=a0["mig_start"],
+                    elastic_min=a0["workload__elastic_min_gpus"] if elastic else 0,
+                    elastic_max=a0["workload__elastic_target_gpus"] if elastic else 0,
                     group=str(a0["workload__array_parent_id"] or ""),
                 )
             )

@@ -358,6 +358,46 @@ def _validate_array(spec: dict, kind: str, f: dict[str, Any], volumes: list) -> 
     return work
 
 
+def _validate_elastic(spec: dict, kind: str, f: dict[str, Any]) -> None:
+    """``elastic``: {"min_gpus": m, "max_gpus": M, "on_resize": "signal" | "restart"}; a job of whole
+    GPUs on one node, starting with ``gpu_count`` (default m) GPUs, m <= gpu_count <= M
+    (``scheduling.services.elastic``). Not for instances, arrays, gangs, pooled GPUs or fractions:
+    their sizes are fixed by what they are."""
+    raw = spec.get("elastic")
+    f["elastic_min_gpus"] = f["elastic_max_gpus"] = f["elastic_target_gpus"] = None
+    f["elastic_on_resize"] = ""
+    if raw is None:
+        return
+    if kind != WorkloadKind.JOB:
+        raise _fail("elastic", "Jobs only.")
+    if not isinstance(raw, dict) or set(raw) - {"min_gpus", "max_gpus", "on_resize"}:
+        raise _fail("elastic", 'An object: {"min_gpus": 2, "max_gpus": 8, "on_resize": "signal"}.')
+    try:
+        lo = _int(raw, "min_gpus", None, 1, MAX_GPUS_PER_NODE)
+        hi = _int(raw, "max_gpus", None, 1, MAX_GPUS_PER_NODE)
+    except ValidationFailed as exc:
+        raise _fail("elastic", f"{exc.message} (an elastic job runs on one node)") from None
+    if lo is None or hi is None:
+        raise _fail("elastic", "min_gpus and max_gpus: both required.")
+    if hi < lo:
+        raise _fail("elastic", "max_gpus must be at least min_gpus.")
+    mode = raw.get("on_resize", "signal")
+    if mode not in ("signal", "restart"):
+        raise _fail("elastic", 'on_resize: "signal" (a file and SIGUSR1) or "restart" (from its checkpoint).')
+    if f["gang"] or f["gpus_per_node"]:
+        raise _fail("elastic", "An elastic job runs on one node: no gang, no gpus_per_node.")
+    if f["gpu_fraction_milli"] < MILLI or f["mig_profile"]:
+        raise _fail("elastic", "An elastic job takes whole GPUs (no fraction, no MIG profile).")
+    if spec.get("array") is not None:
+        raise _fail("elastic", "An array's tasks have a fixed size: not elastic.")
+    if spec.get("gpu_count") is None:
+        f["gpu_count"] = lo
+    elif not lo <= f["gpu_count"] <= hi:
+        raise _fail("gpu_count", f"The starting size is between the elastic bounds, {lo} and {hi}.")
+    f["elastic_min_gpus"], f["elastic_max_gpus"], f["elastic_target_gpus"] = lo, hi, hi
+    f["elastic_on_resize"] = mode
+
+
 def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolved]:
     if not isinstance(spec, dict):
         raise ValidationFailed("The spec must be an object.")
@@ -508,6 +548,7 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
         raise _fail("split_regions_ok", "Only for work split over nodes (gpus_per_node).")
     if not f["gang"] and not f["gpus_per_node"] and f["gpu_count"] > MAX_GPUS_PER_NODE:
         raise _fail("gpu_count", f"At most {MAX_GPUS_PER_NODE} on one node; more needs a gang across nodes.")
+    _validate_elastic(spec, kind, f)
 
     # CPU and RAM.
     f["cpu_millicores"] = _int(spec, "cpu_millicores", 0, 0, 10_000_000)
@@ -523,6 +564,14 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
             _check_fleet(f, region, _fleet_nodes(candidates))
         except ValidationFailed:
             _check_fleet(f, region, _fleet_nodes(candidates, fresh=True))
+        if f["elastic_max_gpus"] is not None:
+            # Its maximum must fit one node of an acceptable model (what it may grow to).
+            try:
+                _check_fleet(
+                    {**f, "gpu_count": f["elastic_max_gpus"]}, region, _fleet_nodes(candidates, fresh=True)
+                )
+            except ValidationFailed as exc:
+                raise _fail("elastic", f"max_gpus: {exc.message}") from None
 
     # Spot price.
     f["spot_max_price"] = _decimal(spec, "spot_max_price")
@@ -536,10 +585,10 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
             raise _fail("spot_max_price", "At most 10 decimal places.")
 
     f.update(_validate_what_runs(spec, tenant))
-    if f["gang"] or f["gpus_per_node"]:
+    if f["gang"] or f["gpus_per_node"] or f["elastic_min_gpus"] is not None:
         clash = [k for k in GANG_ENV_NAMES if k in f["env"]]
         if clash:
-            raise _fail("env", f"{clash[0]} is set by the platform for each member of a gang.")
+            raise _fail("env", f"{clash[0]} is set by the platform for a gang or an elastic job.")
     f["max_runtime_s"] = _int(spec, "max_runtime_s", None, 60, 366 * 86400)
     f["estimated_runtime_s"] = _int(spec, "estimated_runtime_s", None, 1, 366 * 86400)
     f["requeue_on_preemption"] = _bool(spec, "requeue_on_preemption", True)
@@ -600,6 +649,8 @@ def _validate_slurm(
         raise _fail("work", "Work queues are not served to Slurm jobs.")
     if f["checkpoint_resume"]:
         raise _fail("checkpoint_resume", "Checkpoints need a volume, and Slurm regions have none.")
+    if f["elastic_min_gpus"] is not None:
+        raise _fail("elastic", "Slurm jobs keep the GPUs they start with: no elastic jobs in Slurm regions.")
     if any(isinstance(v, dict) for v in f["env"].values()):
         raise _fail("env", "Secrets are not handed to Slurm (its job records keep the environment).")
     config = slurm_config_parse(region.slurm)
@@ -624,6 +675,13 @@ def _check_quota(quota: Quota, usage: QuotaUsage, f: dict[str, Any], candidates:
         raise refuse(
             "max_gpus_per_request", quota.max_gpus_per_request, 0, Decimal(task_milli) / MILLI, "GPUs"
         )
+    if (
+        quota.max_gpus_per_request is not None
+        and f.get("elastic_max_gpus") is not None
+        and f["elastic_max_gpus"] > quota.max_gpus_per_request
+    ):
+        # An elastic job may grow to its maximum: that is the size it asks for.
+        raise refuse("max_gpus_per_request", quota.max_gpus_per_request, 0, f["elastic_max_gpus"], "GPUs")
     copies = f.get("array_parallelism") or 1
     milli = task_milli * copies
     gpus = Decimal(milli) / MILLI
