@@ -279,10 +279,13 @@ def _term(option: str):
 
 
 def _elastic(value: str) -> dict:
-    low, sep, high = value.partition(":")
-    if not (sep and low.isdigit() and high.isdigit()):
-        raise click.BadParameter(f"{value!r}: expected MIN_GPUS:MAX_GPUS", param_hint="--elastic")
-    return {"min_gpus": int(low), "max_gpus": int(high)}
+    low, sep, rest = value.partition(":")
+    high, _, mode = rest.partition(":")
+    if not (sep and low.isdigit() and high.isdigit()) or mode not in ("", "signal", "restart"):
+        raise click.BadParameter(
+            f"{value!r}: expected MIN_GPUS:MAX_GPUS[:signal|restart]", param_hint="--elastic"
+        )
+    return {"min_gpus": int(low), "max_gpus": int(high)} | ({"on_resize": mode} if mode else {})
 
 
 def _depends(value: str) -> dict:
@@ -380,7 +383,11 @@ def _wait(c: Client, kind: str, workload: Any, until: str) -> Any:
 @click.option("--max-runtime", "max_runtime_s", type=int, help="Seconds.")
 @click.option("--array", "array", help="COUNT[:PARALLELISM]: a job array.")
 @click.option("--gang", is_flag=True, default=None, help="All GPUs at once across nodes, or none.")
-@click.option("--elastic", help="MIN_GPUS:MAX_GPUS: an elastic job.")
+@click.option(
+    "--elastic",
+    help="MIN_GPUS:MAX_GPUS[:signal|restart]: an elastic job (--gpus is its starting size, default MIN); "
+    "a resize reaches it as GPUPOOL_RESIZE_FILE and SIGUSR1, or as a restart from its checkpoint.",
+)
 @click.option(
     "--node-selector", "node_selector", multiple=True, help="LABEL=VALUE a node must have (repeatable)."
 )
@@ -483,6 +490,13 @@ def ps(
              _when(w.submitted_at)) for w in rows])  # fmt: skip
 
 
+def _elastic_text(elastic: dict | None) -> str | None:
+    if not elastic:
+        return None
+    return (f"{elastic['min_gpus']}-{elastic['max_gpus']} GPUs, asked for {elastic['target_gpus']}, "
+            f"on resize: {elastic['on_resize']}")  # fmt: skip
+
+
 @api_command(cli, "show")
 @click.argument("id", type=int)
 @kind_option
@@ -496,6 +510,7 @@ def show(ctx: click.Context, as_json: bool, id: int, kind: str | None) -> None:
     rows = [("id", w.id), ("kind", w.kind), ("name", w.name), ("state", w.state), ("reason", w.state_reason),
             ("waiting for", pending.get("message") or pending.get("reason")), ("image", w.image),
             ("command", " ".join(map(str, w.command or []))), ("gpus", f"{w.gpu_count} x {', '.join(w.gpu_models or [])}"),
+            ("elastic", _elastic_text(w.elastic)),
             ("plan", w.plan), ("region", w.region), ("submitted", _when(w.submitted_at)),
             ("started", _when(w.started_at)), ("finished", _when(w.finished_at)), ("exit code", w.exit_code)]  # fmt: skip
     for p in w.placement or []:
@@ -614,6 +629,21 @@ def stop(ctx: click.Context, as_json: bool, ids: tuple[int, ...], kind: str | No
     else:
         for w in stopped:
             _out().print(f"{w.id}\t{w.state}")
+
+
+@api_command(cli, "resize")
+@click.argument("id", type=int)
+@click.option(
+    "--gpus", "gpu_count", type=int, required=True, help="The GPUs it should hold (within its bounds)."
+)
+def resize(ctx: click.Context, as_json: bool, id: int, gpu_count: int) -> None:
+    """Resize a running elastic job: a shrink is at once, a growth as GPUs of its node free up."""
+    w = _client(ctx).resize_job(id, gpu_count)
+    if as_json:
+        _print_json(w)
+    else:
+        target = (w.elastic or {}).get("target_gpus")
+        _out().print(f"{w.id}\t{w.state}\t{w.gpu_count} GPU(s) held, {target} asked for")
 
 
 def _listing_group(name: str, help_text: str) -> click.Group:

@@ -139,6 +139,20 @@ class _Api(abc.ABC):
             _Request("POST", f"/api/v1/{_kind_path(kind)}/{int(id)}/stop/", m.WorkloadDetail, safe=True)
         )
 
+    def resize_job(self, id: int, gpu_count: int):
+        """Resize a running elastic job: a shrink is at once, a growth as GPUs of its node free up."""
+        _op("POST", "/api/v1/jobs/{id}/resize/")
+        # Resizing to the same size twice is harmless: the API answers the job.
+        return self._run(
+            _Request(
+                "POST",
+                f"/api/v1/jobs/{int(id)}/resize/",
+                m.WorkloadDetail,
+                json={"gpu_count": gpu_count},
+                safe=True,
+            )
+        )
+
     def logs(self, kind: str, id: int, *, tail: int | None = None, since: str | None = None):
         _op("GET", "/api/v1/instances/{id}/logs/"), _op("GET", "/api/v1/jobs/{id}/logs/")
         params = _clean({"tail": tail, "since": since})

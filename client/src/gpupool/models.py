@@ -106,6 +106,7 @@ class Workload(Model):
     scheduled_at: datetime | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
+    elastic: dict | None = None
     array_count: int | None = None
     array_parallelism: int | None = None
     array_parent: int | None = None
