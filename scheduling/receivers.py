@@ -12,7 +12,7 @@ from nodes import signals
 from nodes.models import CommandKind
 from scheduling.locks import cycle_lock_wait
 from scheduling.selectors.shared import workloads_holding_gpu
-from scheduling.services import lifecycle, orphans, warm_pools
+from scheduling.services import elastic, lifecycle, orphans, warm_pools
 from scheduling.services import volumes as volume_services
 from scheduling.services.triggers import cycle_request
 
@@ -28,6 +28,8 @@ def on_command_finished(sender, command, state, result, **kwargs) -> None:
             state=state,
             result=result or {},
         )
+    elif command.kind == CommandKind.RESIZE_WORKLOAD:
+        elastic.resize_on_command_finished(payload=command.payload, node_id=command.node_id, state=state)
     elif command.kind == CommandKind.PREWARM:
         warm_pools.warm_slots_on_prewarm_finished(command_id=command.pk, state=state)
     elif command.kind == CommandKind.CONFIGURE_MIG:

@@ -24,7 +24,7 @@ from nodes.agent.types import (
     WorkloadSpec,
     rfc3339,
 )
-from nodes.agent.workload_rules import WorkloadRuleError, check_image, check_volume_id
+from nodes.agent.workload_rules import WorkloadRuleError, check_gpu_uuids, check_image, check_volume_id
 
 # XIDs that mean the GPU needs attention (the portal isolates a GPU on them too: nodes/PROTOCOL.md).
 CRITICAL_XIDS = frozenset({48, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140})
@@ -88,6 +88,7 @@ class CommandHandlers:
             "undrain": self._undrain,
             "upgrade": self._upgrade,
             "gpu_check": self._gpu_check,
+            "resize_workload": self._resize_workload,
         }
         handler = handlers.get(kind)
         try:
@@ -198,6 +199,39 @@ class CommandHandlers:
         status = await asyncio.to_thread(self.runtime.stop, workload_id, grace, final_state=PREEMPTED)
         await self._release_mig(workload_id)
         return {"workload_id": workload_id, "state": status.state, "exit_code": status.exit_code}
+
+    async def _resize_workload(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """An elastic job's new GPUs on this node: written to its resize file, then SIGUSR1, or a
+        restart from its checkpoint (``on_resize`` "restart"). Every field is checked again here."""
+        workload_id = str(payload["workload_id"])
+        uuids = check_gpu_uuids(payload["gpu_uuids"])
+        world = payload["world_size"]
+        mode = payload.get("on_resize", "signal")
+        if isinstance(world, bool) or not isinstance(world, int) or not len(uuids) <= world <= 4096:
+            raise WorkloadRuleError("world_size", "A whole number, at least the GPUs given here.")
+        if mode not in ("signal", "restart"):
+            raise WorkloadRuleError("on_resize", 'Either "signal" or "restart".')
+        if not uuids:
+            raise WorkloadRuleError("gpu_uuids", "An elastic job keeps at least one GPU.")
+        inventory = self.inventory or NodeInventory(gpus=[])
+        for uuid in uuids:
+            if inventory.gpu(uuid) is None:
+                raise RuntimeFailure(f"GPU {uuid} is not on this node")
+        status = await asyncio.to_thread(self.runtime.get_status, workload_id)
+        if status is None or status.state != RUNNING:
+            raise RuntimeFailure(f"workload {workload_id} is not running on this node")
+        info = {
+            "gpu_uuids": uuids,
+            "gpu_count": len(uuids),
+            "world_size": world,
+            "local_world_size": len(uuids),
+            "at": rfc3339(time.time()),
+        }
+        grace = float(payload.get("grace_s", min(self.config.stop_grace_s, 30.0)))
+        await asyncio.to_thread(
+            self.runtime.resize, workload_id, info, restart=mode == "restart", grace_s=grace
+        )
+        return {"workload_id": workload_id, "gpu_count": len(uuids), "on_resize": mode}
 
     async def _prewarm(self, payload: dict[str, Any]) -> dict[str, Any]:
         return await asyncio.to_thread(self.runtime.prewarm, check_image(payload.get("image")))

@@ -112,6 +112,9 @@ def _platform_env(
             MASTER_PORT=str(gang.master_port),
             GPUPOOL_PEERS=",".join(gang.peers),
         )
+    elif w.elastic_min_gpus is not None:
+        # An elastic job starts as a world of its GPUs; a resize tells it the new size.
+        env.update(WORLD_SIZE=str(w.gpu_count), LOCAL_WORLD_SIZE=str(w.gpu_count))
     if w.array_parent_id is not None:
         if w.array_parent_id not in arrays:
             arrays.update(

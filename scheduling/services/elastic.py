@@ -137,6 +137,7 @@ def resize_apply(
         "world_size": len(uuids),
         "on_resize": w.elastic_on_resize or "signal",
         "reason": reason,
+        "added_gpu_uuids": [a.gpu.uuid for a in made],
     }
     command = CommandRequest(
         node_id=node_id,
@@ -203,3 +204,34 @@ def workload_resize(*, workload: Workload, gpu_count: Any, actor: Actor) -> Work
 
             cycle_request(reason="resize")
     return w
+
+
+def resize_on_command_finished(*, payload: dict[str, Any], node_id: int, state: str) -> None:
+    """A node could not apply a growth (its runtime cannot give a running job more GPUs, or the job
+    had ended): the GPUs it was to get go back at once, unbilled (their rows end where they began),
+    and its target comes down to what it holds, so the cycle does not try again."""
+    if state != "failed":
+        return
+    added = payload.get("added_gpu_uuids") or []
+    try:
+        workload_id = int(payload.get("workload_id"))
+    except (TypeError, ValueError):
+        return
+    if not added:
+        return
+    with transaction.atomic():
+        w = lock_workloads(ids=[workload_id]).get(workload_id)
+        if w is None:
+            return
+        rows = list(
+            Allocation.objects.filter(
+                workload=w, node_id=node_id, resized=True, ended_at__isnull=True, gpu__uuid__in=added
+            )
+        )
+        for a in rows:
+            Allocation.objects.filter(pk=a.pk).update(ended_at=a.started_at, end_reason="resize_failed")
+        held = Allocation.objects.filter(workload=w, ended_at__isnull=True).count()
+        Workload.objects.filter(pk=w.pk).update(gpu_count=max(held, 1), elastic_target_gpus=max(held, 1))
+        logger.warning(
+            "workload %s: node %s could not grow it; %d GPU(s) given back", w.pk, node_id, len(rows)
+        )

@@ -287,6 +287,29 @@ class Runtime(ABC):
         notice = self.workload_dir(workload_id) / "preempt"
         notice.write_text(json.dumps({"deadline": rfc3339(time.time() + notice_s), "notice_s": notice_s}))
 
+    def resize(self, workload_id: str, info: dict[str, Any], *, restart: bool, grace_s: float) -> None:
+        """An elastic job's new GPUs (``info``: ``gpu_uuids``, ``gpu_count``, ``world_size``): the
+        file named by ``$GPUPOOL_RESIZE_FILE`` holds them as JSON, then the job gets SIGUSR1
+        (``signal_resize``), or is restarted on them from its checkpoint (``restart_resized``)."""
+        path = self.workload_dir(workload_id) / "resize"
+        tmp = path.with_name("resize.tmp")
+        tmp.write_text(json.dumps(info))
+        os.chmod(tmp, 0o644)  # the workload's user reads it, whatever the agent's umask
+        os.replace(tmp, path)  # whole or not at all: the job never reads half a file
+        if restart:
+            self.restart_resized(workload_id, info, grace_s)
+        else:
+            self.signal_resize(workload_id, info)
+
+    def signal_resize(self, workload_id: str, info: dict[str, Any]) -> None:
+        """Send the workload SIGUSR1 (its resize file is written)."""
+        raise RuntimeFailure(f"the {self.name} runtime cannot signal a workload")
+
+    def restart_resized(self, workload_id: str, info: dict[str, Any], grace_s: float) -> None:
+        """Stop the workload and start its command again on ``info``'s GPUs, from its checkpoint
+        (``GPUPOOL_RESUME=1``, the new ``WORLD_SIZE``), as the same run: it is never reported ended."""
+        raise RuntimeFailure(f"the {self.name} runtime cannot restart a workload on other GPUs")
+
     def preempt(self, workload_id: str, notice_s: float, grace_s: float = 10.0) -> WorkloadStatus:
         """Notice, wait ``notice_s``, then stop; the workload ends ``preempted``. (The agent calls
         the three steps itself so that its shutdown can interrupt the wait.)"""

@@ -265,6 +265,7 @@ class DockerRuntime(Runtime):
         env = dict(env)
         env["GPUPOOL_WORKLOAD_ID"] = spec.workload_id
         env["GPUPOOL_PREEMPT_NOTICE_FILE"] = f"{NOTICE_DIR_IN_CONTAINER}/preempt"
+        env["GPUPOOL_RESIZE_FILE"] = f"{NOTICE_DIR_IN_CONTAINER}/resize"
         env["NVIDIA_VISIBLE_DEVICES"] = "void" if plan is not None else ",".join(spec.gpu_uuids) or "void"
         if plan is not None:
             env.update(plan.container_env)
@@ -476,6 +477,20 @@ class DockerRuntime(Runtime):
         if changed:
             self.store.save()
         return statuses
+
+    def signal_resize(self, workload_id: str, info: dict[str, Any]) -> None:
+        """SIGUSR1 to the container's main process. Docker cannot give a running container more
+        devices: a growth needs ``on_resize`` "restart", which this runtime does not do yet, so it
+        is refused (the job keeps running on the GPUs it has)."""
+        record = self.store.records.get(workload_id)
+        if record is None:
+            raise RuntimeFailure(f"no workload {workload_id} on this node")
+        if set(info["gpu_uuids"]) - set(record.get("gpu_uuids") or []):
+            raise RuntimeFailure("docker cannot add GPUs to a running container; it keeps the GPUs it has")
+        try:
+            self.client.api.kill(record["container_id"], signal="SIGUSR1")
+        except DockerException as exc:
+            raise RuntimeFailure(f"docker kill --signal SIGUSR1 failed: {_explain(exc)}") from exc
 
     def stop(self, workload_id: str, grace_s: float, *, final_state: str = STOPPED) -> WorkloadStatus:
         with self.store.lock:

@@ -12,7 +12,7 @@ The argv is executed as given (never through a shell). The environment is exactl
 workload's own env byte for byte, and the platform's variables (``CUDA_VISIBLE_DEVICES`` = its GPU
 UUIDs on NVIDIA; on AMD ``ROCR_VISIBLE_DEVICES`` = its GPUs' indices in PCI order and
 ``HIP_VISIBLE_DEVICES``; on Intel ``ZE_AFFINITY_MASK`` with ``ZE_ENABLE_PCI_ID_DEVICE_ORDER=1``,
-``GPUPOOL_WORKLOAD_ID``, ``GPUPOOL_PREEMPT_NOTICE_FILE``, the GPU share's); nothing else of
+``GPUPOOL_WORKLOAD_ID``, ``GPUPOOL_PREEMPT_NOTICE_FILE``, ``GPUPOOL_RESIZE_FILE``, the GPU share's); nothing else of
 the agent's environment (its bootstrap token) reaches it.
 
 Files: ``<process_work_dir>/<id>/`` (root's, readable) holds the preemption notice the agent
@@ -235,6 +235,7 @@ class SubprocessRuntime(Runtime):
             env.update(plan.process_env)  # HIP reads CUDA_VISIBLE_DEVICES too: not set here
         env["GPUPOOL_WORKLOAD_ID"] = spec.workload_id
         env["GPUPOOL_PREEMPT_NOTICE_FILE"] = str(self.workload_dir(spec.workload_id) / "preempt")
+        env["GPUPOOL_RESIZE_FILE"] = str(self.workload_dir(spec.workload_id) / "resize")
         env.update(self.sharing_env(spec))
         env.update(spec.platform_env)
         env.update(volume_env(prepared, str(prepared.checkpoint_host)))
@@ -325,6 +326,7 @@ class SubprocessRuntime(Runtime):
             self.store.records[spec.workload_id] = {
                 "pid": proc.pid,
                 "pgid": proc.pid,
+                "command": list(spec.command),  # started again by an elastic restart
                 # What an SSH session into the workload gets again (the agent's state directory
                 # is its alone, 0700: the env may hold the tenant's secrets).
                 "env": environment,
@@ -406,6 +408,61 @@ class SubprocessRuntime(Runtime):
         self._signal(record["pgid"], signal.SIGKILL)
         self._end_sessions(workload_id)
         return self._status(workload_id, record)
+
+    def signal_resize(self, workload_id: str, info: dict[str, Any]) -> None:
+        with self.store.lock:
+            record = self.store.records.get(workload_id)
+            if record is None or self._status(workload_id, record).terminal:
+                raise RuntimeFailure(f"workload {workload_id} is not running on this node")
+            record["gpu_uuids"] = list(info["gpu_uuids"])
+            self.store.save()
+        self._signal(record["pgid"], signal.SIGUSR1)
+
+    def restart_resized(self, workload_id: str, info: dict[str, Any], grace_s: float) -> None:
+        # Under the store's lock throughout: no status is read between the stop and the new start,
+        # so the portal never hears of an end.
+        with self.store.lock:
+            record = self.store.records.get(workload_id)
+            if record is None or self._status(workload_id, record).terminal:
+                raise RuntimeFailure(f"workload {workload_id} is not running on this node")
+            if "command" not in record or "env" not in record:
+                raise RuntimeFailure(
+                    f"workload {workload_id} was started by an older agent; it cannot restart"
+                )
+            self._signal(record["pgid"], signal.SIGTERM)
+            proc = self._procs.get(workload_id)
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and (proc.poll() is None if proc else _alive(record["pid"])):
+                time.sleep(0.05)
+            self._signal(record["pgid"], signal.SIGKILL)
+            if proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=10)
+            env = dict(record["env"])
+            uuids = list(info["gpu_uuids"])
+            env.update(
+                CUDA_VISIBLE_DEVICES=",".join(uuids),
+                WORLD_SIZE=str(info["world_size"]),
+                LOCAL_WORLD_SIZE=str(len(uuids)),
+                GPUPOOL_RESUME="1",
+            )
+            with open(record["log"], "ab") as log_file, open(record["err"], "ab") as err_file:
+                try:
+                    new = subprocess.Popen(
+                        record["command"],
+                        stdin=subprocess.DEVNULL,
+                        stdout=log_file,
+                        stderr=err_file,
+                        **self._launch_options(self._user(), Path(record["home"]), env),
+                    )
+                except OSError as exc:
+                    record["finished_at"], record["exit_code"] = time.time(), 127
+                    record["message"] = f"elastic restart failed: {exc}"
+                    self.store.save()
+                    raise RuntimeFailure(f"cannot restart {record['command'][0]!r}: {exc}") from exc
+            self._procs[workload_id] = new
+            record.update(pid=new.pid, pgid=new.pid, env=env, gpu_uuids=uuids)
+            self.store.save()
 
     @staticmethod
     def _signal(pgid: int, signum: int) -> None:
