@@ -5,10 +5,12 @@ Two moves, both made by the cycle (``Engine.cycle``), so the live scheduler and 
 the same decisions:
 
 - **Shrink before preempting.** A request that does not fit is first offered the GPUs elastic jobs
-  hold above their minimum, on one node, from jobs of its own priority class or lower (never a
-  reservation owner's work on its own reservation). GPUs are taken one at a time, lowest class and
-  most recently started job first, until the request fits; if it never fits there, nothing changes
-  on that node. Only when no node can be made to fit this way does preemption run.
+  hold above their minimum, on one node, whatever their class: what an elastic job holds above its
+  minimum is idle capacity it borrows, and must not keep anyone waiting (a reservation owner's work
+  on its own reservation is only shrunk for the owner). GPUs are taken one at a time, lowest class
+  and most recently started job first, until the request fits; if it never fits there, nothing
+  changes on that node. Only when no node can be made to fit this way does preemption run; GPUs at
+  or below the minimum are protected as any running work is.
 - **Grow into idle GPUs.** After the queue is served, each elastic job below its maximum takes the
   whole free GPUs of its node (highest class, then oldest first), except on nodes held for the head
   of the queue and on nodes reserved for another tenant.
@@ -72,8 +74,7 @@ class Elastic:
                 (
                     r
                     for r in jobs
-                    if int(r.priority_class) <= priority
-                    and len(r.gpu_indices) > r.elastic_min
+                    if len(r.gpu_indices) > r.elastic_min
                     and (r.tenant == tenant or not is_protected(r, self.reserved_for.get(node_id)))
                 ),
                 key=_shrink_order,

@@ -5,18 +5,34 @@ start (pods without a deletion time never leave). A pod that cannot start waits 
 retried in every scheduling cycle under the live queueing policy (fair share, FCFS, backfill with the
 trace duration as the runtime estimate). ``BE`` pods are spot work, the rest on-demand; each QoS
 class is a tenant for fair share. Reports queueing delay, GPU utilisation and fragmentation over time.
+
+Elastic pods (``elastic``: pod name -> (min GPUs, max GPUs)) run as the live cycle runs elastic jobs:
+the engine grows them into idle GPUs of their node and shrinks them toward their minimum before
+preempting (``Resize`` decisions); their duration stays the trace's. ``groups`` (pod name -> label,
+e.g. "array", "split", "elastic") adds per-label placement and queueing delay to the result.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from scheduling.engine.cycle import CycleConfig, Engine
 from scheduling.engine.fragmentation import Distribution
 from scheduling.engine.queueing import QueueConfig, QueuePolicy
-from scheduling.engine.types import MILLI, GpuModelInfo, GpuSpec, Node, Place, Plan, Request, Running
+from scheduling.engine.types import (
+    MILLI,
+    Assignment,
+    GpuModelInfo,
+    GpuSpec,
+    Node,
+    Place,
+    Plan,
+    Request,
+    Resize,
+    Running,
+)
 
 from .trace import TracePod
 
@@ -44,6 +60,10 @@ class ReplayResult:
     decisions_per_s: float
     series: list[tuple[float, float, float, int]] = field(default_factory=list, repr=False)
     """(time, GPU utilisation %, fragmentation % of capacity, queue length)."""
+    groups: dict[str, dict] = field(default_factory=dict)
+    """Per label of ``groups``: pods, placed, allocation rate % and queueing delay (mean, p50, p95)."""
+    resizes: int = 0
+    """Resize decisions applied (elastic pods grown or shrunk)."""
 
     def as_json(self) -> dict:
         return {
@@ -56,6 +76,8 @@ class ReplayResult:
             "utilisation_mean": round(self.utilisation_mean, 3),
             "utilisation_peak": round(self.utilisation_peak, 3),
             "fragmentation_mean": round(self.fragmentation_mean, 3),
+            "groups": self.groups,
+            "resizes": self.resizes,
             "cycles": self.cycles,
             "decisions_per_s": round(self.decisions_per_s, 1),
         }
@@ -87,6 +109,9 @@ def run_replay(
     seed: int = 42,
     samples: int = 400,
     queue_policy: str | None = None,
+    elastic: Mapping[str, tuple[int, int]] | None = None,
+    groups: Mapping[str, str] | None = None,
+    elastic_moves: bool = True,
 ) -> ReplayResult:
     """``queue_policy``: a ``QueuePolicy`` value, ordering the queue as a region with that policy
     does in the live cycle (None: the default order)."""
@@ -100,8 +125,13 @@ def run_replay(
             preemption=False,
             seed=seed,
             queue=QueueConfig(policy=QueuePolicy(queue_policy) if queue_policy else None),
+            elastic=elastic_moves,
         ),
     )
+    elastic = elastic or {}
+    groups = groups or {}
+    group_delays: dict[str, list[float]] = {}
+    resizes = 0
     models = tuple(catalog)
     reqs = {p.name: _request(p, models) for p in pods}
     dist = Distribution.from_demands(engine.demand(r) for r in reqs.values())
@@ -156,6 +186,15 @@ def run_replay(
             cycles += 1
             decisions += len(out)
             for dec in out:
+                if isinstance(dec, Resize):
+                    # The engine changed the elastic pod's GPUs (its Running, shared, already says so).
+                    r = running[dec.request_id]
+                    allocated += (len(dec.added) - len(dec.removed)) * MILLI
+                    assignments[dec.request_id] = (
+                        Assignment(r.node_id, r.gpu_indices, MILLI, r.cpu_milli, r.memory_mib),
+                    )
+                    resizes += 1
+                    continue
                 if not isinstance(dec, Place):
                     continue
                 req = queue.pop(dec.request_id)
@@ -173,10 +212,14 @@ def run_replay(
                     req.plan,
                     start_time=now,
                     est_end=est_end,
+                    elastic_min=elastic[req.id][0] if req.id in elastic else 0,
+                    elastic_max=elastic[req.id][1] if req.id in elastic else 0,
                 )
                 assignments[req.id] = dec.assignments
                 allocated += sum(len(x.gpu_indices) * x.milli for x in dec.assignments)
                 delays.append(now - pod.creation_time)
+                if req.id in groups:
+                    group_delays.setdefault(groups[req.id], []).append(now - pod.creation_time)
                 if est_end is not None:
                     heapq.heappush(ends, (est_end, req.id))
         last_util = 100.0 * allocated / capacity
@@ -195,7 +238,25 @@ def run_replay(
         "p95": percentile(delays, 95),
         "p99": percentile(delays, 99),
     }
+    counts: dict[str, int] = {}
+    for label in groups.values():
+        counts[label] = counts.get(label, 0) + 1
+    per_group = {}
+    for label, n in sorted(counts.items()):
+        ds = sorted(group_delays.get(label, []))
+        per_group[label] = {
+            "pods": n,
+            "placed": len(ds),
+            "allocation_rate_pct": round(100.0 * len(ds) / n, 2),
+            "delay_s": {
+                "mean": round(sum(ds) / len(ds), 1) if ds else 0.0,
+                "p50": percentile(ds, 50),
+                "p95": percentile(ds, 95),
+            },
+        }
     return ReplayResult(
+        groups=per_group,
+        resizes=resizes,
         policy=engine.policy.name,
         capacity_gpu_milli=capacity,
         pods=len(pods),

@@ -59,19 +59,21 @@ def test_shrinks_toward_min_instead_of_preempting():
 def test_never_below_min_then_preemption_decides():
     n = _busy(node("n1", gpus=8), range(8))
     e = _elastic(held=8, lo=6, hi=8)
-    out = schedule(snapshot(n, running=[e]), [Request("r", "t2", gpus=3)])
+    out = schedule(snapshot(n, running=[e]), [Request("r", "t2", gpus=3, plan=Plan.SPOT)])
     # Two GPUs above the minimum are not enough, and an on-demand job does not preempt its peer.
     assert [type(d).__name__ for d in out] == ["Pending"]
     assert e.gpu_indices == tuple(range(8))
 
 
-def test_higher_class_elastic_job_is_not_shrunk_for_lower():
+def test_gpus_above_min_are_borrowed_and_yield_even_to_a_lower_class():
     n = _busy(node("n1", gpus=8), range(8))
     out = schedule(
-        snapshot(n, running=[_elastic(held=8, lo=1, plan=Plan.ON_DEMAND)]),
-        [Request("r", "t2", gpus=2, plan=Plan.SPOT)],
+        snapshot(n, running=[_elastic(held=8, lo=6, plan=Plan.ON_DEMAND)]),
+        [Request("r", "t2", gpus=2, plan=Plan.SPOT), Request("q", "t3", gpus=1, plan=Plan.SPOT)],
     )
-    assert [type(d).__name__ for d in out] == ["Pending"]
+    # The spot request takes the two borrowed GPUs; the next finds the job at its minimum.
+    assert [type(d).__name__ for d in out] == ["Resize", "Place", "Pending"]
+    assert len(out[0].gpu_indices) == 6
 
 
 def test_disabled_by_config():
