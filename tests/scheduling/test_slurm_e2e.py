@@ -21,7 +21,7 @@ from scheduling.models import Plan, SlurmJob, WorkloadLogLine
 from scheduling.models import WorkloadState as S
 from scheduling.services.slurm import slurm_region_sync
 from tests.scheduling.conftest import A100, H100
-from tests.slurm_cluster import OUTPUT_DIR, SLURM_CONF, slurm
+from tests.slurm_cluster import NODE, NODE2, OUTPUT_DIR, SLURM_CONF, slurm
 
 pytestmark = pytest.mark.django_db
 
@@ -79,9 +79,11 @@ def scontrol_job(job_id: int) -> dict[str, str]:
 def test_inventory_the_fleet_and_a_job_from_submission_to_invoice(region, client, tenant, cycle):
     # Inventory: the node and its GRES GPUs, by catalog model, in Slurm's own state.
     assert slurm_region_sync(region=region).error == ""
-    node = Node.objects.get(region=region)
+    node = Node.objects.get(region=region, labels__slurm_node=NODE)
     assert node.state == NodeState.SLURM and node.state_reason.startswith("Slurm: ")
-    assert node.labels["partitions"] == ["gpu", "batch"] and node.cpu_cores == 8
+    assert sorted(node.labels["partitions"]) == ["batch", "gpu", "multi"] and node.cpu_cores == 8
+    second = Node.objects.get(region=region, labels__slurm_node=NODE2)
+    assert second.labels["partitions"] == ["multi"] and second.cpu_cores == 4
     gpus = Gpu.objects.filter(node=node, removed_at__isnull=True)
     assert sorted((g.model.name, g.reported_name) for g in gpus) == sorted(
         [(A100, "gres gpu:a100")] * 2 + [(H100, "gres gpu:h100")] * 2
@@ -201,7 +203,8 @@ def test_pending_reasons_stop_and_refusals(region, client, cycle):
     # What gpupool cannot tell Slurm is refused at the API, naming the field.
     for spec, field in (
         ({"gpu_fraction_milli": 500}, "gpu_fraction_milli"),
-        ({"gang": True, "gpu_count": 2}, "gang"),
+        ({"gang": True, "gpu_count": 3}, "gang"),  # no node shape divides 3 (h100:2 per node)
+        ({"gpus_per_node": [4], "gpu_count": 8}, "gpus_per_node"),  # no node has 4
         ({"env": {"K": {"secret": "nope"}}}, "env"),
     ):
         r = client.post("/api/v1/jobs/", job(command=["true"], **spec), content_type="application/json")
