@@ -88,6 +88,8 @@ class SlurmAccounting:
     array_job_id: int = 0
     array_task_id: int | None = None
     node_count: int = 1
+    # An array's own record: the tasks it stands for, which never started (``array.task``).
+    unstarted_tasks: frozenset[int] = frozenset()
 
     @property
     def key(self) -> JobKey:
@@ -105,6 +107,19 @@ def array_task_ids(text: str) -> list[int]:
         hi = int(m[2]) if m[2] else lo
         out.extend(range(lo, hi + 1, int(m[3] or 1)))
     return out
+
+
+def _task_set(value: Any) -> frozenset[int]:
+    """sacct's ``array.task`` of an array's own record: a hex bitmap (``0xE``: tasks 1-3) or a
+    range list (``1-3``)."""
+    text = str(value or "")
+    if text.lower().startswith("0x"):
+        try:
+            bits = int(text, 16)
+        except ValueError:
+            return frozenset()
+        return frozenset(i for i in range(bits.bit_length()) if bits >> i & 1)
+    return frozenset(array_task_ids(text))
 
 
 def _time(value: Any) -> datetime | None:
@@ -311,6 +326,7 @@ class SlurmCli:
                 array_job_id=array_job,
                 array_task_id=array_task,
                 node_count=node_count,
+                unstarted_tasks=_task_set(array.get("task")) if array_task is None else frozenset(),
             )
             out[acct.key] = acct
         return out

@@ -276,8 +276,6 @@ def sbatch_request(
         "--export=NONE",
     ]
     options.append("--ntasks-per-node=1" if shape else "--ntasks=1")
-    if shape and w.gang:
-        options.append("--exclusive")  # a gang takes whole nodes
     if w.is_array:
         options.append(f"--array=0-{int(w.array_count) - 1}%{int(w.array_parallelism or w.array_count)}")
     if w.ram_mib:
@@ -621,14 +619,21 @@ def _follow(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: 
         for sj in ended:
             acct = accounting.get((sj.job_id, sj.array_task_id))
             if acct is None and sj.array_task_id is not None:
-                # A task Slurm never started: the array's remaining tasks ended with the array.
+                # A task Slurm never started ended with its array's own record, which lists it
+                # (slurmdbd may list it there for a moment after it started: only a task gpupool
+                # never saw run, of an array squeue no longer has, is taken as never run).
                 rest = accounting.get((sj.job_id, None))
-                if rest is not None and rest.state in ENDED:
+                gone = not any(k[0] == sj.job_id for k in live)
+                never_ran = gone and Workload.objects.filter(pk=sj.workload_id, started_at=None).exists()
+                if (
+                    never_ran
+                    and rest is not None
+                    and rest.state in ENDED
+                    and sj.array_task_id in rest.unstarted_tasks
+                ):
                     acct = replace(rest, nodes="", gpus={}, start=None)
-                elif (sj.job_id, sj.array_task_id) not in live and not any(k[0] == sj.job_id for k in live):
-                    if Workload.objects.filter(
-                        pk=sj.workload_id, state__in=TERMINAL_STATES, started_at=None
-                    ).exists():
+                elif never_ran and rest is None:
+                    if Workload.objects.filter(pk=sj.workload_id, state__in=TERMINAL_STATES).exists():
                         # Stopped in gpupool before Slurm ran it, and Slurm keeps no record of it.
                         SlurmJob.objects.filter(pk=sj.pk).update(accounted_at=timezone.now())
                     continue
