@@ -420,11 +420,11 @@ def _submit(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: 
 
 
 def _tasks_attach(region: Region) -> None:
-    """Each task row of a submitted array job is its Slurm array's task ``<job id>_<index>``."""
+    """Each task row of a submitted array job is its Slurm array's task ``<job id>_<index>``,
+    whatever its state (one stopped before the array was submitted is then scancelled alone)."""
     tasks = list(
         Workload.objects.filter(
             region=region,
-            state=WorkloadState.QUEUED,
             slurm_job__isnull=True,
             array_parent__slurm_job__isnull=False,
         )
@@ -481,6 +481,8 @@ def _cancel(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: 
         job = live.get((sj.job_id, sj.array_task_id))
         if job is not None and job.state in ENDED:
             continue
+        if job is None and sj.array_task_id is not None:
+            continue  # Slurm has nothing of that task left to cancel
         cli.cancel(sj.job_id, sj.array_task_id)
         SlurmJob.objects.filter(pk=sj.pk).update(cancel_sent_at=now)
         result.cancelled.append(sj.workload_id)

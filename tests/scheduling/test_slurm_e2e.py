@@ -5,6 +5,7 @@ reasons come back, stop is scancel, and sacct's accounting becomes usage records
 
 from __future__ import annotations
 
+import getpass
 import time
 from decimal import Decimal
 
@@ -28,9 +29,19 @@ from tests.slurm_cluster import NODE, NODE2, OUTPUT_DIR, SLURM_CONF, slurm
 pytestmark = pytest.mark.django_db
 
 
+def slurm_clear() -> None:
+    """Cancel every job left on the test cluster (a failed test's, or a crashed run's), and wait
+    until Slurm has ended them: each test starts on idle nodes."""
+    slurm("scancel", "--user", getpass.getuser())
+    deadline = time.monotonic() + 20
+    while slurm("squeue", "-h", "-t", "PD,R,CG,CF", "-o", "%i").strip() and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 @pytest.fixture
 def region(slurm_cluster, db):
-    return Region.objects.create(
+    slurm_clear()
+    yield Region.objects.create(
         code="hpc-1",
         name="HPC cluster",
         backend=RegionBackend.SLURM,
@@ -43,6 +54,7 @@ def region(slurm_cluster, db):
             "account_prefix": "gpt-",
         },
     )
+    slurm_clear()
 
 
 @pytest.fixture
@@ -336,19 +348,30 @@ def test_stopping_an_array_is_one_scancel_of_the_slurm_array(region, client, cyc
     )
     aid = r.json()["id"]
 
-    def first_runs():
-        return any(
-            t["state"] == "running" for t in client.get(f"/api/v1/jobs/{aid}/tasks/").json()["results"]
-        )
+    def running(index):
+        def check():
+            listed = client.get(f"/api/v1/jobs/{aid}/tasks/").json()["results"]
+            return any(t["state"] == "running" and t["array_index"] == index for t in listed)
 
-    sync_until(region, cycle, first_runs)
+        return check
+
+    sync_until(region, cycle, running(0))
     array_id = SlurmJob.objects.get(workload_id=aid).job_id
     pending = [rec for rec in scontrol_jobs(array_id) if rec["JobState"] == "PENDING"]
     assert pending and pending[0]["Reason"] == "JobArrayTaskLimit"  # Slurm holds the rest back
+    # One task stopped alone: scancel <id>_0; Slurm then runs the next.
+    first = SlurmJob.objects.get(workload__array_parent_id=aid, array_task_id=0).workload_id
+    assert client.post(f"/api/v1/jobs/{first}/stop/").status_code in (200, 202)
+    result = slurm_region_sync(region=region)
+    assert result.cancelled == [first] and not result.error
+    sync_until(region, cycle, running(1))
+    assert slurm("sacct", "-n", "-P", "-X", "-o", "State", "-j", f"{array_id}_0").startswith("CANCELLED")
+
+    # The array stopped: one scancel, of the array job.
     assert client.post(f"/api/v1/jobs/{aid}/stop/").status_code in (200, 202)
     cycle()
     result = slurm_region_sync(region=region)
-    assert result.cancelled == [aid] and not result.error  # one scancel, of the array job
+    assert result.cancelled == [aid] and not result.error
     sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{aid}/").json()["state"] == "stopped")
     sync_until(
         region,
@@ -357,16 +380,20 @@ def test_stopping_an_array_is_one_scancel_of_the_slurm_array(region, client, cyc
             not SlurmJob.objects.filter(workload__array_parent_id=aid, accounted_at__isnull=True).exists()
         ),
     )
-    (task,) = client.get(f"/api/v1/jobs/{aid}/tasks/").json()["results"]
-    assert task["state"] == "stopped"
+    listed = client.get(f"/api/v1/jobs/{aid}/tasks/").json()["results"]
+    assert sorted((t["array_index"], t["state"]) for t in listed) == [(0, "stopped"), (1, "stopped")]
     states = set(slurm("sacct", "-n", "-P", "-X", "-o", "State", "-j", str(array_id)).splitlines())
     assert states and all(s.startswith("CANCELLED") for s in states)
     assert not slurm("squeue", "-h", "-j", str(array_id)).strip() or all(
         rec["JobState"] in ("CANCELLED", "COMPLETING") for rec in scontrol_jobs(array_id)
     )
-    # The task that ran is billed to its cancel; those Slurm never ran hold nothing.
-    (alloc,) = Allocation.objects.filter(workload__array_parent_id=aid)
-    assert alloc.ended_at is not None and alloc.end_reason == "slurm_cancelled"
+    # The tasks that ran are billed to their cancel; those Slurm never ran hold nothing.
+    allocs = Allocation.objects.filter(workload__array_parent_id=aid)
+    assert sorted(allocs.values_list("workload__array_index", "end_reason")) == [
+        (0, "slurm_cancelled"),
+        (1, "slurm_cancelled"),
+    ]
+    assert not allocs.filter(ended_at__isnull=True).exists()
 
 
 def test_a_gang_is_one_multi_node_slurm_job_with_the_rendezvous_of_every_gang(region, client, tenant, cycle):
