@@ -6,6 +6,7 @@ reasons come back, stop is scancel, and sacct's accounting becomes usage records
 from __future__ import annotations
 
 import getpass
+import json
 import time
 from decimal import Decimal
 
@@ -335,6 +336,13 @@ def test_an_array_is_one_slurm_array_job_with_a_task_row_per_slurm_task(region, 
         assert alloc.gpu_model.name == H100 and alloc.end_reason == "slurm_completed"
     sacct = slurm("sacct", "-n", "-P", "-X", "-o", "JobID,State", "-j", str(array_id)).split()
     assert sorted(sacct) == [f"{array_id}_{i}|COMPLETED" for i in range(3)]
+    # Each task is billed from Slurm's start of it, also one whose row the cycle made after Slurm
+    # had started it (task 2 starts as soon as 0 or 1 ends; its row comes a sync and a cycle later).
+    records = json.loads(slurm("sacct", "--json", "-j", str(array_id)))["jobs"]
+    starts = {r["array"]["task_id"]: r["time"]["start"] for r in records if r["array"]["task_id"] is not None}
+    for sj in rows:
+        started = Workload.objects.get(pk=sj.workload_id).started_at
+        assert started.timestamp() == starts[sj.array_task_id]
     usage_build(tenant=tenant)
     assert UsageRecord.objects.filter(workload__array_parent_id=aid).count() == 3
     assert all(rec.seconds + rec.minimum_topup_s == 60 for rec in UsageRecord.objects.filter(tenant=tenant))
