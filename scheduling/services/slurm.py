@@ -40,6 +40,7 @@ from datetime import datetime
 from pathlib import Path
 
 from django.db import transaction
+from django.db.models import Sum
 from django.utils import timezone
 
 from nodes.models import Gpu, GpuModel, Node, NodeState, Region, RegionBackend
@@ -56,6 +57,7 @@ from scheduling.models import (
     Allocation,
     DependencyCondition,
     LogStream,
+    QuotaModelLimit,
     SlurmJob,
     Workload,
     WorkloadDependency,
@@ -167,14 +169,39 @@ def slurm_region_sync(*, region: Region, now: datetime | None = None) -> SyncRes
 
 
 def _gres_type(w: Workload, config: SlurmConfig) -> tuple[GpuModel | None, str]:
-    """The first acceptable model the region maps to a GRES type, and that type ('' if none)."""
+    """The first acceptable model the region maps to a GRES type and that is within the tenant's
+    per-model quota, and that type ('' if none). The quota is counted as the cycle counts it for
+    agent regions (the tenant's open allocations of the model plus this request)."""
+    mapped = _mapped_candidates(w, config)
+    room = _models_with_room(w, mapped)
+    for m in mapped:
+        if m.pk in room:
+            return m, config.gres_types[m.name]
+    return None, ""
+
+
+def _mapped_candidates(w: Workload, config: SlurmConfig) -> list[GpuModel]:
     from scheduling.services.submission import candidate_models
 
-    for m in candidate_models(workload=w):
-        t = config.gres_types.get(m.name)
-        if t:
-            return m, t
-    return None, ""
+    return [m for m in candidate_models(workload=w) if config.gres_types.get(m.name)]
+
+
+def _models_with_room(w: Workload, models: list[GpuModel]) -> set[int]:
+    limits = dict(
+        QuotaModelLimit.objects.filter(quota__tenant_id=w.tenant_id, gpu_model__in=models).values_list(
+            "gpu_model_id", "max_gpus"
+        )
+    )
+    if not limits:
+        return {m.pk for m in models}
+    used = dict(
+        Allocation.objects.filter(tenant_id=w.tenant_id, ended_at__isnull=True, gpu_model_id__in=list(limits))
+        .values("gpu_model_id")
+        .annotate(milli=Sum("fraction_milli"))
+        .values_list("gpu_model_id", "milli")
+    )
+    need = w.gpu_count * w.gpu_fraction_milli
+    return {m.pk for m in models if m.pk not in limits or used.get(m.pk, 0) + need <= limits[m.pk] * MILLI}
 
 
 def slurm_node_sizes(*, region: Region, model: GpuModel | None, partition: str) -> list[int]:
@@ -372,6 +399,14 @@ def _submit(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: 
             if account not in accounts:
                 cli.account_ensure(account=account, description=f"gpupool tenant {w.tenant_id}", user=user)
                 accounts.add(account)
+            model, _ = _gres_type(w, config)
+            if model is None and any(config.gres_types.get(m.name) for m in _mapped_candidates(w, config)):
+                # Every mapped model is at the tenant's per-model quota: it waits, as in the cycle.
+                message = "Every acceptable GPU model is at your per-model GPU quota."
+                if (w.pending_reason, w.pending_message) != ("quota", message):
+                    w.pending_reason, w.pending_message = "quota", message
+                    w.save(update_fields=["pending_reason", "pending_message"])
+                continue
             shape = _shape(region, w, config)
             if (w.gang or w.gpus_per_node) and shape is None:
                 _refuse(w, f"No node of {region.code} takes {w.gpu_count} GPUs in these shapes.", result)

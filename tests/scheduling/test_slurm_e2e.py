@@ -447,6 +447,17 @@ def test_running_slurm_jobs_count_toward_model_quota_and_budget(region, client, 
     h100 = price_h100("360.00")  # 0.10 per GPU-second
     quota = Quota.objects.create(tenant=tenant)
     QuotaModelLimit.objects.create(quota=quota, gpu_model=h100, max_gpus=2)
+    # Dispatch too: a job that accepts A100 or H100 goes to Slurm as the model with room, as the
+    # cycle places it in agent regions (A100, its first, is at a quota of 0).
+    a100_limit = QuotaModelLimit.objects.create(
+        quota=quota, gpu_model=GpuModel.objects.get(name=A100), max_gpus=0
+    )
+    either = submit(client, gpu_models=[A100, H100], command=["true"])
+    sync_until(region, cycle, lambda: SlurmJob.objects.filter(workload_id=either).exists())
+    assert "gres/gpu:h100=1" in scontrol_job(SlurmJob.objects.get(workload_id=either).job_id)["TRES"]
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{either}/").json()["state"] == "succeeded")
+    a100_limit.delete()
+
     hog = submit(client, gpu_count=2, command=["sleep", "20"], max_runtime_s=120)
     sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{hog}/").json()["state"] == "running")
     assert quota_usage(tenant=tenant).model_milli == {h100.pk: 2000}  # its open allocations
