@@ -26,8 +26,8 @@ docker-up: system-deps
 	-@scripts/docker-up
 
 # The single-host Slurm cluster of the Slurm region's tests (munged, slurmdbd on the local MariaDB,
-# slurmctld, slurmd with GRES gpus), under /var/lib/gpupool-slurm. When it cannot, it says why and
-# those tests skip with that reason (CI makes them fail instead).
+# slurmctld, two slurmds on this host with GRES gpus), under /var/lib/gpupool-slurm. When it
+# cannot, it says why and those tests skip with that reason (CI makes them fail instead).
 slurm-up: system-deps
 	-@scripts/slurm-up
 

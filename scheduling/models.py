@@ -871,12 +871,16 @@ class WorkItem(TenantOwnedModel):
 
 class SlurmJob(models.Model):
     """The Slurm job a workload of a Slurm region became (``scheduling.services.slurm``): its id in
-    that cluster, Slurm's state and reason as last read, how far its output file was read into the
+    that cluster (an array job's workload: the Slurm array job; each of its tasks: that id and the
+    task's index), Slurm's state and reason as last read, how far its output file was read into the
     workload's log, and whether its accounting (sacct) has been turned into allocations."""
 
     workload = models.OneToOneField(Workload, on_delete=models.CASCADE, related_name="slurm_job")
     region = models.ForeignKey("nodes.Region", on_delete=models.PROTECT, related_name="+")
-    job_id = models.BigIntegerField()
+    job_id = models.BigIntegerField(help_text="Slurm's job id; of an array task, its array job's.")
+    array_task_id = models.PositiveIntegerField(
+        null=True, blank=True, help_text="An array task's index in its Slurm array job (<job_id>_<index>)."
+    )
     account = models.CharField(max_length=64)
     partition = models.CharField(max_length=64, blank=True)
     gres = models.CharField(max_length=80, blank=True)
@@ -889,7 +893,19 @@ class SlurmJob(models.Model):
     accounted_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
-        constraints = [models.UniqueConstraint(fields=["region", "job_id"], name="slurmjob_region_job_id")]
+        constraints = [
+            # A job, or an array job's own row (its array workload's), once per cluster; each task once.
+            models.UniqueConstraint(
+                fields=["region", "job_id"],
+                condition=Q(array_task_id__isnull=True),
+                name="slurmjob_region_job_id",
+            ),
+            models.UniqueConstraint(
+                fields=["region", "job_id", "array_task_id"],
+                condition=Q(array_task_id__isnull=False),
+                name="slurmjob_region_job_task",
+            ),
+        ]
         indexes = [models.Index(fields=["accounted_at"], name="slurmjob_accounted_at")]
 
     def __str__(self) -> str:

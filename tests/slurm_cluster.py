@@ -1,6 +1,8 @@
 """The real single-host Slurm cluster of the Slurm region's tests, made ready by
 ``scripts/slurm-up`` (``make test`` runs it): munged, slurmdbd on the local MariaDB, slurmctld and
-one slurmd with GRES ``gpu:h100:2,gpu:a100:2``, all under /var/lib/gpupool-slurm.
+two slurmds on this one host: node ``NODE`` with GRES ``gpu:h100:2,gpu:a100:2`` (partitions ``gpu``
+and ``batch``) and node ``NODE2`` with ``gpu:h100:2``; partition ``multi`` has both (multi-node
+jobs). All under /var/lib/gpupool-slurm.
 
 Where it does not answer, the tests that need it skip with the reason (``scripts/slurm-up`` writes
 its own to ``var/slurm-up.txt``); with ``GPUPOOL_REQUIRE_SLURM=1`` (CI) they fail instead.
@@ -9,6 +11,7 @@ its own to ``var/slurm-up.txt``); with ``GPUPOOL_REQUIRE_SLURM=1`` (CI) they fai
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 from pathlib import Path
 
@@ -17,6 +20,8 @@ import pytest
 SLURM_DIR = Path(os.environ.get("GPUPOOL_SLURM_DIR", "/var/lib/gpupool-slurm"))
 SLURM_CONF = SLURM_DIR / "etc" / "slurm.conf"
 OUTPUT_DIR = SLURM_DIR / "output"
+NODE = socket.gethostname().split(".")[0]  # scripts/slurm-up: $(hostname -s)
+NODE2 = f"{NODE}-2"
 REASON_FILE = Path(__file__).resolve().parent.parent / "var" / "slurm-up.txt"
 
 

@@ -14,7 +14,7 @@ import json
 import os
 import re
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -48,6 +48,10 @@ class SlurmNode:
     address: str
 
 
+# A job as gpupool follows it: (job id, None) for a job, (array job id, task index) for an array task.
+JobKey = tuple[int, int | None]
+
+
 @dataclass(frozen=True)
 class SlurmJob:
     job_id: int
@@ -59,11 +63,19 @@ class SlurmJob:
     exit_code: int | None
     nodes: str
     submitted: datetime | None = None
+    array_job_id: int = 0
+    array_task_id: int | None = None
+    # Where it runs: (node name, its GRES there: type -> count), in Slurm's node order.
+    node_gres: tuple[tuple[str, dict[str, int]], ...] = ()
+
+    @property
+    def key(self) -> JobKey:
+        return (self.array_job_id, self.array_task_id) if self.array_job_id else (self.job_id, None)
 
 
 @dataclass(frozen=True)
 class SlurmAccounting:
-    job_id: int
+    job_id: int  # an array task's own id (its JobIDRaw)
     state: str
     start: datetime | None
     end: datetime | None
@@ -73,6 +85,41 @@ class SlurmAccounting:
     gpus: dict[str, int] = field(default_factory=dict)  # GRES type -> count allocated
     cpus: int = 0
     memory_mib: int = 0
+    array_job_id: int = 0
+    array_task_id: int | None = None
+    node_count: int = 1
+    # An array's own record: the tasks it stands for, which never started (``array.task``).
+    unstarted_tasks: frozenset[int] = frozenset()
+
+    @property
+    def key(self) -> JobKey:
+        return (self.array_job_id, self.array_task_id) if self.array_job_id else (self.job_id, None)
+
+
+def array_task_ids(text: str) -> list[int]:
+    """The task indexes of squeue's ``array_task_string`` (``2-9%2``, ``1,3,5-7``, ``0-8:2``)."""
+    out: list[int] = []
+    for part in (text or "").split("%")[0].split(","):
+        m = re.fullmatch(r"(\d+)(?:-(\d+)(?::(\d+))?)?", part.strip())
+        if not m:
+            continue
+        lo = int(m[1])
+        hi = int(m[2]) if m[2] else lo
+        out.extend(range(lo, hi + 1, int(m[3] or 1)))
+    return out
+
+
+def _task_set(value: Any) -> frozenset[int]:
+    """sacct's ``array.task`` of an array's own record: a hex bitmap (``0xE``: tasks 1-3) or a
+    range list (``1-3``)."""
+    text = str(value or "")
+    if text.lower().startswith("0x"):
+        try:
+            bits = int(text, 16)
+        except ValueError:
+            return frozenset()
+        return frozenset(i for i in range(bits.bit_length()) if bits >> i & 1)
+    return frozenset(array_task_ids(text))
 
 
 def _time(value: Any) -> datetime | None:
@@ -177,8 +224,10 @@ class SlurmCli:
         except ValueError as exc:
             raise SlurmError(f"sbatch printed no job id: {out[:100]!r}") from exc
 
-    def jobs(self) -> dict[int, SlurmJob]:
-        """gpupool's jobs that slurmctld still knows (pending, running, and ended for MinJobAge)."""
+    def jobs(self) -> dict[JobKey, SlurmJob]:
+        """gpupool's jobs that slurmctld still knows (pending, running, and ended for MinJobAge), by
+        ``SlurmJob.key``: an array's tasks one by one, those still pending in the array's own record
+        (``array_task_string``) each under its index with that record's state and reason."""
         data = self._json(["squeue", "--json"])
         out = {}
         for j in data.get("jobs", []):
@@ -191,7 +240,14 @@ class SlurmCli:
             state = j.get("job_state", "")
             if isinstance(state, list):
                 state = state[0] if state else ""
-            out[jid] = SlurmJob(
+            hosts = [
+                str(n.get("nodename", ""))
+                for n in ((j.get("job_resources") or {}).get("allocated_nodes") or [])
+                if isinstance(n, dict)
+            ]
+            detail = [parse_gres(str(g)) for g in (j.get("gres_detail") or [])]
+            array_job = _int(j.get("array_job_id")) or 0
+            job = SlurmJob(
                 job_id=jid,
                 name=name,
                 state=str(state).upper(),
@@ -201,19 +257,28 @@ class SlurmCli:
                 exit_code=_int(j.get("exit_code")),
                 nodes=str(j.get("nodes", "") or ""),
                 submitted=_time(j.get("submit_time")),
+                array_job_id=array_job,
+                array_task_id=_int(j.get("array_task_id")) if array_job else None,
+                node_gres=tuple(zip(hosts, detail, strict=False)) if len(hosts) == len(detail) else (),
             )
+            if array_job and job.array_task_id is None:
+                for i in array_task_ids(str(j.get("array_task_string", ""))):
+                    out[(array_job, i)] = replace(job, array_task_id=i)
+            else:
+                out[job.key] = job
         return out
 
-    def accounting(self, job_ids: list[int]) -> dict[int, SlurmAccounting]:
-        """Accounting (slurmdbd) of these jobs: one row per job, its steps left out."""
+    def accounting(self, job_ids: list[int]) -> dict[JobKey, SlurmAccounting]:
+        """Accounting (slurmdbd) of these jobs (an array job: each of its tasks), by
+        ``SlurmAccounting.key``: one row per job or task, steps left out."""
         if not job_ids:
             return {}
-        ids = ",".join(str(int(i)) for i in job_ids)
+        ids = ",".join(str(int(i)) for i in sorted(set(job_ids)))
         data = self._json(["sacct", "--json", "-j", ids])
         # Slurm 22.05's JSON writes a failed job's exit code as 0 ("SUCCESS"); the parsable text
-        # has it right ("1:0": code 1, signal 0), so the code is read from there.
+        # has it right ("1:0": code 1, signal 0), so the code is read from there, by JobIDRaw.
         codes: dict[int, int] = {}
-        for line in self.run(["sacct", "-n", "-P", "-X", "-o", "JobID,ExitCode", "-j", ids]).splitlines():
+        for line in self.run(["sacct", "-n", "-P", "-X", "-o", "JobIDRaw,ExitCode", "-j", ids]).splitlines():
             jid, _, code = line.partition("|")
             if jid.isdigit() and code.partition(":")[0].isdigit():
                 codes[int(jid)] = int(code.partition(":")[0])
@@ -222,10 +287,18 @@ class SlurmCli:
             jid = _int(j.get("job_id"))
             if jid is None:
                 continue
+            array = j.get("array") or {}
+            array_job = _int(array.get("job_id")) or 0
+            array_task = _int(array.get("task_id")) if array_job else None
+            # (An array's record whose task is None stands for its tasks not started: they have no
+            # record of their own; its state says what became of them.)
             gpus: dict[str, int] = {}
             cpus = mem = 0
+            node_count = 1
             for t in (j.get("tres") or {}).get("allocated", []) or []:
                 count = _int(t.get("count")) or 0
+                if t.get("type") == "node":
+                    node_count = max(1, count)
                 if t.get("type") == "gres" and t.get("name"):
                     m = TRES_GPU_TYPE_RE.match(str(t["name"]))
                     if m:
@@ -239,7 +312,7 @@ class SlurmCli:
                 state = state[0] if state else ""
             times = j.get("time") or {}
             exit_code = codes.get(jid, (j.get("exit_code") or {}).get("return_code"))
-            out[jid] = SlurmAccounting(
+            acct = SlurmAccounting(
                 job_id=jid,
                 state=str(state).upper(),
                 start=_time(times.get("start")),
@@ -250,11 +323,25 @@ class SlurmCli:
                 gpus=gpus,
                 cpus=cpus,
                 memory_mib=mem,
+                array_job_id=array_job,
+                array_task_id=array_task,
+                node_count=node_count,
+                unstarted_tasks=_task_set(array.get("task")) if array_task is None else frozenset(),
             )
+            out[acct.key] = acct
         return out
 
-    def cancel(self, job_id: int) -> None:
-        self.run(["scancel", str(int(job_id))])
+    def cancel(self, job_id: int, task: int | None = None) -> None:
+        """scancel a job, a whole array job (every task: one command), or one task of it."""
+        self.run(["scancel", str(int(job_id)) if task is None else f"{int(job_id)}_{int(task)}"])
+
+    def hostnames(self, nodelist: str) -> list[str]:
+        """A node list (``gpu-[01-03],big``) as node names, as Slurm expands it."""
+        if not nodelist or nodelist == "None assigned":
+            return []
+        if "[" not in nodelist:
+            return [n for n in nodelist.split(",") if n]
+        return self.run(["scontrol", "show", "hostnames", nodelist]).split()
 
     # --- accounts --------------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from nodes.models import (
     CommandState,
     Node,
     NodeCommand,
+    NodeState,
     NodeWorkloadStatus,
 )
 from nodes.services.commands import CommandRequest, node_command_enqueue, node_commands_enqueue_many
@@ -81,11 +82,13 @@ AVOID_NODES_KEPT = 16
 
 
 def _nodes_of(workload_id: int) -> list[int]:
+    """The agent nodes a workload holds GPUs on (a Slurm region's job is stopped by ``scancel``,
+    ``scheduling.services.slurm``: its nodes get no commands)."""
     return sorted(
         set(
-            Allocation.objects.filter(workload_id=workload_id, ended_at__isnull=True).values_list(
-                "node_id", flat=True
-            )
+            Allocation.objects.filter(workload_id=workload_id, ended_at__isnull=True)
+            .exclude(node__state=NodeState.SLURM)
+            .values_list("node_id", flat=True)
         )
     )
 

@@ -8,16 +8,25 @@ cycle as everywhere), Slurm places and runs them. The rules, in the order one sy
    ``gpupool-<workload id>``: a job sbatch made but whose row was not saved (a crash in between)
    is found by that name in ``squeue`` and adopted, never submitted twice. Slurm refusing it (an
    account, partition or GRES it does not have) fails the job with Slurm's words.
+   An array job (``scheduling.services.arrays``) becomes ONE Slurm array job,
+   ``--array=0-<N-1>%<P>``, once the cycle has made its first tasks (its dependencies are met or
+   Slurm's); each task row gpupool makes is Slurm's task ``<job id>_<index>``, followed on its own.
+   A gang (``gang`` or ``gpus_per_node``) becomes one job of ``--nodes=<n> --ntasks-per-node=1``
+   with the GRES per node, whose batch script runs the command on every node through ``srun`` with
+   the rendezvous variables gang members get everywhere (``slurm_gang_shape``).
 3. State: squeue's state and pending reason become the workload's (``PENDING_REASONS``); a job
-   Slurm runs goes SCHEDULED then RUNNING at Slurm's start time.
+   Slurm runs goes SCHEDULED then RUNNING at Slurm's start time, and from then holds open
+   Allocation rows for the GPUs Slurm gave it (per node, by GRES type), as agent-run work does: so
+   quotas (per model) and budgets (cost to date) count it while it runs, by the same code.
 4. Stop: a stop asked in gpupool (the job STOPPED while queued, or STOPPING while running) is an
-   ``scancel``; the job ends when Slurm says so.
-5. Accounting: once a job has ended, sacct (slurmdbd) gives its start, end and GPUs by GRES type;
-   they become Allocation rows (ended, one per GPU, on the Slurm node's GPU rows of that type) and
-   the RUNNING event at Slurm's start, so metering prices and invoices them as every allocation.
-   The workload's terminal state comes with them, in the same transaction.
-6. Output: the job's output file (``output_dir``, stdout and stderr together) is read into the
-   workload's log lines from where the last sync stopped.
+   ``scancel``; the job ends when Slurm says so. A stopped array job is one ``scancel`` of the
+   Slurm array job (every task); one task stopped alone is ``scancel <id>_<index>``.
+5. Accounting: once a job has ended, sacct (slurmdbd) gives its start, end and GPUs by GRES type
+   (an array's: each task's); its allocations end at sacct's end (made then, if the job started and
+   ended between two syncs), so metering prices and invoices them as every allocation. The
+   workload's terminal state comes with them, in the same transaction.
+6. Output: the job's output file (``output_dir``, stdout and stderr together; an array task's
+   own) is read into the workload's log lines from where the last sync stopped.
 """
 
 from __future__ import annotations
@@ -26,16 +35,17 @@ import getpass
 import logging
 import math
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
 from django.db import transaction
+from django.db.models import Sum
 from django.utils import timezone
 
-from nodes.models import Gpu, GpuModel, Node, Region, RegionBackend
+from nodes.models import Gpu, GpuModel, Node, NodeState, Region, RegionBackend
 from nodes.services.slurm import slurm_config, slurm_hostname, slurm_inventory_store
-from nodes.slurm.cli import JOB_NAME_PREFIX, SlurmAccounting, SlurmCli, SlurmError
+from nodes.slurm.cli import JOB_NAME_PREFIX, JobKey, SlurmAccounting, SlurmCli, SlurmError
 from nodes.slurm.cli import SlurmJob as LiveJob
 from nodes.slurm.config import SlurmConfig
 from portal.actors import Actor
@@ -47,12 +57,15 @@ from scheduling.models import (
     Allocation,
     DependencyCondition,
     LogStream,
+    QuotaModelLimit,
     SlurmJob,
     Workload,
     WorkloadDependency,
+    WorkloadEvent,
     WorkloadLogLine,
     WorkloadState,
 )
+from scheduling.services.gangs import gang_port_choose, gang_ports_used
 from scheduling.services.states import workload_transition
 
 logger = logging.getLogger(__name__)
@@ -85,6 +98,7 @@ PENDING_REASONS = {
     "BeginTime": "scheduled",
     "JobHeldUser": "held",
     "JobHeldAdmin": "held",
+    "JobArrayTaskLimit": "array",
 }
 QUOTA_PREFIXES = ("QOSMax", "QOSGrp", "AssocGrp", "AssocMax", "QOSJobLimit", "AccountingPolicy")
 MAX_SUBMIT_PER_SYNC = 200
@@ -143,32 +157,96 @@ def slurm_region_sync(*, region: Region, now: datetime | None = None) -> SyncRes
     except SlurmError as exc:
         result.error = str(exc)
         logger.warning("Slurm region %s: %s", region.code, exc)
+    if result.ended:
+        # Ended tasks make room for an array's next ones (the cycle makes them).
+        from scheduling.services.triggers import cycle_request
+
+        cycle_request(reason="slurm")
     return result
 
 
 # --- submission ------------------------------------------------------------------------------------
 
 
-def _gres(w: Workload, config: SlurmConfig) -> str:
-    """``gpu:<type>:<n>`` for the first acceptable model the region maps, else ``gpu:<n>``."""
+def _gres_type(w: Workload, config: SlurmConfig) -> tuple[GpuModel | None, str]:
+    """The first acceptable model the region maps to a GRES type and that is within the tenant's
+    per-model quota, and that type ('' if none). The quota is counted as the cycle counts it for
+    agent regions (the tenant's open allocations of the model plus this request)."""
+    mapped = _mapped_candidates(w, config)
+    room = _models_with_room(w, mapped)
+    for m in mapped:
+        if m.pk in room:
+            return m, config.gres_types[m.name]
+    return None, ""
+
+
+def _mapped_candidates(w: Workload, config: SlurmConfig) -> list[GpuModel]:
     from scheduling.services.submission import candidate_models
 
-    names = [m.name for m in candidate_models(workload=w)]
-    for name in names:
-        t = config.gres_types.get(name)
-        if t:
-            return f"gpu:{t}:{w.gpu_count}"
-    return f"gpu:{w.gpu_count}"
+    return [m for m in candidate_models(workload=w) if config.gres_types.get(m.name)]
+
+
+def _models_with_room(w: Workload, models: list[GpuModel]) -> set[int]:
+    limits = dict(
+        QuotaModelLimit.objects.filter(quota__tenant_id=w.tenant_id, gpu_model__in=models).values_list(
+            "gpu_model_id", "max_gpus"
+        )
+    )
+    if not limits:
+        return {m.pk for m in models}
+    used = dict(
+        Allocation.objects.filter(tenant_id=w.tenant_id, ended_at__isnull=True, gpu_model_id__in=list(limits))
+        .values("gpu_model_id")
+        .annotate(milli=Sum("fraction_milli"))
+        .values_list("gpu_model_id", "milli")
+    )
+    need = w.gpu_count * w.gpu_fraction_milli
+    return {m.pk for m in models if m.pk not in limits or used.get(m.pk, 0) + need <= limits[m.pk] * MILLI}
+
+
+def slurm_node_sizes(*, region: Region, model: GpuModel | None, partition: str) -> list[int]:
+    """GPUs of ``model`` per node of the region's inventory (nodes of ``partition`` where it is
+    named), one size per node, largest first: the shapes a gang's nodes can take."""
+    if model is None:
+        return []
+    sizes: dict[int, int] = {}
+    nodes = {
+        n.pk: n
+        for n in Node.objects.filter(region=region, state=NodeState.SLURM).only("pk", "labels")
+        if not partition or partition in (n.labels or {}).get("partitions", [])
+    }
+    for node_id in Gpu.objects.filter(
+        node_id__in=list(nodes), model=model, removed_at__isnull=True
+    ).values_list("node_id", flat=True):
+        sizes[node_id] = sizes.get(node_id, 0) + 1
+    return sorted(sizes.values(), reverse=True)
+
+
+def slurm_gang_shape(
+    *, gpu_count: int, gang: bool, gpus_per_node: list[int], sizes: list[int]
+) -> tuple[int, int] | None:
+    """(nodes, GPUs per node) of work across nodes in a Slurm region, or None when no node shape
+    of ``sizes`` fits: a gang takes whole nodes (the largest node size dividing its count), split
+    work the largest of its ``gpus_per_node`` that divides its count and fits a node. A count that
+    fits one node with the same per-node size is one node."""
+    if gang:
+        per = next((k for k in sizes if gpu_count % k == 0), None)
+    else:
+        biggest = max(sizes, default=0)
+        per = next(
+            (k for k in sorted(gpus_per_node, reverse=True) if gpu_count % k == 0 and k <= biggest), None
+        )
+    if per is None:
+        return None
+    return gpu_count // per, per
 
 
 def _platform_env(w: Workload) -> dict[str, str]:
     env = {"GPUPOOL_WORKLOAD_ID": str(w.pk)}
     if w.image:
         env["GPUPOOL_IMAGE"] = w.image
-    if w.array_parent_id is not None:
-        count = Workload.objects.filter(pk=w.array_parent_id).values_list("array_count", flat=True).first()
-        env["GPUPOOL_ARRAY_INDEX"] = str(w.array_index)
-        env["GPUPOOL_ARRAY_COUNT"] = str(count)
+    if w.is_array:
+        env["GPUPOOL_ARRAY_COUNT"] = str(w.array_count)
     return env
 
 
@@ -188,24 +266,45 @@ def _dependency(w: Workload) -> str:
     return ",".join(parts)
 
 
-def sbatch_request(w: Workload, config: SlurmConfig, account: str) -> tuple[list[str], str, str]:
-    """(sbatch options, batch script, output path pattern) of a workload. Every value is one argv
-    element or shell-quoted in the script: names were checked by the workload rules and the
-    region's configuration, text values are quoted whatever they hold."""
-    gres = _gres(w, config)
-    output = str(Path(config.output_dir) / f"{JOB_NAME_PREFIX}{w.pk}-%j.out")
+# The rendezvous of a gang's members as every member reads it (``scheduling.services.gangs``):
+# the nodes by Slurm's node list, rank 0's first, and each member's rank from srun (one task per
+# node, so SLURM_NODEID is the node's rank).
+GANG_SCRIPT = """\
+GPUPOOL_PEERS=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd, -)
+export GPUPOOL_PEERS
+export MASTER_ADDR="${GPUPOOL_PEERS%%,*}"
+export NNODES="$SLURM_JOB_NUM_NODES"
+exec srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 --export=ALL \\
+  /bin/sh -c 'export NODE_RANK="$SLURM_NODEID"; exec "$@"' gpupool-member """
+
+
+def sbatch_request(
+    w: Workload, config: SlurmConfig, account: str, *, shape: tuple[int, int] | None = None, port: int = 0
+) -> tuple[list[str], str, str]:
+    """(sbatch options, batch script, output path pattern) of a workload: a job, an array job (a
+    Slurm array), or work across nodes (``shape``: nodes and GPUs per node; ``port``: its
+    rendezvous port). Every value is one argv element or shell-quoted in the script: names were
+    checked by the workload rules and the region's configuration, text values are quoted whatever
+    they hold."""
+    _model, gres_type = _gres_type(w, config)
+    nodes, per_node = shape or (1, w.gpu_count)
+    gres = f"gpu:{gres_type}:{per_node}" if gres_type else f"gpu:{per_node}"
+    name = f"{JOB_NAME_PREFIX}{w.pk}"
+    output = str(Path(config.output_dir) / (f"{name}-%A_%a.out" if w.is_array else f"{name}-%j.out"))
     options = [
-        f"--job-name={JOB_NAME_PREFIX}{w.pk}",
+        f"--job-name={name}",
         f"--comment=gpupool workload {w.pk}",
         f"--account={account}",
         f"--gres={gres}",
-        "--nodes=1",
-        "--ntasks=1",
+        f"--nodes={nodes}",
         f"--cpus-per-task={max(1, math.ceil(w.cpu_millicores / 1000))}",
         f"--output={output}",
         f"--chdir={config.output_dir}",
         "--export=NONE",
     ]
+    options.append("--ntasks-per-node=1" if shape else "--ntasks=1")
+    if w.is_array:
+        options.append(f"--array=0-{int(w.array_count) - 1}%{int(w.array_parallelism or w.array_count)}")
     if w.ram_mib:
         options.append(f"--mem={w.ram_mib}M")
     if w.max_runtime_s:
@@ -221,12 +320,39 @@ def sbatch_request(w: Workload, config: SlurmConfig, account: str) -> tuple[list
         options.append(f"--qos={qos}")
     lines = ["#!/bin/bash", "# gpupool workload " + str(int(w.pk))]
     env = {k: v for k, v in w.env.items() if isinstance(v, str)} | _platform_env(w)
-    lines += [f"export {name}={shlex.quote(value)}" for name, value in env.items()]
-    lines.append("exec " + shlex.join(str(a) for a in w.command))
+    if shape:
+        env |= {
+            "WORLD_SIZE": str(nodes * per_node),
+            "LOCAL_WORLD_SIZE": str(per_node),
+            "MASTER_PORT": str(port),
+        }
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+    if w.is_array:
+        lines.append('export GPUPOOL_ARRAY_INDEX="$SLURM_ARRAY_TASK_ID"')
+    command = shlex.join(str(a) for a in w.command)
+    lines.append(GANG_SCRIPT + command if shape else "exec " + command)
     return options, "\n".join(lines) + "\n", output
 
 
-def _submit(region: Region, cli: SlurmCli, live: dict[int, LiveJob], result: SyncResult) -> None:
+def _shape(region: Region, w: Workload, config: SlurmConfig) -> tuple[int, int] | None:
+    """Nodes and GPUs per node of work across nodes (None: one node)."""
+    if not (w.gang or w.gpus_per_node):
+        return None
+    model, _ = _gres_type(w, config)
+    sizes = slurm_node_sizes(region=region, model=model, partition=config.partition(w.plan))
+    return slurm_gang_shape(
+        gpu_count=w.gpu_count, gang=w.gang, gpus_per_node=list(w.gpus_per_node), sizes=sizes
+    )
+
+
+def _refuse(w: Workload, message: str, result: SyncResult) -> None:
+    workload_transition(
+        workload=w, to=WorkloadState.FAILED, reason="slurm_refused", message=message[:255], actor=SYSTEM
+    )
+    result.refused.append(w.pk)
+
+
+def _submit(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: SyncResult) -> None:
     config = cli.config
     adoptable: dict[int, LiveJob] = {}
     for job in live.values():
@@ -234,50 +360,82 @@ def _submit(region: Region, cli: SlurmCli, live: dict[int, LiveJob], result: Syn
         if wid.isdigit():
             adoptable[int(wid)] = job
     known = set(
-        SlurmJob.objects.filter(region=region, job_id__in=list(live)).values_list("job_id", flat=True)
+        SlurmJob.objects.filter(
+            region=region, job_id__in=[k[0] for k in live], array_task_id__isnull=True
+        ).values_list("job_id", flat=True)
     )
+    # Jobs (an array's tasks are its Slurm array's), and array jobs whose first tasks the cycle made.
     ids = list(
-        Workload.objects.filter(region=region, state=WorkloadState.QUEUED, slurm_job__isnull=True)
+        Workload.objects.filter(
+            region=region, state=WorkloadState.QUEUED, slurm_job__isnull=True, array_parent__isnull=True
+        )
+        .order_by("pk")
+        .values_list("pk", flat=True)[:MAX_SUBMIT_PER_SYNC]
+    )
+    ids += list(
+        Workload.objects.filter(
+            region=region,
+            array_count__isnull=False,
+            state__in=[WorkloadState.PENDING, WorkloadState.RUNNING],
+            stop_requested_at__isnull=True,
+            slurm_job__isnull=True,
+            array_tasks__state=WorkloadState.QUEUED,
+        )
+        .distinct()
         .order_by("pk")
         .values_list("pk", flat=True)[:MAX_SUBMIT_PER_SYNC]
     )
     user = getpass.getuser()
     accounts: set[str] = set()
-    for wid in ids:
+    for wid in sorted(ids):
         with transaction.atomic():
             w = lock_workload(workload_id=wid)
-            if w.state != WorkloadState.QUEUED or SlurmJob.objects.filter(workload=w).exists():
+            waiting = (
+                (WorkloadState.PENDING, WorkloadState.RUNNING) if w.is_array else (WorkloadState.QUEUED,)
+            )
+            if w.state not in waiting or w.stop_requested_at or SlurmJob.objects.filter(workload=w).exists():
                 continue
             account = slurm_account_name(config, w.tenant)
             if account not in accounts:
                 cli.account_ensure(account=account, description=f"gpupool tenant {w.tenant_id}", user=user)
                 accounts.add(account)
-            options, script, output = sbatch_request(w, config, account)
+            model, _ = _gres_type(w, config)
+            if model is None and any(config.gres_types.get(m.name) for m in _mapped_candidates(w, config)):
+                # Every mapped model is at the tenant's per-model quota: it waits, as in the cycle.
+                message = "Every acceptable GPU model is at your per-model GPU quota."
+                if (w.pending_reason, w.pending_message) != ("quota", message):
+                    w.pending_reason, w.pending_message = "quota", message
+                    w.save(update_fields=["pending_reason", "pending_message"])
+                continue
+            shape = _shape(region, w, config)
+            if (w.gang or w.gpus_per_node) and shape is None:
+                _refuse(w, f"No node of {region.code} takes {w.gpu_count} GPUs in these shapes.", result)
+                continue
+            if shape is not None and w.gang_port is None:
+                w.gang_port = gang_port_choose(workload_id=w.pk, used=gang_ports_used())
+                w.save(update_fields=["gang_port"])
+            options, script, output = sbatch_request(w, config, account, shape=shape, port=w.gang_port or 0)
             # Adopted only if made for this workload: same name, not another row's, and submitted
             # since it was (a name alone may be an older installation's job, kept by MinJobAge).
             found = adoptable.get(w.pk)
             job_id = None
             if (
                 found is not None
-                and found.job_id not in known
+                and found.key[0] not in known
                 and found.submitted
                 and found.submitted >= w.submitted_at.replace(microsecond=0)
             ):
-                job_id = found.job_id
+                job_id = found.key[0]
             if job_id is None:
                 try:
                     job_id = cli.submit(options=options, script=script)
                 except SlurmError as exc:
                     if exc.transient:
                         raise
-                    workload_transition(
-                        workload=w,
-                        to=WorkloadState.FAILED,
-                        reason="slurm_refused",
-                        message=f"Slurm refused the job: {exc}"[:255],
-                        actor=SYSTEM,
-                    )
-                    result.refused.append(w.pk)
+                    # An array job fails with its tasks made so far, all with Slurm's words.
+                    for task in Workload.objects.filter(array_parent=w).exclude(state__in=TERMINAL_STATES):
+                        _refuse(lock_workload(workload_id=task.pk), f"Slurm refused the job: {exc}", result)
+                    _refuse(w, f"Slurm refused the job: {exc}", result)
                     continue
             SlurmJob.objects.create(
                 workload=w,
@@ -289,45 +447,103 @@ def _submit(region: Region, cli: SlurmCli, live: dict[int, LiveJob], result: Syn
                 output_path=output.replace("%j", str(job_id)),
                 state="PENDING",
             )
-            w.pending_reason, w.pending_message = "slurm", f"Submitted to Slurm as job {job_id}."
+            message = f"Submitted to Slurm as {'array ' if w.is_array else ''}job {job_id}."
+            w.pending_reason, w.pending_message = "slurm", message
             w.save(update_fields=["pending_reason", "pending_message"])
             result.submitted.append(w.pk)
+    _tasks_attach(region)
+
+
+def _tasks_attach(region: Region) -> None:
+    """Each task row of a submitted array job is its Slurm array's task ``<job id>_<index>``,
+    whatever its state (one stopped before the array was submitted is then scancelled alone)."""
+    tasks = list(
+        Workload.objects.filter(
+            region=region,
+            slurm_job__isnull=True,
+            array_parent__slurm_job__isnull=False,
+        )
+        .select_related("array_parent__slurm_job")
+        .order_by("pk")
+    )
+    for t in tasks:
+        parent = t.array_parent.slurm_job
+        SlurmJob.objects.get_or_create(
+            workload=t,
+            defaults={
+                "region": region,
+                "job_id": parent.job_id,
+                "array_task_id": t.array_index,
+                "account": parent.account,
+                "partition": parent.partition,
+                "gres": parent.gres,
+                "output_path": parent.output_path.replace("%A", str(parent.job_id)).replace(
+                    "%a", str(t.array_index)
+                ),
+                "state": "PENDING",
+            },
+        )
 
 
 # --- stop ----------------------------------------------------------------------------------------
 
 
-def _cancel(region: Region, cli: SlurmCli, live: dict[int, LiveJob], result: SyncResult) -> None:
-    """scancel the jobs whose workload was stopped in gpupool and that Slurm has not ended."""
+def _label(sj: SlurmJob) -> str:
+    return f"{sj.job_id}_{sj.array_task_id}" if sj.array_task_id is not None else str(sj.job_id)
+
+
+def _cancel(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: SyncResult) -> None:
+    """scancel the jobs whose workload was stopped in gpupool and that Slurm has not ended: an
+    array job's row cancels the whole Slurm array (one command), and its tasks with it."""
     rows = SlurmJob.objects.filter(
         region=region,
         accounted_at__isnull=True,
         cancel_sent_at__isnull=True,
         workload__stop_requested_at__isnull=False,
-    )
-    for sj in rows:
-        job = live.get(sj.job_id)
+    ).select_related("workload")
+    now = timezone.now()
+    arrays = set()
+    for sj in sorted(rows, key=lambda r: (r.array_task_id is not None, r.pk)):
+        if sj.array_task_id is None and sj.workload.is_array:
+            if any(k[0] == sj.job_id and k[1] is not None for k in live):
+                cli.cancel(sj.job_id)
+            arrays.add(sj.job_id)
+            SlurmJob.objects.filter(region=region, job_id=sj.job_id).update(cancel_sent_at=now)
+            result.cancelled.append(sj.workload_id)
+            continue
+        if sj.array_task_id is not None and sj.job_id in arrays:
+            continue  # cancelled with its array
+        job = live.get((sj.job_id, sj.array_task_id))
         if job is not None and job.state in ENDED:
             continue
-        cli.cancel(sj.job_id)
-        SlurmJob.objects.filter(pk=sj.pk).update(cancel_sent_at=timezone.now())
+        if job is None and sj.array_task_id is not None:
+            continue  # Slurm has nothing of that task left to cancel
+        cli.cancel(sj.job_id, sj.array_task_id)
+        SlurmJob.objects.filter(pk=sj.pk).update(cancel_sent_at=now)
         result.cancelled.append(sj.workload_id)
 
 
 # --- state, accounting, output -------------------------------------------------------------------
 
 
-def _to_running(w: Workload, at: datetime, job_id: int) -> None:
-    """QUEUED -> SCHEDULED -> RUNNING at Slurm's start time (billing starts at the RUNNING event),
-    or at the workload's last change where that is later (Slurm counts whole seconds; events stay
-    in order)."""
+def _to_running(w: Workload, at: datetime, label: str) -> None:
+    """QUEUED -> SCHEDULED -> RUNNING at Slurm's start time (billing starts at the RUNNING event).
+    Slurm counts whole seconds, so a start before the workload's last change is taken as that
+    change; but an array task whose row the cycle made after Slurm had started it takes Slurm's
+    time for its whole history (its row, and events, move back to it), so it is billed from then."""
+    if w.array_parent_id is not None and at < w.state_changed_at and w.started_at is None:
+        WorkloadEvent.objects.filter(workload=w, at__gt=at).update(at=at)
+        w.submitted_at = min(w.submitted_at, at)
+        w.queued_at = min(w.queued_at or at, at)
+        w.state_changed_at = at
+        w.save(update_fields=["submitted_at", "queued_at", "state_changed_at"])
     at = max(at, w.state_changed_at)
     if w.state == WorkloadState.QUEUED:
         workload_transition(
             workload=w,
             to=WorkloadState.SCHEDULED,
             reason="slurm",
-            message=f"Slurm job {job_id} started.",
+            message=f"Slurm job {label} started.",
             actor=SYSTEM,
             now=at,
         )
@@ -335,11 +551,83 @@ def _to_running(w: Workload, at: datetime, job_id: int) -> None:
         workload_transition(workload=w, to=WorkloadState.RUNNING, reason="running", actor=SYSTEM, now=at)
 
 
-def _follow(region: Region, cli: SlurmCli, live: dict[int, LiveJob], result: SyncResult) -> None:
-    rows = list(SlurmJob.objects.filter(region=region, accounted_at__isnull=True).order_by("pk"))
+def _hold(
+    region: Region,
+    w: Workload,
+    placed: list[tuple[str, dict[str, int]]],
+    config: SlurmConfig,
+    *,
+    start: datetime,
+    end: datetime | None = None,
+    end_reason: str = "",
+) -> int:
+    """Allocation rows for the GPUs Slurm gave ``w``: ``placed`` is (Slurm node, GRES type -> count)
+    per node. Open (``end`` None) while it runs, so quotas and costs to date count it as agent-run
+    work; the rows are bookkeeping (Slurm chose the devices): a node's GPU rows of that type that
+    no other open allocation holds, else any of them."""
+    models = {m.name: m.pk for m in GpuModel.objects.filter(name__in=list(config.gres_types))}
+    rows = []
+    for slurm_node, gres in placed:
+        node = Node.objects.filter(hostname=slurm_hostname(region, slurm_node)).first()
+        if node is None:
+            logger.error(
+                "Slurm job of workload %s ran on %r, which the inventory does not have", w.pk, slurm_node
+            )
+            continue
+        for gres_type, count in gres.items():
+            model_id = models.get(config.model_of_type(gres_type) or "")
+            if model_id is None:
+                logger.error(
+                    "Workload %s used gpu:%s, which maps to no catalog model: not billed", w.pk, gres_type
+                )
+                continue
+            gpus = list(
+                Gpu.objects.filter(
+                    node=node, uuid__startswith=f"slurm:{region.code}:{slurm_node}:{gres_type}:"
+                ).order_by("index")
+            )
+            busy = set(
+                Allocation.objects.filter(gpu__in=gpus, ended_at__isnull=True).values_list(
+                    "gpu_id", flat=True
+                )
+            )
+            gpus = ([g for g in gpus if g.pk not in busy] + [g for g in gpus if g.pk in busy])[:count]
+            for g in gpus:
+                rows.append(
+                    Allocation(
+                        tenant_id=w.tenant_id,
+                        workload=w,
+                        node=node,
+                        gpu=g,
+                        gpu_model_id=model_id,
+                        plan=w.plan,
+                        fraction_milli=MILLI,
+                        started_at=start,
+                        ended_at=end,
+                        end_reason=end_reason,
+                    )
+                )
+    Allocation.objects.bulk_create(rows)
+    return len(rows)
+
+
+def _follow(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: SyncResult) -> None:
+    # An array job's own row is its Slurm array: its tasks' rows are followed; it ends with it.
+    SlurmJob.objects.filter(
+        region=region,
+        accounted_at__isnull=True,
+        array_task_id__isnull=True,
+        workload__array_count__isnull=False,
+        workload__state__in=TERMINAL_STATES,
+    ).update(accounted_at=timezone.now())
+    rows = list(
+        SlurmJob.objects.filter(region=region, accounted_at__isnull=True)
+        .exclude(array_task_id__isnull=True, workload__array_count__isnull=False)
+        .order_by("pk")
+    )
     ended = []
     for sj in rows:
-        job = live.get(sj.job_id)
+        job = live.get((sj.job_id, sj.array_task_id))
         if job is None or job.state in ENDED:
             ended.append(sj)
             continue
@@ -350,50 +638,75 @@ def _follow(region: Region, cli: SlurmCli, live: dict[int, LiveJob], result: Syn
             if job.state == "PENDING" and w.state == WorkloadState.QUEUED:
                 reason = pending_reason(job.reason)
                 message = (
-                    f"Slurm job {sj.job_id}: {job.reason}."
+                    f"Slurm job {_label(sj)}: {job.reason}."
                     if job.reason not in ("", "None")
-                    else f"Submitted to Slurm as job {sj.job_id}."
+                    else f"Submitted to Slurm as job {_label(sj)}."
                 )
                 if (w.pending_reason, w.pending_message) != (reason, message):
                     w.pending_reason, w.pending_message = reason, message[:255]
                     w.save(update_fields=["pending_reason", "pending_message"])
             elif job.state in RUNNING and w.state in (WorkloadState.QUEUED, WorkloadState.SCHEDULED):
-                _to_running(w, job.start or timezone.now(), sj.job_id)
+                _to_running(w, job.start or timezone.now(), _label(sj))
+                if w.state == WorkloadState.RUNNING and job.node_gres:
+                    _hold(region, w, list(job.node_gres), cli.config, start=w.state_changed_at)
                 result.started.append(w.pk)
         _read_output(sj)
     if ended:
-        accounting = cli.accounting([sj.job_id for sj in ended])
+        accounting = cli.accounting(sorted({sj.job_id for sj in ended}))
         for sj in ended:
-            acct = accounting.get(sj.job_id)
+            acct = accounting.get((sj.job_id, sj.array_task_id))
+            if acct is None and sj.array_task_id is not None:
+                # A task Slurm never started ended with its array's own record, which lists it
+                # (slurmdbd may list it there for a moment after it started: only a task gpupool
+                # never saw run, of an array squeue no longer has, is taken as never run).
+                rest = accounting.get((sj.job_id, None))
+                gone = not any(k[0] == sj.job_id for k in live)
+                never_ran = gone and Workload.objects.filter(pk=sj.workload_id, started_at=None).exists()
+                if (
+                    never_ran
+                    and rest is not None
+                    and rest.state in ENDED
+                    and sj.array_task_id in rest.unstarted_tasks
+                ):
+                    acct = replace(rest, nodes="", gpus={}, start=None)
+                elif never_ran and rest is None:
+                    if Workload.objects.filter(pk=sj.workload_id, state__in=TERMINAL_STATES).exists():
+                        # Stopped in gpupool before Slurm ran it, and Slurm keeps no record of it.
+                        SlurmJob.objects.filter(pk=sj.pk).update(accounted_at=timezone.now())
+                    continue
             if acct is None or acct.state not in ENDED:
                 continue  # slurmdbd has not recorded its end yet: the next sync finishes it
             _read_output(sj)
-            if _finish(region, sj, acct, cli.config):
+            if _finish(region, cli, sj, acct):
                 result.ended.append(sj.workload_id)
 
 
-def _end_state(w: Workload, acct: SlurmAccounting, sj_reason: str) -> tuple[str, str, str]:
+def _end_state(w: Workload, acct: SlurmAccounting, sj_reason: str, label: str) -> tuple[str, str, str]:
     if acct.state == "COMPLETED" and (acct.exit_code or 0) == 0:
-        return WorkloadState.SUCCEEDED, "exited", f"Slurm job {acct.job_id} completed."
+        return WorkloadState.SUCCEEDED, "exited", f"Slurm job {label} completed."
     if acct.state == "CANCELLED" and w.stop_requested_at is not None:
-        return WorkloadState.STOPPED, "stopped", f"Slurm job {acct.job_id} was cancelled (scancel)."
+        return WorkloadState.STOPPED, "stopped", f"Slurm job {label} was cancelled (scancel)."
     if acct.state == "CANCELLED" and "Dependency" in sj_reason:
         return (
             WorkloadState.FAILED,
             "dependency_never_satisfied",
-            f"Slurm job {acct.job_id}: its dependency failed.",
+            f"Slurm job {label}: its dependency failed.",
         )
     if acct.state == "TIMEOUT":
-        return WorkloadState.FAILED, "max_runtime", f"Slurm job {acct.job_id} reached its time limit."
+        return WorkloadState.FAILED, "max_runtime", f"Slurm job {label} reached its time limit."
     code = f" (exit code {acct.exit_code})" if acct.exit_code is not None else ""
     return (
         WorkloadState.FAILED,
         f"slurm_{acct.state.lower()}"[:32],
-        f"Slurm job {acct.job_id}: {acct.state}{code}.",
+        f"Slurm job {label}: {acct.state}{code}.",
     )
 
 
-def _finish(region: Region, sj: SlurmJob, acct: SlurmAccounting, config: SlurmConfig) -> bool:
+def _finish(region: Region, cli: SlurmCli, sj: SlurmJob, acct: SlurmAccounting) -> bool:
+    """The workload's end and its allocations' from sacct, in one transaction: the allocations it
+    holds end at sacct's end (whatever closed them before, e.g. a stop that timed out); a job
+    that started and ended between two syncs gets them made, ended, from sacct's nodes and GRES."""
+    label = _label(sj)
     with transaction.atomic():
         sj = SlurmJob.objects.select_for_update().get(pk=sj.pk)
         if sj.accounted_at is not None:
@@ -401,63 +714,33 @@ def _finish(region: Region, sj: SlurmJob, acct: SlurmAccounting, config: SlurmCo
         w = lock_workload(workload_id=sj.workload_id)
         ran = bool(acct.nodes) and acct.start is not None and acct.end is not None and acct.end >= acct.start
         if ran and w.state not in TERMINAL_STATES:
-            _to_running(w, acct.start, sj.job_id)
-        to, reason, message = _end_state(w, acct, sj.reason)
+            _to_running(w, acct.start, label)
+        to, reason, message = _end_state(w, acct, sj.reason, label)
+        end = acct.end or timezone.now()
         if w.state not in TERMINAL_STATES:
+            end = max(end, w.state_changed_at)  # events stay in order (Slurm counts whole seconds)
             w.exit_code = acct.exit_code
             w.save(update_fields=["exit_code"])
-            workload_transition(
-                workload=w,
-                to=to,
-                reason=reason,
-                message=message,
-                actor=SYSTEM,
-                now=acct.end or timezone.now(),
-            )
+            workload_transition(workload=w, to=to, reason=reason, message=message, actor=SYSTEM, now=end)
         if ran and w.started_at is not None:
-            _allocations(region, w, acct, config)
+            end_reason = f"slurm_{acct.state.lower()}"[:64]
+            held = Allocation.objects.filter(workload=w)
+            if held.exists():
+                held.filter(started_at__lte=end).update(ended_at=end, end_reason=end_reason)
+            else:
+                hosts = cli.hostnames(acct.nodes)
+                share = {t: n // max(1, len(hosts)) for t, n in acct.gpus.items()}
+                _hold(
+                    region,
+                    w,
+                    [(h, share) for h in hosts],
+                    cli.config,
+                    start=min(w.started_at, end),
+                    end=end,
+                    end_reason=end_reason,
+                )
         SlurmJob.objects.filter(pk=sj.pk).update(state=acct.state[:32], accounted_at=timezone.now())
     return True
-
-
-def _allocations(region: Region, w: Workload, acct: SlurmAccounting, config: SlurmConfig) -> None:
-    """One ended Allocation per GPU sacct counts, on the node's GPU rows of that GRES type (the
-    rows are bookkeeping: Slurm chose the devices; ended rows never clash with open ones)."""
-    node = Node.objects.filter(hostname=slurm_hostname(region, acct.nodes.split(",")[0])).first()
-    if node is None:
-        logger.error("Slurm job %s ran on %r, which the inventory does not have", acct.job_id, acct.nodes)
-        return
-    models = {m.name: m.pk for m in GpuModel.objects.filter(name__in=list(config.gres_types))}
-    rows = []
-    for gres_type, count in acct.gpus.items():
-        model_id = models.get(config.model_of_type(gres_type) or "")
-        if model_id is None:
-            logger.error(
-                "Slurm job %s used gpu:%s, which maps to no catalog model: not billed", acct.job_id, gres_type
-            )
-            continue
-        gpus = list(
-            Gpu.objects.filter(
-                node=node,
-                uuid__startswith=f"slurm:{region.code}:{node.labels.get('slurm_node')}:{gres_type}:",
-            ).order_by("index")[:count]
-        )
-        for g in gpus:
-            rows.append(
-                Allocation(
-                    tenant_id=w.tenant_id,
-                    workload=w,
-                    node=node,
-                    gpu=g,
-                    gpu_model_id=model_id,
-                    plan=w.plan,
-                    fraction_milli=MILLI,
-                    started_at=acct.start,
-                    ended_at=acct.end,
-                    end_reason=f"slurm_{acct.state.lower()}"[:64],
-                )
-            )
-    Allocation.objects.bulk_create(rows)
 
 
 def _read_output(sj: SlurmJob) -> None:

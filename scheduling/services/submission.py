@@ -635,14 +635,11 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
 def _validate_slurm(
     f: dict[str, Any], *, kind: str, region: Region, candidates: list[GpuModel], explicit: list, work
 ) -> None:
-    """What a Slurm region runs: batch jobs of whole GPUs on one node, which Slurm places
-    (``scheduling.services.slurm``). What Slurm cannot be told is refused here, naming the field."""
+    """What a Slurm region runs: batch jobs of whole GPUs, on one node or across nodes, which Slurm
+    places (``scheduling.services.slurm``). What Slurm cannot be told is refused here, naming the
+    field."""
     if kind != WorkloadKind.JOB:
         raise _fail("region", f"{region.code} is a Slurm region: it runs jobs, not instances.")
-    if f["gang"] or f["gpus_per_node"]:
-        raise _fail(
-            "gang" if f["gang"] else "gpus_per_node", "Work across nodes is not run in Slurm regions yet."
-        )
     if f["gpu_fraction_milli"] < MILLI or f["mig_profile"]:
         raise _fail("gpu_fraction_milli", "Slurm allocates whole GPUs (GRES), not fractions or MIG slices.")
     if work is not None:
@@ -656,6 +653,24 @@ def _validate_slurm(
     config = slurm_config_parse(region.slurm)
     if explicit and not any(m.name in config.gres_types for m in candidates):
         raise _fail("gpu_models", f"No GRES type of {region.code} is one of these models.")
+    if f["gang"] or f["gpus_per_node"]:
+        # One multi-node Slurm job (--nodes, GRES per node): a node shape of the region's
+        # inventory, of the model its GRES will be, must divide the count.
+        from scheduling.services.slurm import slurm_gang_shape, slurm_node_sizes
+
+        model = next((m for m in candidates if m.name in config.gres_types), None)
+        sizes = slurm_node_sizes(region=region, model=model, partition=config.partition(f["plan"]))
+        shape = slurm_gang_shape(
+            gpu_count=f["gpu_count"], gang=f["gang"], gpus_per_node=f["gpus_per_node"], sizes=sizes
+        )
+        if shape is None:
+            name = "gang" if f["gang"] else "gpus_per_node"
+            have = ", ".join(map(str, sorted(set(sizes)))) or "none"
+            raise _fail(
+                name,
+                f"No node shape of {region.code} divides {f['gpu_count']} GPUs"
+                f" ({model.name if model else 'no mapped model'} per node: {have}).",
+            )
 
 
 # --- quotas ----------------------------------------------------------------------------------------

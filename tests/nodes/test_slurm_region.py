@@ -15,7 +15,7 @@ from nodes.slurm.config import slurm_config_parse
 from portal.actors import Actor
 from portal.errors import Conflict, ValidationFailed
 from portal.models import AuditEvent, User
-from tests.slurm_cluster import OUTPUT_DIR, SLURM_CONF
+from tests.slurm_cluster import NODE, NODE2, OUTPUT_DIR, SLURM_CONF
 
 H100 = "NVIDIA H100 SXM 80GB"
 GOOD = {"output_dir": "/srv/out", "partitions": {"default": "gpu"}, "gres_types": {H100: "h100"}}
@@ -53,10 +53,14 @@ def test_the_command_connects_the_cluster_and_reads_its_inventory(slurm_cluster,
         )
     )
     call_command("slurm_region", "hpc-2", "--name", "HPC", "--config", str(config))
-    assert "Slurm lists 1 node(s) with 4 GPU(s)." in capsys.readouterr().out
+    assert "Slurm lists 2 node(s) with 6 GPU(s)." in capsys.readouterr().out
     region = Region.objects.get(code="hpc-2")
     assert region.backend == RegionBackend.SLURM
-    node = Node.objects.get(region=region)
+    assert sorted(Node.objects.filter(region=region).values_list("labels__slurm_node", flat=True)) == [
+        NODE,
+        NODE2,
+    ]
+    node = Node.objects.get(region=region, labels__slurm_node=NODE)
     assert node.state == NodeState.SLURM
     mapped = Gpu.objects.filter(node=node, model__name=H100).count()
     assert mapped == 2 and Gpu.objects.filter(node=node, model__isnull=True).count() == 2  # a100 not mapped

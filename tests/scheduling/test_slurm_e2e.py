@@ -5,30 +5,44 @@ reasons come back, stop is scancel, and sacct's accounting becomes usage records
 
 from __future__ import annotations
 
+import getpass
+import json
 import time
 from decimal import Decimal
 
 import pytest
 from django.utils import timezone
 
-from metering.models import RateCard, UsageRecord
+from metering.models import Budget, BudgetLimitAction, RateCard, UsageRecord
 from metering.periods import period_of
+from metering.selectors.shared import month_cost_to_date
 from metering.services.invoices import invoice_build
 from metering.services.rates import rate_card_version_create
 from metering.services.usage import usage_build
 from nodes.models import Gpu, GpuModel, Node, NodeState, Region, RegionBackend
-from scheduling.models import Plan, SlurmJob, WorkloadLogLine
+from scheduling.models import Allocation, Plan, Quota, QuotaModelLimit, SlurmJob, Workload, WorkloadLogLine
 from scheduling.models import WorkloadState as S
+from scheduling.selectors.shared import quota_usage
 from scheduling.services.slurm import slurm_region_sync
 from tests.scheduling.conftest import A100, H100
-from tests.slurm_cluster import OUTPUT_DIR, SLURM_CONF, slurm
+from tests.slurm_cluster import NODE, NODE2, OUTPUT_DIR, SLURM_CONF, slurm
 
 pytestmark = pytest.mark.django_db
 
 
+def slurm_clear() -> None:
+    """Cancel every job left on the test cluster (a failed test's, or a crashed run's), and wait
+    until Slurm has ended them: each test starts on idle nodes."""
+    slurm("scancel", "--user", getpass.getuser())
+    deadline = time.monotonic() + 20
+    while slurm("squeue", "-h", "-t", "PD,R,CG,CF", "-o", "%i").strip() and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 @pytest.fixture
 def region(slurm_cluster, db):
-    return Region.objects.create(
+    slurm_clear()
+    yield Region.objects.create(
         code="hpc-1",
         name="HPC cluster",
         backend=RegionBackend.SLURM,
@@ -41,6 +55,7 @@ def region(slurm_cluster, db):
             "account_prefix": "gpt-",
         },
     )
+    slurm_clear()
 
 
 @pytest.fixture
@@ -79,9 +94,11 @@ def scontrol_job(job_id: int) -> dict[str, str]:
 def test_inventory_the_fleet_and_a_job_from_submission_to_invoice(region, client, tenant, cycle):
     # Inventory: the node and its GRES GPUs, by catalog model, in Slurm's own state.
     assert slurm_region_sync(region=region).error == ""
-    node = Node.objects.get(region=region)
+    node = Node.objects.get(region=region, labels__slurm_node=NODE)
     assert node.state == NodeState.SLURM and node.state_reason.startswith("Slurm: ")
-    assert node.labels["partitions"] == ["gpu", "batch"] and node.cpu_cores == 8
+    assert sorted(node.labels["partitions"]) == ["batch", "gpu", "multi"] and node.cpu_cores == 8
+    second = Node.objects.get(region=region, labels__slurm_node=NODE2)
+    assert second.labels["partitions"] == ["multi"] and second.cpu_cores == 4
     gpus = Gpu.objects.filter(node=node, removed_at__isnull=True)
     assert sorted((g.model.name, g.reported_name) for g in gpus) == sorted(
         [(A100, "gres gpu:a100")] * 2 + [(H100, "gres gpu:h100")] * 2
@@ -201,7 +218,8 @@ def test_pending_reasons_stop_and_refusals(region, client, cycle):
     # What gpupool cannot tell Slurm is refused at the API, naming the field.
     for spec, field in (
         ({"gpu_fraction_milli": 500}, "gpu_fraction_milli"),
-        ({"gang": True, "gpu_count": 2}, "gang"),
+        ({"gang": True, "gpu_count": 3}, "gang"),  # no node shape divides 3 (h100:2 per node)
+        ({"gpus_per_node": [4], "gpu_count": 8}, "gpus_per_node"),  # no node has 4
         ({"env": {"K": {"secret": "nope"}}}, "env"),
     ):
         r = client.post("/api/v1/jobs/", job(command=["true"], **spec), content_type="application/json")
@@ -251,3 +269,224 @@ def test_a_dependency_and_an_array(region, client, cycle):
     ]
     assert texts == [["task 0 of 2"], ["task 1 of 2"]]
     assert client.get(f"/api/v1/jobs/{aid}/").json()["state"] == S.SUCCEEDED
+
+
+def price_h100(per_hour: str) -> GpuModel:
+    h100 = GpuModel.objects.get(name=H100)
+    card = RateCard.objects.create(name="Standard", currency="USD", is_default=True)
+    rate_card_version_create(
+        rate_card=card,
+        effective_from=timezone.now() - timezone.timedelta(days=1),
+        gpu_prices={(h100.pk, Plan.ON_DEMAND): per_hour},
+        allow_past=True,
+    )
+    return h100
+
+
+def scontrol_jobs(job_id: int) -> list[dict[str, str]]:
+    """``scontrol show job`` of a job, one dict per record (an array job: a record per task)."""
+    out = slurm("scontrol", "show", "job", "-o", str(job_id))
+    return [dict(p.split("=", 1) for p in line.split() if "=" in p) for line in out.splitlines() if line]
+
+
+def test_an_array_is_one_slurm_array_job_with_a_task_row_per_slurm_task(region, client, tenant, cycle):
+    price_h100("3.60")
+    r = client.post(
+        "/api/v1/jobs/",
+        job(
+            command=[
+                "sh",
+                "-c",
+                'echo "task $GPUPOOL_ARRAY_INDEX of $GPUPOOL_ARRAY_COUNT (slurm $SLURM_ARRAY_TASK_ID)"; sleep 1',
+            ],
+            array={"count": 3, "parallelism": 2},
+        ),
+        content_type="application/json",
+    )
+    assert r.status_code == 201, r.content
+    aid = r.json()["id"]
+    sync_until(region, cycle, lambda: SlurmJob.objects.filter(workload_id=aid).exists())
+    array_id = SlurmJob.objects.get(workload_id=aid).job_id
+    # Slurm's own view: one array job of three tasks, at most two at a time.
+    records = scontrol_jobs(array_id)
+    assert {rec["ArrayJobId"] for rec in records} == {str(array_id)}
+    assert all(rec["JobName"] == f"gpupool-{aid}" for rec in records)
+    assert {rec.get("ArrayTaskThrottle") for rec in records} == {"2"}
+    tasks_seen = ",".join(rec["ArrayTaskId"] for rec in records)
+    assert tasks_seen in ("0-2%2", "0,1-2%2") or {"0", "1"} <= set(tasks_seen.replace("%2", "").split(","))
+    names = slurm("squeue", "-h", "-o", "%F", "--name", f"gpupool-{aid}").split()
+    assert set(names) <= {str(array_id)}  # no other Slurm job for it
+
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{aid}/").json()["state"] == "succeeded")
+    listed = client.get(f"/api/v1/jobs/{aid}/tasks/").json()["results"]
+    assert sorted((t["array_index"], t["state"]) for t in listed) == [(i, "succeeded") for i in range(3)]
+    rows = SlurmJob.objects.filter(workload__array_parent_id=aid).order_by("array_task_id")
+    assert [(sj.job_id, sj.array_task_id) for sj in rows] == [(array_id, i) for i in range(3)]
+    for sj in rows:
+        lines = list(
+            WorkloadLogLine.objects.filter(workload_id=sj.workload_id).values_list("text", flat=True)
+        )
+        i = sj.array_task_id
+        assert lines == [f"task {i} of 3 (slurm {i})"]
+        assert sj.output_path.endswith(f"gpupool-{aid}-{array_id}_{i}.out")
+        # Each task's usage from sacct's record of that task: one GPU, ended, from its RUNNING.
+        (alloc,) = Allocation.objects.filter(workload_id=sj.workload_id)
+        task = sj.workload
+        assert alloc.ended_at is not None and alloc.started_at == task.started_at
+        assert alloc.gpu_model.name == H100 and alloc.end_reason == "slurm_completed"
+    sacct = slurm("sacct", "-n", "-P", "-X", "-o", "JobID,State", "-j", str(array_id)).split()
+    assert sorted(sacct) == [f"{array_id}_{i}|COMPLETED" for i in range(3)]
+    # Each task is billed from Slurm's start of it, also one whose row the cycle made after Slurm
+    # had started it (task 2 starts as soon as 0 or 1 ends; its row comes a sync and a cycle later).
+    records = json.loads(slurm("sacct", "--json", "-j", str(array_id)))["jobs"]
+    starts = {r["array"]["task_id"]: r["time"]["start"] for r in records if r["array"]["task_id"] is not None}
+    for sj in rows:
+        started = Workload.objects.get(pk=sj.workload_id).started_at
+        assert started.timestamp() == starts[sj.array_task_id]
+    usage_build(tenant=tenant)
+    assert UsageRecord.objects.filter(workload__array_parent_id=aid).count() == 3
+    assert all(rec.seconds + rec.minimum_topup_s == 60 for rec in UsageRecord.objects.filter(tenant=tenant))
+
+
+def test_stopping_an_array_is_one_scancel_of_the_slurm_array(region, client, cycle):
+    r = client.post(
+        "/api/v1/jobs/",
+        job(command=["sleep", "60"], array={"count": 4, "parallelism": 1}),
+        content_type="application/json",
+    )
+    aid = r.json()["id"]
+
+    def running(index):
+        def check():
+            listed = client.get(f"/api/v1/jobs/{aid}/tasks/").json()["results"]
+            return any(t["state"] == "running" and t["array_index"] == index for t in listed)
+
+        return check
+
+    sync_until(region, cycle, running(0))
+    array_id = SlurmJob.objects.get(workload_id=aid).job_id
+    pending = [rec for rec in scontrol_jobs(array_id) if rec["JobState"] == "PENDING"]
+    assert pending and pending[0]["Reason"] == "JobArrayTaskLimit"  # Slurm holds the rest back
+    # One task stopped alone: scancel <id>_0; Slurm then runs the next.
+    first = SlurmJob.objects.get(workload__array_parent_id=aid, array_task_id=0).workload_id
+    assert client.post(f"/api/v1/jobs/{first}/stop/").status_code in (200, 202)
+    result = slurm_region_sync(region=region)
+    assert result.cancelled == [first] and not result.error
+    sync_until(region, cycle, running(1))
+    assert slurm("sacct", "-n", "-P", "-X", "-o", "State", "-j", f"{array_id}_0").startswith("CANCELLED")
+
+    # The array stopped: one scancel, of the array job.
+    assert client.post(f"/api/v1/jobs/{aid}/stop/").status_code in (200, 202)
+    cycle()
+    result = slurm_region_sync(region=region)
+    assert result.cancelled == [aid] and not result.error
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{aid}/").json()["state"] == "stopped")
+    sync_until(
+        region,
+        cycle,
+        lambda: (
+            not SlurmJob.objects.filter(workload__array_parent_id=aid, accounted_at__isnull=True).exists()
+        ),
+    )
+    listed = client.get(f"/api/v1/jobs/{aid}/tasks/").json()["results"]
+    assert sorted((t["array_index"], t["state"]) for t in listed) == [(0, "stopped"), (1, "stopped")]
+    states = set(slurm("sacct", "-n", "-P", "-X", "-o", "State", "-j", str(array_id)).splitlines())
+    assert states and all(s.startswith("CANCELLED") for s in states)
+    assert not slurm("squeue", "-h", "-j", str(array_id)).strip() or all(
+        rec["JobState"] in ("CANCELLED", "COMPLETING") for rec in scontrol_jobs(array_id)
+    )
+    # The tasks that ran are billed to their cancel; those Slurm never ran hold nothing.
+    allocs = Allocation.objects.filter(workload__array_parent_id=aid)
+    assert sorted(allocs.values_list("workload__array_index", "end_reason")) == [
+        (0, "slurm_cancelled"),
+        (1, "slurm_cancelled"),
+    ]
+    assert not allocs.filter(ended_at__isnull=True).exists()
+
+
+def test_a_gang_is_one_multi_node_slurm_job_with_the_rendezvous_of_every_gang(region, client, tenant, cycle):
+    region.slurm = {**region.slurm, "partitions": {"default": "multi"}}
+    region.save(update_fields=["slurm"])
+    assert slurm_region_sync(region=region).nodes == 2  # the shapes come from the inventory
+    show = (
+        'echo "$NODE_RANK $WORLD_SIZE $NNODES $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT '
+        '$GPUPOOL_PEERS $SLURMD_NODENAME $X"; sleep 2'
+    )
+    wid = submit(client, gang=True, gpu_count=4, env={"X": "a b"}, command=["sh", "-c", show])
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{wid}/").json()["state"] == "running")
+    sj = SlurmJob.objects.get(workload_id=wid)
+    seen = scontrol_job(sj.job_id)  # Slurm's own view: two nodes, two H100 on each
+    assert seen["NumNodes"] == "2" and seen["NodeList"] in (f"{NODE},{NODE2}", f"{NODE},{NODE}-2")
+    assert "gres/gpu:h100=4" in seen["TRES"] and seen["Partition"] == "multi"
+    # While it runs it holds its four GPUs, two per node, as a gang on agent nodes does.
+    held = Allocation.objects.filter(workload_id=wid, ended_at__isnull=True)
+    assert sorted(held.values_list("node__labels__slurm_node", flat=True)) == [NODE, NODE, NODE2, NODE2]
+
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{wid}/").json()["state"] == "succeeded")
+    port = Workload.objects.get(pk=wid).gang_port
+    lines = sorted(WorkloadLogLine.objects.filter(workload_id=wid).values_list("text", flat=True))
+    assert lines == [
+        f"0 4 2 2 {NODE} {port} {NODE},{NODE2} {NODE} a b",
+        f"1 4 2 2 {NODE} {port} {NODE},{NODE2} {NODE2} a b",
+    ]
+    assert Allocation.objects.filter(workload_id=wid, ended_at__isnull=False).count() == 4
+    assert not Allocation.objects.filter(workload_id=wid, ended_at__isnull=True).exists()
+
+    # gpus_per_node: split over nodes as asked, not whole nodes.
+    split = submit(client, gpu_count=2, gpus_per_node=[1], command=["sh", "-c", 'echo "$NODE_RANK/$NNODES"'])
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{split}/").json()["state"] == "succeeded")
+    seen = scontrol_job(SlurmJob.objects.get(workload_id=split).job_id)
+    assert seen["NumNodes"] == "2" and "gres/gpu:h100=2" in seen["TRES"]
+    assert sorted(WorkloadLogLine.objects.filter(workload_id=split).values_list("text", flat=True)) == [
+        "0/2",
+        "1/2",
+    ]
+
+
+def test_running_slurm_jobs_count_toward_model_quota_and_budget(region, client, tenant, cycle):
+    h100 = price_h100("360.00")  # 0.10 per GPU-second
+    quota = Quota.objects.create(tenant=tenant)
+    QuotaModelLimit.objects.create(quota=quota, gpu_model=h100, max_gpus=2)
+    # Dispatch too: a job that accepts A100 or H100 goes to Slurm as the model with room, as the
+    # cycle places it in agent regions (A100, its first, is at a quota of 0).
+    a100_limit = QuotaModelLimit.objects.create(
+        quota=quota, gpu_model=GpuModel.objects.get(name=A100), max_gpus=0
+    )
+    either = submit(client, gpu_models=[A100, H100], command=["true"])
+    sync_until(region, cycle, lambda: SlurmJob.objects.filter(workload_id=either).exists())
+    assert "gres/gpu:h100=1" in scontrol_job(SlurmJob.objects.get(workload_id=either).job_id)["TRES"]
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{either}/").json()["state"] == "succeeded")
+    a100_limit.delete()
+
+    hog = submit(client, gpu_count=2, command=["sleep", "20"], max_runtime_s=120)
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{hog}/").json()["state"] == "running")
+    assert quota_usage(tenant=tenant).model_milli == {h100.pk: 2000}  # its open allocations
+
+    # At the per-model quota: no more H100 into the Slurm region; another model still fits.
+    r = client.post("/api/v1/jobs/", job(command=["true"]), content_type="application/json")
+    assert r.status_code == 403 and r.json()["error"]["fields"]["quota"] == f"max_gpus[{H100}]", r.content
+    other = client.post(
+        "/api/v1/jobs/", job(command=["true"], gpu_models=[A100]), content_type="application/json"
+    )
+    assert other.status_code == 201, other.content
+
+    # Budget: what the running job accrued counts, as for agent-run work. A job estimated at 6.00
+    # (60 s of one H100) fits a 6.05 budget alone, not with the running job's seconds.
+    time.sleep(1)
+    spent = month_cost_to_date(tenant=tenant)
+    assert spent > Decimal("0.1")
+    QuotaModelLimit.objects.filter(quota=quota).delete()
+    Budget.objects.create(tenant=tenant, monthly_limit=Decimal("6.05"), limit_action=BudgetLimitAction.REFUSE)
+    sync_until(
+        region,
+        cycle,
+        lambda: client.get(f"/api/v1/jobs/{other.json()['id']}/").json()["state"] == "succeeded",
+    )
+    r = client.post("/api/v1/jobs/", job(command=["true"], max_runtime_s=60), content_type="application/json")
+    assert r.status_code == 403 and "spent this month" in r.json()["error"]["message"], r.content
+
+    assert client.post(f"/api/v1/jobs/{hog}/stop/").status_code in (200, 202)
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{hog}/").json()["state"] == "stopped")
+    assert quota_usage(tenant=tenant).model_milli.get(h100.pk, 0) == 0
+    ended = Allocation.objects.filter(workload_id=hog)
+    assert ended.count() == 2 and not ended.filter(ended_at__isnull=True).exists()
