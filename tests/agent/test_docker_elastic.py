@@ -211,7 +211,7 @@ def test_on_nvidia_the_new_container_asks_for_the_new_gpus_and_a_failed_start_fa
     wid = spec.workload_id
     before = docker_engine.api.inspect_container(runtime.container_name(wid))
     uuids = ["GPU-6d1a0c5e-0000-4000-8000-000000000001", "GPU-6d1a0c5e-0000-4000-8000-000000000002"]
-    with pytest.raises(RuntimeFailure, match="elastic restart failed: .*could not select device driver"):
+    with pytest.raises(RuntimeFailure, match=r"elastic restart failed: .*could not select device driver"):
         runtime.resize(wid, _info(runtime, uuids), restart=True, grace_s=5)
     after = docker_engine.api.inspect_container(runtime.container_name(wid))
     assert after["Id"] != before["Id"]
