@@ -46,7 +46,9 @@ def test_the_owner_shrinks_and_grows_a_running_elastic_job_from_its_page(
     assert Allocation.objects.active().filter(workload=w).count() == 3
     sizes = [
         (c.payload["world_size"], c.payload["on_resize"])
-        for c in NodeCommand.objects.filter(kind=CommandKind.RESIZE_WORKLOAD, node=node).order_by("created_at")
+        for c in NodeCommand.objects.filter(kind=CommandKind.RESIZE_WORKLOAD, node=node).order_by(
+            "created_at"
+        )
     ]
     assert sizes == [(6, "restart"), (3, "restart")]  # grown by the cycle, then the owner's shrink
     audit = AuditEvent.objects.filter(action="job.resize").latest("pk")
@@ -90,7 +92,14 @@ def test_only_a_running_elastic_job_has_the_form_and_is_resized(client, tenant, 
 
 
 def test_another_tenant_gets_404_and_a_viewer_403(
-    client, tenant, make_node, submit, cycle, make_tenant, signed_in, add_member, owner  # noqa: F811
+    client,
+    tenant,
+    make_node,
+    submit,
+    cycle,
+    make_tenant,
+    signed_in,  # noqa: F811
+    add_member,  # noqa: F811
 ):
     w, _ = _running(tenant, make_node, submit, cycle)
     # Positive control: the owner reaches it by the same route.
