@@ -142,7 +142,9 @@ def test_restart_mode_grows_a_container_onto_new_gpus_as_the_same_run(
     for key in ("Mounts", "NanoCpus", "Memory", "MemorySwap", "PidsLimit", "CapDrop", "SecurityOpt"):
         assert after["HostConfig"][key] == before["HostConfig"][key], key
     assert after["HostConfig"]["Privileged"] is False and after["HostConfig"]["NetworkMode"] == "none"
-    assert after["Image"] == before["Image"] and after["Config"]["Cmd"] == before["Config"]["Cmd"]
+    for key in ("Cmd", "Hostname", "User", "WorkingDir"):
+        assert after["Config"][key] == before["Config"][key], key
+    assert after["Image"] == before["Image"]
 
     # It resumed from the checkpoint the first run wrote, on the three GPUs.
     wait_for(lambda: "resumed from" in runtime.logs(wid), what="the restarted job to start")
@@ -225,3 +227,35 @@ def test_on_nvidia_the_new_container_asks_for_the_new_gpus_and_a_failed_start_fa
     # The first run's lines are still shipped.
     lines, _ = runtime.output(wid, {}, 100)
     assert any(text.startswith("start world=0") for _, _, text in lines)
+
+
+@needs_root
+def test_a_restart_keeps_the_network_and_the_published_host_ports(
+    runtime: DockerRuntime, docker_engine: docker.DockerClient
+) -> None:
+    gpus = [g.uuid for g in runtime.inventory.gpus]
+    spec = WorkloadSpec(
+        f"e{uuid.uuid4().hex[:10]}",
+        image=TEST_IMAGE,
+        command=["sh", "-c", "trap 'exit 0' TERM; while true; do sleep 0.1; done"],
+        gpu_uuids=gpus[:1],
+        cpu_millicores=300,
+        ram_mib=48,
+        ports=[8888],
+    )
+    try:
+        handle = runtime.start(spec)
+        wid = spec.workload_id
+        runtime.resize(wid, _info(runtime, gpus[:2]), restart=True, grace_s=5)
+        after = docker_engine.api.inspect_container(runtime.container_name(wid))
+        assert after["State"]["Status"] == "running"
+        assert after["HostConfig"]["NetworkMode"] == runtime.container_name(wid)
+        assert after["HostConfig"]["PortBindings"] == {
+            "8888/tcp": [{"HostIp": "127.0.0.1", "HostPort": str(handle.ports["8888"])}]
+        }
+        assert runtime.store.records[wid]["ports"] == handle.ports
+        assert runtime.start(spec).ports == handle.ports  # what the agent answers again
+    finally:
+        runtime.forget(spec.workload_id)
+    with pytest.raises(NotFound):
+        docker_engine.networks.get(runtime.container_name(spec.workload_id))

@@ -550,15 +550,16 @@ class DockerRuntime(Runtime):
                 self.client.api.stop(record["container_id"], timeout=max(0, int(grace_s)))
                 self.client.api.rename(record["container_id"], f"{record['name']}-r{len(previous)}")
                 new = self.client.api.create_container(
-                    config["Image"],
+                    old["Image"],  # by id: the same image, whatever its tag names now
                     config.get("Cmd"),
                     name=record["name"],
+                    hostname=config.get("Hostname") or None,
                     labels=config.get("Labels") or {},
                     environment=[f"{k}={v}" for k, v in env.items()],
                     user=config.get("User") or None,
                     working_dir=config.get("WorkingDir") or None,
                     entrypoint=config.get("Entrypoint"),
-                    ports=list((config.get("ExposedPorts") or {}).keys()) or None,
+                    ports=[tuple(key.split("/", 1)) for key in config.get("ExposedPorts") or {}] or None,
                     host_config=host,
                 )
                 record.update(container_id=new["Id"], gpu_uuids=uuids, previous=previous, status=None)
