@@ -22,6 +22,7 @@ urlpatterns = [
     ),
     path("workloads/<int:pk>/stop/", workloads.WorkloadStopView.as_view(), name="workload-stop"),
     path("workloads/<int:pk>/restart/", workloads.WorkloadRestartView.as_view(), name="workload-restart"),
+    path("workloads/<int:pk>/resize/", workloads.WorkloadResizeView.as_view(), name="workload-resize"),
     path("account/ssh-keys/", ssh_keys.SshKeysView.as_view(), name="ssh-keys"),
     path("account/ssh-keys/<int:pk>/delete/", ssh_keys.SshKeyDeleteView.as_view(), name="ssh-key-delete"),
     path("volumes/", volumes.VolumesView.as_view(), name="volumes"),

@@ -296,6 +296,11 @@ class Engine:
             st.invalidate()
         if self._fair_base is None:
             self._fair_base = FairShare.base(self.nodes, self.models)
+        # Elastic jobs lend what they hold above their minimum before anything else looks (fair
+        # share, backfill estimates, preemption, placement): borrowed GPUs are idle capacity.
+        elastic = Elastic(st, self.nodes, running) if cfg.elastic and running else None
+        if elastic:
+            elastic.lend()
         fair = FairShare(self.nodes, self.models, list(running), tenant_weights or {}, self._fair_base)
         queue = FairQueue(list(pending), fair, now, cfg.queue)
         preemptor = (
@@ -322,13 +327,27 @@ class Engine:
         ):
             cons = ConstraintIndex(st.ids, [n.labels for n in self.nodes], running)
 
-        elastic = Elastic(st, self.nodes, running) if cfg.elastic and running else None
         decisions: list[Decision] = []
         failed: set[Demand] = set()
         head_start: float | None = None
         held: list[int] = []
         expected: dict[Demand, float | None] = {}
         reasons: dict[Demand, tuple[Reason, str]] = {}
+
+        def placed(req: Request, slots: Sequence[Slot], backfill: bool = False, preempt: tuple = ()) -> None:
+            """Record a placement: shrink the elastic jobs whose borrowed GPUs it takes, first."""
+            if elastic:
+                slots, resizes = elastic.claim(slots, req.id, preempt)
+                decisions.extend(resizes)
+            if cons is not None:
+                c = req.constraints
+                cons.record(req.tenant, req.id, (s.node for s in slots), c.group if c else "")
+            decisions.append(
+                Place(req.id, tuple(self._assignment(s) for s in slots), preempt=preempt, backfill=backfill)
+            )
+            for s in slots:
+                fair.add(req.tenant, st.ids[s.node], len(s.positions) * s.milli, s.cpu, s.mem)
+
         try:
             for _cls, req in queue:
                 bad = validate(req)
@@ -355,11 +374,7 @@ class Engine:
                 if slots is None and d.per_node and d not in failed:
                     slots = st.place_split(d, avoid)
                 if slots is not None:
-                    if cons is not None:
-                        cons.record(req.tenant, req.id, (s.node for s in slots), c.group if c else "")
-                    decisions.append(Place(req.id, tuple(self._assignment(s) for s in slots)))
-                    for s in slots:
-                        fair.add(req.tenant, st.ids[s.node], len(s.positions) * s.milli, s.cpu, s.mem)
+                    placed(req, slots)
                     continue
                 if not avoid and pick is None:
                     failed.add(d)
@@ -372,48 +387,20 @@ class Engine:
                 ):
                     slot = self._place_on_held([i for i in held if i not in avoid], d)
                     if slot is not None:
-                        if cons is not None:
-                            cons.record(req.tenant, req.id, (slot.node,), c.group if c else "")
-                        decisions.append(Place(req.id, (self._assignment(slot),), backfill=True))
-                        fair.add(
-                            req.tenant,
-                            st.ids[slot.node],
-                            len(slot.positions) * slot.milli,
-                            slot.cpu,
-                            slot.mem,
-                        )
+                        placed(req, [slot], backfill=True)
                         continue
                 if elastic and pick is None:
                     shrunk = elastic.shrink_for(d, int(req.priority_class), req.tenant, req.id, avoid)
                     if shrunk is not None:
                         slot, resizes = shrunk
-                        if cons is not None:
-                            cons.record(req.tenant, req.id, (slot.node,), c.group if c else "")
                         decisions += resizes
-                        decisions.append(Place(req.id, (self._assignment(slot),)))
-                        fair.add(
-                            req.tenant,
-                            st.ids[slot.node],
-                            len(slot.positions) * slot.milli,
-                            slot.cpu,
-                            slot.mem,
-                        )
+                        placed(req, [slot])
                         continue
                 if preemptor is not None and pick is None:
                     choice = preemptor.find(d, int(req.priority_class), avoid)
                     if choice is not None:
                         slots = preemptor.apply(choice, d)
-                        if cons is not None:
-                            cons.record(req.tenant, req.id, (s.node for s in slots), c.group if c else "")
-                        decisions.append(
-                            Place(
-                                req.id,
-                                tuple(self._assignment(s) for s in slots),
-                                preempt=tuple(dict.fromkeys(v.id for v in choice.victims)),
-                            )
-                        )
-                        for s in slots:
-                            fair.add(req.tenant, st.ids[s.node], len(s.positions) * s.milli, s.cpu, s.mem)
+                        placed(req, slots, preempt=tuple(dict.fromkeys(v.id for v in choice.victims)))
                         continue
                 reason = reasons.get(d)
                 if reason is None:
@@ -454,6 +441,7 @@ class Engine:
                 else:
                     decisions.append(Pending(req.id, reason[0], reason[1], expected_start=expected.get(d)))
             if elastic:
+                elastic.give_back()
                 decisions += elastic.grow()
         finally:
             for i in held:

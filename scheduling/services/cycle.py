@@ -362,8 +362,12 @@ def _commit_resizes(ctx: CycleContext, batch: _Batch, resizes: list[E.Resize]) -
     """Apply the engine's resizes of running elastic jobs (before the placements they make room
     for): their allocation rows change now, and the capacity bookkeeping of this cycle with them."""
     locked = lock_workloads(ids={int(r.request_id) for r in resizes}, states=[WorkloadState.RUNNING])
+    # One resize per job, to its last set: several placements may take a job's borrowed GPUs in
+    # one cycle, and each command is a signal to the job, or a restart of it.
+    shrunk = {r.request_id for r in resizes if r.for_request}
+    last = {r.request_id: r for r in resizes}
     done = []
-    for r in resizes:
+    for r in last.values():
         w = locked.get(int(r.request_id))
         if w is None or not w.is_elastic:
             continue
@@ -372,7 +376,7 @@ def _commit_resizes(ctx: CycleContext, batch: _Batch, resizes: list[E.Resize]) -
             node_id=int(r.node_id),
             indices=r.gpu_indices,
             now=ctx.now,
-            reason="shrunk" if r.for_request else "grown",
+            reason="shrunk" if r.request_id in shrunk else "grown",
         )
         if command is None:
             continue

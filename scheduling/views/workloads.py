@@ -21,6 +21,7 @@ from django.core.paginator import Paginator
 from django.db.models import Count, Q, Sum
 from django.http import Http404, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.shortcuts import redirect
+from django.template.defaultfilters import pluralize
 from django.urls import reverse
 from django.utils import timezone
 from django.views.generic import View
@@ -60,6 +61,7 @@ from scheduling.selectors.shared import (
 )
 from scheduling.selectors.workload_metrics import ceil_minute, workload_held, workload_last_placement
 from scheduling.services.access import share_link_create, share_link_revoke
+from scheduling.services.elastic import workload_resize
 from scheduling.services.lifecycle import workload_stop
 from scheduling.services.submission import workload_submit
 
@@ -257,6 +259,7 @@ def detail_context(view: WorkloadsMixin, w: Workload) -> dict:
         and w.stop_requested_at is None
         and w.state != WorkloadState.STOPPING,
         "can_restart": can_write and w.state in TERMINAL_STATES and w.array_parent_id is None,
+        "can_resize": can_write and w.is_elastic and w.state == WorkloadState.RUNNING,
         "can_write": can_write,
         # (name, value, secret name): a secret shows by its name only.
         "env_rows": [
@@ -340,6 +343,31 @@ class WorkloadStopView(_ActionView):
             return self.respond(self.workload(pk), error=exc.message, status=exc.status_code)
         w = self.workload(pk)
         done = "Stopped." if w.state == WorkloadState.STOPPED else "Stopping: the node was told to stop it."
+        return self.respond(w, done=done)
+
+
+class WorkloadResizeView(_ActionView):
+    """Resize a running elastic job through ``workload_resize`` (the API's ``resize`` action): a
+    shrink is at once, a growth as GPUs of its node are free."""
+
+    def post(self, request, pk: int):
+        w = self.workload(pk)
+        raw = request.POST.get("gpu_count", "").strip()
+        if not raw.isdigit() or len(raw) > 4:
+            return self.respond(w, error="gpu_count: a whole number of GPUs.", status=400)
+        before = w.gpu_count
+        try:
+            workload_resize(workload=w, gpu_count=int(raw), actor=self.actor)
+        except DomainError as exc:
+            return self.respond(self.workload(pk), error=exc.message, status=exc.status_code)
+        w = self.workload(pk)
+        n = w.elastic_target_gpus or w.gpu_count
+        if w.gpu_count < before:
+            done = f"Shrunk to {w.gpu_count} GPU{pluralize(w.gpu_count)}; its node is told."
+        elif n > w.gpu_count:
+            done = f"Target {n} GPUs: it grows as GPUs of its node are free."
+        else:
+            done = f"It holds {w.gpu_count} GPU{pluralize(w.gpu_count)}."
         return self.respond(w, done=done)
 
 

@@ -301,3 +301,24 @@ def test_protocol_times_are_rfc3339_utc_with_milliseconds():
     assert rfc3339(moment.astimezone(timezone(timedelta(hours=-5)))) == "2026-12-02T12:00:00.123Z"
     assert rfc3339(0.0) == "1970-01-01T00:00:00.000Z"
     assert rfc3339(moment.timestamp() + 0.5) == "2026-12-02T12:00:00.623Z"
+
+
+def test_an_elastic_job_resizes_in_place_and_its_gpus_load_follows(
+    runtime: SimulatedRuntime, clock: Clock, tmp_path: Path
+) -> None:
+    collector = make_node(runtime, tmp_path)
+    uuids = [g.uuid for g in collector.discover().gpus][:4]  # the four H100s
+    runtime.start(WorkloadSpec("e", gpu_uuids=uuids[:1], sim_duration_s=100))
+    clock.now += 10
+    info = {"gpu_uuids": uuids[:3], "gpu_count": 3, "world_size": 3, "local_world_size": 3}
+    runtime.resize("e", info, restart=True, grace_s=5)
+    status = runtime.get_status("e")
+    assert status.state == "running" and status.gpu_uuids == uuids[:3]
+    assert sorted(runtime.gpu_load(clock.now)) == sorted(uuids[:3])
+    runtime.resize("e", {**info, "gpu_uuids": uuids[:2], "gpu_count": 2}, restart=False, grace_s=5)
+    assert sorted(runtime.gpu_load(clock.now)) == sorted(uuids[:2])
+    assert json.loads((runtime.workload_dir("e") / "resize").read_text())["gpu_count"] == 2
+    clock.now += 90
+    assert runtime.get_status("e").finished_at == 1100.0  # the same run: its end unchanged
+    with pytest.raises(RuntimeFailure, match="not running"):
+        runtime.resize("e", info, restart=False, grace_s=5)

@@ -94,6 +94,19 @@ def submit():  # a launch through the API's service, as another member's script 
                         spec={"name": args[0], "gpu_models": ["H100"], "image": "x:1", "command": ["sleep", "1"]})
     print(w.pk)
 
+def submit_elastic():  # an elastic training job, as the API or the CLI submits one
+    from portal.models import Tenant
+    from scheduling.services.submission import workload_submit
+    w = workload_submit(tenant=Tenant.objects.get(slug="lab"), kind="job", actor=Actor.system(),
+                        spec={"name": args[0], "gpu_models": ["H100"], "image": "x:1", "command": ["train"],
+                              "elastic": {"min_gpus": 1, "max_gpus": 3, "on_resize": "restart"}})
+    print(w.pk)
+
+def resizes():  # the resize commands the node was sent: (world size, state)
+    from nodes.models import CommandKind, NodeCommand
+    rows = NodeCommand.objects.filter(kind=CommandKind.RESIZE_WORKLOAD, payload__workload_id=args[0]).order_by("created_at")
+    print(json.dumps([[c.payload["world_size"], c.state] for c in rows]))
+
 def stop():
     from scheduling.services.lifecycle import workload_stop
     workload_stop(workload=Workload.objects.get(pk=int(args[0])), actor=Actor.system())
@@ -109,7 +122,7 @@ def usage_sum():
     print(json.dumps({"records": agg["n"], "gpu_seconds": str(agg["s"] or 0), "amount": str(agg["a"] or 0)}))
 
 {"seed": seed, "nodes": nodes, "workload": workload, "count": count, "submit": submit, "stop": stop,
- "usage": usage, "usage_sum": usage_sum}[command]()
+ "usage": usage, "usage_sum": usage_sum, "submit_elastic": submit_elastic, "resizes": resizes}[command]()
 """
 
 
@@ -356,6 +369,48 @@ def test_launch_an_instance_watch_it_run_see_its_gpus_and_stop_it(stack, page):
     expect(page.locator(f'#workload-{other} [data-workload-state="{other}"]')).to_have_text(
         re.compile("Stopping|Stopped"), timeout=LIVE_TIMEOUT_MS
     )
+
+
+def test_resize_an_elastic_job_from_its_page(stack, page):
+    """Before the staff test lowers the team's quota to 1 GPU."""
+    from playwright.sync_api import expect
+
+    wid = int(stack.manage("submit_elastic", "elastic-train"))
+    sign_in(page, stack, OWNER)
+    page.goto(f"{stack.url}/workloads/{wid}/")
+    expect(page.locator(f'h1 [data-workload-state="{wid}"]')).to_have_text("Running", timeout=LIVE_TIMEOUT_MS)
+    page.reload()  # the live part reloads on state changes; the form comes with RUNNING
+    expect(page.locator("[data-elastic]")).to_contain_text("between 1 and 3 GPUs")
+    form = page.locator("[data-resize-form]")
+    field = form.get_by_label("Resize to")
+    expect(field).to_have_attribute("max", "3")
+
+    # To two GPUs: a growth from its minimum (or a shrink, if a cycle grew it meanwhile).
+    field.fill("2")
+    form.get_by_role("button", name="Resize").click()
+    expect(page.locator('#workload-live [role="status"]')).to_contain_text(
+        re.compile("Target 2 GPUs|Shrunk to 2 GPUs")
+    )
+    stack.wait(
+        "the job to hold 2 GPUs", lambda: json.loads(stack.manage("workload", str(wid)))["gpu_count"] == 2
+    )
+    page.reload()
+    expect(page.locator("[data-elastic-held]")).to_have_text("2")
+    page.screenshot(path=str(SCREENSHOTS / "workload-elastic.png"), full_page=True)
+
+    # Down to one: at once, said in the card without a reload, and the node is told.
+    page.evaluate("window.__noReload = true")
+    page.locator("[data-resize-form]").get_by_label("Resize to").fill("1")
+    page.locator("[data-resize-form]").get_by_role("button", name="Resize").click()
+    expect(page.locator('#workload-live [role="status"]')).to_have_text("Shrunk to 1 GPU; its node is told.")
+    expect(page.locator("[data-elastic-held]")).to_have_text("1")
+    assert page.evaluate("window.__noReload") is True
+    stack.wait(
+        "the agent to apply the resizes",
+        lambda: (r := json.loads(stack.manage("resizes", str(wid)))) and r[-1] == [1, "succeeded"],
+    )
+    assert all(state == "succeeded" for _, state in json.loads(stack.manage("resizes", str(wid))))
+    stack.manage("stop", str(wid))
 
 
 def test_a_viewer_cannot_launch(stack, page):

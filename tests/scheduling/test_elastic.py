@@ -171,3 +171,23 @@ def test_a_plain_job_cannot_be_resized(tenant, make_node, submit, cycle):
     _start_all()
     with pytest.raises(Conflict):
         workload_resize(workload=reload(job), gpu_count=3, actor=Actor.system())
+
+
+def test_several_placements_on_its_borrowed_gpus_make_one_resize(
+    tenant, make_tenant, make_node, submit, cycle
+):
+    node = make_node(gpus=8)
+    job = submit(tenant, elastic={"min_gpus": 2, "max_gpus": 8, "on_resize": "restart"})
+    cycle()
+    _start_all()
+    cycle()
+    assert len(_held(job)) == 8 and len(_resizes(job)) == 1
+    other = make_tenant("other")
+    small = [submit(other, gpu_count=1) for _ in range(3)]
+    result = cycle()
+    # Three placements took three borrowed GPUs: one command to the node (with "restart", each
+    # command is a restart of the job), its final size.
+    assert all(reload(w).state == S.SCHEDULED for w in small)
+    assert result.resized == [job.pk] and len(_held(job)) == 5
+    assert [c["world_size"] for c in _resizes(job)] == [8, 5]
+    assert NodeCommand.objects.filter(kind=CommandKind.RESIZE_WORKLOAD, node=node).count() == 2

@@ -462,6 +462,11 @@ class DockerRuntime(Runtime):
             raise RuntimeFailure(f"docker inspect {ref} failed: {_explain(exc)}") from exc
 
     def status(self) -> list[WorkloadStatus]:
+        # Under the store's lock: an elastic restart swaps a workload's container under it too.
+        with self.store.lock:
+            return self._status_locked()
+
+    def _status_locked(self) -> list[WorkloadStatus]:
         statuses = []
         changed = False
         for wid, record in self.store.items():
@@ -480,17 +485,93 @@ class DockerRuntime(Runtime):
 
     def signal_resize(self, workload_id: str, info: dict[str, Any]) -> None:
         """SIGUSR1 to the container's main process. Docker cannot give a running container more
-        devices: a growth needs ``on_resize`` "restart", which this runtime does not do yet, so it
-        is refused (the job keeps running on the GPUs it has)."""
+        devices, so a growth is refused here (the job keeps running on the GPUs it has): on docker
+        an elastic job grows only with ``on_resize`` "restart" (``restart_resized``)."""
         record = self.store.records.get(workload_id)
         if record is None:
             raise RuntimeFailure(f"no workload {workload_id} on this node")
         if set(info["gpu_uuids"]) - set(record.get("gpu_uuids") or []):
-            raise RuntimeFailure("docker cannot add GPUs to a running container; it keeps the GPUs it has")
+            raise RuntimeFailure(
+                "docker cannot add GPUs to a running container; it keeps the GPUs it has "
+                '(an elastic job grows on docker with on_resize "restart")'
+            )
         try:
             self.client.api.kill(record["container_id"], signal="SIGUSR1")
         except DockerException as exc:
             raise RuntimeFailure(f"docker kill --signal SIGUSR1 failed: {_explain(exc)}") from exc
+
+    def restart_resized(self, workload_id: str, info: dict[str, Any], grace_s: float) -> None:
+        """Stop the container and start a new one of the same name on ``info``'s GPUs: the old
+        one's image, command, user, working directory, mounts, limits, hardening and network, as
+        the engine reports them (``docker inspect``), its published ports pinned to the host ports
+        they had, its environment with the GPUs' variables, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``
+        and ``GPUPOOL_RESUME=1``. Under the store's lock throughout, so no status is read between
+        the stop and the new start: the portal never hears of an end. The old container stays
+        (stopped, renamed) until its last lines are shipped (``output``)."""
+        with self.store.lock:
+            record = self.store.records.get(workload_id)
+            old = (
+                None if record is None or record.get("start_error") else self._inspect(record["container_id"])
+            )
+            if record is None or old is None or (old.get("State") or {}).get("Status") != "running":
+                raise RuntimeFailure(f"workload {workload_id} is not running on this node")
+            uuids = list(info["gpu_uuids"])
+            config, host = old["Config"], dict(old["HostConfig"])
+            plan = self.device_plan(WorkloadSpec(workload_id, gpu_uuids=uuids))
+            env = dict(item.partition("=")[::2] for item in config.get("Env") or [])
+            for name in ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ZE_AFFINITY_MASK"):
+                env.pop(name, None)
+            if plan is None:
+                env["NVIDIA_VISIBLE_DEVICES"] = ",".join(uuids)
+                host["DeviceRequests"] = [
+                    {"Driver": "", "Count": 0, "DeviceIDs": uuids, "Capabilities": [["gpu"]], "Options": {}}
+                ]
+            else:
+                env.update(plan.container_env)
+                host["Devices"] = [
+                    {"PathOnHost": h, "PathInContainer": inside, "CgroupPermissions": "rwm"}
+                    for h, inside in plan.devices
+                ]
+                host["GroupAdd"] = [str(gid) for gid in plan.groups] or None
+            env.update(
+                WORLD_SIZE=str(info["world_size"]), LOCAL_WORLD_SIZE=str(len(uuids)), GPUPOOL_RESUME="1"
+            )
+            ports = dict(record.get("ports") or {})
+            if host.get("PortBindings"):
+                host["PortBindings"] = {
+                    key: [
+                        {**b, "HostPort": str(ports.get(key.partition("/")[0], b.get("HostPort") or ""))}
+                        for b in bindings or []
+                    ]
+                    for key, bindings in host["PortBindings"].items()
+                }
+            previous = [*record.get("previous", []), record["container_id"]]
+            try:
+                self.client.api.stop(record["container_id"], timeout=max(0, int(grace_s)))
+                self.client.api.rename(record["container_id"], f"{record['name']}-r{len(previous)}")
+                new = self.client.api.create_container(
+                    old["Image"],  # by id: the same image, whatever its tag names now
+                    config.get("Cmd"),
+                    name=record["name"],
+                    hostname=config.get("Hostname") or None,
+                    labels=config.get("Labels") or {},
+                    environment=[f"{k}={v}" for k, v in env.items()],
+                    user=config.get("User") or None,
+                    working_dir=config.get("WorkingDir") or None,
+                    entrypoint=config.get("Entrypoint"),
+                    ports=[tuple(key.split("/", 1)) for key in config.get("ExposedPorts") or {}] or None,
+                    host_config=host,
+                )
+                record.update(container_id=new["Id"], gpu_uuids=uuids, previous=previous, status=None)
+                self.store.save()
+                self.client.api.start(new["Id"])
+                record["ports"] = published_ports(self.client.api.inspect_container(new["Id"]))
+            except DockerException as exc:
+                record["previous"] = previous
+                record["start_error"] = f"elastic restart failed: {_explain(exc)}"
+                self.store.save()
+                raise RuntimeFailure(record["start_error"]) from exc
+            self.store.save()
 
     def stop(self, workload_id: str, grace_s: float, *, final_state: str = STOPPED) -> WorkloadStatus:
         with self.store.lock:
@@ -529,55 +610,85 @@ class DockerRuntime(Runtime):
         """The container's new lines, each stream asked on its own (``docker logs`` with
         timestamps, streamed, ``since`` a microsecond before the last line sent); the cursor holds,
         per stream, the last line's time in nanoseconds and how many lines had exactly that time,
-        so none is sent twice. Lines past ``limit`` are not decoded; the next poll starts at them."""
-        record = self.store.records.get(workload_id)
-        if record is None or record.get("start_error") or not record.get("container_id"):
-            return [], cursor
+        so none is sent twice. Lines past ``limit`` are not decoded; the next poll starts at them.
+        After an elastic restart the stopped containers come first (their lines are older); one
+        with nothing left to send is removed."""
+        with self.store.lock:
+            record = self.store.records.get(workload_id)
+            if record is None or not record.get("container_id"):
+                return [], cursor
+            previous = list(record.get("previous", []))
+            current = None if record.get("start_error") else record["container_id"]
         lines: list[OutputLine] = []
         cursor = dict(cursor)
-        for stream in STREAMS:
-            if len(lines) >= limit:
-                break
-            first_ns, first_same = cursor.get(stream, (0, 0))
-            last_ns, same, seen = first_ns, first_same, 0
-            try:
-                entries = self.client.api.logs(
-                    record["container_id"],
-                    stdout=stream == "stdout",
-                    stderr=stream == "stderr",
-                    timestamps=True,
-                    stream=True,
-                    follow=False,
-                    since=docker_since(first_ns),
+        drained = []
+        for container_id in [*previous, current]:
+            if container_id is None:
+                continue
+            before = len(lines)
+            for stream in STREAMS:
+                if len(lines) >= limit:
+                    break
+                got, cursor[stream] = self._read(
+                    container_id, stream, cursor.get(stream, (0, 0)), limit - len(lines)
                 )
-            except NotFound:
-                return lines, cursor
-            except DockerException as exc:
-                raise RuntimeFailure(f"docker logs failed: {_explain(exc)}") from exc
-            try:
-                for entry in _log_entries(entries):
-                    stamp, _, text = entry.partition(" ")
-                    ns = docker_time_ns(stamp)
-                    if ns is None or ns < first_ns:
-                        continue
-                    if ns == first_ns:
-                        seen += 1
-                        if seen <= first_same:
-                            continue  # sent before
-                    if len(lines) >= limit:
-                        break
-                    if ns == last_ns:
-                        same += 1
-                    else:
-                        last_ns, same = ns, 1
-                    lines.append((ns / 1e9, stream, text))
-            finally:
-                # Read to the end without decoding: a stream closed early leaves its socket open
-                # until collected (docker-py's CancellableStream.close only shuts it down).
-                for _ in entries:
-                    pass
-            cursor[stream] = (last_ns, same)
+                lines += got
+            if container_id != current and len(lines) == before and len(lines) < limit:
+                drained.append(container_id)
+        if drained:
+            with self.store.lock:
+                record = self.store.records.get(workload_id)
+                if record is not None:
+                    record["previous"] = [c for c in record.get("previous", []) if c not in drained]
+                    self.store.save()
+            for container_id in drained:
+                self._remove({"container_id": container_id, "name": container_id})
         return lines, cursor
+
+    def _read(
+        self, container_id: str, stream: str, since: tuple[int, int], limit: int
+    ) -> tuple[list[OutputLine], tuple[int, int]]:
+        """At most ``limit`` lines of one stream of one container after ``since`` (ns, same)."""
+        first_ns, first_same = since
+        last_ns, same, seen = first_ns, first_same, 0
+        lines: list[OutputLine] = []
+        try:
+            entries = self.client.api.logs(
+                container_id,
+                stdout=stream == "stdout",
+                stderr=stream == "stderr",
+                timestamps=True,
+                stream=True,
+                follow=False,
+                since=docker_since(first_ns),
+            )
+        except NotFound:
+            return lines, (first_ns, first_same)
+        except DockerException as exc:
+            raise RuntimeFailure(f"docker logs failed: {_explain(exc)}") from exc
+        try:
+            for entry in _log_entries(entries):
+                stamp, _, text = entry.partition(" ")
+                ns = docker_time_ns(stamp)
+                if ns is None or ns < first_ns:
+                    continue
+                if ns == first_ns:
+                    seen += 1
+                    if seen <= first_same:
+                        continue  # sent before
+                if len(lines) >= limit:
+                    break
+                if ns == last_ns:
+                    same += 1
+                else:
+                    last_ns, same = ns, 1
+                lines.append((ns / 1e9, stream, text))
+        finally:
+            # Read to the end without decoding: a stream closed early leaves its socket open
+            # until collected (docker-py's CancellableStream.close only shuts it down).
+            for _ in entries:
+                pass
+        return lines, (last_ns, same)
 
     def prewarm(self, image: str) -> dict[str, Any]:
         try:
@@ -607,6 +718,8 @@ class DockerRuntime(Runtime):
         record = self.store.records.get(workload_id)
         if record is None:
             return
+        for container_id in record.get("previous", []):
+            self._remove({"container_id": container_id, "name": container_id})
         self._remove(record)
         super().forget(workload_id)
 

@@ -157,6 +157,19 @@ class SimulatedRuntime(Runtime):
         self.store.save()
         return self._status(workload_id, record, self.clock())
 
+    def signal_resize(self, workload_id: str, info: dict[str, Any]) -> None:
+        """A simulated elastic job uses its new GPUs at once (its GPUs' load follows)."""
+        with self.store.lock:
+            record = self.store.records.get(workload_id)
+            if record is None or self._status(workload_id, record, self.clock()).terminal:
+                raise RuntimeFailure(f"workload {workload_id} is not running on this node")
+            record["gpu_uuids"] = list(info["gpu_uuids"])
+            self.store.save()
+
+    def restart_resized(self, workload_id: str, info: dict[str, Any], grace_s: float) -> None:
+        """A simulated restart is instant: the same run, on the new GPUs, its end unchanged."""
+        self.signal_resize(workload_id, info)
+
     def logs(self, workload_id: str, tail: int = 100) -> str:
         status = self.get_status(workload_id)
         if status is None:
