@@ -166,6 +166,11 @@ def agents_child(fleet_file: str, portal_url: str, state_root: str, control: str
                                 if s.terminal
                             },
                         }
+                        # What the portal has not acknowledged yet: its view of this node is as
+                        # of the oldest such item (heartbeats and reports go out in order).
+                        oldest = agent.buffer.peek()
+                        out[agent.config.hostname]["unsent"] = agent.buffer.count()
+                        out[agent.config.hostname]["unsent_since"] = oldest.created_at if oldest else None
                 tmp = Path(dump + ".tmp")
                 tmp.write_text(json.dumps({"at": time.time(), "agents": out}))
                 tmp.replace(dump)
@@ -242,10 +247,13 @@ class Fault:
     healed_at: float | None = None
     recovered_at: float | None = None
     window_end: float | None = None  # errors until then are the fault's
+    phases: dict = field(default_factory=dict)  # the canary's steps, s after the fault (or heal)
 
     @property
     def recovery_s(self) -> float | None:
-        return None if self.recovered_at is None else round(self.recovered_at - self.at, 1)
+        """From the injection, or for a partition from its heal (its length is not the stack's)."""
+        since = self.healed_at if self.kind.startswith("partition") else self.at
+        return None if self.recovered_at is None or since is None else round(self.recovered_at - since, 1)
 
 
 @dataclass
@@ -268,6 +276,7 @@ class Run:
     stop_load: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
     webhook_invoices: list[int] = field(default_factory=list)
+    must_bill: set[int] = field(default_factory=set)  # allocations ended before the last invoice run
 
 
 def redis_start(run_dir: Path, port: int, stack: Stack) -> None:
@@ -360,12 +369,15 @@ def tenant_load(run: Run, rate: float, seed_: int) -> None:
     client.close()
 
 
-def canary(run: Run, since: float, deadline: float) -> float | None:
+def canary(run: Run, since: float, deadline: float, phases: dict | None = None) -> float | None:
     """When the stack served again after a fault: the API answers, and a one-GPU job submitted now
-    runs. ``None`` if not by ``deadline``."""
+    runs. ``None`` if not by ``deadline``. ``phases`` gets the seconds from ``since`` to the
+    submission answered 201 (``api``), to the job first seen placed (``placed``: scheduled or
+    starting) and to it seen running (``running``), to tell which part a long recovery waited on."""
     headers = {"Authorization": f"Bearer {run.tokens[0]}"}
     spec = {"gpu_models": [next(iter(run.models))], "gpu_count": 1, "image": "ghcr.io/chaos/canary:1",
             "command": ["true"], "env": {"GPUPOOL_SIM_DURATION_S": "5"}}  # fmt: skip
+    phases = {} if phases is None else phases
     wid = None
     with httpx.Client(base_url=run.base, timeout=10) as client:
         while time.time() < deadline and not run.stop_load.is_set():
@@ -374,11 +386,16 @@ def canary(run: Run, since: float, deadline: float) -> float | None:
                     r = client.post("/api/v1/jobs/", headers=headers, json=spec)
                     if r.status_code == 201:
                         wid = r.json()["id"]
+                        phases["api"] = round(time.time() - since, 1)
                         with run.lock:
                             run.submitted[wid] = "job"
                 else:
                     r = client.get(f"/api/v1/jobs/{wid}/", headers=headers)
-                    if r.status_code == 200 and r.json()["state"] in ("running", "succeeded"):
+                    state = r.json()["state"] if r.status_code == 200 else None
+                    if state in ("scheduled", "starting", "running", "succeeded"):
+                        phases.setdefault("placed", round(time.time() - since, 1))
+                    if state in ("running", "succeeded"):
+                        phases["running"] = round(time.time() - since, 1)
                         return time.time()
             except httpx.HTTPError:
                 pass
@@ -459,9 +476,11 @@ def inject(run: Run, fault: Fault, rng: random.Random) -> None:
     elif k in ("postgres-restart", "postgres-crash"):
         run.pg.restart("fast" if k == "postgres-restart" else "immediate")
     elif k in ("partition-short", "partition-long"):
-        live = [g for g in run.groups if not g["dead"] and not g.get("cut")]
+        # Any live rack, its agents not cut off already: partitions overlap, each heals its own.
+        cut_now = {n for g in run.groups for ids in g["cuts"].values() for n in ids}
+        live = [g for g in run.groups if not g["dead"] and set(node_ids(run, g)) - cut_now]
         group = rng.choice(live)
-        ids = node_ids(run, group)
+        ids = sorted(set(node_ids(run, group)) - cut_now)
         ids = rng.sample(ids, min(len(ids), max(1, run.args.partition_nodes)))
         length = (
             rng.uniform(SUSPECT_AFTER_S + 5, DOWN_AFTER_S - 20)
@@ -469,12 +488,12 @@ def inject(run: Run, fault: Fault, rng: random.Random) -> None:
             else rng.uniform(DOWN_AFTER_S + 20, DOWN_AFTER_S + 60)
         )
         fault.detail = f"{len(ids)} nodes of {group['name']} for {length:.0f} s"
-        control(group, partition=ids)
-        group["cut"] = True
+        group["cuts"][fault.n] = ids
+        control(group, partition=sorted(n for c in group["cuts"].values() for n in c))
 
         def heal() -> None:
-            control(group, partition=[])
-            group["cut"] = False
+            group["cuts"].pop(fault.n)
+            control(group, partition=sorted(n for c in group["cuts"].values() for n in c))
             fault.healed_at = time.time()
             with run.lock:
                 run.partitions.append((fault.at, fault.healed_at, ids))
@@ -505,6 +524,24 @@ def inject(run: Run, fault: Fault, rng: random.Random) -> None:
         fault.detail = stripe_webhooks(run, rng)
     if fault.healed_at is None and not k.startswith("partition"):
         fault.healed_at = time.time()
+
+
+def fault_plan(rng: random.Random, duration: float, every: float) -> list[tuple[float, str]]:
+    """The run's faults: one in each ``every`` seconds of ``duration`` (at a random point of the
+    first half of its slot, so an injection that waits for a cycle or an invoice run does not push
+    the rest back), every kind at least once when there are slots enough, the rest drawn by
+    weight; the agent killed for good once, and never in the last slot (its node goes DOWN only
+    ``DOWN_AFTER_S`` later)."""
+    slots = max(1, int(duration // every))
+    kinds = [k for k, _ in KINDS]
+    rng.shuffle(kinds)
+    kinds = kinds[:slots]
+    weighted = [k for k, w in KINDS for _ in range(w) if k != "agent-killed"]
+    kinds += [rng.choice(weighted) for _ in range(slots - len(kinds))]
+    rng.shuffle(kinds)
+    if "agent-killed" in kinds and kinds[-1] == "agent-killed" and slots > 1:
+        kinds[-1], kinds[0] = kinds[0], kinds[-1]
+    return [(i * every + rng.uniform(0, every / 2), kind) for i, kind in enumerate(kinds)]
 
 
 # --- Stripe -------------------------------------------------------------------------------------------
@@ -645,6 +682,7 @@ def checks(run: Run, settled_at: float) -> dict:
     # there (an orphan); one the portal has running there that the agent does not run (lost).
     on_agents: dict[int, dict[str, list[str]]] = {}
     ended_on_agents: dict[int, dict[str, float]] = {}
+    heard_until: dict[int, float] = {}  # node -> when the portal's news of it was made
     stale = []
     for g in run.groups:
         if g["dead"]:
@@ -658,6 +696,7 @@ def checks(run: Run, settled_at: float) -> dict:
             stale.append(g["name"])
         for a in dump["agents"].values():
             on_agents[a["node_id"]] = {w: gpus for w, st, gpus in a["running"]}
+            heard_until[a["node_id"]] = a.get("unsent_since") or dump["at"]
             ended_on_agents[a["node_id"]] = {w: at or dump["at"] for w, at in a.get("ended", {}).items()}
     if stale:
         notes.append(f"  (agent state not fresh from {stale})")
@@ -686,9 +725,10 @@ def checks(run: Run, settled_at: float) -> dict:
     for node_id, wid in Allocation.objects.filter(
         ended_at__isnull=True, workload__state__in=running_states
     ).values_list("node_id", "workload_id"):
-        # Ended on the agent in the last 30 s: the portal hears of it with the next heartbeat.
+        # Ended on the agent after the last batch the portal has (the oldest unacknowledged, or
+        # the dump's time less a heartbeat interval and the time to act on it): not heard yet.
         ended = ended_on_agents.get(node_id, {}).get(str(wid))
-        if ended is not None and ended > settled_at - 30:
+        if ended is not None and ended > heard_until.get(node_id, 0) - 20:
             continue
         if node_id in on_agents and str(wid) not in on_agents[node_id]:
             violation(
@@ -746,16 +786,19 @@ def checks(run: Run, settled_at: float) -> dict:
         running_at[w_id].append(at)
     unbilled = [a for a, w, s, e in ran if a not in billed and any(s <= at < e for at in running_at[w])]
     violation("unbilled", f"allocations that ran, not billed: {unbilled[:10]}", len(unbilled))
-    # Invoices of this month: totals equal to the records' amounts rated again here.
+    # Invoices of this month: each subtotal equal to its usage records' amounts (the invoicer's
+    # sum), and equal to a total computed here from the allocations and the rate card alone.
     period = date.today().replace(day=1)
+    invoices = list(Invoice.objects.filter(period_start=period).exclude(status=InvoiceStatus.VOID))
     mismatched = []
-    for inv in Invoice.objects.filter(period_start=period).exclude(status=InvoiceStatus.VOID):
+    for inv in invoices:
         expected = UsageRecord.objects.filter(tenant_id=inv.tenant_id, period_start=period).aggregate(
             t=Sum("amount")
         )["t"] or Decimal(0)
         if abs(inv.subtotal - expected) > Decimal("0.01") * max(1, inv.lines.count()):
             mismatched.append((inv.pk, str(inv.subtotal), str(expected)))
     violation("invoice_mismatches", f"(invoice, subtotal, records) {mismatched[:5]}", len(mismatched))
+    usage_vs_allocations(run, invoices, period, violation, notes)
     # Stripe: each invoice at Stripe once; paid ones paid here.
     by_ours = defaultdict(int)
     for s_inv in run.stripe.invoices.values():
@@ -813,6 +856,113 @@ def checks(run: Run, settled_at: float) -> dict:
     return {"counts": dict(out), "notes": notes, "states": by_state}
 
 
+USAGE_SQL = """
+WITH alloc AS (
+    SELECT a.id, a.tenant_id, a.gpu_model_id, a.plan, a.fraction_milli, a.ended_at, a.end_reason,
+           n.region_id, n.last_heartbeat_at,
+           (SELECT min(e.at) FROM scheduling_workloadevent e
+             WHERE e.workload_id = a.workload_id AND e.to_state = 'running'
+               AND e.at >= a.started_at AND e.at < a.ended_at) AS ran_from
+      FROM scheduling_allocation a JOIN nodes_node n ON n.id = a.node_id
+     WHERE a.ended_at IS NOT NULL
+       AND (a.id = ANY(%(must)s)
+            OR a.id IN (SELECT allocation_id FROM metering_usagerecord WHERE invoice_id = ANY(%(invoices)s)))
+), span AS (
+    SELECT alloc.*,
+           CASE WHEN end_reason = 'node_down' AND last_heartbeat_at >= ran_from
+                     AND last_heartbeat_at < ended_at THEN last_heartbeat_at
+                ELSE ended_at END AS ran_to
+      FROM alloc WHERE ran_from IS NOT NULL
+), card AS (
+    SELECT span.*, COALESCE(b.discount_percent, 0) AS discount,
+           COALESCE(b.rate_card_id, (SELECT id FROM metering_ratecard WHERE is_default)) AS card_id
+      FROM span LEFT JOIN metering_billingaccount b ON b.tenant_id = span.tenant_id
+     WHERE ran_to > ran_from AND ran_from >= %(month)s
+)
+SELECT card.id, card.tenant_id, card.plan,
+       GREATEST(EXTRACT(EPOCH FROM ran_to - ran_from), %(minimum)s) * fraction_milli / 1000
+         * (SELECT p.price_per_gpu_hour
+              FROM metering_gpuprice p JOIN metering_ratecardversion v ON v.id = p.version_id
+             WHERE v.rate_card_id = card.card_id AND v.effective_from <= ran_from
+               AND (v.effective_to IS NULL OR v.effective_to > ran_from)
+               AND p.gpu_model_id = card.gpu_model_id AND p.plan = card.plan
+               AND (p.region_id = card.region_id OR p.region_id IS NULL)
+             ORDER BY p.region_id IS NULL LIMIT 1)
+         * (100 - discount) / 100 / 3600 AS amount
+  FROM card
+"""
+
+
+def usage_vs_allocations(run: Run, invoices: list, period: date, violation, notes: list[str]) -> None:
+    """The usage invariant, apart from the metering code: what each allocation should cost, from
+    its own rows (the first RUNNING event inside it to its end, the node's last heartbeat for a
+    node_down end; at least the minimum; GPU share times the rate card's hourly price) in one SQL
+    query of its own, compared with its usage records and, summed per tenant, with the tenant's
+    invoice. The allocations checked: every one ended before the last invoice run
+    (``run.must_bill``) and every one on an invoice. The bench's card prices GPU-hours only
+    (on-demand, no vCPU, RAM or GPU-memory prices, no spot market): anything else is refused
+    here rather than checked half."""
+    from django.conf import settings
+    from django.db import connection
+    from django.db.models import Q, Sum
+
+    from metering.models import InvoiceLine, RateCardVersion, UsageRecord
+
+    extras = RateCardVersion.objects.filter(
+        Q(vcpu_hour_price__isnull=False)
+        | Q(ram_gib_hour_price__isnull=False)
+        | Q(gpu_memory_gib_hour_price__isnull=False)
+    ).count()
+    violation("usage_unchecked", f"{extras} rate card versions price more than GPU-hours", extras)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            USAGE_SQL,
+            {
+                "must": sorted(run.must_bill),
+                "invoices": [i.pk for i in invoices],
+                "month": datetime(period.year, period.month, 1, tzinfo=UTC),
+                "minimum": settings.METERING_MINIMUM_BILLABLE_S,
+            },
+        )
+        rows = cursor.fetchall()
+    other_plans = sorted({plan for _, _, plan, _ in rows if plan != "on_demand"})
+    violation("usage_unchecked", f"allocations of plans {other_plans} (not priced here)", len(other_plans))
+    unpriced = [a for a, _, _, amount in rows if amount is None]
+    violation("usage_unchecked", f"allocations without a GPU-hour price: {unpriced[:10]}", len(unpriced))
+    expected = {a: (t, Decimal(amount)) for a, t, _, amount in rows if amount is not None}
+    recorded = dict(
+        UsageRecord.objects.filter(allocation_id__in=list(expected), period_start=period)
+        .values("allocation_id")
+        .annotate(t=Sum("amount"))
+        .values_list("allocation_id", "t")
+    )
+    # Records keep 10 places each; a few pieces per allocation.
+    off = [
+        (a, str(recorded.get(a)), str(amount.quantize(Decimal("1e-10"))))
+        for a, (_, amount) in sorted(expected.items())
+        if abs((recorded.get(a) or Decimal(0)) - amount) > Decimal("1e-8")
+    ]
+    violation("usage_mismatches", f"(allocation, recorded, from the allocation) {off[:10]}", len(off))
+    per_tenant: dict[int, Decimal] = defaultdict(Decimal)
+    for t, amount in expected.values():
+        per_tenant[t] += amount
+    wrong = []
+    for inv in invoices:
+        lines = InvoiceLine.objects.filter(invoice=inv).count()
+        want = per_tenant.pop(inv.tenant_id, Decimal(0))
+        # Each line is rounded to the cent once.
+        if abs(inv.subtotal - want) > Decimal("0.005") * max(1, lines) + Decimal("1e-6"):
+            wrong.append((inv.pk, str(inv.subtotal), str(want.quantize(Decimal("0.0001")))))
+    missing = [(t, str(v.quantize(Decimal("0.0001")))) for t, v in per_tenant.items() if v > Decimal("0.005")]
+    violation("usage_mismatches", f"(invoice, subtotal, from the allocations) {wrong[:5]}", len(wrong))
+    violation("usage_mismatches", f"(tenant, owed) without an invoice: {missing[:5]}", len(missing))
+    total = sum((v for _, v in expected.values()), Decimal(0))
+    notes.append(
+        f"  usage: {len(expected)} allocations, {total.quantize(Decimal('0.01'))} USD computed from the "
+        f"allocations; {len(invoices)} invoices, {sum((i.subtotal for i in invoices), Decimal(0))} USD"
+    )
+
+
 def Counter_(values) -> dict:
     c: dict = defaultdict(int)
     for v in values:
@@ -842,6 +992,13 @@ def main() -> int:
     parser.add_argument("--stripe-invoices", type=int, default=4)
     parser.add_argument("--pg-port", type=int, default=5442)
     parser.add_argument("--redis-port", type=int, default=6390)
+    parser.add_argument(
+        "--background-nice",
+        type=int,
+        default=0,
+        help="nice of the workers, beat, agent ingress and fleet (bench/scale.py's 10 weighs the stack "
+        "against itself; on a machine shared with other sessions it starves the run against theirs)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, data)")
     parser.add_argument("--agents-child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -899,20 +1056,24 @@ def main() -> int:
     per = args.agents_per_process
     # The last agent in a process of its own: the one killed for good (killing a whole process of
     # them would silence a third of the fleet, which the portal reads as its own network's fault).
-    parts = [fleet_nodes[i : i + per] for i in range(0, len(fleet_nodes) - 1, per)] + [fleet_nodes[-1:]]
+    # Each node in exactly one process: the lone one is not also in the last rack (a second agent of
+    # the same node there kept it alive after the lone one was killed).
+    rest = fleet_nodes[:-1]
+    parts = [rest[i : i + per] for i in range(0, len(rest), per)] + [fleet_nodes[-1:]]
     for i, part in enumerate(parts):
         name = f"agents-{i}" if i < len(parts) - 1 else "agents-lone"
         (work / f"{name}.json").write_text(json.dumps({"portal_url": agent_base, "nodes": part}))
         ctl = work / f"{name}.control"
         ctl.write_text(json.dumps({"partition": [], "duplicate": False, "reorder": False}))
         groups.append({"name": name, "nodes": [n["hostname"] for n in part], "control": ctl,
-                       "dump": work / f"{name}.dump", "dead": False})  # fmt: skip
+                       "dump": work / f"{name}.dump", "dead": False, "cuts": {}})  # fmt: skip
     run = Run(args, work, base, agent_base, stack, pg, redis_dir, tokens, models, groups, stripe_server.state)
     connection.close()
     result = 1
     try:
         stack.start_layout(port=port, agent_port=agent_port, agent_web_workers=1, web_workers=1,
-                           background=10, beat_schedule=work / "beat-schedule")  # fmt: skip
+                           background=args.background_nice, beat_schedule=work / "beat-schedule")  # fmt: skip
+        stack.supervise()
         if not wait_for(lambda: up(base) and up(agent_base), 90):
             print("the web processes did not start", file=sys.stderr)
             return 1
@@ -928,9 +1089,9 @@ def main() -> int:
         t0 = time.monotonic()
         for i, g in enumerate(groups):
             stack.start(g["name"], [PY, str(Path(__file__).resolve()), "--agents-child", str(work / f"{g['name']}.json"),
-                                    agent_base, str(work / "agents"), str(g["control"]), str(g["dump"])], 10)  # fmt: skip
+                                    agent_base, str(work / "agents"), str(g["control"]), str(g["dump"])], args.background_nice)  # fmt: skip
             target = sum(len(x["nodes"]) for x in groups[: i + 1])
-            wait_for(lambda target=target: ready() >= target, 180, 2)
+            wait_for(lambda target=target: ready() >= target, 300, 2)
         print(
             f"fleet: {ready()} of {len(fleet_nodes)} nodes READY after {time.monotonic() - t0:.0f} s",
             flush=True,
@@ -944,20 +1105,13 @@ def main() -> int:
         loader = threading.Thread(target=tenant_load, args=(run, args.rate, args.seed), daemon=True)
         loader.start()
         time.sleep(10)  # the load under way before the first fault
-        kinds = [k for k, w in KINDS for _ in range(w)]
+        plan = fault_plan(rng, args.duration, args.fault_every)
         start = time.time()
-        n = 0
         recoveries: list[threading.Thread] = []
-        killed_for_good = False
+        print(f"\n{len(plan)} faults planned, {len({k for _, k in plan})} kinds of {len(KINDS)}")
         print(f"\n{'#':>3} {'t s':>6}  {'fault':24} detail", flush=True)
-        while time.time() - start < args.duration:
-            kind = rng.choice(kinds)
-            if kind == "agent-killed" and killed_for_good:
-                kind = "agent-restart"
-            if kind.startswith("partition") and all(g["dead"] or g.get("cut") for g in groups):
-                kind = "kill-beat"
-            killed_for_good |= kind == "agent-killed"
-            n += 1
+        for n, (due, kind) in enumerate(plan, 1):
+            time.sleep(max(0.0, start + due - time.time()))
             fault = Fault(n, kind, time.time())
             run.faults.append(fault)
             try:
@@ -972,16 +1126,18 @@ def main() -> int:
                 if heal is not None:
                     heal.join()
                 since = fault.healed_at or fault.at
-                fault.recovered_at = canary(run, since, since + args.recovery_cap)
+                fault.recovered_at = canary(run, since, since + args.recovery_cap, fault.phases)
                 fault.window_end = fault.recovered_at or (since + args.recovery_cap)
                 r = fault.recovery_s
-                print(f"    fault {fault.n} ({fault.kind}): recovered after {r} s" if r is not None
-                      else f"    fault {fault.n} ({fault.kind}): NOT recovered in {args.recovery_cap:.0f} s", flush=True)  # fmt: skip
+                after = f", healed at {since - fault.at:.0f} s" if fault.kind.startswith("partition") else ""
+                steps = ", ".join(f"{k} {v} s" for k, v in fault.phases.items())
+                print(f"    fault {fault.n} ({fault.kind}): recovered after {r} s ({steps}{after})" if r is not None
+                      else f"    fault {fault.n} ({fault.kind}): NOT recovered in {args.recovery_cap:.0f} s ({steps})", flush=True)  # fmt: skip
 
             t = threading.Thread(target=recover, daemon=True)
             t.start()
             recoveries.append(t)
-            time.sleep(max(1.0, rng.uniform(0.5, 1.5) * args.fault_every))
+        time.sleep(max(0.0, start + args.duration - time.time()))  # the run's full length under faults
         print(f"\nfaults done after {time.time() - start:.0f} s; settling", flush=True)
         for t in recoveries:
             t.join(timeout=args.recovery_cap + 200)
@@ -996,6 +1152,23 @@ def main() -> int:
 
         live = [h for g in groups if not g["dead"] for h in g["nodes"]]
 
+        from nodes.models import OPEN_COMMAND_STATES, CommandKind, NodeCommand
+
+        def caught_up() -> bool:
+            """Every live agent's buffer sent (what the portal knows of it is current)."""
+            for g in groups:
+                if g["dead"]:
+                    continue
+                try:
+                    dump = json.loads(g["dump"].read_text())
+                except (OSError, ValueError):
+                    return False
+                if time.time() - dump["at"] > 10 or any(
+                    a.get("unsent", 0) > 1 for a in dump["agents"].values()
+                ):
+                    return False
+            return True
+
         def settled() -> bool:
             try:
                 ok = (
@@ -1004,13 +1177,21 @@ def main() -> int:
                         state__in=(WorkloadState.PENDING, WorkloadState.QUEUED),
                         pending_reason__in=("", "submitted"),
                     ).exists()
+                    # No stop still on its way to a live node (the reaper's included).
+                    and not NodeCommand.objects.filter(
+                        node__hostname__in=live,
+                        kind__in=(CommandKind.STOP_WORKLOAD, CommandKind.PREEMPT_WORKLOAD),
+                        state__in=OPEN_COMMAND_STATES,
+                    ).exists()
+                    and caught_up()
                 )
             except Exception:
                 ok = False
             connection.close()
             return ok
 
-        wait_for(settled, args.settle, 2)
+        if not wait_for(settled, args.settle, 2):
+            print(f"  not settled in {args.settle:.0f} s: checking as it is", flush=True)
         time.sleep(15)  # a last reaper round, heartbeat and agent dumps past the settle mark
         settled_at = time.time() - 10
         # A killed invoice run must have run again (redelivered) before the last one here.
@@ -1027,6 +1208,15 @@ def main() -> int:
         lost_runs = 0
         if killed and (built is None or built.timestamp() < killed[-1].at):
             lost_runs = 1
+        # The last usage and invoice runs here, with beat and the metering worker stopped so that no
+        # other run rebuilds an invoice while it is read; allocations still end (the agents report).
+        for name in ("beat", "worker-default"):
+            stack.kill(name, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                stack.procs[name].wait(timeout=60)
+        from scheduling.models import Allocation
+
+        run.must_bill = set(Allocation.objects.filter(ended_at__isnull=False).values_list("pk", flat=True))
         usage_build()
         invoice_run(period_start=date.today().replace(day=1))
         print(
@@ -1069,6 +1259,10 @@ def main() -> int:
                 if k not in ("lost_workloads", "double_allocations", "double_charges", "orphans")
             },
             "faults_by_kind": {k: len(v) for k, v in sorted(by_kind.items())},
+            # The longest recovery of each kind (s; a partition's from its heal); None: not recovered.
+            "max_recovery_by_kind": {k: None if None in v else max(v) for k, v in sorted(by_kind.items())},
+            # Parts that exited without being killed, started again by the supervisor.
+            "process_exits": Counter_(name for _, name, _ in stack.exits),
             "seed": args.seed,
             "duration_s": args.duration,
             "nodes": args.nodes,

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -168,8 +169,17 @@ class Stack:
         self.work = work
         self.procs: dict[str, subprocess.Popen] = {}
         self._how: dict[str, tuple[list[str], int, dict[str, str]]] = {}
+        self._lock = threading.RLock()
+        self._held: set[str] = set()  # killed on purpose: not the supervisor's to start again
+        self._supervising = threading.Event()
+        self.exits: list[tuple[float, str, int]] = []  # (when, part, status): exits nobody asked for
 
     def start(self, name: str, cmd: list[str], nice: int = 0, env: dict[str, str] | None = None) -> None:
+        with self._lock:
+            self._held.discard(name)
+            self._start(name, cmd, nice, env)
+
+    def _start(self, name: str, cmd: list[str], nice: int, env: dict[str, str] | None) -> None:
         self._how[name] = (cmd, nice, env or {})
         role_env = {**self.env, "DB_APPLICATION_NAME": f"gpupool-{role_of(name)}", **(env or {})}
         log = open(self.work / f"{name}.log", "a")  # noqa: SIM115  (the child keeps it)
@@ -184,7 +194,10 @@ class Stack:
             session_nice(self.procs[name].pid, nice)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Signal the part's whole session (``kill -9`` by default), and reap it."""
+        """Signal the part's whole session (``kill -9`` by default), and reap it. The supervisor
+        leaves it down until :meth:`restart` or :meth:`start`."""
+        with self._lock:
+            self._held.add(name)
         proc = self.procs[name]
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
@@ -196,6 +209,23 @@ class Stack:
         """Start the part again as it was first started (its earlier process must be gone)."""
         cmd, nice, env = self._how[name]
         self.start(name, cmd, nice, env)
+
+    def supervise(self, every: float = 1.0) -> None:
+        """Start again, within ``every`` seconds, any part that exits without :meth:`kill`, as the
+        deployment's supervisor does (compose's ``restart: unless-stopped``, a Deployment); each
+        such exit is kept in :attr:`exits` and printed."""
+
+        def loop() -> None:
+            while not self._supervising.wait(every):
+                with self._lock:
+                    for name, proc in list(self.procs.items()):
+                        if name in self._held or proc.poll() is None:
+                            continue
+                        self.exits.append((time.time(), name, proc.returncode))
+                        print(f"    [{name} exited with status {proc.returncode}: started again]", flush=True)
+                        self.restart(name)
+
+        threading.Thread(target=loop, name="supervisor", daemon=True).start()
 
     def alive(self, name: str) -> bool:
         return name in self.procs and self.procs[name].poll() is None
@@ -218,6 +248,9 @@ class Stack:
         )
 
     def stop_all(self) -> None:
+        self._supervising.set()
+        with self._lock:
+            self._held.update(self.procs)
         for p in self.procs.values():
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):

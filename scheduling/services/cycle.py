@@ -414,6 +414,7 @@ def _save_pending(changed: list[Workload]) -> None:
 def scheduling_cycle_run(*, now: datetime | None = None, config: CycleConfig | None = None) -> CycleResult:
     """Run one cycle; returns ``ran=False`` when another cycle holds the lock."""
     started = time.perf_counter()
+    clock = now is None  # a caller's ``now`` (tests, replays) is kept throughout
     now = now or timezone.now()
     result = CycleResult()
     with transaction.atomic():
@@ -434,6 +435,11 @@ def scheduling_cycle_run(*, now: datetime | None = None, config: CycleConfig | N
         )
         result.admitted = len(admitted)
         snapshot, requests, ctx = cycle_snapshot_load(now)
+        if clock:
+            # Placements are stamped after the snapshot was read: a GPU freed by a release that
+            # committed after the cycle began (its ``ended_at`` later than the cycle's start) was
+            # read free, and the allocation made on it must not start before that end.
+            now = ctx.now = max(now, timezone.now())
         # A request whose victims are still stopping sits this cycle out: the victims' GPUs stay
         # allocated until they stop, and it must not pick more victims meanwhile.
         requests = [r for r in requests if int(r.id) not in ctx.waiting_for_victims]

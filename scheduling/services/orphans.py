@@ -194,10 +194,45 @@ def stops_confirm_unlisted(now: datetime) -> list[int]:
         .exclude(state__in=TERMINAL_WORKLOAD_STATES)
         .values_list("workload_id", "node_id")
     )
+    starting = _starts_in_flight(pending)
     confirmed = []
     for wid, node_id in sorted(pending):
-        if (str(wid), node_id) not in listed:
+        if (str(wid), node_id) not in listed and (str(wid), node_id) not in starting:
             with transaction.atomic():
                 if stop_confirm(workload_id=wid, node_id=node_id, now=now, how="no longer listed"):
                     confirmed.append(wid)
     return confirmed
+
+
+def _starts_in_flight(pairs: set[tuple[int, int]]) -> set[tuple[str, int]]:
+    """(workload, node) of ``pairs`` whose start the node may yet run: the start is still open
+    (pending, or delivered with no report: its answer may have been lost) and the workload has not
+    run since it was placed (no RUNNING event: the node never showed it had the start), or the
+    start was reported after the node's last heartbeat. A batch that does not list the workload is
+    then no word that it is gone: a partitioned node's buffered batches, older than the start,
+    arrive first when it heals, and the start follows."""
+    nodes = {n for _, n in pairs}
+    last = dict(Node.objects.filter(pk__in=nodes).values_list("pk", "last_heartbeat_at"))
+    placed: dict[int, datetime] = {}
+    for wid, started in Allocation.objects.filter(
+        workload_id__in={w for w, _ in pairs}, node_id__in=nodes, stop_confirmed_at__isnull=True
+    ).values_list("workload_id", "started_at"):
+        placed[wid] = min(started, placed.get(wid, started))
+    ran = {
+        wid
+        for wid, at in WorkloadEvent.objects.filter(
+            workload_id__in=set(placed), to_state="running"
+        ).values_list("workload_id", "at")
+        if at >= placed[wid]
+    }
+    out = set()
+    for wid, node_id, state, finished in NodeCommand.objects.filter(
+        node_id__in=nodes,
+        kind=CommandKind.START_WORKLOAD,
+        payload__workload_id__in=[str(w) for w, _ in pairs],
+    ).values_list("payload__workload_id", "node_id", "state", "finished_at"):
+        heard = last.get(node_id)
+        unseen = state in OPEN_COMMAND_STATES and workload_id_of(wid) not in ran
+        if unseen or (finished is not None and heard is not None and finished >= heard):
+            out.add((str(wid), node_id))
+    return out

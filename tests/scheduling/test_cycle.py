@@ -11,6 +11,7 @@ from nodes.models import CommandKind, Gpu, GpuModel, Node, NodeCommand, NodeStat
 from scheduling.models import Allocation, Reservation, ReservationStatus, Workload, WorkloadEvent
 from scheduling.models import WorkloadState as S
 from scheduling.services.allocations import gpu_range_choose
+from scheduling.services.cycle import scheduling_cycle_run
 from scheduling.services.lifecycle import workload_on_command_finished, workload_on_exited
 from tests.scheduling.conftest import H100, reload
 
@@ -155,6 +156,31 @@ def test_the_database_refuses_overlapping_allocations(tenant, make_node, submit,
     Allocation.objects.create(milli_offset=600, fraction_milli=400, **{**base, "workload": submit(tenant)})
     with pytest.raises(IntegrityError), transaction.atomic():
         Allocation.objects.filter(pk=ok.pk).update(ended_at=None)
+
+
+def test_a_gpu_freed_while_the_cycle_runs_is_not_held_twice_in_time(tenant, make_node, submit, monkeypatch):
+    """bench/chaos.py: a job's exit, committed after a cycle began and before it read the fleet,
+    freed the GPU the cycle then placed the next job on; the new allocation was stamped with the
+    cycle's start, 0.1 s before the old one ended. A release between the two stands in for it."""
+    from scheduling.services import cycle as cycle_module
+
+    node = make_node(gpus=1)
+    first = submit(tenant)
+    scheduling_cycle_run()
+    _started(first, node)
+    second = submit(tenant)
+    load = cycle_module.cycle_snapshot_load
+
+    def released_then_load(now):
+        assert timezone.now() > now  # the cycle began before the exit below
+        workload_on_exited(node_id=node.pk, workload_id=str(first.pk), state="exited", exit_code=0)
+        return load(now)
+
+    monkeypatch.setattr(cycle_module, "cycle_snapshot_load", released_then_load)
+    assert scheduling_cycle_run().placed == [second.pk]
+    old, new = Allocation.objects.get(workload=first), Allocation.objects.get(workload=second)
+    assert old.gpu_id == new.gpu_id and old.ended_at is not None
+    assert new.started_at >= old.ended_at
 
 
 def test_ranges_are_packed_when_no_gap_is_large_enough():

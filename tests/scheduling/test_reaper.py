@@ -307,6 +307,37 @@ def test_a_node_that_no_longer_lists_the_workload_confirms_its_stop(
     assert not Allocation.objects.get(workload=w).stop_unconfirmed
 
 
+def test_a_batch_older_than_the_start_confirms_no_stop(register, beat, mark_down, submit, tenant, cycle):
+    """bench/chaos.py's long partition: an instance placed on a node already cut off, the node
+    DOWN, then healed. Its buffered batches, made before the start reached it, list nothing; the
+    start (delivered, its answer lost in the partition) comes after them. Those batches must not
+    confirm the stop: the GPU went to other work while the node then ran the instance there."""
+    a = register(gpus=1)
+    beat(a)  # the last batch before the partition
+    w = submit(tenant, kind="instance")
+    cycle()
+    (start,) = NodeCommand.objects.filter(node_id=a.node_id, kind=CommandKind.START_WORKLOAD)
+    node_commands_deliver_due(node_id=a.node_id)  # handed out; the answer never reaches the node
+    mark_down(a)
+    assert reload(w).state == S.FAILED
+    (alloc,) = Allocation.objects.filter(workload=w)
+    assert alloc.stop_unconfirmed
+
+    beat(a)  # healed: a buffered batch, older than the start, lists nothing
+    assert scheduling_reconcile().stop_confirmed == []
+    assert Allocation.objects.get(workload=w).stop_unconfirmed
+    other = submit(tenant)
+    cycle()
+    assert reload(other).state == S.QUEUED  # the GPU the start may yet use takes no new work
+
+    # Positive control: the start reported done, then a batch made after it without the workload.
+    NodeCommand.objects.filter(pk=start.pk).update(state="succeeded", finished_at=timezone.now())
+    beat(a)
+    assert scheduling_reconcile().stop_confirmed == [w.pk]
+    cycle()
+    assert reload(other).state == S.SCHEDULED and holder(other) == a.node_id
+
+
 # --- 4. the reconciler trusts only the nodes that hold the workload --------------------------------
 
 
