@@ -88,6 +88,71 @@ class ResizeSerializer(serializers.Serializer):
     gpu_count = serializers.IntegerField(help_text="The GPUs the elastic job should hold, within its bounds.")
 
 
+# Decimal and date-time values render through DRF's own fields, made once: the same text as the
+# serializers' fields give (places from the model, the active time zone, "Z" for UTC).
+_WEIGHT = serializers.DecimalField(
+    max_digits=Workload._meta.get_field("min_compute_weight").max_digits,
+    decimal_places=Workload._meta.get_field("min_compute_weight").decimal_places,
+    read_only=True,
+)
+_PRICE = serializers.DecimalField(
+    max_digits=Workload._meta.get_field("spot_max_price").max_digits,
+    decimal_places=Workload._meta.get_field("spot_max_price").decimal_places,
+    read_only=True,
+)
+_TIME = serializers.DateTimeField(read_only=True)
+
+
+def _int(value):
+    return None if value is None else int(value)
+
+
+def _time(value):
+    return None if value is None else _TIME.to_representation(value)
+
+
+def _decimal(field: serializers.DecimalField, value):
+    return None if value is None else field.to_representation(value)
+
+
+def _str(value):
+    return None if value is None else str(value)
+
+
+def access_json(access: dict) -> dict:
+    """``workload_access``'s answer as ``AccessSerializer`` renders it (its keys only), built directly."""
+    ssh, link = access["ssh"], access["share_link"]
+    return {
+        "ssh": None
+        if ssh is None
+        else {
+            "host": str(ssh["host"]),
+            "port": int(ssh["port"]),
+            "user": str(ssh["user"]),
+            "command": str(ssh["command"]),
+            "known_hosts": str(ssh["known_hosts"]),
+        },
+        "ssh_unavailable_reason": str(access["ssh_unavailable_reason"]),
+        "ports": [
+            {
+                "port": int(p["port"]),
+                "protocol": str(p["protocol"]),
+                "host_port": _int(p["host_port"]),
+                "host": _str(p["host"]),
+                "url": _str(p["url"]),
+                "note": str(p["note"]),
+            }
+            for p in access["ports"]
+        ],
+        "share_link": None if link is None else {"created_at": _time(link["created_at"])},
+    }
+
+
+# A workload as the list and the detail give it. The fields describe it (the schema);
+# ``to_representation`` builds a model instance's dict directly, key by key as DRF's field-by-field
+# loop would (tests/scheduling/test_api_rendering.py compares the two), without copying the fields
+# for every request or resolving each field's source. (A comment: a docstring would be the schema's
+# description.)
 class WorkloadSerializer(FieldsOnceModelSerializer):
     gpu_models = serializers.SerializerMethodField()
     # A read-only model field loses its blank and null in DRF's schema: they are declared here, as
@@ -161,6 +226,71 @@ class WorkloadSerializer(FieldsOnceModelSerializer):
         ]
         read_only_fields = fields
 
+    def to_representation(self, instance):
+        if not isinstance(instance, Workload):
+            return super().to_representation(instance)
+        w = instance
+        region = w.region
+        return {
+            "id": _int(w.id),
+            "kind": str(w.kind),
+            "name": str(w.name),
+            "state": str(w.state),
+            "state_reason": str(w.state_reason),
+            "pending": self.get_pending(w),
+            "gpu_models": self.get_gpu_models(w),
+            "min_gpu_memory_gib": int(w.min_gpu_memory_gib),
+            "min_compute_weight": _decimal(_WEIGHT, w.min_compute_weight),
+            "gpu_vendor": str(w.gpu_vendor),
+            "cuda_capability": str(w.cuda_capability),
+            "rocm_target": str(w.rocm_target),
+            "min_driver": str(w.min_driver),
+            "min_cuda": str(w.min_cuda),
+            "min_rocm": str(w.min_rocm),
+            "gpu_count": int(w.gpu_count),
+            "gang": bool(w.gang),
+            "gpus_per_node": w.gpus_per_node,
+            "split_regions_ok": bool(w.split_regions_ok),
+            "node_selector": w.node_selector,
+            "affinity": w.affinity,
+            "anti_affinity": w.anti_affinity,
+            "spread": w.spread,
+            "preference": str(w.preference),
+            "gpu_fraction_milli": int(w.gpu_fraction_milli),
+            "mig_profile": str(w.mig_profile),
+            "cpu_millicores": int(w.cpu_millicores),
+            "ram_mib": int(w.ram_mib),
+            "region": None if region is None else region.code,
+            "other_regions_ok": bool(w.other_regions_ok),
+            "plan": str(w.plan),
+            "spot_max_price": _decimal(_PRICE, w.spot_max_price),
+            "reservation": w.reservation_id,
+            "priority_class": str(w.priority_class),
+            "image": str(w.image),
+            "template": str(w.template),
+            "command": w.command,
+            "env": w.env,
+            "ports": w.ports,
+            "ssh_public_key": str(w.ssh_public_key),
+            "max_runtime_s": _int(w.max_runtime_s),
+            "estimated_runtime_s": _int(w.estimated_runtime_s),
+            "requeue_on_preemption": bool(w.requeue_on_preemption),
+            "checkpoint_resume": bool(w.checkpoint_resume),
+            "max_retries": int(w.max_retries),
+            "retries": int(w.retries),
+            "attempt": int(w.attempt),
+            "exit_code": _int(w.exit_code),
+            "elastic": self.get_elastic(w),
+            "array_count": _int(w.array_count),
+            "array_parallelism": _int(w.array_parallelism),
+            "array_parent": w.array_parent_id,
+            "array_index": _int(w.array_index),
+            "submitted_at": _time(w.submitted_at),
+            "scheduled_at": _time(w.scheduled_at),
+            "started_at": _time(w.started_at),
+            "finished_at": _time(w.finished_at),
+        }
+
     def get_gpu_models(self, w: Workload) -> list[str]:
         """The GPU models the workload may run on, by name."""
         # A page's come with its workloads (_WorkloadViewSet.paginate_queryset); one workload's here.
@@ -226,6 +356,18 @@ class WorkloadDetailSerializer(WorkloadSerializer):
         fields = [*WorkloadSerializer.Meta.fields, "placement", "access", "volumes", "array", "depends_on"]
         read_only_fields = fields
 
+    def to_representation(self, instance):
+        if not isinstance(instance, Workload):
+            return super().to_representation(instance)
+        data = super().to_representation(instance)
+        rows = workload_placement(workload=instance)  # once, for placement and access both
+        data["placement"] = self.get_placement(instance, rows)
+        data["access"] = access_json(self.access_of(instance, rows))
+        data["volumes"] = self.get_volumes(instance)
+        data["array"] = self.get_array(instance)
+        data["depends_on"] = self.get_depends_on(instance)
+        return data
+
     @extend_schema_field(ArraySummarySerializer(allow_null=True))
     def get_array(self, w: Workload) -> dict | None:
         return array_summary(workload=w)
@@ -237,11 +379,14 @@ class WorkloadDetailSerializer(WorkloadSerializer):
     def get_volumes(self, w: Workload) -> list[dict]:
         return workload_volumes(workload=w)
 
+    def access_of(self, w: Workload, placement: list[dict] | None = None) -> dict:
+        return workload_access(workload=w, placement=placement, request=self.context.get("request"))
+
     @extend_schema_field(AccessSerializer)
     def get_access(self, w: Workload) -> dict:
-        return AccessSerializer(workload_access(workload=w, request=self.context.get("request"))).data
+        return AccessSerializer(self.access_of(w)).data
 
-    def get_placement(self, w: Workload) -> list[dict]:
+    def get_placement(self, w: Workload, rows: list[dict] | None = None) -> list[dict]:
         return [
             {
                 "node": p["node__hostname"],
@@ -250,7 +395,7 @@ class WorkloadDetailSerializer(WorkloadSerializer):
                 "gpu_model": p["gpu_model__name"],
                 "fraction_milli": p["fraction_milli"],
             }
-            for p in workload_placement(workload=w)
+            for p in (workload_placement(workload=w) if rows is None else rows)
         ]
 
 
