@@ -35,6 +35,7 @@ from portal.models import Scope
 from scheduling import api_work  # noqa: F401  (registers /api/v1/work/)
 from scheduling.api_access import AccessSerializer, SshKeyViewSet
 from scheduling.api_fields import EnvValueField
+from scheduling.api_render import LIST_VALUES, access_json, workload_json, workload_row
 from scheduling.k8s_manifest import is_manifest, manifest_error, manifest_translate
 from scheduling.models import (
     DependencyCondition,
@@ -86,66 +87,6 @@ class ElasticStateSerializer(serializers.Serializer):
 
 class ResizeSerializer(serializers.Serializer):
     gpu_count = serializers.IntegerField(help_text="The GPUs the elastic job should hold, within its bounds.")
-
-
-# Decimal and date-time values render through DRF's own fields, made once: the same text as the
-# serializers' fields give (places from the model, the active time zone, "Z" for UTC).
-_WEIGHT = serializers.DecimalField(
-    max_digits=Workload._meta.get_field("min_compute_weight").max_digits,
-    decimal_places=Workload._meta.get_field("min_compute_weight").decimal_places,
-    read_only=True,
-)
-_PRICE = serializers.DecimalField(
-    max_digits=Workload._meta.get_field("spot_max_price").max_digits,
-    decimal_places=Workload._meta.get_field("spot_max_price").decimal_places,
-    read_only=True,
-)
-_TIME = serializers.DateTimeField(read_only=True)
-
-
-def _int(value):
-    return None if value is None else int(value)
-
-
-def _time(value):
-    return None if value is None else _TIME.to_representation(value)
-
-
-def _decimal(field: serializers.DecimalField, value):
-    return None if value is None else field.to_representation(value)
-
-
-def _str(value):
-    return None if value is None else str(value)
-
-
-def access_json(access: dict) -> dict:
-    """``workload_access``'s answer as ``AccessSerializer`` renders it (its keys only), built directly."""
-    ssh, link = access["ssh"], access["share_link"]
-    return {
-        "ssh": None
-        if ssh is None
-        else {
-            "host": str(ssh["host"]),
-            "port": int(ssh["port"]),
-            "user": str(ssh["user"]),
-            "command": str(ssh["command"]),
-            "known_hosts": str(ssh["known_hosts"]),
-        },
-        "ssh_unavailable_reason": str(access["ssh_unavailable_reason"]),
-        "ports": [
-            {
-                "port": int(p["port"]),
-                "protocol": str(p["protocol"]),
-                "host_port": _int(p["host_port"]),
-                "host": _str(p["host"]),
-                "url": _str(p["url"]),
-                "note": str(p["note"]),
-            }
-            for p in access["ports"]
-        ],
-        "share_link": None if link is None else {"created_at": _time(link["created_at"])},
-    }
 
 
 # A workload as the list and the detail give it. The fields describe it (the schema);
@@ -227,69 +168,11 @@ class WorkloadSerializer(FieldsOnceModelSerializer):
         read_only_fields = fields
 
     def to_representation(self, instance):
-        if not isinstance(instance, Workload):
-            return super().to_representation(instance)
-        w = instance
-        region = w.region
-        return {
-            "id": _int(w.id),
-            "kind": str(w.kind),
-            "name": str(w.name),
-            "state": str(w.state),
-            "state_reason": str(w.state_reason),
-            "pending": self.get_pending(w),
-            "gpu_models": self.get_gpu_models(w),
-            "min_gpu_memory_gib": int(w.min_gpu_memory_gib),
-            "min_compute_weight": _decimal(_WEIGHT, w.min_compute_weight),
-            "gpu_vendor": str(w.gpu_vendor),
-            "cuda_capability": str(w.cuda_capability),
-            "rocm_target": str(w.rocm_target),
-            "min_driver": str(w.min_driver),
-            "min_cuda": str(w.min_cuda),
-            "min_rocm": str(w.min_rocm),
-            "gpu_count": int(w.gpu_count),
-            "gang": bool(w.gang),
-            "gpus_per_node": w.gpus_per_node,
-            "split_regions_ok": bool(w.split_regions_ok),
-            "node_selector": w.node_selector,
-            "affinity": w.affinity,
-            "anti_affinity": w.anti_affinity,
-            "spread": w.spread,
-            "preference": str(w.preference),
-            "gpu_fraction_milli": int(w.gpu_fraction_milli),
-            "mig_profile": str(w.mig_profile),
-            "cpu_millicores": int(w.cpu_millicores),
-            "ram_mib": int(w.ram_mib),
-            "region": None if region is None else region.code,
-            "other_regions_ok": bool(w.other_regions_ok),
-            "plan": str(w.plan),
-            "spot_max_price": _decimal(_PRICE, w.spot_max_price),
-            "reservation": w.reservation_id,
-            "priority_class": str(w.priority_class),
-            "image": str(w.image),
-            "template": str(w.template),
-            "command": w.command,
-            "env": w.env,
-            "ports": w.ports,
-            "ssh_public_key": str(w.ssh_public_key),
-            "max_runtime_s": _int(w.max_runtime_s),
-            "estimated_runtime_s": _int(w.estimated_runtime_s),
-            "requeue_on_preemption": bool(w.requeue_on_preemption),
-            "checkpoint_resume": bool(w.checkpoint_resume),
-            "max_retries": int(w.max_retries),
-            "retries": int(w.retries),
-            "attempt": int(w.attempt),
-            "exit_code": _int(w.exit_code),
-            "elastic": self.get_elastic(w),
-            "array_count": _int(w.array_count),
-            "array_parallelism": _int(w.array_parallelism),
-            "array_parent": w.array_parent_id,
-            "array_index": _int(w.array_index),
-            "submitted_at": _time(w.submitted_at),
-            "scheduled_at": _time(w.scheduled_at),
-            "started_at": _time(w.started_at),
-            "finished_at": _time(w.finished_at),
-        }
+        if isinstance(instance, Workload):
+            return workload_json(workload_row(instance), self.get_gpu_models(instance))
+        if isinstance(instance, dict) and "gpu_model_names" in instance:  # a page's values() row
+            return workload_json(instance, instance["gpu_model_names"])
+        return super().to_representation(instance)
 
     def get_gpu_models(self, w: Workload) -> list[str]:
         """The GPU models the workload may run on, by name."""
@@ -648,12 +531,21 @@ class _WorkloadViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
         # page does not read fifty of them.
         return qs.defer("log_tail") if self.action in ("list", "retrieve", "logs") else qs
 
+    # A page of rows (values()), not model instances: Django builds no instance for them.
+    def list(self, request, *args, **kwargs):
+        rows = self.paginate_queryset(self.filter_queryset(self.get_queryset()).values(*LIST_VALUES))
+        return self.get_paginated_response(self.get_serializer(rows, many=True).data)
+
     def paginate_queryset(self, queryset):
         page = super().paginate_queryset(queryset)
         if page is not None:  # the page's GPU model names in one query
-            names = workload_gpu_model_names(workload_ids=[w.pk for w in page])
+            rows = page and isinstance(page[0], dict)
+            names = workload_gpu_model_names(workload_ids=[w["id"] if rows else w.pk for w in page])
             for w in page:
-                w.gpu_model_names = names[w.pk]
+                if rows:
+                    w["gpu_model_names"] = names[w["id"]]
+                else:
+                    w.gpu_model_names = names[w.pk]
         return page
 
     def get_serializer_class(self):

@@ -16,6 +16,7 @@ from nodes.models import Node
 from portal.actors import Actor
 from portal.api.renderers import JSONRenderer
 from scheduling.api import WorkloadDetailSerializer, WorkloadSerializer
+from scheduling.api_render import LIST_VALUES
 from scheduling.models import Allocation, PublishedPort, Workload, WorkloadDependency, WorkloadShareLink
 from scheduling.models import WorkloadState as S
 from scheduling.selectors.shared import workload_gpu_model_names
@@ -98,6 +99,10 @@ def test_the_list_serializer_renders_what_drf_renders(shapes):
     serializer = WorkloadSerializer()
     for w in rows.values():
         _same(serializer.to_representation(w), _drf(serializer, w))
+    # A list page's values() rows render as their instances do through DRF.
+    values = {r["id"]: r for r in Workload.objects.filter(pk__in=list(rows)).values(*LIST_VALUES)}
+    for pk, w in rows.items():
+        _same(serializer.to_representation({**values[pk], "gpu_model_names": names[pk]}), _drf(serializer, w))
     many = WorkloadSerializer(list(rows.values()), many=True).data
     assert [dict(d) for d in many] == [_drf(serializer, w) for w in rows.values()]
     # The shapes are there: a decimal, a price, nulls, a nested pending and elastic part.
@@ -153,3 +158,33 @@ def test_the_detail_reads_a_running_workloads_placement_once(shapes, django_asse
         _drf(serializer, box)
     with django_assert_num_queries(5):
         serializer.to_representation(box)
+
+
+def test_the_list_pages_filter_and_walk_as_before(shapes, tenant, api, make_token):
+    """Over HTTP: each entry of every page is DRF's rendering of that workload; filters and the
+    cursor still apply to the rows (values()) the list reads."""
+    rows, box_id = shapes
+    client = api(make_token(tenant))
+    serializer = WorkloadSerializer()
+    names = workload_gpu_model_names(workload_ids=list(rows))
+    seen, url = [], "/api/v1/jobs/?page_size=3"
+    while url:
+        body = client.get(url).json()
+        assert len(body["results"]) <= 3
+        seen += body["results"]
+        url = body["next"]
+    jobs = sorted((w for w in rows.values() if w.kind == "job"), key=lambda w: -w.pk)
+    assert [d["id"] for d in seen] == [w.pk for w in jobs] and len(jobs) == 7
+    for d, w in zip(seen, jobs, strict=True):
+        w.gpu_model_names = names[w.pk]
+        assert d == _json(_drf(serializer, w))
+    queued = client.get("/api/v1/jobs/?state=queued").json()["results"]
+    assert [d["name"] for d in queued] == ["waits"]
+    assert [d["id"] for d in client.get("/api/v1/instances/").json()["results"]] == [box_id]
+    assert client.get("/api/v1/jobs/?region=nowhere").json()["results"] == []
+
+
+def _json(data: dict) -> dict:
+    import json
+
+    return json.loads(JSONRenderer().render(data))
