@@ -2,7 +2,7 @@
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/test .venv/bin/python bench/web_cost.py
 
-Seeds its own database (``gpupool_bench_web_cost``; dropped at the end) with one tenant of
+Seeds its own database (``gpupool_bench_web_cost_<pid>``; dropped at the end) with one tenant of
 ``--jobs`` jobs on an 8-GPU node (``bench/api_read.py``'s seed), starts one uvicorn process as
 ``bench/scale.py`` starts the web (``portal.asgi:application``, httptools, uvloop) under valgrind's
 callgrind, and for each endpoint sends ``--warm`` requests, zeroes the counters, sends
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from bench.pgdb import drop_database, recreate_database  # noqa: E402
 from bench.stack import free_port, stack_env  # noqa: E402
 
-DB_NAME = "gpupool_bench_web_cost"
+DB_NAME = f"gpupool_bench_web_cost_{os.getpid()}"  # two runs side by side do not collide
 ENDPOINTS = ("/api/v1/jobs/", "/api/v1/jobs/{id}/", "/api/v1/instances/", "/api/v1/gpu-types/")
 
 
@@ -124,7 +124,7 @@ def main() -> int:
             headers={"Authorization": f"Bearer {token}"},
             timeout=300,
         )
-        deadline = time.monotonic() + 300  # valgrind starts Python slowly
+        deadline = time.monotonic() + 1200  # valgrind starts Python slowly, slower still on a busy machine
         while True:
             try:
                 client.get("/api/v1/gpu-types/")

@@ -35,6 +35,7 @@ from portal.models import Scope
 from scheduling import api_work  # noqa: F401  (registers /api/v1/work/)
 from scheduling.api_access import AccessSerializer, SshKeyViewSet
 from scheduling.api_fields import EnvValueField
+from scheduling.api_render import LIST_VALUES, access_json, workload_json, workload_row
 from scheduling.k8s_manifest import is_manifest, manifest_error, manifest_translate
 from scheduling.models import (
     DependencyCondition,
@@ -88,6 +89,11 @@ class ResizeSerializer(serializers.Serializer):
     gpu_count = serializers.IntegerField(help_text="The GPUs the elastic job should hold, within its bounds.")
 
 
+# A workload as the list and the detail give it. The fields describe it (the schema);
+# ``to_representation`` builds a model instance's dict directly, key by key as DRF's field-by-field
+# loop would (tests/scheduling/test_api_rendering.py compares the two), without copying the fields
+# for every request or resolving each field's source. (A comment: a docstring would be the schema's
+# description.)
 class WorkloadSerializer(FieldsOnceModelSerializer):
     gpu_models = serializers.SerializerMethodField()
     # A read-only model field loses its blank and null in DRF's schema: they are declared here, as
@@ -161,6 +167,13 @@ class WorkloadSerializer(FieldsOnceModelSerializer):
         ]
         read_only_fields = fields
 
+    def to_representation(self, instance):
+        if isinstance(instance, Workload):
+            return workload_json(workload_row(instance), self.get_gpu_models(instance))
+        if isinstance(instance, dict) and "gpu_model_names" in instance:  # a page's values() row
+            return workload_json(instance, instance["gpu_model_names"])
+        return super().to_representation(instance)
+
     def get_gpu_models(self, w: Workload) -> list[str]:
         """The GPU models the workload may run on, by name."""
         # A page's come with its workloads (_WorkloadViewSet.paginate_queryset); one workload's here.
@@ -226,6 +239,18 @@ class WorkloadDetailSerializer(WorkloadSerializer):
         fields = [*WorkloadSerializer.Meta.fields, "placement", "access", "volumes", "array", "depends_on"]
         read_only_fields = fields
 
+    def to_representation(self, instance):
+        if not isinstance(instance, Workload):
+            return super().to_representation(instance)
+        data = super().to_representation(instance)
+        rows = workload_placement(workload=instance)  # once, for placement and access both
+        data["placement"] = self.get_placement(instance, rows)
+        data["access"] = access_json(self.access_of(instance, rows))
+        data["volumes"] = self.get_volumes(instance)
+        data["array"] = self.get_array(instance)
+        data["depends_on"] = self.get_depends_on(instance)
+        return data
+
     @extend_schema_field(ArraySummarySerializer(allow_null=True))
     def get_array(self, w: Workload) -> dict | None:
         return array_summary(workload=w)
@@ -237,11 +262,14 @@ class WorkloadDetailSerializer(WorkloadSerializer):
     def get_volumes(self, w: Workload) -> list[dict]:
         return workload_volumes(workload=w)
 
+    def access_of(self, w: Workload, placement: list[dict] | None = None) -> dict:
+        return workload_access(workload=w, placement=placement, request=self.context.get("request"))
+
     @extend_schema_field(AccessSerializer)
     def get_access(self, w: Workload) -> dict:
-        return AccessSerializer(workload_access(workload=w, request=self.context.get("request"))).data
+        return AccessSerializer(self.access_of(w)).data
 
-    def get_placement(self, w: Workload) -> list[dict]:
+    def get_placement(self, w: Workload, rows: list[dict] | None = None) -> list[dict]:
         return [
             {
                 "node": p["node__hostname"],
@@ -250,7 +278,7 @@ class WorkloadDetailSerializer(WorkloadSerializer):
                 "gpu_model": p["gpu_model__name"],
                 "fraction_milli": p["fraction_milli"],
             }
-            for p in workload_placement(workload=w)
+            for p in (workload_placement(workload=w) if rows is None else rows)
         ]
 
 
@@ -503,12 +531,21 @@ class _WorkloadViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
         # page does not read fifty of them.
         return qs.defer("log_tail") if self.action in ("list", "retrieve", "logs") else qs
 
+    # A page of rows (values()), not model instances: Django builds no instance for them.
+    def list(self, request, *args, **kwargs):
+        rows = self.paginate_queryset(self.filter_queryset(self.get_queryset()).values(*LIST_VALUES))
+        return self.get_paginated_response(self.get_serializer(rows, many=True).data)
+
     def paginate_queryset(self, queryset):
         page = super().paginate_queryset(queryset)
         if page is not None:  # the page's GPU model names in one query
-            names = workload_gpu_model_names(workload_ids=[w.pk for w in page])
+            rows = page and isinstance(page[0], dict)
+            names = workload_gpu_model_names(workload_ids=[w["id"] if rows else w.pk for w in page])
             for w in page:
-                w.gpu_model_names = names[w.pk]
+                if rows:
+                    w["gpu_model_names"] = names[w["id"]]
+                else:
+                    w.gpu_model_names = names[w.pk]
         return page
 
     def get_serializer_class(self):

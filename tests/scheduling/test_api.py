@@ -469,9 +469,10 @@ def test_quotas_are_one_object_as_documented(client, tenant):
 def test_workload_rendering_reads_columns_directly_and_answers_what_drf_answers(
     tenant, make_node, submit, cycle
 ):
-    """``FieldsOnceModelSerializer.to_representation`` reads model columns by ``getattr``: for every
-    shape of workload (placed, waiting, an instance; nulls, blanks, a region or none), the list
-    and the detail serializers give exactly what DRF's own field-by-field loop gives."""
+    """The workload serializers build their dicts directly (more shapes in test_api_rendering): for
+    placed, waiting and instance workloads (nulls, blanks, a region or none), the list and the
+    detail serializers give exactly what DRF's own field-by-field loop gives; a serializer of
+    ``FieldsOnceModelSerializer`` renders a dict of values the DRF way."""
     from rest_framework import serializers as drf
 
     from portal.api.serializers import FieldsOnceModelSerializer
