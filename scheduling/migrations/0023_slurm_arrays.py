@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
     dependencies = [
         ("nodes", "0014_region_backend_slurm"),
-        ("scheduling", "0019_slurm_jobs"),
+        ("scheduling", "0022_elastic_jobs"),
     ]
 
     operations = [
