@@ -40,7 +40,8 @@ from datetime import datetime
 from pathlib import Path
 
 from django.db import transaction
-from django.db.models import Sum
+from django.db.models import Count, F, Sum, Value
+from django.db.models.functions import Greatest
 from django.utils import timezone
 
 from nodes.models import Gpu, GpuModel, Node, NodeState, Region, RegionBackend
@@ -560,13 +561,17 @@ def _hold(
     start: datetime,
     end: datetime | None = None,
     end_reason: str = "",
+    running: frozenset[JobKey] = frozenset(),
 ) -> int:
     """Allocation rows for the GPUs Slurm gave ``w``: ``placed`` is (Slurm node, GRES type -> count)
     per node. Open (``end`` None) while it runs, so quotas and costs to date count it as agent-run
     work; the rows are bookkeeping (Slurm chose the devices): a node's GPU rows of that type that
-    no other open allocation holds, else any of them."""
+    no other open allocation holds. Slurm's word wins: an open row another workload still holds
+    there whose Slurm job squeue no longer runs (``running``: the keys it runs) is closed now (its
+    end is set to sacct's when that comes, ``_finish``). Ended rows (``end``) take any GPU row."""
     models = {m.name: m.pk for m in GpuModel.objects.filter(name__in=list(config.gres_types))}
     rows = []
+    now = timezone.now()
     for slurm_node, gres in placed:
         node = Node.objects.filter(hostname=slurm_hostname(region, slurm_node)).first()
         if node is None:
@@ -586,12 +591,26 @@ def _hold(
                     node=node, uuid__startswith=f"slurm:{region.code}:{slurm_node}:{gres_type}:"
                 ).order_by("index")
             )
-            busy = set(
-                Allocation.objects.filter(gpu__in=gpus, ended_at__isnull=True).values_list(
-                    "gpu_id", flat=True
-                )
-            )
-            gpus = ([g for g in gpus if g.pk not in busy] + [g for g in gpus if g.pk in busy])[:count]
+            if end is None:
+                holders = Allocation.objects.filter(gpu__in=gpus, ended_at__isnull=True).exclude(workload=w)
+                free = [g for g in gpus if g.pk not in {a.gpu_id for a in holders}]
+                if len(free) < count:
+                    stale = [
+                        a
+                        for a in holders.select_related("workload__slurm_job")
+                        if not hasattr(a.workload, "slurm_job")
+                        or (a.workload.slurm_job.job_id, a.workload.slurm_job.array_task_id) not in running
+                    ]
+                    Allocation.objects.filter(pk__in=[a.pk for a in stale]).update(
+                        ended_at=Greatest(F("started_at"), Value(now)), end_reason="slurm_released"
+                    )
+                    released = {a.gpu_id for a in stale}
+                    free += [g for g in gpus if g.pk in released and g not in free]
+                gpus = free[:count]
+                if len(gpus) < count:
+                    logger.error("Workload %s: Slurm gave it GPUs gpupool sees held on %s", w.pk, slurm_node)
+            else:
+                gpus = gpus[:count]
             for g in gpus:
                 rows.append(
                     Allocation(
@@ -611,6 +630,15 @@ def _hold(
     return len(rows)
 
 
+def _own(acct: SlurmAccounting | None, first: datetime) -> SlurmAccounting | None:
+    return acct if acct is None or acct.submitted is None or acct.submitted >= first else None
+
+
+def _model_id_of(config: SlurmConfig, gres_type: str) -> int | None:
+    name = config.model_of_type(gres_type)
+    return GpuModel.objects.filter(name=name).values_list("pk", flat=True).first() if name else None
+
+
 def _follow(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: SyncResult) -> None:
     # An array job's own row is its Slurm array: its tasks' rows are followed; it ends with it.
     SlurmJob.objects.filter(
@@ -623,6 +651,7 @@ def _follow(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: 
     rows = list(
         SlurmJob.objects.filter(region=region, accounted_at__isnull=True)
         .exclude(array_task_id__isnull=True, workload__array_count__isnull=False)
+        .select_related("workload__array_parent")
         .order_by("pk")
     )
     ended = []
@@ -648,18 +677,24 @@ def _follow(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: 
             elif job.state in RUNNING and w.state in (WorkloadState.QUEUED, WorkloadState.SCHEDULED):
                 _to_running(w, job.start or timezone.now(), _label(sj))
                 if w.state == WorkloadState.RUNNING and job.node_gres:
-                    _hold(region, w, list(job.node_gres), cli.config, start=w.state_changed_at)
+                    running = frozenset(k for k, j in live.items() if j.state in RUNNING)
+                    _hold(
+                        region, w, list(job.node_gres), cli.config, start=w.state_changed_at, running=running
+                    )
                 result.started.append(w.pk)
         _read_output(sj)
     if ended:
         accounting = cli.accounting(sorted({sj.job_id for sj in ended}))
         for sj in ended:
-            acct = accounting.get((sj.job_id, sj.array_task_id))
+            # Records submitted before the workload (the array job, for a task) are another job's
+            # that had the same id (Slurm's counter reset, or past MaxJobId): not this one's.
+            first = (sj.workload.array_parent or sj.workload).submitted_at.replace(microsecond=0)
+            acct = _own(accounting.get((sj.job_id, sj.array_task_id)), first)
             if acct is None and sj.array_task_id is not None:
                 # A task Slurm never started ended with its array's own record, which lists it
                 # (slurmdbd may list it there for a moment after it started: only a task gpupool
                 # never saw run, of an array squeue no longer has, is taken as never run).
-                rest = accounting.get((sj.job_id, None))
+                rest = _own(accounting.get((sj.job_id, None)), first)
                 gone = not any(k[0] == sj.job_id for k in live)
                 never_ran = gone and Workload.objects.filter(pk=sj.workload_id, started_at=None).exists()
                 if (
@@ -725,15 +760,30 @@ def _finish(region: Region, cli: SlurmCli, sj: SlurmJob, acct: SlurmAccounting) 
         if ran and w.started_at is not None:
             end_reason = f"slurm_{acct.state.lower()}"[:64]
             held = Allocation.objects.filter(workload=w)
-            if held.exists():
-                held.filter(started_at__lte=end).update(ended_at=end, end_reason=end_reason)
-            else:
+            held.filter(started_at__lte=end).update(ended_at=end, end_reason=end_reason)
+            missing = sum(acct.gpus.values()) - held.count()
+            if missing > 0:
+                # Started and ended between two syncs, or held fewer rows than Slurm counts: the
+                # rest from sacct (its nodes; GPUs per node its count over them), ended.
                 hosts = cli.hostnames(acct.nodes)
-                share = {t: n // max(1, len(hosts)) for t, n in acct.gpus.items()}
+                placed = [(h, {t: n // max(1, len(hosts)) for t, n in acct.gpus.items()}) for h in hosts]
+                if held.exists():  # (the rows are bookkeeping: the rest on its first node)
+                    have = dict(
+                        held.values("gpu_model_id").annotate(n=Count("id")).values_list("gpu_model_id", "n")
+                    )
+                    placed = [
+                        (
+                            hosts[0] if hosts else "",
+                            {
+                                t: max(0, n - have.get(_model_id_of(cli.config, t), 0))
+                                for t, n in acct.gpus.items()
+                            },
+                        )
+                    ]
                 _hold(
                     region,
                     w,
-                    [(h, share) for h in hosts],
+                    placed,
                     cli.config,
                     start=min(w.started_at, end),
                     end=end,
