@@ -19,7 +19,7 @@ from metering.selectors.shared import month_cost_to_date
 from metering.services.invoices import invoice_build
 from metering.services.rates import rate_card_version_create
 from metering.services.usage import usage_build
-from nodes.models import Gpu, GpuModel, Node, NodeState, Region, RegionBackend
+from nodes.models import Gpu, GpuModel, Node, NodeCommand, NodeState, Region, RegionBackend
 from scheduling.models import Allocation, Plan, Quota, QuotaModelLimit, SlurmJob, Workload, WorkloadLogLine
 from scheduling.models import WorkloadState as S
 from scheduling.selectors.shared import quota_usage
@@ -504,6 +504,7 @@ def test_running_slurm_jobs_count_toward_model_quota_and_budget(region, client, 
     assert r.status_code == 403 and "spent this month" in r.json()["error"]["message"], r.content
 
     assert client.post(f"/api/v1/jobs/{hog}/stop/").status_code in (200, 202)
+    assert not NodeCommand.objects.filter(node__region=region).exists()  # Slurm's: scancel, not agents
     sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{hog}/").json()["state"] == "stopped")
     assert quota_usage(tenant=tenant).model_milli.get(h100.pk, 0) == 0
     ended = Allocation.objects.filter(workload_id=hog)
