@@ -90,6 +90,7 @@ class SlurmAccounting:
     node_count: int = 1
     # An array's own record: the tasks it stands for, which never started (``array.task``).
     unstarted_tasks: frozenset[int] = frozenset()
+    submitted: datetime | None = None
 
     @property
     def key(self) -> JobKey:
@@ -277,12 +278,17 @@ class SlurmCli:
         data = self._json(["sacct", "--json", "-j", ids])
         # Slurm 22.05's JSON writes a failed job's exit code as 0 ("SUCCESS"); the parsable text
         # has it right ("1:0": code 1, signal 0), so the code is read from there, by JobIDRaw.
-        codes: dict[int, int] = {}
-        for line in self.run(["sacct", "-n", "-P", "-X", "-o", "JobIDRaw,ExitCode", "-j", ids]).splitlines():
-            jid, _, code = line.partition("|")
-            if jid.isdigit() and code.partition(":")[0].isdigit():
-                codes[int(jid)] = int(code.partition(":")[0])
-        out = {}
+        # A job id Slurm gave again (its counter reset, or past MaxJobId) has older records in
+        # slurmdbd too: the newest submission is the one.
+        codes: dict[int, tuple[str, int]] = {}
+        for line in self.run(
+            ["sacct", "-n", "-P", "-X", "-o", "JobIDRaw,ExitCode,Submit", "-j", ids]
+        ).splitlines():
+            jid, code, submit = [*line.split("|"), "", ""][:3]
+            if jid.isdigit() and code.partition(":")[0].isdigit() and submit >= codes.get(int(jid), ("",))[0]:
+                codes[int(jid)] = (submit, int(code.partition(":")[0]))
+        out: dict[JobKey, SlurmAccounting] = {}
+        submitted: dict[JobKey, int] = {}
         for j in data.get("jobs", []):
             jid = _int(j.get("job_id"))
             if jid is None:
@@ -311,7 +317,7 @@ class SlurmCli:
             if isinstance(state, list):
                 state = state[0] if state else ""
             times = j.get("time") or {}
-            exit_code = codes.get(jid, (j.get("exit_code") or {}).get("return_code"))
+            exit_code = codes[jid][1] if jid in codes else (j.get("exit_code") or {}).get("return_code")
             acct = SlurmAccounting(
                 job_id=jid,
                 state=str(state).upper(),
@@ -327,8 +333,11 @@ class SlurmCli:
                 array_task_id=array_task,
                 node_count=node_count,
                 unstarted_tasks=_task_set(array.get("task")) if array_task is None else frozenset(),
+                submitted=_time(times.get("submission")),
             )
-            out[acct.key] = acct
+            at = _int(times.get("submission")) or 0
+            if at >= submitted.get(acct.key, 0):
+                out[acct.key], submitted[acct.key] = acct, at
         return out
 
     def cancel(self, job_id: int, task: int | None = None) -> None:

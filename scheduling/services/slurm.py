@@ -13,7 +13,7 @@ cycle as everywhere), Slurm places and runs them. The rules, in the order one sy
    Slurm's); each task row gpupool makes is Slurm's task ``<job id>_<index>``, followed on its own.
    A gang (``gang`` or ``gpus_per_node``) becomes one job of ``--nodes=<n> --ntasks-per-node=1``
    with the GRES per node, whose batch script runs the command on every node through ``srun`` with
-   the rendezvous variables gang members get everywhere (``slurm_gang_shape``).
+   the rendezvous variables gang members get everywhere (``scheduling.services.slurm_jobs``).
 3. State: squeue's state and pending reason become the workload's (``PENDING_REASONS``); a job
    Slurm runs goes SCHEDULED then RUNNING at Slurm's start time, and from then holds open
    Allocation rows for the GPUs Slurm gave it (per node, by GRES type), as agent-run work does: so
@@ -33,17 +33,15 @@ from __future__ import annotations
 
 import getpass
 import logging
-import math
-import shlex
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from pathlib import Path
 
 from django.db import transaction
-from django.db.models import Sum
+from django.db.models import Count, F, Value
+from django.db.models.functions import Greatest
 from django.utils import timezone
 
-from nodes.models import Gpu, GpuModel, Node, NodeState, Region, RegionBackend
+from nodes.models import Gpu, GpuModel, Node, Region, RegionBackend
 from nodes.services.slurm import slurm_config, slurm_hostname, slurm_inventory_store
 from nodes.slurm.cli import JOB_NAME_PREFIX, JobKey, SlurmAccounting, SlurmCli, SlurmError
 from nodes.slurm.cli import SlurmJob as LiveJob
@@ -55,17 +53,15 @@ from scheduling.models import (
     MILLI,
     TERMINAL_STATES,
     Allocation,
-    DependencyCondition,
     LogStream,
-    QuotaModelLimit,
     SlurmJob,
     Workload,
-    WorkloadDependency,
     WorkloadEvent,
     WorkloadLogLine,
     WorkloadState,
 )
 from scheduling.services.gangs import gang_port_choose, gang_ports_used
+from scheduling.services.slurm_jobs import gres_type_for, job_shape, mapped_candidates, sbatch_request
 from scheduling.services.states import workload_transition
 
 logger = logging.getLogger(__name__)
@@ -168,183 +164,6 @@ def slurm_region_sync(*, region: Region, now: datetime | None = None) -> SyncRes
 # --- submission ------------------------------------------------------------------------------------
 
 
-def _gres_type(w: Workload, config: SlurmConfig) -> tuple[GpuModel | None, str]:
-    """The first acceptable model the region maps to a GRES type and that is within the tenant's
-    per-model quota, and that type ('' if none). The quota is counted as the cycle counts it for
-    agent regions (the tenant's open allocations of the model plus this request)."""
-    mapped = _mapped_candidates(w, config)
-    room = _models_with_room(w, mapped)
-    for m in mapped:
-        if m.pk in room:
-            return m, config.gres_types[m.name]
-    return None, ""
-
-
-def _mapped_candidates(w: Workload, config: SlurmConfig) -> list[GpuModel]:
-    from scheduling.services.submission import candidate_models
-
-    return [m for m in candidate_models(workload=w) if config.gres_types.get(m.name)]
-
-
-def _models_with_room(w: Workload, models: list[GpuModel]) -> set[int]:
-    limits = dict(
-        QuotaModelLimit.objects.filter(quota__tenant_id=w.tenant_id, gpu_model__in=models).values_list(
-            "gpu_model_id", "max_gpus"
-        )
-    )
-    if not limits:
-        return {m.pk for m in models}
-    used = dict(
-        Allocation.objects.filter(tenant_id=w.tenant_id, ended_at__isnull=True, gpu_model_id__in=list(limits))
-        .values("gpu_model_id")
-        .annotate(milli=Sum("fraction_milli"))
-        .values_list("gpu_model_id", "milli")
-    )
-    need = w.gpu_count * w.gpu_fraction_milli
-    return {m.pk for m in models if m.pk not in limits or used.get(m.pk, 0) + need <= limits[m.pk] * MILLI}
-
-
-def slurm_node_sizes(*, region: Region, model: GpuModel | None, partition: str) -> list[int]:
-    """GPUs of ``model`` per node of the region's inventory (nodes of ``partition`` where it is
-    named), one size per node, largest first: the shapes a gang's nodes can take."""
-    if model is None:
-        return []
-    sizes: dict[int, int] = {}
-    nodes = {
-        n.pk: n
-        for n in Node.objects.filter(region=region, state=NodeState.SLURM).only("pk", "labels")
-        if not partition or partition in (n.labels or {}).get("partitions", [])
-    }
-    for node_id in Gpu.objects.filter(
-        node_id__in=list(nodes), model=model, removed_at__isnull=True
-    ).values_list("node_id", flat=True):
-        sizes[node_id] = sizes.get(node_id, 0) + 1
-    return sorted(sizes.values(), reverse=True)
-
-
-def slurm_gang_shape(
-    *, gpu_count: int, gang: bool, gpus_per_node: list[int], sizes: list[int]
-) -> tuple[int, int] | None:
-    """(nodes, GPUs per node) of work across nodes in a Slurm region, or None when no node shape
-    of ``sizes`` fits: a gang takes whole nodes (the largest node size dividing its count), split
-    work the largest of its ``gpus_per_node`` that divides its count and fits a node. A count that
-    fits one node with the same per-node size is one node."""
-    if gang:
-        per = next((k for k in sizes if gpu_count % k == 0), None)
-    else:
-        biggest = max(sizes, default=0)
-        per = next(
-            (k for k in sorted(gpus_per_node, reverse=True) if gpu_count % k == 0 and k <= biggest), None
-        )
-    if per is None:
-        return None
-    return gpu_count // per, per
-
-
-def _platform_env(w: Workload) -> dict[str, str]:
-    env = {"GPUPOOL_WORKLOAD_ID": str(w.pk)}
-    if w.image:
-        env["GPUPOOL_IMAGE"] = w.image
-    if w.is_array:
-        env["GPUPOOL_ARRAY_COUNT"] = str(w.array_count)
-    return env
-
-
-def _dependency(w: Workload) -> str:
-    """Slurm's ``afterok:<id>,afterany:<id>`` for the dependencies not yet met (the gate admitted the
-    job only when those are jobs of this region submitted to Slurm)."""
-    parts = []
-    for condition, job_id in (
-        WorkloadDependency.objects.filter(workload=w, on__slurm_job__region_id=w.region_id)
-        .exclude(on__state__in=TERMINAL_STATES)
-        .order_by("on_id")
-        .values_list("condition", "on__slurm_job__job_id")
-    ):
-        parts.append(
-            f"{'afterok' if condition == DependencyCondition.SUCCEEDED else 'afterany'}:{int(job_id)}"
-        )
-    return ",".join(parts)
-
-
-# The rendezvous of a gang's members as every member reads it (``scheduling.services.gangs``):
-# the nodes by Slurm's node list, rank 0's first, and each member's rank from srun (one task per
-# node, so SLURM_NODEID is the node's rank).
-GANG_SCRIPT = """\
-GPUPOOL_PEERS=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd, -)
-export GPUPOOL_PEERS
-export MASTER_ADDR="${GPUPOOL_PEERS%%,*}"
-export NNODES="$SLURM_JOB_NUM_NODES"
-exec srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 --export=ALL \\
-  /bin/sh -c 'export NODE_RANK="$SLURM_NODEID"; exec "$@"' gpupool-member """
-
-
-def sbatch_request(
-    w: Workload, config: SlurmConfig, account: str, *, shape: tuple[int, int] | None = None, port: int = 0
-) -> tuple[list[str], str, str]:
-    """(sbatch options, batch script, output path pattern) of a workload: a job, an array job (a
-    Slurm array), or work across nodes (``shape``: nodes and GPUs per node; ``port``: its
-    rendezvous port). Every value is one argv element or shell-quoted in the script: names were
-    checked by the workload rules and the region's configuration, text values are quoted whatever
-    they hold."""
-    _model, gres_type = _gres_type(w, config)
-    nodes, per_node = shape or (1, w.gpu_count)
-    gres = f"gpu:{gres_type}:{per_node}" if gres_type else f"gpu:{per_node}"
-    name = f"{JOB_NAME_PREFIX}{w.pk}"
-    output = str(Path(config.output_dir) / (f"{name}-%A_%a.out" if w.is_array else f"{name}-%j.out"))
-    options = [
-        f"--job-name={name}",
-        f"--comment=gpupool workload {w.pk}",
-        f"--account={account}",
-        f"--gres={gres}",
-        f"--nodes={nodes}",
-        f"--cpus-per-task={max(1, math.ceil(w.cpu_millicores / 1000))}",
-        f"--output={output}",
-        f"--chdir={config.output_dir}",
-        "--export=NONE",
-    ]
-    options.append("--ntasks-per-node=1" if shape else "--ntasks=1")
-    if w.is_array:
-        options.append(f"--array=0-{int(w.array_count) - 1}%{int(w.array_parallelism or w.array_count)}")
-    if w.ram_mib:
-        options.append(f"--mem={w.ram_mib}M")
-    if w.max_runtime_s:
-        options.append(f"--time={max(1, math.ceil(w.max_runtime_s / 60))}")
-    dependency = _dependency(w)
-    if dependency:
-        options += [f"--dependency={dependency}", "--kill-on-invalid-dep=yes"]
-    partition = config.partition(w.plan)
-    if partition:
-        options.append(f"--partition={partition}")
-    qos = config.qos.get(w.priority_class or w.plan)
-    if qos:
-        options.append(f"--qos={qos}")
-    lines = ["#!/bin/bash", "# gpupool workload " + str(int(w.pk))]
-    env = {k: v for k, v in w.env.items() if isinstance(v, str)} | _platform_env(w)
-    if shape:
-        env |= {
-            "WORLD_SIZE": str(nodes * per_node),
-            "LOCAL_WORLD_SIZE": str(per_node),
-            "MASTER_PORT": str(port),
-        }
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
-    if w.is_array:
-        lines.append('export GPUPOOL_ARRAY_INDEX="$SLURM_ARRAY_TASK_ID"')
-    command = shlex.join(str(a) for a in w.command)
-    lines.append(GANG_SCRIPT + command if shape else "exec " + command)
-    return options, "\n".join(lines) + "\n", output
-
-
-def _shape(region: Region, w: Workload, config: SlurmConfig) -> tuple[int, int] | None:
-    """Nodes and GPUs per node of work across nodes (None: one node)."""
-    if not (w.gang or w.gpus_per_node):
-        return None
-    model, _ = _gres_type(w, config)
-    sizes = slurm_node_sizes(region=region, model=model, partition=config.partition(w.plan))
-    return slurm_gang_shape(
-        gpu_count=w.gpu_count, gang=w.gang, gpus_per_node=list(w.gpus_per_node), sizes=sizes
-    )
-
-
 def _refuse(w: Workload, message: str, result: SyncResult) -> None:
     workload_transition(
         workload=w, to=WorkloadState.FAILED, reason="slurm_refused", message=message[:255], actor=SYSTEM
@@ -399,15 +218,15 @@ def _submit(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: 
             if account not in accounts:
                 cli.account_ensure(account=account, description=f"gpupool tenant {w.tenant_id}", user=user)
                 accounts.add(account)
-            model, _ = _gres_type(w, config)
-            if model is None and any(config.gres_types.get(m.name) for m in _mapped_candidates(w, config)):
+            model, _ = gres_type_for(w, config)
+            if model is None and mapped_candidates(w, config):
                 # Every mapped model is at the tenant's per-model quota: it waits, as in the cycle.
                 message = "Every acceptable GPU model is at your per-model GPU quota."
                 if (w.pending_reason, w.pending_message) != ("quota", message):
                     w.pending_reason, w.pending_message = "quota", message
                     w.save(update_fields=["pending_reason", "pending_message"])
                 continue
-            shape = _shape(region, w, config)
+            shape = job_shape(region, w, config)
             if (w.gang or w.gpus_per_node) and shape is None:
                 _refuse(w, f"No node of {region.code} takes {w.gpu_count} GPUs in these shapes.", result)
                 continue
@@ -560,13 +379,17 @@ def _hold(
     start: datetime,
     end: datetime | None = None,
     end_reason: str = "",
+    running: frozenset[JobKey] = frozenset(),
 ) -> int:
     """Allocation rows for the GPUs Slurm gave ``w``: ``placed`` is (Slurm node, GRES type -> count)
     per node. Open (``end`` None) while it runs, so quotas and costs to date count it as agent-run
     work; the rows are bookkeeping (Slurm chose the devices): a node's GPU rows of that type that
-    no other open allocation holds, else any of them."""
+    no other open allocation holds. Slurm's word wins: an open row another workload still holds
+    there whose Slurm job squeue no longer runs (``running``: the keys it runs) is closed now (its
+    end is set to sacct's when that comes, ``_finish``). Ended rows (``end``) take any GPU row."""
     models = {m.name: m.pk for m in GpuModel.objects.filter(name__in=list(config.gres_types))}
     rows = []
+    now = timezone.now()
     for slurm_node, gres in placed:
         node = Node.objects.filter(hostname=slurm_hostname(region, slurm_node)).first()
         if node is None:
@@ -586,12 +409,26 @@ def _hold(
                     node=node, uuid__startswith=f"slurm:{region.code}:{slurm_node}:{gres_type}:"
                 ).order_by("index")
             )
-            busy = set(
-                Allocation.objects.filter(gpu__in=gpus, ended_at__isnull=True).values_list(
-                    "gpu_id", flat=True
-                )
-            )
-            gpus = ([g for g in gpus if g.pk not in busy] + [g for g in gpus if g.pk in busy])[:count]
+            if end is None:
+                holders = Allocation.objects.filter(gpu__in=gpus, ended_at__isnull=True).exclude(workload=w)
+                free = [g for g in gpus if g.pk not in {a.gpu_id for a in holders}]
+                if len(free) < count:
+                    stale = [
+                        a
+                        for a in holders.select_related("workload__slurm_job")
+                        if not hasattr(a.workload, "slurm_job")
+                        or (a.workload.slurm_job.job_id, a.workload.slurm_job.array_task_id) not in running
+                    ]
+                    Allocation.objects.filter(pk__in=[a.pk for a in stale]).update(
+                        ended_at=Greatest(F("started_at"), Value(now)), end_reason="slurm_released"
+                    )
+                    released = {a.gpu_id for a in stale}
+                    free += [g for g in gpus if g.pk in released and g not in free]
+                gpus = free[:count]
+                if len(gpus) < count:
+                    logger.error("Workload %s: Slurm gave it GPUs gpupool sees held on %s", w.pk, slurm_node)
+            else:
+                gpus = gpus[:count]
             for g in gpus:
                 rows.append(
                     Allocation(
@@ -611,6 +448,15 @@ def _hold(
     return len(rows)
 
 
+def _own(acct: SlurmAccounting | None, first: datetime) -> SlurmAccounting | None:
+    return acct if acct is None or acct.submitted is None or acct.submitted >= first else None
+
+
+def _model_id_of(config: SlurmConfig, gres_type: str) -> int | None:
+    name = config.model_of_type(gres_type)
+    return GpuModel.objects.filter(name=name).values_list("pk", flat=True).first() if name else None
+
+
 def _follow(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: SyncResult) -> None:
     # An array job's own row is its Slurm array: its tasks' rows are followed; it ends with it.
     SlurmJob.objects.filter(
@@ -623,6 +469,7 @@ def _follow(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: 
     rows = list(
         SlurmJob.objects.filter(region=region, accounted_at__isnull=True)
         .exclude(array_task_id__isnull=True, workload__array_count__isnull=False)
+        .select_related("workload__array_parent")
         .order_by("pk")
     )
     ended = []
@@ -648,18 +495,24 @@ def _follow(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: 
             elif job.state in RUNNING and w.state in (WorkloadState.QUEUED, WorkloadState.SCHEDULED):
                 _to_running(w, job.start or timezone.now(), _label(sj))
                 if w.state == WorkloadState.RUNNING and job.node_gres:
-                    _hold(region, w, list(job.node_gres), cli.config, start=w.state_changed_at)
+                    running = frozenset(k for k, j in live.items() if j.state in RUNNING)
+                    _hold(
+                        region, w, list(job.node_gres), cli.config, start=w.state_changed_at, running=running
+                    )
                 result.started.append(w.pk)
         _read_output(sj)
     if ended:
         accounting = cli.accounting(sorted({sj.job_id for sj in ended}))
         for sj in ended:
-            acct = accounting.get((sj.job_id, sj.array_task_id))
+            # Records submitted before the workload (the array job, for a task) are another job's
+            # that had the same id (Slurm's counter reset, or past MaxJobId): not this one's.
+            first = (sj.workload.array_parent or sj.workload).submitted_at.replace(microsecond=0)
+            acct = _own(accounting.get((sj.job_id, sj.array_task_id)), first)
             if acct is None and sj.array_task_id is not None:
                 # A task Slurm never started ended with its array's own record, which lists it
                 # (slurmdbd may list it there for a moment after it started: only a task gpupool
                 # never saw run, of an array squeue no longer has, is taken as never run).
-                rest = accounting.get((sj.job_id, None))
+                rest = _own(accounting.get((sj.job_id, None)), first)
                 gone = not any(k[0] == sj.job_id for k in live)
                 never_ran = gone and Workload.objects.filter(pk=sj.workload_id, started_at=None).exists()
                 if (
@@ -725,15 +578,30 @@ def _finish(region: Region, cli: SlurmCli, sj: SlurmJob, acct: SlurmAccounting) 
         if ran and w.started_at is not None:
             end_reason = f"slurm_{acct.state.lower()}"[:64]
             held = Allocation.objects.filter(workload=w)
-            if held.exists():
-                held.filter(started_at__lte=end).update(ended_at=end, end_reason=end_reason)
-            else:
+            held.filter(started_at__lte=end).update(ended_at=end, end_reason=end_reason)
+            missing = sum(acct.gpus.values()) - held.count()
+            if missing > 0:
+                # Started and ended between two syncs, or held fewer rows than Slurm counts: the
+                # rest from sacct (its nodes; GPUs per node its count over them), ended.
                 hosts = cli.hostnames(acct.nodes)
-                share = {t: n // max(1, len(hosts)) for t, n in acct.gpus.items()}
+                placed = [(h, {t: n // max(1, len(hosts)) for t, n in acct.gpus.items()}) for h in hosts]
+                if held.exists():  # (the rows are bookkeeping: the rest on its first node)
+                    have = dict(
+                        held.values("gpu_model_id").annotate(n=Count("id")).values_list("gpu_model_id", "n")
+                    )
+                    placed = [
+                        (
+                            hosts[0] if hosts else "",
+                            {
+                                t: max(0, n - have.get(_model_id_of(cli.config, t), 0))
+                                for t, n in acct.gpus.items()
+                            },
+                        )
+                    ]
                 _hold(
                     region,
                     w,
-                    [(h, share) for h in hosts],
+                    placed,
                     cli.config,
                     start=min(w.started_at, end),
                     end=end,

@@ -656,7 +656,7 @@ def _validate_slurm(
     if f["gang"] or f["gpus_per_node"]:
         # One multi-node Slurm job (--nodes, GRES per node): a node shape of the region's
         # inventory, of the model its GRES will be, must divide the count.
-        from scheduling.services.slurm import slurm_gang_shape, slurm_node_sizes
+        from scheduling.services.slurm_jobs import slurm_gang_shape, slurm_node_sizes
 
         model = next((m for m in candidates if m.name in config.gres_types), None)
         sizes = slurm_node_sizes(region=region, model=model, partition=config.partition(f["plan"]))

@@ -19,7 +19,7 @@ from metering.selectors.shared import month_cost_to_date
 from metering.services.invoices import invoice_build
 from metering.services.rates import rate_card_version_create
 from metering.services.usage import usage_build
-from nodes.models import Gpu, GpuModel, Node, NodeState, Region, RegionBackend
+from nodes.models import Gpu, GpuModel, Node, NodeCommand, NodeState, Region, RegionBackend
 from scheduling.models import Allocation, Plan, Quota, QuotaModelLimit, SlurmJob, Workload, WorkloadLogLine
 from scheduling.models import WorkloadState as S
 from scheduling.selectors.shared import quota_usage
@@ -28,6 +28,11 @@ from tests.scheduling.conftest import A100, H100
 from tests.slurm_cluster import NODE, NODE2, OUTPUT_DIR, SLURM_CONF, slurm
 
 pytestmark = pytest.mark.django_db
+
+
+# sacct's records of this run only: slurmdbd keeps older ones, and a test cluster made again (its
+# state removed) gives the same job ids again.
+RECENT = ("-S", "now-10minutes")
 
 
 def slurm_clear() -> None:
@@ -209,6 +214,17 @@ def test_pending_reasons_stop_and_refusals(region, client, cycle):
     sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{hog}/").json()["state"] == "stopped")
     assert scontrol_job(SlurmJob.objects.get(workload_id=hog).job_id)["JobState"] == "CANCELLED"
     sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{waiting}/").json()["state"] == "succeeded")
+    # Both billed for what sacct says, though Slurm gave the hog's GPUs to the waiting job before
+    # sacct had the hog's end (its open rows are released to it, then end at sacct's end).
+    hog_end = json.loads(
+        slurm("sacct", "--json", *RECENT, "-j", str(SlurmJob.objects.get(workload_id=hog).job_id))
+    )
+    rows = Allocation.objects.filter(workload_id=hog)
+    # (at sacct's end; Slurm counts whole seconds, so at the stop where that came later within it)
+    end = max(r["time"]["end"] for r in hog_end["jobs"])
+    assert rows.count() == 2 and all(0 <= a.ended_at.timestamp() - end < 1 for a in rows)
+    assert {a.end_reason for a in rows} == {"slurm_cancelled"}
+    assert Allocation.objects.filter(workload_id=waiting, end_reason="slurm_completed").count() == 1
 
     # What Slurm cannot hold is refused by Slurm, and the job fails with its words.
     big = submit(client, gpu_count=3, command=["true"])
@@ -334,11 +350,11 @@ def test_an_array_is_one_slurm_array_job_with_a_task_row_per_slurm_task(region, 
         task = sj.workload
         assert alloc.ended_at is not None and alloc.started_at == task.started_at
         assert alloc.gpu_model.name == H100 and alloc.end_reason == "slurm_completed"
-    sacct = slurm("sacct", "-n", "-P", "-X", "-o", "JobID,State", "-j", str(array_id)).split()
+    sacct = slurm("sacct", "-n", "-P", "-X", *RECENT, "-o", "JobID,State", "-j", str(array_id)).split()
     assert sorted(sacct) == [f"{array_id}_{i}|COMPLETED" for i in range(3)]
     # Each task is billed from Slurm's start of it, also one whose row the cycle made after Slurm
     # had started it (task 2 starts as soon as 0 or 1 ends; its row comes a sync and a cycle later).
-    records = json.loads(slurm("sacct", "--json", "-j", str(array_id)))["jobs"]
+    records = json.loads(slurm("sacct", "--json", *RECENT, "-j", str(array_id)))["jobs"]
     starts = {r["array"]["task_id"]: r["time"]["start"] for r in records if r["array"]["task_id"] is not None}
     for sj in rows:
         started = Workload.objects.get(pk=sj.workload_id).started_at
@@ -373,7 +389,9 @@ def test_stopping_an_array_is_one_scancel_of_the_slurm_array(region, client, cyc
     result = slurm_region_sync(region=region)
     assert result.cancelled == [first] and not result.error
     sync_until(region, cycle, running(1))
-    assert slurm("sacct", "-n", "-P", "-X", "-o", "State", "-j", f"{array_id}_0").startswith("CANCELLED")
+    assert slurm("sacct", "-n", "-P", "-X", *RECENT, "-o", "State", "-j", f"{array_id}_0").startswith(
+        "CANCELLED"
+    )
 
     # The array stopped: one scancel, of the array job.
     assert client.post(f"/api/v1/jobs/{aid}/stop/").status_code in (200, 202)
@@ -390,7 +408,7 @@ def test_stopping_an_array_is_one_scancel_of_the_slurm_array(region, client, cyc
     )
     listed = client.get(f"/api/v1/jobs/{aid}/tasks/").json()["results"]
     assert sorted((t["array_index"], t["state"]) for t in listed) == [(0, "stopped"), (1, "stopped")]
-    states = set(slurm("sacct", "-n", "-P", "-X", "-o", "State", "-j", str(array_id)).splitlines())
+    states = set(slurm("sacct", "-n", "-P", "-X", *RECENT, "-o", "State", "-j", str(array_id)).splitlines())
     assert states and all(s.startswith("CANCELLED") for s in states)
     assert not slurm("squeue", "-h", "-j", str(array_id)).strip() or all(
         rec["JobState"] in ("CANCELLED", "COMPLETING") for rec in scontrol_jobs(array_id)
@@ -486,6 +504,7 @@ def test_running_slurm_jobs_count_toward_model_quota_and_budget(region, client, 
     assert r.status_code == 403 and "spent this month" in r.json()["error"]["message"], r.content
 
     assert client.post(f"/api/v1/jobs/{hog}/stop/").status_code in (200, 202)
+    assert not NodeCommand.objects.filter(node__region=region).exists()  # Slurm's: scancel, not agents
     sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{hog}/").json()["state"] == "stopped")
     assert quota_usage(tenant=tenant).model_milli.get(h100.pk, 0) == 0
     ended = Allocation.objects.filter(workload_id=hog)
