@@ -161,7 +161,7 @@ def workload_resize(*, workload: Workload, gpu_count: Any, actor: Actor) -> Work
     GPUs of its node are free. Audited."""
     if isinstance(gpu_count, bool) or not isinstance(gpu_count, int):
         raise ValidationFailed(
-            "gpu_count: a whole number of GPUs.", fields={"gpu_count": "Must be an integer."}
+            "gpu_count: a whole number of GPUs.", fields={"gpu_count": ["Must be an integer."]}
         )
     workload_id, tenant = workload.pk, workload.tenant
     now = timezone.now()
@@ -176,7 +176,7 @@ def workload_resize(*, workload: Workload, gpu_count: Any, actor: Actor) -> Work
         lo, hi = w.elastic_min_gpus or 1, w.elastic_max_gpus or 1
         if not lo <= gpu_count <= hi:
             msg = f"Between the job's elastic bounds, {lo} and {hi}."
-            raise ValidationFailed(f"gpu_count: {msg}", fields={"gpu_count": msg})
+            raise ValidationFailed(f"gpu_count: {msg}", fields={"gpu_count": [msg]})
         before = w.gpu_count
         w.elastic_target_gpus = gpu_count
         Workload.objects.filter(pk=w.pk).update(elastic_target_gpus=gpu_count)

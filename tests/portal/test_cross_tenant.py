@@ -64,6 +64,7 @@ OWNER_BODIES: dict[tuple[str, str], dict] = {
     ("api:volume-detail", "patch"): {"size_gib": 64},  # growing always succeeds
     ("api:webhook-list", "post"): {"url": "https://hooks.example.com/walker", "event_types": ["*"]},
     ("api:webhook-detail", "patch"): {"description": "walker"},
+    ("api:job-resize", "post"): {"gpu_count": 1},  # a shrink of a running elastic job, at once
 }
 # Creates whose name must be new in the tenant: each call gets its own.
 UNIQUE_NAMES = {("api:secret-list", "post"), ("api:template-list", "post")}
@@ -73,7 +74,17 @@ FIELD_BODIES: dict[str, dict] = {"reservation": {"plan": "reserved"}}
 # What an object needs to be used by a field that names it.
 FIELD_OBJECTS: dict[str, dict] = {"reservation": {"status": ReservationStatus.ACTIVE}}
 # What a route's object needs besides its kind (an array's tasks are listed for an array job only).
-ROUTE_OBJECTS: dict[str, dict] = {"api:job-tasks": {"array_count": 2, "array_parallelism": 1}}
+ROUTE_OBJECTS: dict[str, dict] = {
+    "api:job-tasks": {"array_count": 2, "array_parallelism": 1},
+    "api:job-resize": {
+        "state": "running",
+        "gpu_count": 2,
+        "elastic_min_gpus": 1,
+        "elastic_max_gpus": 2,
+        "elastic_target_gpus": 2,
+        "elastic_on_resize": "signal",
+    },
+}
 # Routes a workload's own process calls with its task's signed token (GPUPOOL_WORK_TOKEN), never
 # with a tenant's credentials: the walker checks that tenants' credentials open none of them
 # (test_work_routes_take_no_tenant_credential); the token's binding to its task and attempt is
