@@ -107,6 +107,7 @@ PAGE_BODIES: dict[str, dict] = {
         "min_gpu_memory_gib": "0",
     },
     "webhooks:detail": {"action": "disable"},
+    "scheduling:workload-resize": {"gpu_count": 1},  # a shrink of a running elastic job, at once
 }
 _emails = itertools.count(1)
 
@@ -134,6 +135,16 @@ PAGE_OBJECTS = {
     "scheduling:workload-share-link": _instance_with_http_port,
     "portal:invitation-resend": _invitation,
     "portal:invitation-revoke": _invitation,
+    "scheduling:workload-resize": lambda tenant: make_tenant_object(
+        Workload,
+        tenant=tenant,
+        state="running",
+        gpu_count=2,
+        elastic_min_gpus=1,
+        elastic_max_gpus=2,
+        elastic_target_gpus=2,
+        elastic_on_resize="signal",
+    ),
 }
 MODEL_OBJECTS = {Workload: _workload}
 
@@ -248,7 +259,8 @@ def _staff_url(page: Page, tenant) -> str:
     from nodes.models import Gpu
 
     node = Node.objects.get(hostname="walker-h100")
-    ids = {"nodes:gpu-return": Gpu.objects.get(node=node).pk, "scheduling:staff-quota": tenant.pk}
+    gpu = Gpu.objects.get(node=node).pk
+    ids = {"nodes:gpu-return": gpu, "nodes:gpu-mig": gpu, "scheduling:staff-quota": tenant.pk}
     if page.name in ("nodes:rollout", "nodes:rollout-action"):
         ids[page.name] = _walker_rollout().pk
     kwargs = {"pk": ids.get(page.name, node.pk)} if "<int:pk>" in page.route else {}
