@@ -545,18 +545,24 @@ class _WorkloadViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
     def list(self, request, *args, **kwargs):
         rows = self.filter_queryset(self.scoped(list_rows()).filter(kind=self.kind))
         page = self.paginate_queryset(rows)
+        if page is None:  # no pagination class: every row
+            return Response(self.get_serializer(self.with_model_names(list(rows)), many=True).data)
         return self.get_paginated_response(self.get_serializer(page, many=True).data)
 
     def paginate_queryset(self, queryset):
         page = super().paginate_queryset(queryset)
-        if page is not None:  # the page's GPU model names in one query
-            rows = page and isinstance(page[0], dict)
-            names = workload_gpu_model_names(workload_ids=[w["id"] if rows else w.pk for w in page])
-            for w in page:
-                if rows:
-                    w["gpu_model_names"] = names[w["id"]]
-                else:
-                    w.gpu_model_names = names[w.pk]
+        return page if page is None else self.with_model_names(page)
+
+    @staticmethod
+    def with_model_names(page: list) -> list:
+        """The page's workloads (rows or instances) with their GPU model names, in one query."""
+        rows = bool(page) and isinstance(page[0], dict)
+        names = workload_gpu_model_names(workload_ids=[w["id"] if rows else w.pk for w in page])
+        for w in page:
+            if rows:
+                w["gpu_model_names"] = names[w["id"]]
+            else:
+                w.gpu_model_names = names[w.pk]
         return page
 
     def get_serializer_class(self):

@@ -193,3 +193,17 @@ def _json(data: dict) -> dict:
     import json
 
     return json.loads(JSONRenderer().render(data))
+
+
+def test_a_list_without_pagination_renders_every_row(shapes, tenant, api, make_token, monkeypatch):
+    """The list's own path when a view has no pagination class: every row, model names and all,
+    as the paginated list gives them."""
+    from scheduling.api import JobViewSet
+
+    client = api(make_token(tenant))
+    paged = client.get("/api/v1/jobs/?page_size=100").json()["results"]
+    monkeypatch.setattr(JobViewSet, "pagination_class", None)
+    whole = client.get("/api/v1/jobs/").json()
+    assert isinstance(whole, list) and len(whole) == 7
+    assert sorted(whole, key=lambda d: d["id"]) == sorted(paged, key=lambda d: d["id"])
+    assert all(d["gpu_models"] for d in whole)
