@@ -6,6 +6,7 @@ call one service; the rules live in ``scheduling.services``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from datetime import timedelta
@@ -14,6 +15,7 @@ from decimal import Decimal
 import django_filters
 from django.conf import settings
 from django.core.cache import cache
+from django.db.models import QuerySet
 from django.urls import path
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiExample, extend_schema, extend_schema_field, extend_schema_view
@@ -520,6 +522,13 @@ class WorkloadFilter(TenantFilterSet):
         return queryset.exclude(state__in=terminal) if value else queryset.filter(state__in=terminal)
 
 
+@functools.cache
+def list_rows() -> QuerySet:
+    """Every workload as a list row (``LIST_VALUES``): the base each list request narrows (each
+    filter makes a new queryset), never evaluated itself."""
+    return Workload.objects.values(*LIST_VALUES)
+
+
 class _WorkloadViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
     kind: str = ""
     create_serializer: type[serializers.Serializer] = _SpecSerializer
@@ -531,21 +540,29 @@ class _WorkloadViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
         # page does not read fifty of them.
         return qs.defer("log_tail") if self.action in ("list", "retrieve", "logs") else qs
 
-    # A page of rows (values()), not model instances: Django builds no instance for them.
+    # A page of rows (values()), not model instances: Django builds no instance for them, and the
+    # values() names are resolved once per process (``list_rows``), not per request.
     def list(self, request, *args, **kwargs):
-        rows = self.paginate_queryset(self.filter_queryset(self.get_queryset()).values(*LIST_VALUES))
-        return self.get_paginated_response(self.get_serializer(rows, many=True).data)
+        rows = self.filter_queryset(self.scoped(list_rows()).filter(kind=self.kind))
+        page = self.paginate_queryset(rows)
+        if page is None:  # no pagination class: every row
+            return Response(self.get_serializer(self.with_model_names(list(rows)), many=True).data)
+        return self.get_paginated_response(self.get_serializer(page, many=True).data)
 
     def paginate_queryset(self, queryset):
         page = super().paginate_queryset(queryset)
-        if page is not None:  # the page's GPU model names in one query
-            rows = page and isinstance(page[0], dict)
-            names = workload_gpu_model_names(workload_ids=[w["id"] if rows else w.pk for w in page])
-            for w in page:
-                if rows:
-                    w["gpu_model_names"] = names[w["id"]]
-                else:
-                    w.gpu_model_names = names[w.pk]
+        return page if page is None else self.with_model_names(page)
+
+    @staticmethod
+    def with_model_names(page: list) -> list:
+        """The page's workloads (rows or instances) with their GPU model names, in one query."""
+        rows = bool(page) and isinstance(page[0], dict)
+        names = workload_gpu_model_names(workload_ids=[w["id"] if rows else w.pk for w in page])
+        for w in page:
+            if rows:
+                w["gpu_model_names"] = names[w["id"]]
+            else:
+                w.gpu_model_names = names[w.pk]
         return page
 
     def get_serializer_class(self):

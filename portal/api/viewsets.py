@@ -89,7 +89,12 @@ class TenantScopedViewSet(viewsets.GenericViewSet):
         return actor_from_request(self.request)
 
     def get_queryset(self):
-        return super().get_queryset().for_tenant(self.ctx.tenant)
+        return self.scoped(super().get_queryset())
+
+    def scoped(self, queryset):
+        """``queryset`` (of a tenant-owned model) narrowed to the request's tenant: what
+        ``get_queryset`` applies, for a view that reads another queryset of the model."""
+        return queryset.for_tenant(self.ctx.tenant)
 
 
 class TenantReadOnlyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenantScopedViewSet):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from django.db.models import Count, QuerySet
@@ -64,11 +65,15 @@ def workload_dependencies(*, workload: Workload) -> list[dict[str, Any]]:
     if workload.kind != WorkloadKind.JOB:
         return []
     return [
-        {"job": on, "condition": c, "state": s}
-        for on, c, s in WorkloadDependency.objects.filter(workload=workload)
-        .order_by("on_id")
-        .values_list("on_id", "condition", "on__state")
+        {"job": on, "condition": c, "state": s} for on, c, s in _dependency_rows().filter(workload=workload)
     ]
+
+
+@functools.cache
+def _dependency_rows() -> QuerySet:
+    """Dependencies as ``workload_dependencies`` reads them, built once per process (its names
+    resolved once; each call narrows a clone): every job detail makes this read."""
+    return WorkloadDependency.objects.order_by("on_id").values_list("on_id", "condition", "on__state")
 
 
 def array_spec_of(*, workload: Workload) -> dict[str, Any]:

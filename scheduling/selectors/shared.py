@@ -218,13 +218,20 @@ def live_volumes(*, tenant):
     return Volume.objects.for_tenant(tenant).exclude(state=VolumeState.DELETED).select_related("region")
 
 
+@functools.cache
+def _volume_rows() -> QuerySet:
+    """Attached volumes as ``workload_volumes`` reads them, built once per process (its names
+    resolved once; each call narrows a clone): every workload detail makes this read."""
+    return WorkloadVolume.objects.order_by("position").values_list(
+        "volume_id", "volume__name", "mount_path", "shared"
+    )
+
+
 def workload_volumes(*, workload: Workload) -> list[dict]:
     """The volumes attached to a workload: id, name, mount path, shared, first (checkpoints) first."""
     return [
         {"volume": vid, "name": name, "mount_path": path, "shared": shared}
-        for vid, name, path, shared in WorkloadVolume.objects.filter(workload=workload)
-        .order_by("position")
-        .values_list("volume_id", "volume__name", "mount_path", "shared")
+        for vid, name, path, shared in _volume_rows().filter(workload=workload)
     ]
 
 

@@ -160,7 +160,7 @@ def test_the_detail_reads_a_running_workloads_placement_once(shapes, django_asse
         serializer.to_representation(box)
 
 
-def test_the_list_pages_filter_and_walk_as_before(shapes, tenant, api, make_token):
+def test_the_list_pages_filter_and_walk_as_before(shapes, tenant, api, make_token, make_tenant):
     """Over HTTP: each entry of every page is DRF's rendering of that workload; filters and the
     cursor still apply to the rows (values()) the list reads."""
     rows, box_id = shapes
@@ -182,9 +182,28 @@ def test_the_list_pages_filter_and_walk_as_before(shapes, tenant, api, make_toke
     assert [d["name"] for d in queued] == ["waits"]
     assert [d["id"] for d in client.get("/api/v1/instances/").json()["results"]] == [box_id]
     assert client.get("/api/v1/jobs/?region=nowhere").json()["results"] == []
+    # Another tenant's lists have none of them (the same routes gave them to their owner above).
+    other = api(make_token(make_tenant("other")))
+    for path in ("/api/v1/jobs/", "/api/v1/instances/", "/api/v1/jobs/?state=queued"):
+        r = other.get(path)
+        assert r.status_code == 200 and r.json()["results"] == []
 
 
 def _json(data: dict) -> dict:
     import json
 
     return json.loads(JSONRenderer().render(data))
+
+
+def test_a_list_without_pagination_renders_every_row(shapes, tenant, api, make_token, monkeypatch):
+    """The list's own path when a view has no pagination class: every row, model names and all,
+    as the paginated list gives them."""
+    from scheduling.api import JobViewSet
+
+    client = api(make_token(tenant))
+    paged = client.get("/api/v1/jobs/?page_size=100").json()["results"]
+    monkeypatch.setattr(JobViewSet, "pagination_class", None)
+    whole = client.get("/api/v1/jobs/").json()
+    assert isinstance(whole, list) and len(whole) == 7
+    assert sorted(whole, key=lambda d: d["id"]) == sorted(paged, key=lambda d: d["id"])
+    assert all(d["gpu_models"] for d in whole)
