@@ -338,6 +338,28 @@ def test_a_batch_older_than_the_start_confirms_no_stop(register, beat, mark_down
     assert reload(other).state == S.SCHEDULED and holder(other) == a.node_id
 
 
+def test_an_end_whose_signal_failed_is_applied_by_the_reconciler(register, beat, submit, tenant, cycle):
+    """bench/chaos.py (seed 1): a PostgreSQL restart cut the connection of the heartbeat's
+    ``workload_exited`` receiver after the batch committed; the job stayed RUNNING, its GPU held
+    and billed, after the node had forgotten it. The reconciler applies the node's word."""
+    a = register(gpus=1)
+    w = submit(tenant)
+    cycle()
+    beat(a, (w, "running"))
+    assert reload(w).state == S.RUNNING
+    assert scheduling_reconcile().exits_applied == []  # positive control: nothing to apply yet
+    now = datetime.now(UTC).isoformat().replace("+00:00", "Z")
+    report = {"workload_id": str(w.pk), "state": "exited", "exit_code": 0, "started_at": STARTED,
+              "finished_at": now, "message": ""}  # fmt: skip
+    # The batch commits; its on-commit receivers never run (as when their connection was cut).
+    assert a.heartbeat(a.batch(workloads=[report])).status_code == 200
+    assert reload(w).state == S.RUNNING
+    assert scheduling_reconcile().exits_applied == [w.pk]
+    assert reload(w).state == S.SUCCEEDED
+    assert Allocation.objects.get(workload=w).ended_at is not None
+    assert scheduling_reconcile().exits_applied == []  # once
+
+
 # --- 4. the reconciler trusts only the nodes that hold the workload --------------------------------
 
 
