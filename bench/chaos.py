@@ -683,6 +683,7 @@ def checks(run: Run, settled_at: float) -> dict:
     on_agents: dict[int, dict[str, list[str]]] = {}
     ended_on_agents: dict[int, dict[str, float]] = {}
     heard_until: dict[int, float] = {}  # node -> when the portal's news of it was made
+    dumped_at: dict[int, float] = {}  # node -> when its agent's state was read
     stale = []
     for g in run.groups:
         if g["dead"]:
@@ -697,6 +698,7 @@ def checks(run: Run, settled_at: float) -> dict:
         for a in dump["agents"].values():
             on_agents[a["node_id"]] = {w: gpus for w, st, gpus in a["running"]}
             heard_until[a["node_id"]] = a.get("unsent_since") or dump["at"]
+            dumped_at[a["node_id"]] = dump["at"]
             ended_on_agents[a["node_id"]] = {w: at or dump["at"] for w, at in a.get("ended", {}).items()}
     if stale:
         notes.append(f"  (agent state not fresh from {stale})")
@@ -722,9 +724,13 @@ def checks(run: Run, settled_at: float) -> dict:
         if g["dead"]:
             dead_nodes |= set(Node.objects.filter(hostname__in=g["nodes"]).values_list("pk", flat=True))
     running_states = (S.RUNNING,)
-    for node_id, wid in Allocation.objects.filter(
+    for node_id, wid, placed_at in Allocation.objects.filter(
         ended_at__isnull=True, workload__state__in=running_states
-    ).values_list("node_id", "workload_id"):
+    ).values_list("node_id", "workload_id", "started_at"):
+        # Placed less than a long poll before the agent's state was read: it may not run it yet
+        # (seed 2: placed 0.1 s before the dump, started on the agent 0.1 s after it).
+        if placed_at.timestamp() > dumped_at.get(node_id, 0) - 30:
+            continue
         # Ended on the agent after the last batch the portal has (the oldest unacknowledged, or
         # the dump's time less a heartbeat interval and the time to act on it): not heard yet.
         ended = ended_on_agents.get(node_id, {}).get(str(wid))

@@ -617,9 +617,42 @@ class ReconcileResult:
     stop_forced: list[int] = field(default_factory=list)
     over_runtime: list[int] = field(default_factory=list)
     stop_confirmed: list[int] = field(default_factory=list)
+    exits_applied: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, list[int]]:
         return asdict(self)
+
+
+def exits_unapplied_apply() -> list[int]:
+    """Ends a node reported that were never acted on: the heartbeat's statuses committed, but the
+    receiver of its ``workload_exited`` signal failed after the commit (a database restart cut its
+    connection), and the workload stayed RUNNING, its GPU held and billed, once the node forgot
+    it (it lists an ended workload for a few batches). Each status row that says a workload
+    holding that node ended, after its allocation there began, is applied as the signal would
+    have (``workload_on_exited``: idempotent). Returns the workloads it changed."""
+    from nodes.services.heartbeat_parse import TERMINAL_WORKLOAD_STATES
+
+    open_on = {
+        (str(wid), node_id): started
+        for wid, node_id, started in Allocation.objects.filter(
+            ended_at__isnull=True, workload__state__in=HOLDING_STATES
+        ).values_list("workload_id", "node_id", "started_at")
+    }
+    if not open_on:
+        return []
+    applied = []
+    for node_id, wid, state, code, message, finished in NodeWorkloadStatus.objects.filter(
+        state__in=TERMINAL_WORKLOAD_STATES, workload_id__in={w for w, _ in open_on}
+    ).values_list("node_id", "workload_id", "state", "exit_code", "message", "finished_at"):
+        started = open_on.get((wid, node_id))
+        if started is None or finished is None or finished < started:
+            continue  # not held there, or an earlier run's end
+        before = Workload.objects.filter(pk=int(wid)).values_list("state", flat=True).first()
+        w = workload_on_exited(node_id=node_id, workload_id=wid, state=state, exit_code=code, message=message)
+        if w is not None and w.state != before:
+            logger.warning("workload %s: the end node %s reported was not applied; applied now", wid, node_id)
+            applied.append(w.pk)
+    return applied
 
 
 def scheduling_reconcile(*, now: datetime | None = None) -> ReconcileResult:
@@ -746,7 +779,8 @@ def scheduling_reconcile(*, now: datetime | None = None) -> ReconcileResult:
                 _send_stop(w, nodes, now=now, why="max_runtime")
                 out.over_runtime.append(w.pk)
 
+    out.exits_applied = exits_unapplied_apply()
     out.stop_confirmed = stops_confirm_unlisted(now)
-    if out.start_timeouts or out.preempt_forced or out.stop_forced or out.stop_confirmed:
+    if out.start_timeouts or out.preempt_forced or out.stop_forced or out.stop_confirmed or out.exits_applied:
         cycle_request(reason="reconcile")
     return out

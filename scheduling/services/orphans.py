@@ -15,6 +15,7 @@ released without their node's word until the node confirms it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from datetime import datetime, timedelta
@@ -145,11 +146,53 @@ def workloads_reap(*, node_id: int, workload_ids: list[str]) -> list[str]:
             for raw in orphans
             if raw not in on_the_way
         ]
+        stops = _again_if_done(node_id, stops, now)
         made = node_commands_enqueue_many(commands=stops, now=now)
     fresh = [c.payload["workload_id"] for c in made if c.created_at == now]
     if fresh:
         logger.warning("Node %s runs workloads it was not given; stopping %s", node_id, ", ".join(fresh))
     return fresh
+
+
+def _again_if_done(node_id: int, stops: list[CommandRequest], now: datetime) -> list[CommandRequest]:
+    """A copy the node started after its stop was done there gets a stop of its own: a healed
+    node given a start and the stop of one workload in one poll ran the stop first ("not known on
+    this node": done), then the start, and the stop's key (per workload, node and attempt) let no
+    second one through. Only when the copy's start finished after the last of its stops (a batch
+    built before a stop took effect, arriving late, adds none); each further key counts the
+    earlier ones (``...:orphan:2``), so the unique index still settles two batches at once."""
+    if not stops:
+        return stops
+    keys = {c.idempotency_key: c for c in stops}
+    done = dict(
+        NodeCommand.objects.filter(node_id=node_id, idempotency_key__in=list(keys))
+        .exclude(state__in=OPEN_COMMAND_STATES)
+        .values_list("idempotency_key", "finished_at")
+    )
+    if not done:
+        return stops
+    out = []
+    for key, command in keys.items():
+        if key not in done:
+            out.append(command)
+            continue
+        _, wid, attempt, _ = key.split(":", 3)
+        started = (
+            NodeCommand.objects.filter(node_id=node_id, idempotency_key=f"start:{wid}:{attempt}")
+            .values_list("finished_at", flat=True)
+            .first()
+        )
+        later = list(
+            NodeCommand.objects.filter(node_id=node_id, idempotency_key__startswith=f"{key}:").values_list(
+                "state", "finished_at"
+            )
+        )
+        if any(state in OPEN_COMMAND_STATES for state, _ in later):
+            continue  # a stop of that copy is on its way
+        last_stop = max([done[key], *(f for _, f in later)], key=lambda f: f or now)
+        if started is not None and last_stop is not None and started > last_stop:
+            out.append(dataclasses.replace(command, idempotency_key=f"{key}:{len(later) + 2}"))
+    return out
 
 
 def _attempts_started(

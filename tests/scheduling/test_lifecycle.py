@@ -177,6 +177,7 @@ def test_the_reconciler_finishes_what_was_left(tenant, make_node, submit, cycle,
         "stop_forced": [],
         "over_runtime": [],
         "stop_confirmed": [],
+        "exits_applied": [],
     }
 
 

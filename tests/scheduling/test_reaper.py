@@ -338,6 +338,52 @@ def test_a_batch_older_than_the_start_confirms_no_stop(register, beat, mark_down
     assert reload(other).state == S.SCHEDULED and holder(other) == a.node_id
 
 
+def test_an_end_whose_signal_failed_is_applied_by_the_reconciler(register, beat, submit, tenant, cycle):
+    """bench/chaos.py (seed 1): a PostgreSQL restart cut the connection of the heartbeat's
+    ``workload_exited`` receiver after the batch committed; the job stayed RUNNING, its GPU held
+    and billed, after the node had forgotten it. The reconciler applies the node's word."""
+    a = register(gpus=1)
+    w = submit(tenant)
+    cycle()
+    beat(a, (w, "running"))
+    assert reload(w).state == S.RUNNING
+    assert scheduling_reconcile().exits_applied == []  # positive control: nothing to apply yet
+    now = datetime.now(UTC).isoformat().replace("+00:00", "Z")
+    report = {"workload_id": str(w.pk), "state": "exited", "exit_code": 0, "started_at": STARTED,
+              "finished_at": now, "message": ""}  # fmt: skip
+    # The batch commits; its on-commit receivers never run (as when their connection was cut).
+    assert a.heartbeat(a.batch(workloads=[report])).status_code == 200
+    assert reload(w).state == S.RUNNING
+    assert scheduling_reconcile().exits_applied == [w.pk]
+    assert reload(w).state == S.SUCCEEDED
+    assert Allocation.objects.get(workload=w).ended_at is not None
+    assert scheduling_reconcile().exits_applied == []  # once
+
+
+def test_a_copy_started_after_its_stop_ran_is_stopped_again(register, beat, mark_down, submit, tenant, cycle):
+    """bench/chaos.py (seed 2): a healed node got an instance's start and the DOWN node's stop in
+    one poll, ran the stop first ("not known on this node": done) and then the start. The
+    reaper's stop for that copy had the done stop's key, so none was sent: the instance ran on,
+    unplaced, for good. A batch listing it after the stop was reported gets a new stop, once."""
+    a = register(gpus=1)
+    beat(a)
+    w = submit(tenant, kind="instance")
+    cycle()
+    mark_down(a)
+    (stop,) = stops(a, w)
+    ran = timezone.now()  # both reported: the stop first ("not known on this node"), then the start
+    NodeCommand.objects.filter(pk=stop.pk).update(state="succeeded", finished_at=ran - timedelta(seconds=1))
+    NodeCommand.objects.filter(node_id=a.node_id, kind=CommandKind.START_WORKLOAD).update(
+        state="succeeded", finished_at=ran
+    )
+    beat(a, (w, "running"))
+    again = [c for c in stops(a, w) if c.pk != stop.pk]
+    assert [c.idempotency_key for c in again] == [f"{stop.idempotency_key}:2"]
+    assert again[0].state in OPEN_COMMAND_STATES
+    beat(a, (w, "running"))  # still listed while that stop is on its way: no third
+    assert len(stops(a, w)) == 2
+
+
 # --- 4. the reconciler trusts only the nodes that hold the workload --------------------------------
 
 
