@@ -309,7 +309,7 @@ def test_fleet_pages_update_live_and_node_actions_work(server, page):
     page.evaluate("window.__noReload = true")
     page.screenshot(path=str(SCREENSHOTS / "fleet-node.png"), full_page=True)
 
-    page.get_by_label("Reason").fill("replacing a fan")
+    page.locator("#node-state").get_by_label("Reason").fill("replacing a fan")
     page.once("dialog", lambda dialog: dialog.accept())
     page.locator("#node-state").get_by_role("button", name="Cordon").click()
     expect(page.locator(f'#node-state [data-node-state="{seeded["node"]}"]')).to_have_text("Cordoned")
@@ -322,7 +322,7 @@ def test_fleet_pages_update_live_and_node_actions_work(server, page):
     assert stored["audit"] == [["node.cordon", EMAIL]]
 
     # maintenance without a reason: the error shows inline and nothing changes
-    page.get_by_label("Reason").fill("")
+    page.locator("#node-state").get_by_label("Reason").fill("")
     page.once("dialog", lambda dialog: dialog.accept())
     page.locator("#node-state").get_by_role("button", name="Maintenance").click()
     expect(page.locator("#node-reason-error")).to_contain_text("Say why")
