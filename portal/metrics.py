@@ -244,9 +244,10 @@ def celery_queue_lengths() -> dict[str, int] | None:
         from django_redis import get_redis_connection
 
         pipe = get_redis_connection("default").pipeline(transaction=False)
+        prefix = settings.CELERY_BROKER_KEY_PREFIX
         for q in queues:
             for key in (q, *(f"{q}{REDIS_PRIORITY_SEP}{p}" for p in REDIS_PRIORITY_STEPS)):
-                pipe.llen(key)
+                pipe.llen(prefix + key)
         counts = pipe.execute()
         per = 1 + len(REDIS_PRIORITY_STEPS)
         return {q: sum(counts[i * per : (i + 1) * per]) for i, q in enumerate(queues)}

@@ -215,6 +215,8 @@ if CELERY_VISIBILITY_TIMEOUT_S <= GPUPOOL_TASK_LONGEST_RUN_S:
         f"({GPUPOOL_TASK_LONGEST_RUN_S} s), not {CELERY_VISIBILITY_TIMEOUT_S}."
     )
 
+CELERY_BROKER_KEY_PREFIX = env.str("CELERY_BROKER_KEY_PREFIX", default="")
+
 if REDIS_URL:
     CELERY_BROKER_URL = REDIS_URL
     CELERY_RESULT_BACKEND = None
@@ -225,6 +227,9 @@ if REDIS_URL:
         "visibility_timeout": CELERY_VISIBILITY_TIMEOUT_S,
         "unacked_restore_interval": max(1, min(10, CELERY_VISIBILITY_TIMEOUT_S // 6)),
         "unacked_restore_throttle": 1,
+        # Every broker key (queues, unacked set, bindings) under this prefix: deployments (or
+        # test stacks) that share one Redis database never take each other's tasks.
+        "global_keyprefix": CELERY_BROKER_KEY_PREFIX,
     }
     CACHES = {
         "default": {

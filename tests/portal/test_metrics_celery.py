@@ -93,3 +93,32 @@ def test_a_task_run_by_a_worker_records_its_latency_and_logs_with_its_id(
     assert placed[0]["task_id"] == result.id
     assert placed[0]["task_name"] == "scheduling.tasks.run_cycle"
     assert placed[0]["logger"] == "scheduling.services.cycle"
+
+
+def test_a_broker_key_prefix_keeps_queues_apart_and_is_counted_under_it():
+    """Two installations on one Redis database: a task sent under CELERY_BROKER_KEY_PREFIX waits in
+    the prefixed queue, where /metrics' queue length reads it, and not in the unprefixed one."""
+    from django.conf import settings
+
+    from tests.conftest import python_run
+
+    if not settings.REDIS_URL:
+        pytest.skip("the Redis broker's key prefix needs REDIS_URL")
+    prefix = f"prefix-test-{time.monotonic_ns()}:"
+    code = (
+        "import json, django; django.setup(); "
+        "from django_redis import get_redis_connection; "
+        "from portal.celery import app; from portal.metrics import celery_queue_lengths; "
+        "raw = get_redis_connection('default'); before = raw.llen('metering'); "
+        "app.send_task('metering.tasks.dunning_run', queue='metering'); "
+        f"print(json.dumps([before, raw.llen('metering'), raw.llen('{prefix}metering'), "
+        "celery_queue_lengths()['metering']])); "
+        f"raw.delete('{prefix}metering')"
+    )
+    done = python_run(
+        code, DJANGO_SETTINGS_MODULE="portal.settings", DEBUG="1", CELERY_BROKER_KEY_PREFIX=prefix
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    before, unprefixed, prefixed, counted = json.loads(done.stdout.strip().splitlines()[-1])
+    assert unprefixed == before
+    assert prefixed == 1 and counted == 1

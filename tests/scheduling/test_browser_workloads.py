@@ -149,10 +149,12 @@ class Stack:
             "REDIS_URL": _redis_url(),
             "CHANNELS_PREFIX": f"wl-browser-{tag}",
             "CACHE_KEY_PREFIX": f"wl-browser-{tag}",
+            # Its own broker queues: no other process on this Redis database takes its cycles, and
+            # nothing stale waits in them (a purge at the worker's start could race the first launch).
+            "CELERY_BROKER_KEY_PREFIX": f"wl-browser-{tag}:",
             "SCHEDULING_CYCLE_DEBOUNCE_S": "0.2",
             "LOG_LEVEL": "WARNING",
         }
-        self.queue_prefix = f"wl-{tag}-"
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
 
@@ -193,10 +195,10 @@ class Stack:
         self.spawn("web", [sys.executable, "-m", "uvicorn", "portal.asgi:application", "--host", "127.0.0.1",
                            "--port", str(self.port), "--log-level", "warning"])  # fmt: skip
         # The worker runs the scheduling cycles that submissions and releases ask for, and the usage
-        # build the test sends (no beat: the triggers are what the test relies on). Its queues are
-        # the broker's; stale messages go.
+        # build the test sends (no beat: the triggers are what the test relies on), from the stack's
+        # own queues.
         self.spawn("worker", [sys.executable, "-m", "celery", "-A", "portal", "worker", "--pool", "threads",
-                              "--concurrency", "2", "-Q", "scheduling,default,commands,metering", "--purge",
+                              "--concurrency", "2", "-Q", "scheduling,default,commands,metering",
                               "--without-gossip", "--without-mingle", "--without-heartbeat", "--loglevel", "WARNING"])  # fmt: skip
 
         def healthy() -> bool:
@@ -490,6 +492,8 @@ def test_reserve_gpus_with_the_price_and_saving_shown_before_confirming(stack, p
     page.screenshot(path=str(SCREENSHOTS / "billing-reservations.png"), full_page=True)
     # a bad count is refused next to the field
     page.get_by_label("GPUs", exact=True).fill("0")
+    # the live quote answers first (a click while it is in flight raced it on a loaded machine)
+    expect(page.locator("#reservation-quote")).to_contain_text("Correct the form to see the price.")
     page.get_by_role("button", name="Review the price").click()
     expect(page.locator("#id_count_error")).to_contain_text("greater than or equal to 1")
 
