@@ -342,6 +342,9 @@ class CostEstimateOutput(serializers.Serializer):
 class CostEstimateView(APIView):
     """Price one hour of a workload spec for each plan (after the tenant's discount)."""
 
+    # A POST that writes nothing: pricing a spec is reading, open to read-only tokens and viewers.
+    write_scope = Scope.READ
+
     @extend_schema(request=CostEstimateInput, responses=CostEstimateOutput)
     def post(self, request):
         tenant = request_context(request).tenant

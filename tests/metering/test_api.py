@@ -56,7 +56,7 @@ def test_usage_and_invoices_need_the_billing_scope_and_show_the_tenants_own(
 
 def test_cost_estimate_prices_a_spec_per_plan_with_the_discount(tenant, card, make_token, api):
     BillingAccount.objects.create(tenant=tenant, discount_percent=Decimal("10"))
-    client = api(make_token(tenant, scopes=["read", "write"]))
+    client = api(make_token(tenant, scopes=["read"]))  # pricing writes nothing: read is enough
     body = client.post(
         "/api/v1/cost-estimate/", {"gpu_model": H100, "gpu_count": 4}, content_type="application/json"
     ).json()
@@ -139,7 +139,7 @@ def test_the_launch_form_shows_the_cost_estimate_apis_figure(
         on_demand=Decimal("2.00"),
         utilisation=Decimal("0.5"),
     )
-    client = api(make_token(tenant, scopes=["read", "write"]))
+    client = api(make_token(tenant, scopes=["read"]))  # pricing writes nothing: read is enough
     body = client.post(
         "/api/v1/cost-estimate/", {"gpu_model": H100, "gpu_count": 2}, content_type="application/json"
     ).json()
