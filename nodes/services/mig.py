@@ -36,7 +36,7 @@ from django.utils import timezone
 
 from nodes.locks import lock_gpu_and_node
 from nodes.mig_profiles import layout_placements, table_for
-from nodes.models import CommandKind, Gpu, NodeCommand, NodeState
+from nodes.models import CommandKind, Gpu, NodeCommand, NodeState, RegionBackend
 from nodes.services.commands import node_command_enqueue
 from portal.actors import Actor
 from portal.errors import Conflict, ValidationFailed
@@ -110,6 +110,11 @@ def gpu_mig_configure(
             raise Conflict("This GPU is no longer in its server.")
         if gpu.node.state == NodeState.DOWN:
             raise Conflict(f"{gpu.node.hostname} is {gpu.node.state}; it cannot change MIG now.")
+        if gpu.node.region.backend == RegionBackend.SLURM:
+            # No agent runs there to make the change, and Slurm, not the portal, places its work.
+            raise Conflict(
+                f"{gpu.node.hostname} is a Slurm node: its cluster's administrators set MIG there."
+            )
         if gpu.mig_configuring:
             if gpu.mig_pending is not None and gpu.mig_sent_at is None:
                 raise Conflict(

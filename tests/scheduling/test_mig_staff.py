@@ -11,7 +11,7 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from nodes.models import CommandKind, Gpu, Node, NodeCommand, NodeState
+from nodes.models import CommandKind, Gpu, Node, NodeCommand, NodeState, Region, RegionBackend
 from nodes.services.commands import node_command_report
 from nodes.services.mig import gpu_mig_cancel, gpu_mig_configure, gpu_mig_drained_send, gpu_mig_waiting_for
 from nodes.signals import command_finished, workload_exited
@@ -381,3 +381,11 @@ def test_the_node_page_shows_a_pending_change_and_cancels_it(make_node, staff, t
     again = client.post(f"{url}cancel/", {}, HTTP_HX_REQUEST="true")
     assert again.status_code == 409 and "no MIG change pending" in again.content.decode()
     assert reload_gpu(gpu).mig_configuring is False
+
+
+def test_a_slurm_node_gpu_is_not_reconfigured(make_node, staff):
+    node = make_node(gpus=1)
+    Region.objects.filter(pk=node.region_id).update(backend=RegionBackend.SLURM)
+    with pytest.raises(Conflict, match="Slurm node"):
+        gpu_mig_configure(gpu=_gpu(node), enable=True, profiles=[], actor=Actor(user=staff))
+    assert not NodeCommand.objects.exists() and reload_gpu(_gpu(node)).mig_pending is None
