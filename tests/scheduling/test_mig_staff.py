@@ -389,3 +389,14 @@ def test_a_slurm_node_gpu_is_not_reconfigured(make_node, staff):
     with pytest.raises(Conflict, match="Slurm node"):
         gpu_mig_configure(gpu=_gpu(node), enable=True, profiles=[], actor=Actor(user=staff))
     assert not NodeCommand.objects.exists() and reload_gpu(_gpu(node)).mig_pending is None
+
+
+def test_the_admin_shows_mig_but_does_not_change_it(make_node):
+    gpu = _gpu(make_node(gpus=1))
+    admin = User.objects.create_superuser(email="root@gpupool.test", password="pw-for-tests-1")
+    client = Client()
+    client.force_login(admin)
+    page = client.get(f"/admin/nodes/gpu/{gpu.pk}/change/")
+    assert page.status_code == 200 and "Mig pending" in page.content.decode()
+    for field in ("mig_mode", "mig_layout", "mig_configuring", "mig_pending", "mig_sent_at"):
+        assert f'name="{field}"' not in page.content.decode()  # the audited service is the one way in
