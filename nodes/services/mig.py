@@ -184,8 +184,7 @@ def _send(gpu: Gpu, *, actor: Actor, now: datetime) -> NodeCommand:
 def gpu_mig_drained_send(*, node_id: int | None = None, now: datetime | None = None) -> int:
     """Send each draining GPU's change (of ``node_id``'s GPUs, or all) whose work has all ended.
     Safe to run twice and beside itself: each GPU is rechecked under its node's and its own row lock
-    (node first). Returns how many
-    were sent."""
+    (node first). Returns how many were sent."""
     rows = Gpu.objects.filter(mig_pending__isnull=False, mig_sent_at__isnull=True, removed_at__isnull=True)
     if node_id is not None:
         rows = rows.filter(node_id=node_id)
