@@ -228,6 +228,13 @@ class GpuAdmin(admin.ModelAdmin):
         "ecc_dbe_total",
         "last_xid",
         "xid_count",
+        # MIG changes go through nodes.services.mig (the node page, the staff API): audited, drained.
+        "mig_mode",
+        "mig_layout",
+        "mig_configuring",
+        "mig_pending",
+        "mig_requested_at",
+        "mig_sent_at",
     ]
     actions = ["return_to_service", "isolate"]
 

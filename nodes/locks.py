@@ -73,6 +73,18 @@ def lock_gpu(*, gpu_id: int) -> Gpu:
     return Gpu.objects.select_for_update().get(pk=gpu_id)
 
 
+def lock_gpu_and_node(*, gpu_id: int) -> Gpu:
+    """One GPU row and its node's, in the lock order (node first), until the transaction ends: a
+    change that writes a command for the node (a staff MIG change) must not hold the GPU while it
+    waits on the node (a heartbeat holds the node and writes its GPUs)."""
+    while True:
+        node_id = Gpu.objects.values_list("node_id", flat=True).get(pk=gpu_id)
+        lock_node(node_id=node_id)
+        gpu = lock_gpu(gpu_id=gpu_id)
+        if gpu.node_id == node_id:  # (a registration may move a GPU to another node meanwhile)
+            return gpu
+
+
 def lock_command(*, command_id, node_id: int) -> NodeCommand | None:
     """One command of a node, locked while the agent's report on it is applied."""
     return NodeCommand.objects.select_for_update().filter(pk=command_id, node_id=node_id).first()

@@ -245,10 +245,15 @@ class Gpu(models.Model):
     numa_node = models.SmallIntegerField(null=True, blank=True)
     mig_mode = models.BooleanField(default=False)
     # The staff MIG layout the agent made ([{"profile", "start"}]; empty: instances are made per
-    # workload), and whether a MIG reconfiguration is under way (no placements on the GPU until the
-    # agent answers): set by nodes.services.mig.
+    # workload), and whether a MIG reconfiguration is under way (no placements on the GPU from the
+    # request until the agent answers): set by nodes.services.mig. The change asked for
+    # (``mig_pending``: enable, layout, reason, requested_by, command) waits while work holds the GPU
+    # (``mig_sent_at`` null: draining) and goes to the agent when the last of it has ended.
     mig_layout = models.JSONField(default=list, blank=True)
     mig_configuring = models.BooleanField(default=False)
+    mig_pending = models.JSONField(null=True, blank=True)
+    mig_requested_at = models.DateTimeField(null=True, blank=True)
+    mig_sent_at = models.DateTimeField(null=True, blank=True)
     firmware_version = models.CharField(max_length=64, blank=True, help_text="VBIOS or GFX firmware.")
     health = models.CharField(max_length=16, choices=GpuHealth.choices, default=GpuHealth.HEALTHY)
     health_reason = models.CharField(max_length=255, blank=True)

@@ -8,9 +8,12 @@ it and writes nothing, an action the campaign's state does not allow answers 409
 
 ``/api/staff/v1/gpus/<id>/mig/`` reads a GPU's MIG mode, layout and the profiles its model offers;
 PATCH ``{"enable": true, "profiles": ["3g.40gb", "3g.40gb"], "reason": "..."}`` asks its agent to set
-them (``nodes.services.mig``: refused with 409 while work holds the GPU; the GPU takes no new work
-until the agent answers). ``enable: false`` leaves MIG mode. Same access (``fleet:write``); a bad
-layout answers 400 naming its field and changes nothing.
+them (``nodes.services.mig``): 200 with the command when the GPU is idle; 202 when work holds it
+(the GPU drains: it takes no new work, its work runs on, and the command goes when the last of it
+has ended; ``pending`` says what waits and for which workloads); 409 when a change is pending
+already. ``enable: false`` leaves MIG mode. ``POST .../mig/cancel/`` drops a change that still
+waits (409 once it was sent). Same access (``fleet:write``); a bad layout answers 400 naming its
+field and changes nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from rest_framework.views import APIView
 from nodes.mig_profiles import table_for
 from nodes.models import Gpu, RolloutCampaign, RolloutStep, RolloutStepState
 from nodes.services import rollouts
-from nodes.services.mig import gpu_mig_configure
+from nodes.services.mig import gpu_mig_cancel, gpu_mig_configure, gpu_mig_waiting_for
 from portal.actors import actor_from_request
 from portal.api.authentication import BearerTokenAuthentication, StaffTokenAuthentication
 from portal.api.permissions import StaffPermission
@@ -196,6 +199,19 @@ class RolloutViewSet(viewsets.GenericViewSet):
 
 def gpu_mig_state(gpu: Gpu) -> dict:
     table = table_for(gpu.model.name if gpu.model_id else gpu.reported_name)
+    pending = None
+    if gpu.mig_pending is not None:
+        pending = {
+            "state": "sent" if gpu.mig_sent_at is not None else "draining",
+            "enable": gpu.mig_pending.get("enable"),
+            "layout": gpu.mig_pending.get("layout") or [],
+            "reason": gpu.mig_pending.get("reason", ""),
+            "requested_by": gpu.mig_pending.get("requested_by", ""),
+            "requested_at": gpu.mig_requested_at.isoformat() if gpu.mig_requested_at else None,
+            "sent_at": gpu.mig_sent_at.isoformat() if gpu.mig_sent_at else None,
+            "command": gpu.mig_pending.get("command"),
+            "waiting_for": gpu_mig_waiting_for(gpu=gpu),
+        }
     return {
         "gpu": gpu.pk,
         "node": gpu.node.hostname,
@@ -207,7 +223,12 @@ def gpu_mig_state(gpu: Gpu) -> dict:
         "mig_mode": gpu.mig_mode,
         "layout": gpu.mig_layout,
         "configuring": gpu.mig_configuring,
+        "pending": pending,
     }
+
+
+def _gpu(pk: int) -> Gpu:
+    return get_object_or_404(Gpu.objects.select_related("node", "model"), pk=pk, removed_at__isnull=True)
 
 
 class GpuMigApi(APIView):
@@ -216,16 +237,13 @@ class GpuMigApi(APIView):
     permission_classes = [StaffPermission]
     staff_scope = StaffScope.FLEET_WRITE
 
-    def _gpu(self, pk: int) -> Gpu:
-        return get_object_or_404(Gpu.objects.select_related("node", "model"), pk=pk, removed_at__isnull=True)
-
     @extend_schema(operation_id="staff_v1_gpu_mig_read", responses={200: dict})
     def get(self, request, pk: int):
-        return Response(gpu_mig_state(self._gpu(pk)))
+        return Response(gpu_mig_state(_gpu(pk)))
 
-    @extend_schema(operation_id="staff_v1_gpu_mig_configure", request=dict, responses={200: dict})
+    @extend_schema(operation_id="staff_v1_gpu_mig_configure", request=dict, responses={200: dict, 202: dict})
     def patch(self, request, pk: int):
-        gpu = self._gpu(pk)
+        gpu = _gpu(pk)
         data = request.data if isinstance(request.data, dict) else None
         allowed = {"enable", "profiles", "reason"}
         if not data or "enable" not in data or set(data) - allowed:
@@ -236,7 +254,7 @@ class GpuMigApi(APIView):
                 fields={name: ["Send enable (true or false), profiles (a list) and reason only."]},
             )
         reason = data.get("reason", "")
-        if not isinstance(reason, str) or len(reason) > 255:
+        if not isinstance(reason, str) or len(reason) > 255 or "\x00" in reason:
             raise ValidationFailed("reason: at most 255 characters.", fields={"reason": ["A short text."]})
         command = gpu_mig_configure(
             gpu=gpu,
@@ -246,4 +264,28 @@ class GpuMigApi(APIView):
             reason=reason,
         )
         gpu.refresh_from_db()
-        return Response({**gpu_mig_state(gpu), "command": str(command.pk)})
+        body = {**gpu_mig_state(gpu), "command": str(command.pk) if command else None}
+        # Sent at once (200), or accepted to go when the GPU's work has ended (202).
+        return Response(body, status=status.HTTP_200_OK if command else status.HTTP_202_ACCEPTED)
+
+
+class GpuMigCancelApi(APIView):
+    """POST ``{"reason": "..."}``: drop a MIG change that still waits for its GPU to drain."""
+
+    authentication_classes = [StaffTokenAuthentication, BearerTokenAuthentication, SessionAuthentication]
+    permission_classes = [StaffPermission]
+    staff_scope = StaffScope.FLEET_WRITE
+
+    @extend_schema(operation_id="staff_v1_gpu_mig_cancel", request=ReasonSerializer, responses={200: dict})
+    def post(self, request, pk: int):
+        gpu = _gpu(pk)
+        data = request.data if isinstance(request.data, dict) else None
+        if data is None or set(data) - {"reason"}:
+            name = str(sorted(set(data) - {"reason"})[0])[:40] if data else "body"
+            raise ValidationFailed(f"{name}: only reason.", fields={name: ["Only reason is taken."]})
+        reason = data.get("reason", "")
+        if not isinstance(reason, str) or len(reason) > 255 or "\x00" in reason:
+            raise ValidationFailed("reason: at most 255 characters.", fields={"reason": ["A short text."]})
+        gpu_mig_cancel(gpu=gpu, actor=actor_from_request(request), reason=reason.strip())
+        gpu.refresh_from_db()
+        return Response(gpu_mig_state(gpu))

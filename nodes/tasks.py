@@ -4,6 +4,7 @@ from celery import shared_task
 
 from nodes.services.commands import node_commands_expire
 from nodes.services.health import node_health_reconcile
+from nodes.services.mig import gpu_mig_drained_send
 from nodes.services.rollouts import rollout_advance
 from nodes.services.telemetry import telemetry_purge
 
@@ -41,3 +42,9 @@ def publish_fleet_snapshot() -> int:
 def advance_rollouts() -> dict:
     """Move rolling-upgrade campaigns on (single flight: a second run at once returns)."""
     return rollout_advance()
+
+
+@shared_task(name="nodes.tasks.send_drained_mig")
+def send_drained_mig() -> int:
+    """Send staff MIG changes whose GPU has drained (the reconciler of scheduling's prompt call)."""
+    return gpu_mig_drained_send()

@@ -303,6 +303,7 @@ CELERY_TASK_ROUTES = {
     "nodes.tasks.expire_commands": {"queue": "commands"},
     "nodes.tasks.reconcile_node_health": {"queue": "commands"},
     "nodes.tasks.advance_rollouts": {"queue": "commands"},
+    "nodes.tasks.send_drained_mig": {"queue": "commands"},
     "metering.tasks.*": {"queue": "metering"},
 }
 # Periodic work is declared here and nowhere else. Apps add their entries below as they grow.
@@ -533,6 +534,11 @@ CELERY_BEAT_SCHEDULE.update(
         "nodes-advance-rollouts": {
             "task": "nodes.tasks.advance_rollouts",
             "schedule": timedelta(seconds=ROLLOUT_ADVANCE_INTERVAL_S),
+        },
+        # Staff MIG changes waiting for their GPU to drain (scheduling sends most of them at once).
+        "nodes-send-drained-mig": {
+            "task": "nodes.tasks.send_drained_mig",
+            "schedule": timedelta(seconds=10),
         },
     }
 )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from nodes import signals
 from nodes.models import CommandKind
+from nodes.services.mig import gpu_mig_drained_send
 from scheduling.locks import cycle_lock_wait
 from scheduling.selectors.shared import workloads_holding_gpu
 from scheduling.services import elastic, lifecycle, orphans, warm_pools
@@ -28,18 +29,29 @@ def on_command_finished(sender, command, state, result, **kwargs) -> None:
             state=state,
             result=result or {},
         )
+        _mig_drained_send(command.node_id)
     elif command.kind == CommandKind.RESIZE_WORKLOAD:
         elastic.resize_on_command_finished(payload=command.payload, node_id=command.node_id, state=state)
+        _mig_drained_send(command.node_id)
     elif command.kind == CommandKind.PREWARM:
         warm_pools.warm_slots_on_prewarm_finished(command_id=command.pk, state=state)
     elif command.kind == CommandKind.CONFIGURE_MIG:
         cycle_request(reason="mig_configured")  # the GPU takes work again, in its new shape
 
 
-def gpu_holders(gpu_id: int) -> list[str]:
-    """Workloads holding a GPU now, checked after any running cycle ends (``gpu_mig_configure``)."""
-    cycle_lock_wait()
+def gpu_holders(gpu_id: int, *, wait: bool = True) -> list[str]:
+    """Workloads holding a GPU now (``nodes.services.mig``); with ``wait``, checked after any running
+    cycle ends, holding the cycle's lock to the end of the caller's transaction."""
+    if wait:
+        cycle_lock_wait()
     return workloads_holding_gpu(gpu_id=gpu_id)
+
+
+def _mig_drained_send(node_id: int) -> None:
+    """Work left the node (or it is back): a GPU of it that drains for a staff MIG change may now be
+    idle. One indexed query when none drains; the beat (``nodes.tasks.send_drained_mig``) finishes
+    what this misses."""
+    gpu_mig_drained_send(node_id=node_id)
 
 
 def on_workload_exited(
@@ -48,6 +60,7 @@ def on_workload_exited(
     lifecycle.workload_on_exited(
         node_id=node.pk, workload_id=workload_id, state=state, exit_code=exit_code, message=message or ""
     )
+    _mig_drained_send(node.pk)
 
 
 def on_workload_running(sender, node, workload_id, started_at=None, **kwargs) -> None:
@@ -55,6 +68,7 @@ def on_workload_running(sender, node, workload_id, started_at=None, **kwargs) ->
 
 
 def on_node_ready(sender, node, **kwargs) -> None:
+    _mig_drained_send(node.pk)
     cycle_request(reason="node_ready")
 
 

@@ -19,7 +19,7 @@ from nodes.mig_profiles import table_for
 from nodes.models import Gpu, GpuHealth, Node, NodeState
 from nodes.services import health as health_services
 from nodes.services import registration
-from nodes.services.mig import gpu_mig_configure
+from nodes.services.mig import gpu_mig_cancel, gpu_mig_configure, gpu_mig_waiting_for
 from nodes.views.base import StaffRequiredMixin
 from portal.errors import DomainError
 from portal.views.base import htmx_partial, render_page
@@ -87,12 +87,30 @@ def _page_context(request, node: Node, **state) -> dict:
     }
 
 
+def _layout_text(layout) -> str:
+    return ", ".join(f"{row['profile']}@{row['start']}" for row in layout or [])
+
+
 def _mig_context(gpu: Gpu, form: MigForm | None = None) -> None:
-    """What the GPU row shows of MIG: the profiles its model offers, its layout, the form."""
+    """What the GPU row shows of MIG: the profiles its model offers, its layout, a change pending
+    (what, since when, by whom, waiting for which workloads), the form."""
     table = table_for(gpu.model.name if gpu.model_id else gpu.reported_name)
     gpu.mig_profiles = list(table.names) if table is not None else []
-    gpu.mig_layout_text = ", ".join(f"{row['profile']}@{row['start']}" for row in gpu.mig_layout or [])
+    gpu.mig_layout_text = _layout_text(gpu.mig_layout)
     gpu.mig_form = form
+    pending = gpu.mig_pending
+    gpu.mig_draining = pending is not None and gpu.mig_sent_at is None
+    gpu.mig_pending_text = ""
+    gpu.mig_waiting = []
+    if pending is not None:
+        layout = _layout_text(pending.get("layout"))
+        gpu.mig_pending_text = (
+            ("MIG on, layout " + layout if layout else "MIG on, an instance per workload")
+            if pending.get("enable")
+            else "MIG off"
+        )
+        gpu.mig_requested_by = pending.get("requested_by", "")
+        gpu.mig_waiting = gpu_mig_waiting_for(gpu=gpu)
 
 
 class MigForm(forms.Form):
@@ -207,8 +225,9 @@ class GpuReturnView(StaffRequiredMixin, View):
 
 class GpuMigView(StaffRequiredMixin, View):
     """POST ``enable``, ``profiles`` (a layout: profile names, space or comma separated; empty: an
-    instance per workload) and ``reason``: the GPU's agent is asked to set them (audited). Refused
-    with the reason in the row (400 for a layout the GPU cannot make, 409 while work holds it)."""
+    instance per workload) and ``reason``: the GPU's agent is asked to set them (audited), at once or
+    once the GPU has drained. Refused with the reason in the row (400 for a layout the GPU cannot
+    make, 409 while a change is pending)."""
 
     http_method_names = ["post"]
 
@@ -218,7 +237,7 @@ class GpuMigView(StaffRequiredMixin, View):
         if not form.is_valid():
             return self._respond(gpu, form=form, status=400)
         try:
-            gpu_mig_configure(
+            command = gpu_mig_configure(
                 gpu=gpu,
                 enable=form.cleaned_data["enable"],
                 profiles=form.cleaned_data["profiles"],
@@ -230,7 +249,13 @@ class GpuMigView(StaffRequiredMixin, View):
             field = "profiles" if "profiles" in exc.fields else None
             form.add_error(field, exc.message)
             return self._respond(gpu, form=form, status=exc.status_code)
-        message = f"GPU {gpu.index} of {gpu.node.hostname}: MIG change sent to its agent."
+        if command is not None:
+            message = f"GPU {gpu.index} of {gpu.node.hostname}: MIG change sent to its agent."
+        else:
+            message = (
+                f"GPU {gpu.index} of {gpu.node.hostname} drains: it takes no new work, and the MIG change "
+                "goes to its agent when its workloads have ended."
+            )
         if htmx_partial(request):
             gpu = Gpu.objects.select_related("node", "model").get(pk=gpu.pk)
             return self._respond(gpu, form=None, status=200, done=message)
@@ -247,3 +272,35 @@ class GpuMigView(StaffRequiredMixin, View):
         _mig_context(gpu, form)
         context = {"gpu": gpu, "node": gpu.node, "gpu_form": None, "mig_done": done}
         return render_page(self.request, "nodes/_gpu_row.html", context, status=status)
+
+
+class GpuMigCancelView(StaffRequiredMixin, View):
+    """POST ``reason``: drop a MIG change that still waits for the GPU to drain (audited)."""
+
+    http_method_names = ["post"]
+
+    def post(self, request, pk: int):
+        gpu = get_object_or_404(Gpu.objects.select_related("node", "model"), pk=pk, removed_at__isnull=True)
+        form = ReasonForm(request.POST)
+        status, message = 200, ""
+        if not form.is_valid():
+            status, message = 400, " ".join(e for errors in form.errors.values() for e in errors)
+        else:
+            try:
+                gpu_mig_cancel(gpu=gpu, actor=self.actor, reason=form.cleaned_data["reason"])
+                message = (
+                    f"GPU {gpu.index} of {gpu.node.hostname}: MIG change cancelled; it takes work again."
+                )
+            except DomainError as exc:
+                status, message = exc.status_code, exc.message
+        if not htmx_partial(request):
+            (messages.success if status == 200 else messages.error)(request, message)
+            return redirect("nodes:node", pk=gpu.node_id)
+        gpu = Gpu.objects.select_related("node", "model").get(pk=gpu.pk)
+        gpu.fresh = (
+            gpu.last_sample_at is not None and gpu.last_sample_at >= selectors.telemetry_stale_before()
+        )
+        _mig_context(gpu)
+        context = {"gpu": gpu, "node": gpu.node, "gpu_form": None}
+        context["mig_done" if status == 200 else "mig_error"] = message
+        return render_page(request, "nodes/_gpu_row.html", context, status=status)

@@ -232,8 +232,11 @@ class Engine:
 
         if fits():
             return self.now
+        off = st.off[i]
         for t, s in ends:
             for p in s.positions:
+                if p in off:
+                    continue  # ends there free nothing: the GPU takes no work
                 g[p] += s.milli
                 if s.mig and ms is not None:
                     ms[p] -= s.mig

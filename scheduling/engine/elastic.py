@@ -81,8 +81,13 @@ class Elastic:
                 keep = max(1, r.elastic_min)
                 if len(r.gpu_indices) <= keep or is_protected(r, owner):
                     continue
-                held = sorted(r.gpu_indices)
-                firm, lent = held[:keep], [g for g in held[keep:] if g in idx]
+                # A GPU that takes no work (draining for a MIG change) stays with its job, unlent:
+                # such GPUs count first toward the job's minimum.
+                off = st.off[i]
+                held = sorted(r.gpu_indices, key=lambda g: (not (g in idx and idx.index(g) in off), g))
+                firm, rest = held[:keep], held[keep:]
+                lent = [g for g in rest if g in idx and idx.index(g) not in off]
+                firm = sorted(firm + [g for g in rest if g in idx and idx.index(g) in off])
                 for g in lent:
                     p = idx.index(g)
                     st.release(Slot(i, (p,), MILLI, 0, 0))
@@ -194,7 +199,8 @@ class Elastic:
             taken: list[tuple[Running, int]] = []
             slot = None
             for r in cands:
-                positions = self._positions(i, r)
+                # GPUs that take work go first (a draining GPU freed would place nothing).
+                positions = sorted(self._positions(i, r), key=lambda p: p not in st.off[i])
                 while len(positions) > r.elastic_min and len(positions) > 1:
                     p = positions.pop()
                     st.release(Slot(i, (p,), MILLI, 0, 0))

@@ -123,6 +123,7 @@ class Preemptor:
         are preempted one after another, with the victims so far; yielded after each candidate."""
         state = self.state
         g = list(state.gfree[i])
+        off = state.off[i]
         ms = None if state.mstate[i] is None else list(state.mstate[i])
         cpu, mem = state.cpu_free[i], state.mem_free[i]
         taken: list[Running] = []
@@ -139,6 +140,8 @@ class Preemptor:
                 if s is None:
                     continue
                 for p in s.positions:
+                    if p in off:
+                        continue  # a GPU that takes no work: freeing it places nothing there
                     g[p] += s.milli
                     if s.mig and ms is not None and ms[p] >= 0:
                         ms[p] -= s.mig

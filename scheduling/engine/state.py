@@ -34,6 +34,7 @@ Picks = tuple[tuple[int, ...], ...]
 Option = tuple[int, Picks, GKey]
 """(topology penalty, picks, GPU key after the placement)."""
 PREFER_SPAN = 1 << 16
+_NONE_OFF: frozenset[int] = frozenset()
 """A region penalty outweighs any model rank of a preference."""
 
 
@@ -186,6 +187,9 @@ class ClusterState:
         self.cpu_free: list[int] = []
         self.mem_free: list[int] = []
         self.gfree: list[list[int]] = []
+        self.off: list[frozenset[int]] = []
+        """Per node, the positions of GPUs that take no work (unhealthy, isolated, draining for a MIG
+        change): free 0 whatever ends on them, so no release, lend or estimate gives them capacity."""
         self.gpu_index: list[tuple[int, ...]] = []
         self.domain: list[str] = []
         self.keys: list[Key | None] = []
@@ -248,6 +252,8 @@ class ClusterState:
         self.cpu_free.append(node.cpu_milli - node.cpu_used)
         self.mem_free.append(node.memory_mib - node.memory_used)
         self.gfree.append([g.free_milli if g.healthy else 0 for g in node.gpus])
+        off = frozenset(p for p, g in enumerate(node.gpus) if not g.healthy)
+        self.off.append(off or _NONE_OFF)
         states = [
             M.state_of(node.model, g.mig_layout, g.mig_used) if g.mig and g.healthy else -1 for g in node.gpus
         ]
@@ -703,8 +709,10 @@ class ClusterState:
         if not held:
             self._leave(i)
         g = self.gfree[i]
+        off = self.off[i]
         for p in slot.positions:
-            g[p] += slot.milli
+            if p not in off:
+                g[p] += slot.milli
         ms = self.mstate[i]
         if slot.mig and ms is not None:
             for p in slot.positions:
@@ -723,8 +731,10 @@ class ClusterState:
             self._leave(i)
         g = self.gfree[i]
         ms = self.mstate[i]
+        off = self.off[i]
         for p in slot.positions:
-            g[p] -= slot.milli
+            if p not in off:
+                g[p] -= slot.milli
             if slot.mig and ms is not None and ms[p] >= 0:
                 ms[p] += slot.mig
         self.cpu_free[i] -= slot.cpu

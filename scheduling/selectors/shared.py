@@ -323,6 +323,12 @@ def workload_log_lines(
 
 
 def workloads_holding_gpu(*, gpu_id: int) -> list[str]:
-    """Ids of the workloads with an open allocation on a GPU (a staff MIG change waits for none)."""
-    rows = Allocation.objects.active().filter(gpu_id=gpu_id).order_by("workload_id")
-    return [str(w) for w in rows.values_list("workload_id", flat=True).distinct()]
+    """Ids of the workloads with an open allocation on a GPU, or one released without its node's word
+    that the GPU may still run (a staff MIG change waits for none)."""
+    held = set(Allocation.objects.active().filter(gpu_id=gpu_id).values_list("workload_id", flat=True))
+    held.update(
+        Allocation.objects.filter(
+            gpu_id=gpu_id, stop_forced_at__isnull=False, stop_confirmed_at__isnull=True
+        ).values_list("workload_id", flat=True)
+    )
+    return [str(w) for w in sorted(held)]

@@ -122,14 +122,23 @@ def warm_pools_reconcile(*, now: datetime | None = None) -> WarmResult:
         busy = set(Allocation.objects.active().values_list("gpu_id", flat=True))
         # Slots whose GPU was taken by work, or whose GPU or node is gone.
         lost, taken = [], []
-        for sid, gpu_id, node_state, health, isolated, removed in WarmSlot.objects.filter(
+        for sid, gpu_id, node_state, health, isolated, removed, mig_change in WarmSlot.objects.filter(
             ended_at__isnull=True
-        ).values_list("pk", "gpu_id", "node__state", "gpu__health", "gpu__isolated", "gpu__removed_at"):
+        ).values_list(
+            "pk",
+            "gpu_id",
+            "node__state",
+            "gpu__health",
+            "gpu__isolated",
+            "gpu__removed_at",
+            "gpu__mig_configuring",
+        ):
             if (
                 node_state not in SCHEDULABLE_NODE_STATES
                 or health != GpuHealth.HEALTHY
                 or isolated
                 or removed
+                or mig_change  # staff change its MIG mode: no prewarmed container in the way
             ):
                 lost.append(sid)
             elif gpu_id in busy:
@@ -166,6 +175,7 @@ def warm_pools_reconcile(*, now: datetime | None = None) -> WarmResult:
                     node__state__in=SCHEDULABLE_NODE_STATES,
                     health=GpuHealth.HEALTHY,
                     isolated=False,
+                    mig_configuring=False,
                     removed_at__isnull=True,
                 ).values("pk", "node_id", "uuid", "index")
                 if g["pk"] not in busy and g["pk"] not in warm_gpus

@@ -2,7 +2,9 @@
 keeps the hardware's MIG rules, and the simulated runtime). Staff set a GPU's MIG mode and layout;
 the agent makes the layout's instances; the real scheduler places a MIG job on one of them at its
 start; the job runs on that instance, its telemetry lands on the GPU, and when it exits the layout's
-instance stays (and MIG mode stays on). A job of a profile the layout lacks waits. The harness
+instance stays (and MIG mode stays on). A job of a profile the layout lacks waits. Staff turning MIG
+off while the job runs drain the GPU: the change goes to the agent when the job's end is reported,
+and the agent leaves MIG mode. The harness
 (portal in a thread, agent process, own database) is the one of ``test_e2e_agent``."""
 
 from __future__ import annotations
@@ -92,13 +94,26 @@ def test_staff_set_a_mig_layout_and_a_mig_job_lands_on_it(start_agent, signals):
             ).exists(),
             what="a sample of the job on its instance",
         )
-        # Staff cannot change MIG under it.
-        with pytest.raises(Conflict, match=f"runs workloads {job.pk}"):
-            gpu_mig_configure(gpu=gpu0, enable=False, profiles=[], actor=Actor.system())
+        # Staff turn MIG off under it: the GPU drains (the job runs on, nothing is sent yet).
+        assert gpu_mig_configure(gpu=gpu0, enable=False, profiles=[], actor=Actor.system()) is None
+        assert not NodeCommand.objects.filter(kind=CommandKind.CONFIGURE_MIG).exclude(pk=command.pk).exists()
+        assert Workload.objects.get(pk=job.pk).state in (S.SCHEDULED, S.RUNNING)
         wait_for(lambda: Workload.objects.get(pk=job.pk).state == S.SUCCEEDED, what="the job's end")
         assert f"gave back the layout's MIG instance {start.result['mig_uuid']}" in agent.log
-        assert "destroyed MIG instance" not in agent.log  # the layout stays
-        assert Gpu.objects.get(pk=gpu0.pk).mig_mode is True
+        assert "destroyed MIG instance" not in agent.log  # the layout stays until the change
+        # The job's end (the node's report) sends the change; the agent leaves MIG mode.
+        off = wait_for(
+            lambda: NodeCommand.objects.filter(kind=CommandKind.CONFIGURE_MIG).exclude(pk=command.pk).first(),
+            what="the MIG change sent when the GPU drained",
+        )
+        assert off.payload["enable"] is False
+        wait_for(lambda: NodeCommand.objects.get(pk=off.pk).state == "succeeded", what="MIG mode off")
+        gpu0 = wait_for(
+            lambda: Gpu.objects.filter(pk=gpu0.pk, mig_configuring=False).first(),
+            what="the GPU back in service",
+        )
+        assert (gpu0.mig_mode, gpu0.mig_layout, gpu0.mig_pending) == (False, [], None)
+        assert AuditEvent.objects.filter(action="gpu.mig_send", target_id=str(gpu0.pk)).count() == 2
         assert agent.stop() == 0
     finally:
         # The module's database outlives the test: later tests must not place work here.

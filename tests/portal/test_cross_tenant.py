@@ -698,6 +698,8 @@ def _staff_url(route) -> str:
             kwargs[name] = campaign.pk
         elif name == "pk" and route.name == "nodes-staff-api:gpu-mig":
             kwargs[name] = _walk_gpu().pk
+        elif name == "pk" and route.name == "nodes-staff-api:gpu-mig-cancel":
+            kwargs[name] = _walk_draining_gpu().pk
         else:
             raise AssertionError(f"{route.route}: teach this test the kwarg {name!r}")
     return reverse(route.name, kwargs=kwargs)
@@ -714,6 +716,23 @@ def _walk_gpu():
     )[0]
 
 
+def _walk_draining_gpu():
+    """An H100 whose staff MIG change waits for its work to end, for the cancel route."""
+    from nodes.models import Gpu
+
+    gpu = _walk_gpu()
+    drained = Gpu.objects.get_or_create(
+        node=gpu.node,
+        index=1,
+        defaults={"uuid": "GPU-walk-1", "model": gpu.model, "reported_name": gpu.reported_name},
+    )[0]
+    Gpu.objects.filter(pk=drained.pk).update(
+        mig_configuring=True,
+        mig_pending={"enable": True, "layout": [], "reason": "", "requested_by": "walk", "command": None},
+    )
+    return drained
+
+
 def _walked_state(name: str):
     return lambda: RolloutCampaign.objects.get(pk=_walked[name].pk).state
 
@@ -724,6 +743,10 @@ STAFF_WRITES = {
     "nodes-staff-api:gpu-mig": (
         {"enable": True, "profiles": ["7g.80gb"]},
         lambda: _walk_gpu().mig_configuring,
+    ),
+    "nodes-staff-api:gpu-mig-cancel": (
+        {},
+        lambda: _walk_gpu().__class__.objects.get(uuid="GPU-walk-1").mig_pending,
     ),
     "scheduling:staff-api-region": (
         {"queue_policy": "sjf"},

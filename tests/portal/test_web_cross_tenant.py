@@ -260,7 +260,12 @@ def _staff_url(page: Page, tenant) -> str:
 
     node = Node.objects.get(hostname="walker-h100")
     gpu = Gpu.objects.get(node=node).pk
-    ids = {"nodes:gpu-return": gpu, "nodes:gpu-mig": gpu, "scheduling:staff-quota": tenant.pk}
+    ids = {
+        "nodes:gpu-return": gpu,
+        "nodes:gpu-mig": gpu,
+        "nodes:gpu-mig-cancel": gpu,
+        "scheduling:staff-quota": tenant.pk,
+    }
     if page.name in ("nodes:rollout", "nodes:rollout-action"):
         ids[page.name] = _walker_rollout().pk
     kwargs = {"pk": ids.get(page.name, node.pk)} if "<int:pk>" in page.route else {}

@@ -1,6 +1,7 @@
 """Staff set a GPU's MIG mode and layout: the service (checked against the GPU's profile table,
-refused while work holds the GPU, the GPU out of placement until the agent answers, audited), the
-agent's answer recorded, the node page (form, errors in the row, the state shown) and the staff API.
+the GPU out of placement from the request until the agent answers, a busy GPU drained first and its
+change sent when the last of its work ends, cancel, audited), the agent's answer recorded, the node
+page (form, errors in the row, the state and a pending change shown) and the staff API.
 The agent side and the whole path are in tests/nodes/test_fractional_agent.py and
 test_fractional_e2e.py."""
 
@@ -8,14 +9,18 @@ from __future__ import annotations
 
 import pytest
 from django.test import Client
+from django.utils import timezone
 
-from nodes.models import CommandKind, Gpu, NodeCommand
+from nodes.models import CommandKind, Gpu, Node, NodeCommand, NodeState, Region, RegionBackend
 from nodes.services.commands import node_command_report
-from nodes.services.mig import gpu_mig_configure
+from nodes.services.mig import gpu_mig_cancel, gpu_mig_configure, gpu_mig_drained_send, gpu_mig_waiting_for
+from nodes.signals import command_finished, workload_exited
+from nodes.tasks import send_drained_mig
 from portal.actors import Actor
 from portal.errors import Conflict, ValidationFailed
 from portal.models import AuditEvent, StaffScope, User
 from portal.staff_tokens import staff_token_create
+from scheduling.models import Allocation
 from scheduling.models import WorkloadState as S
 from tests.scheduling.conftest import reload
 
@@ -117,15 +122,132 @@ def test_bad_layouts_are_400s_naming_the_field(make_node, staff, model, enable, 
     assert not NodeCommand.objects.exists() and reload_gpu(gpu).mig_configuring is False
 
 
-def test_refused_while_work_holds_the_gpu(make_node, staff, tenant, submit, cycle):
+def _start(node, w) -> None:
+    """The agent's answer to the workload's start command (it runs)."""
+    cmd = NodeCommand.objects.get(
+        node=node,
+        kind=CommandKind.START_WORKLOAD,
+        payload__workload_id=str(w.pk),
+        payload__attempt=reload(w).attempt,
+    )
+    command_finished.send(sender=NodeCommand, command=cmd, state="succeeded", result={"state": "running"})
+
+
+def _exit(node, w) -> None:
+    """The node reports the workload ended (the signal its heartbeat sends; scheduling listens)."""
+    workload_exited.send(
+        sender=type(node),
+        node=node,
+        workload_id=str(w.pk),
+        state="exited",
+        exit_code=0,
+        finished_at=timezone.now(),
+        message="",
+    )
+
+
+def test_a_busy_gpu_drains_and_gets_its_change_when_its_last_work_ends(
+    make_node, staff, tenant, submit, cycle, django_capture_on_commit_callbacks
+):
+    node = make_node(gpus=1)
+    a, b = submit(tenant, gpu_fraction_milli=300), submit(tenant, gpu_fraction_milli=300)
+    cycle()
+    assert {reload(a).state, reload(b).state} == {S.SCHEDULED}
+    _start(node, a), _start(node, b)
+    gpu = _gpu(node)
+    # Accepted: nothing is sent and nothing is stopped; the GPU takes no new work from now on.
+    assert gpu_mig_configure(gpu=gpu, enable=True, profiles=["7g.80gb"], actor=Actor(user=staff)) is None
+    gpu = reload_gpu(gpu)
+    assert gpu.mig_configuring is True and gpu.mig_sent_at is None
+    assert gpu.mig_pending["layout"] == [{"profile": "7g.80gb", "start": 0}]
+    assert gpu.mig_pending["requested_by"] == staff.email and gpu.mig_requested_at is not None
+    assert gpu_mig_waiting_for(gpu=gpu) == sorted([str(a.pk), str(b.pk)])
+    event = AuditEvent.objects.get(action="gpu.mig_configure")
+    assert event.data["waiting_for"] == sorted([str(a.pk), str(b.pk)])
+    assert not NodeCommand.objects.filter(kind=CommandKind.CONFIGURE_MIG).exists()
+    assert not NodeCommand.objects.filter(kind__in=[CommandKind.STOP_WORKLOAD, CommandKind.PREEMPT_WORKLOAD])
+    assert {reload(a).state, reload(b).state} == {S.RUNNING}
+    # A third share would fit beside the two, but the draining GPU takes nothing.
+    c = submit(tenant, gpu_fraction_milli=300)
+    cycle()
+    assert reload(c).state == S.QUEUED
+    # A second change waits for staff to cancel this one.
+    with pytest.raises(Conflict, match="pending already"):
+        gpu_mig_configure(gpu=gpu, enable=False, profiles=[], actor=Actor(user=staff))
+    # The first one ends: the other still holds the GPU.
+    _exit(node, a)
+    assert reload(a).state == S.SUCCEEDED
+    assert not NodeCommand.objects.filter(kind=CommandKind.CONFIGURE_MIG).exists()
+    assert gpu_mig_waiting_for(gpu=reload_gpu(gpu)) == [str(b.pk)]
+    # The last one ends: the change goes to the agent at once, audited.
+    _exit(node, b)
+    command = _command(gpu)
+    assert command.payload["placements"] == [{"profile": "7g.80gb", "start": 0}]
+    assert command.payload["enable"] is True
+    gpu = reload_gpu(gpu)
+    assert gpu.mig_sent_at is not None and gpu.mig_pending["command"] == str(command.pk)
+    sent = AuditEvent.objects.get(action="gpu.mig_send")
+    assert sent.data["command"] == str(command.pk) and sent.actor_type == "system"
+    with pytest.raises(Conflict, match="sent to its agent"):
+        gpu_mig_cancel(gpu=gpu, actor=Actor(user=staff))
+    # The agent's answer puts the GPU back in service, in its new shape.
+    with django_capture_on_commit_callbacks(execute=True):
+        _agent_answers(
+            command,
+            "succeeded",
+            {"gpu_uuid": gpu.uuid, "mig_mode": True, "created": [{"profile": "7g.80gb", "start": 0}]},
+        )
+    gpu = reload_gpu(gpu)
+    assert (gpu.mig_mode, gpu.mig_configuring, gpu.mig_pending, gpu.mig_sent_at) == (True, False, None, None)
+    m = submit(tenant, mig_profile="7g.80gb")
+    cycle()
+    assert reload(m).state == S.SCHEDULED and reload(c).state == S.QUEUED
+
+
+def test_a_change_left_by_a_lost_signal_is_sent_by_the_beat(make_node, staff, tenant, submit, cycle):
     node = make_node(gpus=1)
     w = submit(tenant)
     cycle()
-    assert reload(w).state == S.SCHEDULED
-    with pytest.raises(Conflict, match=f"runs workloads {w.pk}"):
-        gpu_mig_configure(gpu=_gpu(node), enable=True, profiles=[], actor=Actor(user=staff))
+    gpu = _gpu(node)
+    assert gpu_mig_configure(gpu=gpu, enable=True, profiles=[], actor=Actor(user=staff)) is None
+    assert gpu_mig_drained_send() == 0  # still held
+    # The allocation ends without the signal (a staff stop whose answer never came, say).
+    Allocation.objects.filter(workload=w).update(ended_at=timezone.now())
+    # A forced stop the node has not confirmed still holds it.
+    Allocation.objects.filter(workload=w).update(stop_forced_at=timezone.now())
+    assert gpu_mig_drained_send() == 0
+    Allocation.objects.filter(workload=w).update(stop_confirmed_at=timezone.now())
+    # A DOWN node keeps the change until it is back.
+    Node.objects.filter(pk=node.pk).update(state=NodeState.DOWN)
+    assert gpu_mig_drained_send() == 0
+    Node.objects.filter(pk=node.pk).update(state=NodeState.READY)
+    assert send_drained_mig.apply().get() == 1  # the beat's task
+    assert _command(gpu).payload["enable"] is True
+    assert gpu_mig_drained_send() == 0  # twice is once
+
+
+def test_staff_cancel_a_pending_change_and_the_gpu_takes_work_again(make_node, staff, tenant, submit, cycle):
+    node = make_node(gpus=1)
+    a = submit(tenant, gpu_fraction_milli=500)
+    cycle()
+    gpu = _gpu(node)
+    gpu_mig_configure(gpu=gpu, enable=True, profiles=["7g.80gb"], actor=Actor(user=staff), reason="infer")
+    b = submit(tenant, gpu_fraction_milli=500)
+    cycle()
+    assert reload(b).state == S.QUEUED
+    gpu_mig_cancel(gpu=gpu, actor=Actor(user=staff), reason="not now")
+    gpu = reload_gpu(gpu)
+    assert (gpu.mig_configuring, gpu.mig_pending, gpu.mig_requested_at) == (False, None, None)
+    event = AuditEvent.objects.get(action="gpu.mig_cancel")
+    assert event.data["reason"] == "not now" and event.data["waiting_for"] == [str(a.pk)]
+    with pytest.raises(Conflict, match="no MIG change pending"):
+        gpu_mig_cancel(gpu=gpu, actor=Actor(user=staff))
+    cycle()
+    assert reload(b).state == S.SCHEDULED
+    # Its work ending later sends nothing.
+    _exit(node, a)
+    assert gpu_mig_drained_send() == 0
     assert not NodeCommand.objects.filter(kind=CommandKind.CONFIGURE_MIG).exists()
-    assert reload_gpu(_gpu(node)).mig_configuring is False
 
 
 def test_the_node_page_shows_mig_and_takes_the_form(make_node, staff):
@@ -185,3 +307,96 @@ def test_the_staff_api_reads_and_changes_mig(make_node, staff, api):
     ]
     again = api(token).patch(url, {"enable": False}, content_type="application/json")
     assert again.status_code == 409
+
+
+def test_the_staff_api_accepts_a_change_on_a_busy_gpu_and_cancels_it(
+    make_node, staff, api, tenant, submit, cycle
+):
+    node = make_node(gpus=1)
+    w = submit(tenant)
+    cycle()
+    gpu = _gpu(node)
+    _, wrong = staff_token_create(
+        user=staff, name="queues", scopes=[StaffScope.SCHEDULING_WRITE], actor=Actor(user=staff)
+    )
+    _, token = staff_token_create(
+        user=staff, name="ops", scopes=[StaffScope.FLEET_WRITE], actor=Actor(user=staff)
+    )
+    url = f"/api/staff/v1/gpus/{gpu.pk}/mig/"
+    cancel = f"{url}cancel/"
+    body = {"enable": True, "profiles": ["3g.40gb", "3g.40gb"], "reason": "inference"}
+    assert api(wrong).patch(url, body, content_type="application/json").status_code == 403
+    # Nothing pending yet: cancel is a 409, and a bad body a 400 naming the field.
+    assert api(token).post(cancel, {}, content_type="application/json").status_code == 409
+    bad = api(token).post(cancel, {"why": "x"}, content_type="application/json")
+    assert bad.status_code == 400 and "why" in bad.json()["error"]["fields"]
+    accepted = api(token).patch(url, body, content_type="application/json")
+    assert accepted.status_code == 202, accepted.content
+    pending = accepted.json()["pending"]
+    assert accepted.json()["command"] is None and accepted.json()["configuring"] is True
+    assert (pending["state"], pending["waiting_for"], pending["reason"]) == (
+        "draining",
+        [str(w.pk)],
+        "inference",
+    )
+    assert pending["layout"] == [{"profile": "3g.40gb", "start": 0}, {"profile": "3g.40gb", "start": 4}]
+    assert pending["requested_by"] == staff.email and pending["requested_at"]
+    assert api(token).get(url).json()["pending"] == pending
+    # A change already pending: 409.
+    again = api(token).patch(url, {"enable": False}, content_type="application/json")
+    assert again.status_code == 409 and "cancel it first" in again.json()["error"]["message"]
+    # The wrong scope cannot cancel; the right one can, once.
+    assert api(wrong).post(cancel, {}, content_type="application/json").status_code == 403
+    done = api(token).post(cancel, {"reason": "later"}, content_type="application/json")
+    assert done.status_code == 200 and done.json()["pending"] is None and done.json()["configuring"] is False
+    assert api(token).post(cancel, {}, content_type="application/json").status_code == 409
+    assert AuditEvent.objects.filter(action="gpu.mig_cancel", target_id=str(gpu.pk)).count() == 1
+    assert not NodeCommand.objects.filter(kind=CommandKind.CONFIGURE_MIG).exists()
+
+
+def test_the_node_page_shows_a_pending_change_and_cancels_it(make_node, staff, tenant, submit, cycle):
+    node = make_node(gpus=1)
+    w = submit(tenant)
+    cycle()
+    gpu = _gpu(node)
+    client = Client()
+    client.force_login(staff)
+    url = f"/fleet/gpus/{gpu.pk}/mig/"
+    row = client.post(url, {"enable": "on", "profiles": "4g.40gb 3g.40gb"}, HTTP_HX_REQUEST="true")
+    text = row.content.decode()
+    assert row.status_code == 200 and "drains: it takes no new work" in text
+    assert "MIG change waiting" in text and f"<code>{w.pk}</code> to end" in text
+    page = client.get(f"/fleet/nodes/{node.pk}/").content.decode()
+    assert "MIG change waiting" in page and "To <strong>MIG on, layout 4g.40gb@0, 3g.40gb@4</strong>" in page
+    assert f"asked by {staff.email}" in page and f"<code>{w.pk}</code> to end" in page
+    assert "Cancel MIG change" in page
+    # A tenant user cannot cancel it.
+    other = Client()
+    other.force_login(User.objects.create_user(email="t@x.test", password="pw-for-tests-1"))
+    assert other.post(f"{url}cancel/", {}).status_code in (302, 403, 404)
+    assert reload_gpu(gpu).mig_pending is not None
+    cancelled = client.post(f"{url}cancel/", {"reason": "wrong GPU"}, HTTP_HX_REQUEST="true")
+    assert cancelled.status_code == 200 and "MIG change cancelled" in cancelled.content.decode()
+    assert "MIG change waiting" not in cancelled.content.decode()
+    again = client.post(f"{url}cancel/", {}, HTTP_HX_REQUEST="true")
+    assert again.status_code == 409 and "no MIG change pending" in again.content.decode()
+    assert reload_gpu(gpu).mig_configuring is False
+
+
+def test_a_slurm_node_gpu_is_not_reconfigured(make_node, staff):
+    node = make_node(gpus=1)
+    Region.objects.filter(pk=node.region_id).update(backend=RegionBackend.SLURM)
+    with pytest.raises(Conflict, match="Slurm node"):
+        gpu_mig_configure(gpu=_gpu(node), enable=True, profiles=[], actor=Actor(user=staff))
+    assert not NodeCommand.objects.exists() and reload_gpu(_gpu(node)).mig_pending is None
+
+
+def test_the_admin_shows_mig_but_does_not_change_it(make_node):
+    gpu = _gpu(make_node(gpus=1))
+    admin = User.objects.create_superuser(email="root@gpupool.test", password="pw-for-tests-1")
+    client = Client()
+    client.force_login(admin)
+    page = client.get(f"/admin/nodes/gpu/{gpu.pk}/change/")
+    assert page.status_code == 200 and "Mig pending" in page.content.decode()
+    for field in ("mig_mode", "mig_layout", "mig_configuring", "mig_pending", "mig_sent_at"):
+        assert f'name="{field}"' not in page.content.decode()  # the audited service is the one way in
