@@ -50,6 +50,8 @@ numbers them (from 0; it sees no other).
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import logging
 import os
 import signal
@@ -159,11 +161,14 @@ def _explain(exc: DockerException) -> str:
     return str(exc)
 
 
-def published_ports(info: dict[str, Any]) -> dict[str, int]:
-    """``{"8888": 49153}``: each published container port and the host port the engine gave it."""
+def published_ports(info: dict[str, Any], skip: int | None = None) -> dict[str, int]:
+    """``{"8888": 49153}``: each published container port and the host port the engine gave it
+    (but ``skip``, a gang's rendezvous port: the platform's, not one the workload asked for)."""
     ports: dict[str, int] = {}
     for key, bindings in ((info.get("NetworkSettings") or {}).get("Ports") or {}).items():
         port, _, _protocol = key.partition("/")
+        if skip is not None and port == str(skip):
+            continue
         host_ports = [int(b["HostPort"]) for b in bindings or [] if b.get("HostPort")]
         if host_ports:
             ports[port] = host_ports[0]
@@ -182,6 +187,7 @@ class DockerRuntime(Runtime):
         node_gpus: int = 0,
         publish_address: str = DEFAULT_PUBLISH_ADDRESS,
         tcp_publish_address: str = "",
+        gang_address: str = "",
         **sharing: str,
     ) -> None:
         super().__init__(state_dir, **sharing)
@@ -189,6 +195,9 @@ class DockerRuntime(Runtime):
             raise ValueError("pids_limit must be positive")
         self.publish_address = publish_address or DEFAULT_PUBLISH_ADDRESS
         self.tcp_publish_address = tcp_publish_address or self.publish_address
+        # Where a gang's rank 0 publishes its rendezvous port; empty: MASTER_ADDR (the node's
+        # advertised address, when that is an IP address).
+        self.gang_address = gang_address
         self.docker_host = docker_host  # empty: $DOCKER_HOST, else the local socket
         self.pids_limit = pids_limit
         self.command_timeout_s = command_timeout_s
@@ -222,8 +231,50 @@ class DockerRuntime(Runtime):
                 self._client = None
 
     @staticmethod
-    def container_name(workload_id: str) -> str:
+    def container_name(workload_id: str, rank: str | None = None) -> str:
+        """``gpupool-<id>``; a gang member's ``gpupool-<id>-rank<k>``, so that members of one gang
+        on nodes that share an engine (a test host, a fleet of agents) are containers of their own."""
+        base = f"gpupool-{safe_name(workload_id)}"
+        return base if rank is None else f"{base}-rank{rank}"
+
+    @staticmethod
+    def network_name(workload_id: str) -> str:
+        """The workload's own bridge network: for its published ports, and for a gang's members."""
         return f"gpupool-{safe_name(workload_id)}"
+
+    def _gang(
+        self, spec: WorkloadSpec, ports: list[dict[str, Any]]
+    ) -> tuple[str | None, tuple[str, int] | None]:
+        """(the member's rank, or None outside a gang; rank 0's rendezvous binding: the node's
+        address on the network between nodes and ``MASTER_PORT``, or None). Rank 0 publishes
+        ``MASTER_PORT`` on ``MASTER_ADDR`` (its own node's address, as the portal gave it; an IP
+        address, or ``gang_address`` where the node advertises a name), the same number inside and
+        out, so that every member reaches it at the address and port it was told."""
+        env = spec.platform_env
+        if "MASTER_PORT" not in env:
+            return None, None
+        rank = env.get("NODE_RANK", "")
+        try:
+            port = int(env["MASTER_PORT"])
+            if not 1024 <= port <= 65535 or not rank.isdigit():
+                raise ValueError
+        except ValueError:
+            raise RuntimeFailure(
+                "platform_env: MASTER_PORT must be a port of 1024-65535 and NODE_RANK a rank"
+            ) from None
+        if rank != "0":
+            return rank, None
+        if any(p["port"] == port for p in ports):
+            raise RuntimeFailure(f"ports: {port} is the gang's rendezvous port (MASTER_PORT)")
+        address = self.gang_address or env.get("MASTER_ADDR", "")
+        try:
+            ipaddress.ip_address(address)
+        except ValueError:
+            raise RuntimeFailure(
+                f"MASTER_ADDR {address!r} is not an IP address: set the agent's gang_address to "
+                "this node's address on the network between nodes"
+            ) from None
+        return rank, (address, port)
 
     # -- what a container runs with ---------------------------------------------------------------
 
@@ -275,9 +326,16 @@ class DockerRuntime(Runtime):
         return [f"{key}={value}" for key, value in env.items()]
 
     def _create_options(
-        self, spec: WorkloadSpec, env: dict[str, str], ports: list[dict[str, Any]], prepared: Prepared
+        self,
+        spec: WorkloadSpec,
+        env: dict[str, str],
+        ports: list[dict[str, Any]],
+        prepared: Prepared,
+        gang: tuple[str | None, tuple[str, int] | None] = (None, None),
+        network: str | None = None,
     ) -> dict[str, Any]:
-        name = self.container_name(spec.workload_id)
+        rank, rendezvous = gang
+        name = self.container_name(spec.workload_id, rank)
         nano_cpus, memory = self._limits(spec)
         plan = self.device_plan(spec)
         mounts = [
@@ -320,30 +378,49 @@ class DockerRuntime(Runtime):
             # An MPS client reaches the host's MPS daemon through its pipe directory and shared memory.
             options["ipc_mode"] = "host"
             mounts.append(Mount(self.mps_pipe_dir, self.mps_pipe_dir, type="bind", read_only=True))
-        if ports:
-            options["network"] = name
+        if network is not None:
+            options["network"] = network
             # (address,): bound to that address, on a host port the engine picks.
-            options["ports"] = {
+            published: dict[str, Any] = {
                 f"{p['port']}/tcp": (
                     self.tcp_publish_address if p["protocol"] == "tcp" else self.publish_address,
                 )
                 for p in ports
             }
+            if rendezvous is not None:
+                published[f"{rendezvous[1]}/tcp"] = rendezvous  # (address, the same port outside)
+            if published:
+                options["ports"] = published
         else:
             options["network_mode"] = "none"
         return options
 
-    def _ensure_network(self, spec: WorkloadSpec) -> None:
-        name = self.container_name(spec.workload_id)
-        try:
-            self.client.networks.get(name)
-        except NotFound:
-            self.client.networks.create(
+    def _ensure_network(self, spec: WorkloadSpec) -> str:
+        """The id of the workload's network, made unless it exists. A gang's members on nodes that
+        share an engine join one network; the engine takes two of one name when two agents ask at
+        once, so of those the oldest-made (then lowest id) is the one, and a loser removes its own."""
+        name = self.network_name(spec.workload_id)
+        label = f"{LABEL}={spec.workload_id}"
+        mine = None
+        if not self._networks(name, label):
+            mine = self.client.networks.create(
                 name,
                 driver="bridge",
                 options={"com.docker.network.bridge.enable_icc": "false"},
                 labels={LABEL: spec.workload_id},
-            )
+                check_duplicate=True,
+            ).id
+        chosen = self._networks(name, label)[0]
+        if mine is not None and mine != chosen:
+            with contextlib.suppress(NotFound):
+                self.client.api.remove_network(mine)
+        return chosen
+
+    def _networks(self, name: str, label: str) -> list[str]:
+        """Ids of the networks of exactly that name and label, oldest first."""
+        found = self.client.api.networks(names=[name], filters={"label": label})
+        found = [n for n in found if n.get("Name") == name]
+        return [n["Id"] for n in sorted(found, key=lambda n: (n.get("Created", ""), n["Id"]))]
 
     # -- the interface ----------------------------------------------------------------------------
 
@@ -356,22 +433,28 @@ class DockerRuntime(Runtime):
             if record is not None and not record.get("start_error"):
                 ports_now = dict(record.get("ports") or {})
                 return WorkloadHandle(spec.workload_id, record["container_id"], ports_now)
-            name = self.container_name(spec.workload_id)
+            gang = self._gang(spec, ports)
+            name = self.container_name(spec.workload_id, gang[0])
+            wants_network = bool(ports) or gang[0] is not None
+            network = self.network_name(spec.workload_id) if wants_network else None
             try:
                 if record is not None:  # an earlier start failed: try again from nothing
                     self._remove(record)
                 container = self._find(name)
                 if container is None:
                     prepared = self.volumes.prepare(spec)  # refuses a volume over its size
-                    options = self._create_options(spec, env, ports, prepared)
-                    if ports:
-                        self._ensure_network(spec)
+                    if wants_network:
+                        made = self._ensure_network(spec)
+                        # A gang's network by id: another agent's duplicate may stand for a moment.
+                        network = made if gang[0] is not None else network
+                    options = self._create_options(spec, env, ports, prepared, gang, network)
                     container = self.client.containers.create(spec.image, spec.command or None, **options)
                 record = {
                     "container_id": container.id,
                     "name": name,
                     "gpu_uuids": spec.gpu_uuids,
-                    "network": name if ports else None,
+                    "network": network,
+                    "rendezvous_port": gang[1][1] if gang[1] else None,
                     "final_state": None,
                     "status": None,
                 }
@@ -388,9 +471,9 @@ class DockerRuntime(Runtime):
                     record["start_error"] = message
                     self.store.save()
                 else:
-                    self._remove({"container_id": name, "name": name, "network": name if ports else None})
+                    self._remove({"container_id": name, "name": name, "network": network})
                 raise RuntimeFailure(message) from exc
-            record["ports"] = published_ports(info)
+            record["ports"] = published_ports(info, skip=record.get("rendezvous_port"))
             self.store.save()
             return WorkloadHandle(spec.workload_id, container.id, dict(record["ports"]))
 
