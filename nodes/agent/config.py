@@ -80,6 +80,10 @@ class AgentConfig:
     # rank 0 publishes its rendezvous port (MASTER_PORT); empty: MASTER_ADDR, the address the
     # portal gives for this node (advertise_address), which must then be an IP address.
     gang_address: str = ""
+    # Docker runtime: close a gang's rendezvous port to all but its members with iptables rules of
+    # the agent's (nodes/agent/runtimes/gang_firewall.py). Off only where the operator isolates the
+    # nodes' network between tenants by other means: docker forwards a published port from anywhere.
+    gang_firewall: bool = True
     # How often the GPUs are read; every reading since the last batch goes in the next one.
     sample_interval_s: float = 1.0
     # Unset (None): the portal's answer to register decides.
@@ -198,6 +202,7 @@ class AgentConfig:
                 "docker_host": self.docker_host,
                 "pids_limit": self.docker_pids_limit,
                 "gang_address": self.gang_address,
+                "gang_firewall": self.gang_firewall,
                 **publish,
             }
         if self.runtime == "subprocess":
@@ -238,6 +243,7 @@ ENV = {
     "GPUPOOL_PUBLISH_ADDRESS": "publish_address",
     "GPUPOOL_TCP_PUBLISH_ADDRESS": "tcp_publish_address",
     "GPUPOOL_GANG_ADDRESS": "gang_address",
+    "GPUPOOL_GANG_FIREWALL": "gang_firewall",
     "GPUPOOL_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
     "GPUPOOL_SAMPLE_INTERVAL_S": "sample_interval_s",
     "GPUPOOL_COMMANDS_WAIT_S": "commands_wait_s",

@@ -30,6 +30,7 @@ from typing import Any
 import docker
 import pytest
 
+from nodes.agent.runtimes import gang_firewall
 from nodes.agent.runtimes.docker import DockerRuntime
 from nodes.agent.types import WorkloadSpec
 from nodes.models import CommandKind, Node, NodeCommand, NodeState
@@ -61,11 +62,13 @@ _hosts = itertools.count(1)
 # answered. Each prints what it agreed on. MODE=hold: rank 0 then keeps serving the port
 # ("gang-open"), rank 1 exits 3 once /tmp/fail exists.
 MEMBER = r"""
+mkdir -p /tmp || exit 9
 answer='read r w; echo "$r $w" >> /tmp/seen; if [ "$w" = "$WORLD_SIZE" ]; then echo $WORLD_SIZE; else echo -1; fi'
 if [ "$NODE_RANK" = 0 ]; then
   n=1
   while [ "$n" -lt "$NNODES" ]; do nc -l -p "$MASTER_PORT" -e sh -c "$answer" && n=$((n+1)); done
   agreed=$WORLD_SIZE
+  [ "$(wc -l < /tmp/seen)" -eq $((NNODES - 1)) ] || agreed=-1
   while read r w; do [ "$w" = "$WORLD_SIZE" ] || agreed=-1; done < /tmp/seen
 else
   agreed=""
@@ -116,6 +119,7 @@ def gangs(docker_engine: docker.DockerClient) -> Iterator[list[int]]:  # noqa: F
         for rank in (0, 1):
             with contextlib.suppress(docker.errors.NotFound):
                 docker_engine.api.remove_container(f"gpupool-{wid}-rank{rank}", force=True)
+            gang_firewall.remove(f"gpupool-gang-{wid}-rank{rank}")
         for network in docker_engine.networks.list(filters={"label": f"gpupool.workload_id={wid}"}):
             with contextlib.suppress(docker.errors.NotFound):
                 network.remove()
@@ -143,6 +147,8 @@ def two_docker_nodes(start_agent, nodes_network) -> Iterator[tuple[list[AgentPro
             assert agent.stop() == 0
         yield agents, nodes
     finally:
+        for agent in agents:
+            agent.kill()
         # The module's database outlives the test: later tests must not place work on these.
         Node.objects.filter(pk__in=[n.pk for n in nodes]).update(state=NodeState.DOWN)
 
@@ -192,8 +198,9 @@ def _lines(w: Workload) -> list[str]:
 def _left_on_engine(engine: docker.DockerClient, w: Workload) -> list[str]:
     """The gang's containers and networks the engine still has."""
     label = f"gpupool.workload_id={w.pk}"
-    names = [c.name for c in engine.containers.list(all=True, filters={"label": label})]
-    return names + [n.name for n in engine.networks.list(filters={"label": label})]
+    # The low-level lists: the high-level ones inspect each item, which may go meanwhile.
+    names = [c["Names"][0] for c in engine.api.containers(all=True, filters={"label": label})]
+    return names + [n["Name"] for n in engine.api.networks(filters={"label": label})]
 
 
 @contextlib.contextmanager
@@ -276,6 +283,16 @@ def test_a_docker_gang_is_closed_to_other_tenants_and_a_failed_member_stops_it(
     assert network["Labels"]["gpupool.workload_id"] == str(w.pk)
     assert network["Options"]["com.docker.network.bridge.enable_icc"] == "false"
 
+    # Each member's agent closed the port to all but the gang (rank 0 also opens it to the peers'
+    # node addresses: the members' traffic arrives from there between real hosts).
+    subnet = network["IPAM"]["Config"][0]["Subnet"]
+    match = f"-m conntrack --ctorigdst {address} --ctorigdstport {port}"
+    for rank, sources in ((0, {subnet, f"{address}/32"}), (1, {subnet})):
+        rules = gang_firewall.listed(f"gpupool-gang-{w.pk}-rank{rank}")
+        accepted = {r.split()[3] for r in rules if r.endswith("-j RETURN") and match in r}
+        assert accepted == sources, rules
+        assert rules[-1].endswith("-j DROP") and match in rules[-1], rules
+
     # Positive control: the gang's member reaches the rendezvous port at MASTER_ADDR.
     probe = f"nc -w 3 {address} {port} </dev/null"
     code, output = _exec(docker_engine, rank1, probe)
@@ -321,3 +338,5 @@ def test_a_docker_gang_is_closed_to_other_tenants_and_a_failed_member_stops_it(
     wait_for(lambda: NodeCommand.objects.get(pk=stop.pk).state == "succeeded", 60, "rank 0's stop to be done")
     assert not Allocation.objects.active().filter(workload=w).exists()
     wait_for(lambda: not _left_on_engine(docker_engine, w), 60, "the gang's containers and network to go")
+    assert not gang_firewall.listed(f"gpupool-gang-{w.pk}-rank0")
+    assert not gang_firewall.listed(f"gpupool-gang-{w.pk}-rank1")

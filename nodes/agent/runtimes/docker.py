@@ -51,11 +51,13 @@ numbers them (from 0; it sees no other).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import ipaddress
 import logging
 import os
 import signal
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -74,6 +76,7 @@ from nodes.agent.runtimes import (
     OutputLine,
     Runtime,
     RuntimeFailure,
+    gang_firewall,
     safe_name,
     volume_env,
 )
@@ -98,6 +101,8 @@ LOG_MAX_SIZE = "100m"
 LOG_MAX_FILES = "3"
 # Where published ports listen unless the agent's configuration says otherwise: only this host.
 DEFAULT_PUBLISH_ADDRESS = "127.0.0.1"
+# Held by the agents of one host while they look up or make a workload's network.
+NETWORK_LOCK = os.path.join(tempfile.gettempdir(), "gpupool-docker-networks.lock")
 
 
 def parse_docker_time(value: str | None) -> float | None:
@@ -188,6 +193,7 @@ class DockerRuntime(Runtime):
         publish_address: str = DEFAULT_PUBLISH_ADDRESS,
         tcp_publish_address: str = "",
         gang_address: str = "",
+        gang_firewall: bool = True,
         **sharing: str,
     ) -> None:
         super().__init__(state_dir, **sharing)
@@ -198,6 +204,9 @@ class DockerRuntime(Runtime):
         # Where a gang's rank 0 publishes its rendezvous port; empty: MASTER_ADDR (the node's
         # advertised address, when that is an IP address).
         self.gang_address = gang_address
+        # Whether a gang's rendezvous port is closed by this node's firewall to all but its members
+        # (nodes/agent/runtimes/gang_firewall.py); off only where the operator isolates it otherwise.
+        self.gang_firewall = gang_firewall
         self.docker_host = docker_host  # empty: $DOCKER_HOST, else the local socket
         self.pids_limit = pids_limit
         self.command_timeout_s = command_timeout_s
@@ -397,24 +406,24 @@ class DockerRuntime(Runtime):
 
     def _ensure_network(self, spec: WorkloadSpec) -> str:
         """The id of the workload's network, made unless it exists. A gang's members on nodes that
-        share an engine join one network; the engine takes two of one name when two agents ask at
-        once, so of those the oldest-made (then lowest id) is the one, and a loser removes its own."""
+        share an engine (agents on one host) join one network, and the engine would make two of one
+        name if two agents asked at once: so the look-up and the make are done under a lock file
+        that agents on one host share (``NETWORK_LOCK``; waited for at most ten seconds)."""
         name = self.network_name(spec.workload_id)
         label = f"{LABEL}={spec.workload_id}"
-        mine = None
-        if not self._networks(name, label):
-            mine = self.client.networks.create(
-                name,
-                driver="bridge",
-                options={"com.docker.network.bridge.enable_icc": "false"},
-                labels={LABEL: spec.workload_id},
-                check_duplicate=True,
-            ).id
-        chosen = self._networks(name, label)[0]
-        if mine is not None and mine != chosen:
-            with contextlib.suppress(NotFound):
-                self.client.api.remove_network(mine)
-        return chosen
+        with _host_lock(NETWORK_LOCK, timeout_s=10):
+            found = self._networks(name, label)
+            if found:
+                return found[0]
+            return str(
+                self.client.networks.create(
+                    name,
+                    driver="bridge",
+                    options={"com.docker.network.bridge.enable_icc": "false"},
+                    labels={LABEL: spec.workload_id},
+                    check_duplicate=True,
+                ).id
+            )
 
     def _networks(self, name: str, label: str) -> list[str]:
         """Ids of the networks of exactly that name and label, oldest first."""
@@ -460,11 +469,18 @@ class DockerRuntime(Runtime):
                 }
                 self.store.records[spec.workload_id] = record
                 self.store.save()
+                if gang[0] is not None and self.gang_firewall:
+                    record["firewall"] = f"gpupool-gang-{safe_name(spec.workload_id)}-rank{gang[0]}"
+                    self.store.save()
+                    self._gang_rules(spec, gang, record["firewall"], network or "")
                 if container.attrs["State"]["Status"] == "created":
                     container.start()
                 info = self.client.api.inspect_container(container.id)
-            except DockerException as exc:
-                message = f"docker could not start {spec.image}: {_explain(exc)}"
+            except (DockerException, RuntimeFailure) as exc:
+                if isinstance(exc, RuntimeFailure):
+                    message = f"the gang's rendezvous could not be set up: {exc}"
+                else:
+                    message = f"docker could not start {spec.image}: {_explain(exc)}"
                 record = self.store.records.get(spec.workload_id) or {}
                 if record:
                     # Kept (and reported failed) until forgotten; `docker inspect` shows what was asked.
@@ -476,6 +492,27 @@ class DockerRuntime(Runtime):
             record["ports"] = published_ports(info, skip=record.get("rendezvous_port"))
             self.store.save()
             return WorkloadHandle(spec.workload_id, container.id, dict(record["ports"]))
+
+    def _gang_rules(
+        self, spec: WorkloadSpec, gang: tuple[str | None, tuple[str, int] | None], tag: str, network: str
+    ) -> None:
+        """The member's firewall rules (``gang_firewall``): its rendezvous port open to the gang's
+        own network and, on rank 0's node, to the peers' node addresses; closed to the rest."""
+        env = spec.platform_env
+        try:
+            config = self.client.api.inspect_network(network)["IPAM"]["Config"]
+            subnet = next(c["Subnet"] for c in config if ":" not in c.get("Subnet", ":"))
+        except (DockerException, StopIteration, KeyError, TypeError) as exc:
+            raise RuntimeFailure(f"the gang's network has no IPv4 subnet ({exc})") from None
+        rendezvous = gang[1]
+        gang_firewall.add(
+            tag=tag,
+            master_addr=rendezvous[0] if rendezvous else env.get("MASTER_ADDR", ""),
+            port=int(env["MASTER_PORT"]),
+            subnet=subnet,
+            peers=[p for p in env.get("GPUPOOL_PEERS", "").split(",") if p],
+            rank0=rendezvous is not None,
+        )
 
     def _find(self, name: str) -> Any:
         """The container of an earlier try that lost its record, if any."""
@@ -789,6 +826,11 @@ class DockerRuntime(Runtime):
             pass
         except DockerException as exc:
             log.warning("docker rm %s: %s", record["name"], _explain(exc))
+        if record.get("firewall"):
+            try:
+                gang_firewall.remove(record["firewall"])
+            except RuntimeFailure as exc:
+                log.warning("gang firewall rules %s: %s", record["firewall"], exc)
         if record.get("network"):
             try:
                 self.client.networks.get(record["network"]).remove()
@@ -896,6 +938,31 @@ class DockerRuntime(Runtime):
         except OSError:
             return None
         return next((wid for wid, record in self.store.items() if record["container_id"] in cgroup), None)
+
+
+@contextlib.contextmanager
+def _host_lock(path: str, timeout_s: float) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` shared by the agents of one host, waited for at most
+    ``timeout_s`` (then the work goes on without it: a lock held elsewhere must not stop starts)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    log.warning("%s is held elsewhere; going on without it", path)
+                    break
+                time.sleep(0.02)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _leads_group(pid: int) -> bool:
