@@ -12,14 +12,15 @@ from typing import Any
 import docker
 import pytest
 
-from nodes.agent.runtimes import RuntimeFailure, gang_firewall
+from nodes.agent.config import ConfigError, load_config
+from nodes.agent.runtimes import RuntimeFailure, gang_firewall, make_runtime
 from nodes.agent.runtimes.docker import DockerRuntime
 from nodes.agent.types import WorkloadSpec
-from tests.docker_engine import TEST_IMAGE, docker_engine  # noqa: F401  (fixture)
+from tests.docker_engine import TEST_IMAGE
 
 
 @pytest.fixture
-def runtime(tmp_path: Path, docker_engine: docker.DockerClient) -> Iterator[DockerRuntime]:  # noqa: F811
+def runtime(tmp_path: Path, docker_engine: docker.DockerClient) -> Iterator[DockerRuntime]:
     made = DockerRuntime(tmp_path / "state", node_gpus=1)
     yield made
     made.close()
@@ -60,7 +61,7 @@ def test_a_bad_rendezvous_is_refused_before_anything_is_made(
     rank,
     env,
     ports,
-    message,  # noqa: F811
+    message,
 ) -> None:
     wid, spec, _ = member(rank, **env)
     spec.ports = ports
@@ -71,7 +72,7 @@ def test_a_bad_rendezvous_is_refused_before_anything_is_made(
 
 def test_a_hostile_peer_list_becomes_no_rule(
     runtime: DockerRuntime,
-    docker_engine: docker.DockerClient,  # noqa: F811
+    docker_engine: docker.DockerClient,
 ) -> None:
     """``GPUPOOL_PEERS`` is the portal's, but it reaches iptables' argv: anything but an IPv4
     address fails the start and writes no rule (and the container never runs)."""
@@ -95,3 +96,38 @@ def test_the_rules_refuse_what_is_not_theirs() -> None:
             gang_firewall.rules(tag=bad, rank0=True, **ok)
     with pytest.raises(RuntimeFailure, match="IPv4 only"):
         gang_firewall.rules(tag="gpupool-gang-7-rank0", rank0=True, **{**ok, "master_addr": "fd00::1"})
+
+
+def test_the_agents_gang_settings_reach_the_runtime(
+    tmp_path: Path,
+    docker_engine: docker.DockerClient,
+    request: pytest.FixtureRequest,
+) -> None:
+    """``GPUPOOL_GANG_ADDRESS`` is where rank 0 publishes (its node advertises a name here);
+    ``GPUPOOL_GANG_FIREWALL=0`` makes no rules (the operator isolates the network otherwise)."""
+    env = {
+        "GPUPOOL_PORTAL_URL": "https://portal.example",
+        "GPUPOOL_GANG_ADDRESS": "127.0.0.1",
+        "GPUPOOL_GANG_FIREWALL": "0",
+    }
+    config = load_config(env=env).validate()
+    runtime = make_runtime(config.runtime, tmp_path / "state", node_gpus=1, **config.runtime_options())
+    assert isinstance(runtime, DockerRuntime)
+    request.addfinalizer(runtime.close)
+    wid, spec, _ = member(0, MASTER_ADDR="node-1.internal")
+    spec.command = ["sleep", "30"]
+    runtime.start(spec)
+    try:
+        info = docker_engine.api.inspect_container(f"gpupool-{wid}-rank0")
+        assert info["HostConfig"]["PortBindings"] == {
+            "29500/tcp": [{"HostIp": "127.0.0.1", "HostPort": "29500"}]
+        }
+        assert gang_firewall.listed(f"gpupool-gang-{wid}-rank0") == []
+        # The platform's rendezvous port is not one of the workload's published ports.
+        assert runtime.start(spec).ports == {}
+    finally:
+        runtime.stop(wid, grace_s=0)
+        runtime.forget(wid)
+    assert left_on_engine(docker_engine, wid) == []
+    with pytest.raises(ConfigError, match="gang_address must be an IP address"):
+        load_config(env={**env, "GPUPOOL_GANG_ADDRESS": "node-1.internal"}).validate()

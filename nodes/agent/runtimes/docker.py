@@ -33,6 +33,12 @@ instead of making another. A container runs hardened, whatever its image asks fo
   ``publish_address`` (the private network the portal's proxy reaches, loopback by default), TCP
   ports to ``tcp_publish_address`` (the same unless the operator opens them wider): never to every
   interface by default, since a published port is reachable around the portal's access check;
+- a gang's member (its start payload has ``MASTER_PORT``): a bridge network of the gang's,
+  ``gpupool-<id>`` (members on one engine join the one network), the container named
+  ``gpupool-<id>-rank<k>``; rank 0 publishes ``MASTER_PORT`` on ``MASTER_ADDR`` (or
+  ``gang_address``), the same number inside and out, and every member's rendezvous port is closed
+  to all but the gang by iptables rules of the agent's (``gang_firewall``), made before the
+  container starts and removed with it;
 - ``NVIDIA_VISIBLE_DEVICES`` set to the workload's GPUs (``void`` for none), so a CUDA image's own
   ``NVIDIA_VISIBLE_DEVICES=all`` cannot reach every GPU on a node whose default runtime is NVIDIA's;
 - json-file logs capped (``LOG_MAX_SIZE`` x ``LOG_MAX_FILES``): a workload cannot fill the disk with

@@ -46,6 +46,13 @@ def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 def _ensure_chain() -> None:
+    if _run("-S", "DOCKER-USER", check=False).returncode != 0:
+        # No engine chain here: not the host's network namespace (a pod without hostNetwork), or
+        # dockerd runs without its iptables rules. Rules made here would protect nothing.
+        raise RuntimeFailure(
+            "the gang's firewall rules need dockerd's DOCKER-USER chain, which this agent does not "
+            "see: run it in the host's network namespace with CAP_NET_ADMIN, dockerd with iptables on"
+        )
     if _run("-S", CHAIN, check=False).returncode != 0:
         _run("-N", CHAIN, check=False)  # another agent of this host may make it at the same moment
         _run("-S", CHAIN)
