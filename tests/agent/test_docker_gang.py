@@ -89,8 +89,8 @@ def test_a_hostile_peer_list_becomes_no_rule(
 
 def test_the_rules_refuse_what_is_not_theirs() -> None:
     ok = {"master_addr": "10.0.0.1", "port": 29500, "subnet": "172.30.0.0/16", "peers": ["10.0.0.2"]}
-    assert len(gang_firewall.rules(tag="gpupool-gang-7-rank0", rank0=True, **ok)) == 3
-    assert len(gang_firewall.rules(tag="gpupool-gang-7-rank1", rank0=False, **ok)) == 2
+    assert len(gang_firewall.rules(tag="gpupool-gang-7-rank0", rank0=True, **ok)) == 4
+    assert len(gang_firewall.rules(tag="gpupool-gang-7-rank1", rank0=False, **ok)) == 3
     for bad in ("gpupool-gang-7", "x -j ACCEPT", "gpupool-gang-7-rank0 --x"):
         with pytest.raises(RuntimeFailure, match="not a gang rule tag"):
             gang_firewall.rules(tag=bad, rank0=True, **ok)

@@ -284,14 +284,16 @@ def test_a_docker_gang_is_closed_to_other_tenants_and_a_failed_member_stops_it(
     assert network["Options"]["com.docker.network.bridge.enable_icc"] == "false"
 
     # Each member's agent closed the port to all but the gang (rank 0 also opens it to the peers'
-    # node addresses: the members' traffic arrives from there between real hosts).
+    # node addresses: the members' traffic arrives from there between real hosts), and the node's
+    # own addresses to the gang's network.
     subnet = network["IPAM"]["Config"][0]["Subnet"]
     match = f"-m conntrack --ctorigdst {address} --ctorigdstport {port}"
     for rank, sources in ((0, {subnet, f"{address}/32"}), (1, {subnet})):
         rules = gang_firewall.listed(f"gpupool-gang-{w.pk}-rank{rank}")
         accepted = {r.split()[3] for r in rules if r.endswith("-j RETURN") and match in r}
         assert accepted == sources, rules
-        assert rules[-1].endswith("-j DROP") and match in rules[-1], rules
+        assert rules[-2].endswith("-j DROP") and match in rules[-2], rules
+        assert rules[-1].startswith(f"-A GPUPOOL-GANGS -s {subnet} -m addrtype --dst-type LOCAL"), rules
 
     # Positive control: the gang's member reaches the rendezvous port at MASTER_ADDR.
     probe = f"nc -w 3 {address} {port} </dev/null"
@@ -313,6 +315,11 @@ def test_a_docker_gang_is_closed_to_other_tenants_and_a_failed_member_stops_it(
         with _listener(address, b"host-open\n") as control_port:
             code, output = _exec(docker_engine, f"gpupool-{other_id}", f"nc -w 3 {address} {control_port}")
             assert "host-open" in output, (code, output)
+            # The gang's members reach nothing of the node but the rendezvous port (the agent's SSH
+            # endpoint, the portal here, anything else listening there).
+            for member in (rank0, rank1):
+                code, output = _exec(docker_engine, member, f"nc -w 3 {address} {control_port} </dev/null")
+                assert "host-open" not in output, (member, code, output)
         code, output = _exec(docker_engine, f"gpupool-{other_id}", probe)
         assert "gang-open" not in output, (code, output)
         assert code != 0, (code, output)

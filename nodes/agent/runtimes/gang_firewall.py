@@ -13,6 +13,9 @@ own rules) jump to. For a new connection whose original destination was ``MASTER
 - anything else: dropped. On a peer node this is the other tenants' containers, whose traffic would
   otherwise leave masqueraded as that node, from an address rank 0 accepts.
 
+And one more: a new connection from the gang's network to any address of the node itself (the
+agent's SSH endpoint, anything else listening there) is dropped, but the rendezvous above.
+
 The rules go with the member (``remove``), and are made before its container starts, so there is no
 moment when the port is open. IPv4 only (``iptables``); values are checked IP addresses, ports and
 tags, passed as argv, never through a shell.
@@ -90,6 +93,9 @@ def rules(
         allowed += sorted({_v4(p, "a peer's address") for p in peers})
     out = [["-s", source, *match, *comment, "-j", "RETURN"] for source in allowed]
     out.append([*match, "-m", "conntrack", "--ctstate", "NEW", *comment, "-j", "DROP"])
+    # The node itself: nothing from the gang's network but the rendezvous (returned above).
+    local = ["-m", "addrtype", "--dst-type", "LOCAL", "-m", "conntrack", "--ctstate", "NEW"]
+    out.append(["-s", network, *local, *comment, "-j", "DROP"])
     return out
 
 
