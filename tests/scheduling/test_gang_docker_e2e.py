@@ -130,12 +130,22 @@ def two_docker_nodes(start_agent, nodes_network) -> Iterator[tuple[list[AgentPro
     """Two registered docker agents advertising the nodes' network address, stopped: each test
     edits the start commands before starting them again."""
     address = nodes_network
+    # A label of this test's own, which its gang selects: the module's database keeps earlier
+    # tests' nodes, and a heartbeat in flight when they were killed may have made them READY.
+    group = uuid.uuid4().hex[:8]
     agents = [
         start_agent(
             f"gang-docker-{next(_hosts)}-{uuid.uuid4().hex[:4]}",
             gpus=1,
             runtime="docker",
-            extra_args=("--advertise-address", address, "--publish-address", address),
+            extra_args=(
+                "--advertise-address",
+                address,
+                "--publish-address",
+                address,
+                "--label",
+                f"gang={group}",
+            ),
         )
         for _ in range(2)
     ]
@@ -145,7 +155,7 @@ def two_docker_nodes(start_agent, nodes_network) -> Iterator[tuple[list[AgentPro
             wait_for(lambda n=node: Node.objects.get(pk=n.pk).state == NodeState.READY, what="READY nodes")
         for agent in agents:
             assert agent.stop() == 0
-        yield agents, nodes
+        yield agents, nodes, {"gang": group}
     finally:
         for agent in agents:
             agent.kill()
@@ -237,12 +247,12 @@ def _exec(engine: docker.DockerClient, container: str, script: str) -> tuple[int
 def test_docker_gang_members_meet_at_rank_0_and_agree_on_the_world_size(
     two_docker_nodes, nodes_network, gangs, docker_engine, settings  # noqa: F811
 ):  # fmt: skip
-    agents, nodes = two_docker_nodes
+    agents, nodes, selector = two_docker_nodes
     address = nodes_network
     port = free_port()
     settings.SCHEDULING_GANG_PORT_RANGE = (port, port)
     tenant = tenant_create(slug="dgang", name="DGang", owner_email="o@dgang.test", actor=Actor.system())
-    w = _submit(tenant, "ok")
+    w = _submit(tenant, "ok", node_selector=selector)
     gangs.append(w.pk)
     env = _place(w, agents, nodes)
     assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["GPUPOOL_PEERS"]) == (
@@ -261,12 +271,12 @@ def test_docker_gang_members_meet_at_rank_0_and_agree_on_the_world_size(
 def test_a_docker_gang_is_closed_to_other_tenants_and_a_failed_member_stops_it(
     two_docker_nodes, nodes_network, gangs, docker_engine, settings, tmp_path: Path  # noqa: F811
 ):  # fmt: skip
-    agents, nodes = two_docker_nodes
+    agents, nodes, selector = two_docker_nodes
     address = nodes_network
     port = free_port()
     settings.SCHEDULING_GANG_PORT_RANGE = (port, port)
     tenant = tenant_create(slug="dgang2", name="DGang2", owner_email="o@dgang2.test", actor=Actor.system())
-    w = _submit(tenant, "hold", max_retries=0)
+    w = _submit(tenant, "hold", max_retries=0, node_selector=selector)
     gangs.append(w.pk)
     _place(w, agents, nodes)
     wait_for(lambda: _state(w) == S.RUNNING, 120, "the gang to run")

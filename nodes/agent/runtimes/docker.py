@@ -478,15 +478,18 @@ class DockerRuntime(Runtime):
                 if gang[0] is not None and self.gang_firewall:
                     record["firewall"] = f"gpupool-gang-{safe_name(spec.workload_id)}-rank{gang[0]}"
                     self.store.save()
-                    self._gang_rules(spec, gang, record["firewall"], network or "")
+                    try:
+                        self._gang_rules(spec, gang, record["firewall"], network or "")
+                    except RuntimeFailure as exc:
+                        # Kept (and reported failed) until forgotten, as a failed docker start.
+                        record["start_error"] = f"the gang's rendezvous could not be set up: {exc}"
+                        self.store.save()
+                        raise RuntimeFailure(record["start_error"]) from exc
                 if container.attrs["State"]["Status"] == "created":
                     container.start()
                 info = self.client.api.inspect_container(container.id)
-            except (DockerException, RuntimeFailure) as exc:
-                if isinstance(exc, RuntimeFailure):
-                    message = f"the gang's rendezvous could not be set up: {exc}"
-                else:
-                    message = f"docker could not start {spec.image}: {_explain(exc)}"
+            except DockerException as exc:
+                message = f"docker could not start {spec.image}: {_explain(exc)}"
                 record = self.store.records.get(spec.workload_id) or {}
                 if record:
                     # Kept (and reported failed) until forgotten; `docker inspect` shows what was asked.

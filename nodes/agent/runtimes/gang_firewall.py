@@ -42,7 +42,12 @@ def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     if binary is None:
         raise RuntimeFailure("the gang's firewall rules need iptables, which is missing on this node")
     # -w: wait for the xtables lock (the engine changes rules too).
-    done = subprocess.run([binary, "-w", "5", *argv], capture_output=True, text=True, timeout=30, check=False)
+    try:
+        done = subprocess.run(
+            [binary, "-w", "5", *argv], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeFailure(f"iptables {' '.join(argv)} failed: {exc}") from None
     if check and done.returncode != 0:
         raise RuntimeFailure(f"iptables {' '.join(argv)} failed: {done.stderr.strip()}")
     return done
