@@ -583,6 +583,7 @@ SCHEDULING_MAX_START_ATTEMPTS = env.int("SCHEDULING_MAX_START_ATTEMPTS", default
 # within this is stopped on every node and placed again by its policy (scheduling.services.gangs).
 SCHEDULING_GANG_START_TIMEOUT_S = env.int("SCHEDULING_GANG_START_TIMEOUT_S", default=300)
 # Ports a gang's rank 0 listens on for its members (MASTER_PORT): one per gang, from this range.
+# On docker nodes rank 0's node publishes it on its own address, so keep the range free there.
 SCHEDULING_GANG_PORT_RANGE = (
     env.int("SCHEDULING_GANG_PORT_MIN", default=29500),
     env.int("SCHEDULING_GANG_PORT_MAX", default=29999),

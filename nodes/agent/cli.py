@@ -85,6 +85,12 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         dest="tcp_publish_address",
         help="the IP address workloads' TCP ports listen on (default: the publish address)",
     )
+    parser.add_argument(
+        "--gang-address",
+        dest="gang_address",
+        help="docker: this node's IP address on the network between nodes, where a gang's rank 0 "
+        "publishes MASTER_PORT (default: MASTER_ADDR, the advertised address)",
+    )
     parser.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float)
     parser.add_argument("--sample-interval", dest="sample_interval_s", type=float)
     parser.add_argument("--commands-wait", dest="commands_wait_s", type=int)

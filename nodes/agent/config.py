@@ -76,6 +76,14 @@ class AgentConfig:
     # interface (0.0.0.0) is reachable around the portal's access check: see docs/security.md.
     publish_address: str = "127.0.0.1"
     tcp_publish_address: str = ""
+    # Docker runtime: the IP address of this node on the network between nodes, where a gang's
+    # rank 0 publishes its rendezvous port (MASTER_PORT); empty: MASTER_ADDR, the address the
+    # portal gives for this node (advertise_address), which must then be an IP address.
+    gang_address: str = ""
+    # Docker runtime: close a gang's rendezvous port to all but its members with iptables rules of
+    # the agent's (nodes/agent/runtimes/gang_firewall.py). Off only where the operator isolates the
+    # nodes' network between tenants by other means: docker forwards a published port from anywhere.
+    gang_firewall: bool = True
     # How often the GPUs are read; every reading since the last batch goes in the next one.
     sample_interval_s: float = 1.0
     # Unset (None): the portal's answer to register decides.
@@ -160,7 +168,7 @@ class AgentConfig:
                 parse_listen(self.ssh_listen)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
-        for name in ("publish_address", "tcp_publish_address"):
+        for name in ("publish_address", "tcp_publish_address", "gang_address"):
             value = getattr(self, name)
             if value or name == "publish_address":
                 try:
@@ -190,7 +198,13 @@ class AgentConfig:
         """The chosen runtime's own settings, as ``make_runtime`` takes them."""
         publish = {"publish_address": self.publish_address, "tcp_publish_address": self.tcp_publish_address}
         if self.runtime == "docker":
-            return {"docker_host": self.docker_host, "pids_limit": self.docker_pids_limit, **publish}
+            return {
+                "docker_host": self.docker_host,
+                "pids_limit": self.docker_pids_limit,
+                "gang_address": self.gang_address,
+                "gang_firewall": self.gang_firewall,
+                **publish,
+            }
         if self.runtime == "subprocess":
             return {
                 "single_tenant": self.single_tenant,
@@ -228,6 +242,8 @@ ENV = {
     "GPUPOOL_SSH_RECHECK_S": "ssh_recheck_s",
     "GPUPOOL_PUBLISH_ADDRESS": "publish_address",
     "GPUPOOL_TCP_PUBLISH_ADDRESS": "tcp_publish_address",
+    "GPUPOOL_GANG_ADDRESS": "gang_address",
+    "GPUPOOL_GANG_FIREWALL": "gang_firewall",
     "GPUPOOL_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
     "GPUPOOL_SAMPLE_INTERVAL_S": "sample_interval_s",
     "GPUPOOL_COMMANDS_WAIT_S": "commands_wait_s",

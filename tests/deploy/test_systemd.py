@@ -78,7 +78,9 @@ def test_hardening_restart_and_environment():
         "ProtectControlGroups",
     ):
         assert service[key] == "true", key
-    assert service["CapabilityBoundingSet"] == ""
+    # Only what the docker gangs' firewall rules need (nodes/agent/runtimes/gang_firewall.py).
+    assert service["CapabilityBoundingSet"] == "CAP_NET_ADMIN"
+    assert service["ReadWritePaths"] == "/run/xtables.lock"
     # The state directory systemd makes is where the agent keeps its credential and buffer.
     settings = dict(line.split("=", 1) for line in service.get("Environment", "").split())
     assert settings["GPUPOOL_STATE_DIR"] == "/var/lib/" + service["StateDirectory"]

@@ -33,6 +33,12 @@ instead of making another. A container runs hardened, whatever its image asks fo
   ``publish_address`` (the private network the portal's proxy reaches, loopback by default), TCP
   ports to ``tcp_publish_address`` (the same unless the operator opens them wider): never to every
   interface by default, since a published port is reachable around the portal's access check;
+- a gang's member (its start payload has ``MASTER_PORT``): a bridge network of the gang's,
+  ``gpupool-<id>`` (members on one engine join the one network), the container named
+  ``gpupool-<id>-rank<k>``; rank 0 publishes ``MASTER_PORT`` on ``MASTER_ADDR`` (or
+  ``gang_address``), the same number inside and out, and every member's rendezvous port is closed
+  to all but the gang by iptables rules of the agent's (``gang_firewall``), made before the
+  container starts and removed with it;
 - ``NVIDIA_VISIBLE_DEVICES`` set to the workload's GPUs (``void`` for none), so a CUDA image's own
   ``NVIDIA_VISIBLE_DEVICES=all`` cannot reach every GPU on a node whose default runtime is NVIDIA's;
 - json-file logs capped (``LOG_MAX_SIZE`` x ``LOG_MAX_FILES``): a workload cannot fill the disk with
@@ -50,10 +56,14 @@ numbers them (from 0; it sees no other).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import ipaddress
 import logging
 import os
 import signal
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -72,6 +82,7 @@ from nodes.agent.runtimes import (
     OutputLine,
     Runtime,
     RuntimeFailure,
+    gang_firewall,
     safe_name,
     volume_env,
 )
@@ -96,6 +107,8 @@ LOG_MAX_SIZE = "100m"
 LOG_MAX_FILES = "3"
 # Where published ports listen unless the agent's configuration says otherwise: only this host.
 DEFAULT_PUBLISH_ADDRESS = "127.0.0.1"
+# Held by the agents of one host while they look up or make a workload's network.
+NETWORK_LOCK = os.path.join(tempfile.gettempdir(), "gpupool-docker-networks.lock")
 
 
 def parse_docker_time(value: str | None) -> float | None:
@@ -159,11 +172,14 @@ def _explain(exc: DockerException) -> str:
     return str(exc)
 
 
-def published_ports(info: dict[str, Any]) -> dict[str, int]:
-    """``{"8888": 49153}``: each published container port and the host port the engine gave it."""
+def published_ports(info: dict[str, Any], skip: int | None = None) -> dict[str, int]:
+    """``{"8888": 49153}``: each published container port and the host port the engine gave it
+    (but ``skip``, a gang's rendezvous port: the platform's, not one the workload asked for)."""
     ports: dict[str, int] = {}
     for key, bindings in ((info.get("NetworkSettings") or {}).get("Ports") or {}).items():
         port, _, _protocol = key.partition("/")
+        if skip is not None and port == str(skip):
+            continue
         host_ports = [int(b["HostPort"]) for b in bindings or [] if b.get("HostPort")]
         if host_ports:
             ports[port] = host_ports[0]
@@ -182,6 +198,8 @@ class DockerRuntime(Runtime):
         node_gpus: int = 0,
         publish_address: str = DEFAULT_PUBLISH_ADDRESS,
         tcp_publish_address: str = "",
+        gang_address: str = "",
+        gang_firewall: bool = True,
         **sharing: str,
     ) -> None:
         super().__init__(state_dir, **sharing)
@@ -189,6 +207,12 @@ class DockerRuntime(Runtime):
             raise ValueError("pids_limit must be positive")
         self.publish_address = publish_address or DEFAULT_PUBLISH_ADDRESS
         self.tcp_publish_address = tcp_publish_address or self.publish_address
+        # Where a gang's rank 0 publishes its rendezvous port; empty: MASTER_ADDR (the node's
+        # advertised address, when that is an IP address).
+        self.gang_address = gang_address
+        # Whether a gang's rendezvous port is closed by this node's firewall to all but its members
+        # (nodes/agent/runtimes/gang_firewall.py); off only where the operator isolates it otherwise.
+        self.gang_firewall = gang_firewall
         self.docker_host = docker_host  # empty: $DOCKER_HOST, else the local socket
         self.pids_limit = pids_limit
         self.command_timeout_s = command_timeout_s
@@ -222,8 +246,50 @@ class DockerRuntime(Runtime):
                 self._client = None
 
     @staticmethod
-    def container_name(workload_id: str) -> str:
+    def container_name(workload_id: str, rank: str | None = None) -> str:
+        """``gpupool-<id>``; a gang member's ``gpupool-<id>-rank<k>``, so that members of one gang
+        on nodes that share an engine (a test host, a fleet of agents) are containers of their own."""
+        base = f"gpupool-{safe_name(workload_id)}"
+        return base if rank is None else f"{base}-rank{rank}"
+
+    @staticmethod
+    def network_name(workload_id: str) -> str:
+        """The workload's own bridge network: for its published ports, and for a gang's members."""
         return f"gpupool-{safe_name(workload_id)}"
+
+    def _gang(
+        self, spec: WorkloadSpec, ports: list[dict[str, Any]]
+    ) -> tuple[str | None, tuple[str, int] | None]:
+        """(the member's rank, or None outside a gang; rank 0's rendezvous binding: the node's
+        address on the network between nodes and ``MASTER_PORT``, or None). Rank 0 publishes
+        ``MASTER_PORT`` on ``MASTER_ADDR`` (its own node's address, as the portal gave it; an IP
+        address, or ``gang_address`` where the node advertises a name), the same number inside and
+        out, so that every member reaches it at the address and port it was told."""
+        env = spec.platform_env
+        if "MASTER_PORT" not in env:
+            return None, None
+        rank = env.get("NODE_RANK", "")
+        try:
+            port = int(env["MASTER_PORT"])
+            if not 1024 <= port <= 65535 or not rank.isdigit():
+                raise ValueError
+        except ValueError:
+            raise RuntimeFailure(
+                "platform_env: MASTER_PORT must be a port of 1024-65535 and NODE_RANK a rank"
+            ) from None
+        if rank != "0":
+            return rank, None
+        if any(p["port"] == port for p in ports):
+            raise RuntimeFailure(f"ports: {port} is the gang's rendezvous port (MASTER_PORT)")
+        address = self.gang_address or env.get("MASTER_ADDR", "")
+        try:
+            ipaddress.ip_address(address)
+        except ValueError:
+            raise RuntimeFailure(
+                f"MASTER_ADDR {address!r} is not an IP address: set the agent's gang_address to "
+                "this node's address on the network between nodes"
+            ) from None
+        return rank, (address, port)
 
     # -- what a container runs with ---------------------------------------------------------------
 
@@ -275,9 +341,16 @@ class DockerRuntime(Runtime):
         return [f"{key}={value}" for key, value in env.items()]
 
     def _create_options(
-        self, spec: WorkloadSpec, env: dict[str, str], ports: list[dict[str, Any]], prepared: Prepared
+        self,
+        spec: WorkloadSpec,
+        env: dict[str, str],
+        ports: list[dict[str, Any]],
+        prepared: Prepared,
+        gang: tuple[str | None, tuple[str, int] | None] = (None, None),
+        network: str | None = None,
     ) -> dict[str, Any]:
-        name = self.container_name(spec.workload_id)
+        rank, rendezvous = gang
+        name = self.container_name(spec.workload_id, rank)
         nano_cpus, memory = self._limits(spec)
         plan = self.device_plan(spec)
         mounts = [
@@ -320,30 +393,49 @@ class DockerRuntime(Runtime):
             # An MPS client reaches the host's MPS daemon through its pipe directory and shared memory.
             options["ipc_mode"] = "host"
             mounts.append(Mount(self.mps_pipe_dir, self.mps_pipe_dir, type="bind", read_only=True))
-        if ports:
-            options["network"] = name
+        if network is not None:
+            options["network"] = network
             # (address,): bound to that address, on a host port the engine picks.
-            options["ports"] = {
+            published: dict[str, Any] = {
                 f"{p['port']}/tcp": (
                     self.tcp_publish_address if p["protocol"] == "tcp" else self.publish_address,
                 )
                 for p in ports
             }
+            if rendezvous is not None:
+                published[f"{rendezvous[1]}/tcp"] = rendezvous  # (address, the same port outside)
+            if published:
+                options["ports"] = published
         else:
             options["network_mode"] = "none"
         return options
 
-    def _ensure_network(self, spec: WorkloadSpec) -> None:
-        name = self.container_name(spec.workload_id)
-        try:
-            self.client.networks.get(name)
-        except NotFound:
-            self.client.networks.create(
-                name,
-                driver="bridge",
-                options={"com.docker.network.bridge.enable_icc": "false"},
-                labels={LABEL: spec.workload_id},
+    def _ensure_network(self, spec: WorkloadSpec) -> str:
+        """The id of the workload's network, made unless it exists. A gang's members on nodes that
+        share an engine (agents on one host) join one network, and the engine would make two of one
+        name if two agents asked at once: so the look-up and the make are done under a lock file
+        that agents on one host share (``NETWORK_LOCK``; waited for at most ten seconds)."""
+        name = self.network_name(spec.workload_id)
+        label = f"{LABEL}={spec.workload_id}"
+        with _host_lock(NETWORK_LOCK, timeout_s=10):
+            found = self._networks(name, label)
+            if found:
+                return found[0]
+            return str(
+                self.client.networks.create(
+                    name,
+                    driver="bridge",
+                    options={"com.docker.network.bridge.enable_icc": "false"},
+                    labels={LABEL: spec.workload_id},
+                    check_duplicate=True,
+                ).id
             )
+
+    def _networks(self, name: str, label: str) -> list[str]:
+        """Ids of the networks of exactly that name and label, oldest first."""
+        found = self.client.api.networks(names=[name], filters={"label": label})
+        found = [n for n in found if n.get("Name") == name]
+        return [n["Id"] for n in sorted(found, key=lambda n: (n.get("Created", ""), n["Id"]))]
 
     # -- the interface ----------------------------------------------------------------------------
 
@@ -356,27 +448,43 @@ class DockerRuntime(Runtime):
             if record is not None and not record.get("start_error"):
                 ports_now = dict(record.get("ports") or {})
                 return WorkloadHandle(spec.workload_id, record["container_id"], ports_now)
-            name = self.container_name(spec.workload_id)
+            gang = self._gang(spec, ports)
+            name = self.container_name(spec.workload_id, gang[0])
+            wants_network = bool(ports) or gang[0] is not None
+            network = self.network_name(spec.workload_id) if wants_network else None
             try:
                 if record is not None:  # an earlier start failed: try again from nothing
                     self._remove(record)
                 container = self._find(name)
                 if container is None:
                     prepared = self.volumes.prepare(spec)  # refuses a volume over its size
-                    options = self._create_options(spec, env, ports, prepared)
-                    if ports:
-                        self._ensure_network(spec)
+                    if wants_network:
+                        made = self._ensure_network(spec)
+                        # A gang's network by id: another agent's duplicate may stand for a moment.
+                        network = made if gang[0] is not None else network
+                    options = self._create_options(spec, env, ports, prepared, gang, network)
                     container = self.client.containers.create(spec.image, spec.command or None, **options)
                 record = {
                     "container_id": container.id,
                     "name": name,
                     "gpu_uuids": spec.gpu_uuids,
-                    "network": name if ports else None,
+                    "network": network,
+                    "rendezvous_port": gang[1][1] if gang[1] else None,
                     "final_state": None,
                     "status": None,
                 }
                 self.store.records[spec.workload_id] = record
                 self.store.save()
+                if gang[0] is not None and self.gang_firewall:
+                    record["firewall"] = f"gpupool-gang-{safe_name(spec.workload_id)}-rank{gang[0]}"
+                    self.store.save()
+                    try:
+                        self._gang_rules(spec, gang, record["firewall"], network or "")
+                    except RuntimeFailure as exc:
+                        # Kept (and reported failed) until forgotten, as a failed docker start.
+                        record["start_error"] = f"the gang's rendezvous could not be set up: {exc}"
+                        self.store.save()
+                        raise RuntimeFailure(record["start_error"]) from exc
                 if container.attrs["State"]["Status"] == "created":
                     container.start()
                 info = self.client.api.inspect_container(container.id)
@@ -388,11 +496,32 @@ class DockerRuntime(Runtime):
                     record["start_error"] = message
                     self.store.save()
                 else:
-                    self._remove({"container_id": name, "name": name, "network": name if ports else None})
+                    self._remove({"container_id": name, "name": name, "network": network})
                 raise RuntimeFailure(message) from exc
-            record["ports"] = published_ports(info)
+            record["ports"] = published_ports(info, skip=record.get("rendezvous_port"))
             self.store.save()
             return WorkloadHandle(spec.workload_id, container.id, dict(record["ports"]))
+
+    def _gang_rules(
+        self, spec: WorkloadSpec, gang: tuple[str | None, tuple[str, int] | None], tag: str, network: str
+    ) -> None:
+        """The member's firewall rules (``gang_firewall``): its rendezvous port open to the gang's
+        own network and, on rank 0's node, to the peers' node addresses; closed to the rest."""
+        env = spec.platform_env
+        try:
+            config = self.client.api.inspect_network(network)["IPAM"]["Config"]
+            subnet = next(c["Subnet"] for c in config if ":" not in c.get("Subnet", ":"))
+        except (DockerException, StopIteration, KeyError, TypeError) as exc:
+            raise RuntimeFailure(f"the gang's network has no IPv4 subnet ({exc})") from None
+        rendezvous = gang[1]
+        gang_firewall.add(
+            tag=tag,
+            master_addr=rendezvous[0] if rendezvous else env.get("MASTER_ADDR", ""),
+            port=int(env["MASTER_PORT"]),
+            subnet=subnet,
+            peers=[p for p in env.get("GPUPOOL_PEERS", "").split(",") if p],
+            rank0=rendezvous is not None,
+        )
 
     def _find(self, name: str) -> Any:
         """The container of an earlier try that lost its record, if any."""
@@ -706,6 +835,11 @@ class DockerRuntime(Runtime):
             pass
         except DockerException as exc:
             log.warning("docker rm %s: %s", record["name"], _explain(exc))
+        if record.get("firewall"):
+            try:
+                gang_firewall.remove(record["firewall"])
+            except RuntimeFailure as exc:
+                log.warning("gang firewall rules %s: %s", record["firewall"], exc)
         if record.get("network"):
             try:
                 self.client.networks.get(record["network"]).remove()
@@ -813,6 +947,31 @@ class DockerRuntime(Runtime):
         except OSError:
             return None
         return next((wid for wid, record in self.store.items() if record["container_id"] in cgroup), None)
+
+
+@contextlib.contextmanager
+def _host_lock(path: str, timeout_s: float) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` shared by the agents of one host, waited for at most
+    ``timeout_s`` (then the work goes on without it: a lock held elsewhere must not stop starts)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    log.warning("%s is held elsewhere; going on without it", path)
+                    break
+                time.sleep(0.02)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _leads_group(pid: int) -> bool:
