@@ -106,3 +106,25 @@ def cycle():
 
 def reload(w: Workload) -> Workload:
     return Workload.objects.get(pk=w.pk)
+
+
+def start_command(w: Workload, node: Node):
+    """The start command the node was sent for the workload's current attempt."""
+    from nodes.models import CommandKind, NodeCommand
+
+    return NodeCommand.objects.get(
+        node=node,
+        kind=CommandKind.START_WORKLOAD,
+        payload__workload_id=str(w.pk),
+        payload__attempt=reload(w).attempt,
+    )
+
+
+def report_start(w: Workload, node: Node, state: str = "succeeded", result: dict | None = None):
+    """The agent's answer to that start command (by default: it runs), through the real signal."""
+    from nodes.models import NodeCommand
+    from nodes.signals import command_finished
+
+    cmd = start_command(w, node)
+    command_finished.send(sender=NodeCommand, command=cmd, state=state, result=result or {"state": "running"})
+    return cmd

@@ -8,7 +8,7 @@ import pytest
 from django.utils import timezone
 
 from nodes.models import CommandKind, NodeCommand
-from nodes.signals import command_finished, workload_exited
+from nodes.signals import workload_exited
 from portal.actors import Actor
 from portal.errors import ValidationFailed
 from scheduling.models import WorkItem, WorkItemState, Workload
@@ -18,20 +18,9 @@ from scheduling.services.env import start_payload_for_node
 from scheduling.services.lifecycle import workload_stop
 from scheduling.services.work import WorkTokenInvalid, work_done, work_next, work_task_for_token
 from tests.portal.conftest import signed_in  # noqa: F401  (fixture)
-from tests.scheduling.conftest import reload
+from tests.scheduling.conftest import reload, report_start
 
 pytestmark = pytest.mark.django_db
-
-
-def _start(w: Workload, node) -> dict:
-    cmd = NodeCommand.objects.get(
-        node=node,
-        kind=CommandKind.START_WORKLOAD,
-        payload__workload_id=str(w.pk),
-        payload__attempt=reload(w).attempt,
-    )
-    command_finished.send(sender=NodeCommand, command=cmd, state="succeeded", result={"state": "running"})
-    return cmd.payload
 
 
 def _exit(node, w: Workload, code: int = 0) -> None:
@@ -59,7 +48,7 @@ def test_an_array_runs_its_tasks_parallelism_at_a_time_each_with_its_index(tenan
     assert [t.array_index for t in made] == [0, 1] and [t.state for t in made] == [S.SCHEDULED] * 2
     assert made[0].name == "sweep[0]" and made[0].max_retries == 1 and made[0].image == parent.image
     assert quota_usage(tenant=tenant).workloads == 2
-    payload = _start(made[0], node)
+    payload = report_start(made[0], node).payload
     assert payload["platform_env"] == {"GPUPOOL_ARRAY_INDEX": "0", "GPUPOOL_ARRAY_COUNT": "5"}
     assert payload["env"] == {}  # the tenant's env stays the tenant's
     cycle()
@@ -73,17 +62,17 @@ def test_an_array_runs_its_tasks_parallelism_at_a_time_each_with_its_index(tenan
     assert len(tasks(parent)) == 2
     for t in tasks(parent):
         if reload(t).state == S.SCHEDULED:
-            _start(t, node)
+            report_start(t, node)
     for t in tasks(parent):
         _exit(node, t)
     cycle()
     assert [t.array_index for t in tasks(parent)] == [0, 1, 2, 3]
     for t in tasks(parent)[2:]:
-        _start(t, node)
+        report_start(t, node)
         _exit(node, t)
     cycle()
     last = tasks(parent)[4]
-    _start(last, node)
+    report_start(last, node)
     _exit(node, last, code=0)
     cycle()
     parent = reload(parent)
@@ -96,7 +85,7 @@ def test_an_array_with_a_failed_task_fails_and_says_how_many(tenant, make_node, 
     parent = submit(tenant, array={"count": 2, "parallelism": 2})
     cycle()
     a, b = tasks(parent)
-    _start(a, node), _start(b, node)
+    report_start(a, node), report_start(b, node)
     _exit(node, a, code=0)
     _exit(node, b, code=3)
     cycle()
@@ -110,7 +99,7 @@ def test_stop_stops_every_task_and_makes_no_more(tenant, make_node, submit, cycl
     cycle()
     made = tasks(parent)
     assert len(made) == 4 and sum(t.state == S.SCHEDULED for t in made) == 2  # 2 GPUs
-    _start(made[0], node)
+    report_start(made[0], node)
     workload_stop(workload=parent, actor=Actor.system())
     assert reload(parent).state == S.STOPPED
     states = {t.array_index: t.state for t in tasks(parent)}
@@ -199,7 +188,7 @@ def test_dependencies_wait_then_run_or_fail_with_the_reason(tenant, make_tenant,
         w = reload(w)
         assert w.state == S.PENDING and w.pending_reason == "dependency"
     assert reload(after_ok).pending_message == f"Waiting for job {first.pk} to succeed (pending)."
-    _start(first, node), _start(second, node)
+    report_start(first, node), report_start(second, node)
     _exit(node, first, code=0)
     _exit(node, second, code=1)
     cycle()
@@ -237,7 +226,7 @@ def test_an_array_waits_for_its_dependency(tenant, make_node, submit, cycle, mak
     assert body["pending"]["reason"] == "dependency" and body["depends_on"] == [
         {"job": first.pk, "condition": "finished", "state": "scheduled"}
     ]
-    _start(first, node)
+    report_start(first, node)
     _exit(node, first, code=2)
     cycle()
     assert len(tasks(parent)) == 2
@@ -257,8 +246,8 @@ def test_work_queue_leases_returns_items_of_a_dead_worker_and_finishes_each_once
     ]  # fmt: skip
     cycle()
     a, b = tasks(parent)
-    stored = _start(a, node)
-    _start(b, node)
+    stored = report_start(a, node).payload
+    report_start(b, node)
     assert "GPUPOOL_WORK_TOKEN" not in stored["platform_env"]  # never stored with the command
     wire = start_payload_for_node(stored)
     token = wire["platform_env"]["GPUPOOL_WORK_TOKEN"]
@@ -288,7 +277,7 @@ def test_work_queue_leases_returns_items_of_a_dead_worker_and_finishes_each_once
     later = now + timedelta(seconds=61)
     cycle()
     a2 = reload(a)
-    _start(a2, node)
+    report_start(a2, node)
     taken, _ = work_next(task=reload(a2), now=later)
     assert taken.index == 3
     with pytest.raises(Exception) as lost:

@@ -17,18 +17,9 @@ from portal.errors import ValidationFailed
 from scheduling.models import Allocation, WorkloadEvent
 from scheduling.models import WorkloadState as S
 from scheduling.services.lifecycle import scheduling_reconcile, workload_on_running
-from tests.scheduling.conftest import reload
+from tests.scheduling.conftest import reload, start_command
 
 pytestmark = pytest.mark.django_db
-
-
-def _start(w, node) -> NodeCommand:
-    return NodeCommand.objects.get(
-        node=node,
-        kind=CommandKind.START_WORKLOAD,
-        payload__workload_id=str(w.pk),
-        payload__attempt=reload(w).attempt,
-    )
 
 
 def _report(capture, w, node, status="succeeded", result=None):
@@ -36,7 +27,7 @@ def _report(capture, w, node, status="succeeded", result=None):
     with capture(execute=True):
         node_command_report(
             node_id=node.pk,
-            command_id=_start(w, node).pk,
+            command_id=start_command(w, node).pk,
             status=status,
             result=result if result is not None else {"state": "running"},
         )
@@ -167,7 +158,7 @@ def test_a_member_failing_while_running_stops_the_whole_gang_by_its_policy(
         node_command_report(node_id=a.pk, command_id=stop.pk, status="succeeded", result={})
     cycle()
     assert reload(w).state == S.SCHEDULED
-    nodes = sorted(_start(w, n).node_id for n in (a, b))
+    nodes = sorted(start_command(w, n).node_id for n in (a, b))
     assert nodes == sorted([a.pk, b.pk])
     _report(django_capture_on_commit_callbacks, w, a)
     _report(django_capture_on_commit_callbacks, w, b)

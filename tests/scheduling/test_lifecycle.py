@@ -14,19 +14,9 @@ from scheduling.models import Allocation, WorkloadEvent
 from scheduling.models import WorkloadState as S
 from scheduling.services.lifecycle import scheduling_reconcile, workload_stop
 from scheduling.services.states import InvalidTransition, workload_transition
-from tests.scheduling.conftest import reload
+from tests.scheduling.conftest import reload, report_start
 
 pytestmark = pytest.mark.django_db
-
-
-def _report_start(w, node, state="succeeded", result=None):
-    cmd = NodeCommand.objects.get(
-        node=node,
-        kind=CommandKind.START_WORKLOAD,
-        payload__workload_id=str(w.pk),
-        payload__attempt=reload(w).attempt,
-    )
-    command_finished.send(sender=NodeCommand, command=cmd, state=state, result=result or {"state": "running"})
 
 
 def _exit(node, w, state="exited", exit_code=0, message=""):
@@ -58,7 +48,7 @@ def test_a_job_runs_and_succeeds_through_the_fleet_signals(tenant, make_node, su
     node = make_node()
     w = submit(tenant, gpu_count=2)
     cycle()
-    _report_start(w, node)
+    report_start(w, node)
     assert reload(w).state == S.RUNNING and reload(w).started_at is not None
     _exit(node, w, exit_code=0, message="loss=0.01\ndone")
     w = reload(w)
@@ -74,11 +64,11 @@ def test_a_failing_job_is_retried_then_fails(tenant, make_node, submit, cycle):
     node = make_node()
     w = submit(tenant, max_retries=1)
     cycle()
-    _report_start(w, node)
+    report_start(w, node)
     _exit(node, w, state="failed", exit_code=1)
     assert reload(w).state == S.QUEUED and reload(w).retries == 1
     cycle()
-    _report_start(w, node)
+    report_start(w, node)
     _exit(node, w, state="failed", exit_code=1)
     assert reload(w).state == S.FAILED
 
@@ -87,7 +77,7 @@ def test_a_failed_start_is_placed_again(tenant, make_node, submit, cycle):
     node = make_node()
     w = submit(tenant)
     cycle()
-    _report_start(w, node, state="failed", result={"reason": "image pull failed"})
+    report_start(w, node, state="failed", result={"reason": "image pull failed"})
     w = reload(w)
     assert w.state == S.QUEUED and "image pull failed" in w.state_reason
     cycle()
@@ -99,7 +89,7 @@ def test_node_down_requeues_jobs_and_fails_instances(tenant, make_node, submit, 
     job = submit(tenant, gpu_count=2)
     inst = submit(tenant, kind="instance", gpu_count=2)
     cycle()
-    _report_start(job, node)
+    report_start(job, node)
     node.state, node.state_reason = NodeState.DOWN, "No heartbeat since 12:00."
     node.save()
     node_down.send(sender=type(node), node=node, last_heartbeat_at=None)
@@ -115,7 +105,7 @@ def test_an_unhealthy_gpu_moves_its_job_elsewhere(
     first = make_node(gpus=1)
     w = submit(tenant)
     cycle()
-    _report_start(w, first)
+    report_start(w, first)
     second = make_node(gpus=1)
     gpu = Gpu.objects.get(node=first)
     with django_capture_on_commit_callbacks(execute=True):
@@ -134,7 +124,7 @@ def test_stop_a_waiting_and_a_running_workload(tenant, make_node, submit, cycle)
     running = submit(tenant, kind="instance")
     waiting = submit(tenant, kind="instance")
     cycle()
-    _report_start(running, node)
+    report_start(running, node)
     workload_stop(workload=waiting, actor=Actor.system())
     assert reload(waiting).state == S.STOPPED
     workload_stop(workload=running, actor=Actor.system())
@@ -154,7 +144,7 @@ def test_the_reconciler_finishes_what_was_left(tenant, make_node, submit, cycle,
     preempted = submit(tenant, plan="spot")
     stuck = submit(tenant)
     cycle()
-    _report_start(starting, node, result={"state": "starting"})
+    report_start(starting, node, result={"state": "starting"})
     assert reload(starting).state == S.STARTING
     NodeWorkloadStatus.objects.create(node=node, workload_id=str(starting.pk), state="running")
     for w, state in ((preempted, S.RUNNING), (stuck, S.RUNNING)):
@@ -213,7 +203,7 @@ def test_a_failed_start_avoids_its_node_unless_no_other_could_ever_take_it(tenan
     make_node(gpus=1)  # too small for the request, ever
     w = submit(tenant, gpu_count=2)
     cycle()
-    _report_start(w, only, state="failed", result={"reason": "image pull failed"})
+    report_start(w, only, state="failed", result={"reason": "image pull failed"})
     assert reload(w).avoid_nodes == [only.pk]
     cycle()
     assert reload(w).state == S.SCHEDULED and _nodes(w) == {only.pk}

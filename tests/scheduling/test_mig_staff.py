@@ -14,7 +14,7 @@ from django.utils import timezone
 from nodes.models import CommandKind, Gpu, Node, NodeCommand, NodeState, Region, RegionBackend
 from nodes.services.commands import node_command_report
 from nodes.services.mig import gpu_mig_cancel, gpu_mig_configure, gpu_mig_drained_send, gpu_mig_waiting_for
-from nodes.signals import command_finished, workload_exited
+from nodes.signals import workload_exited
 from nodes.tasks import send_drained_mig
 from portal.actors import Actor
 from portal.errors import Conflict, ValidationFailed
@@ -22,7 +22,7 @@ from portal.models import AuditEvent, StaffScope, User
 from portal.staff_tokens import staff_token_create
 from scheduling.models import Allocation
 from scheduling.models import WorkloadState as S
-from tests.scheduling.conftest import reload
+from tests.scheduling.conftest import reload, report_start
 
 pytestmark = pytest.mark.django_db
 
@@ -122,17 +122,6 @@ def test_bad_layouts_are_400s_naming_the_field(make_node, staff, model, enable, 
     assert not NodeCommand.objects.exists() and reload_gpu(gpu).mig_configuring is False
 
 
-def _start(node, w) -> None:
-    """The agent's answer to the workload's start command (it runs)."""
-    cmd = NodeCommand.objects.get(
-        node=node,
-        kind=CommandKind.START_WORKLOAD,
-        payload__workload_id=str(w.pk),
-        payload__attempt=reload(w).attempt,
-    )
-    command_finished.send(sender=NodeCommand, command=cmd, state="succeeded", result={"state": "running"})
-
-
 def _exit(node, w) -> None:
     """The node reports the workload ended (the signal its heartbeat sends; scheduling listens)."""
     workload_exited.send(
@@ -153,7 +142,7 @@ def test_a_busy_gpu_drains_and_gets_its_change_when_its_last_work_ends(
     a, b = submit(tenant, gpu_fraction_milli=300), submit(tenant, gpu_fraction_milli=300)
     cycle()
     assert {reload(a).state, reload(b).state} == {S.SCHEDULED}
-    _start(node, a), _start(node, b)
+    report_start(a, node), report_start(b, node)
     gpu = _gpu(node)
     # Accepted: nothing is sent and nothing is stopped; the GPU takes no new work from now on.
     assert gpu_mig_configure(gpu=gpu, enable=True, profiles=["7g.80gb"], actor=Actor(user=staff)) is None
