@@ -36,7 +36,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Count, F, Value
 from django.db.models.functions import Greatest
 from django.utils import timezone
@@ -207,6 +207,7 @@ def _submit(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: 
     user = getpass.getuser()
     accounts: set[str] = set()
     for wid in sorted(ids):
+        _array_task_ids_reserve(wid)
         with transaction.atomic():
             w = lock_workload(workload_id=wid)
             waiting = (
@@ -271,6 +272,27 @@ def _submit(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: 
             w.save(update_fields=["pending_reason", "pending_message"])
             result.submitted.append(w.pk)
     _tasks_attach(region)
+
+
+def _array_task_ids_reserve(workload_id: int) -> None:
+    """An array job's task ids, one per index, before its Slurm array is submitted: the ids of the
+    tasks the cycle made, and ids taken from the workload sequence for the rest (the cycle makes
+    those rows with them, ``arrays._tasks_create``). Committed before sbatch runs, so a job sbatch
+    made before a crash, adopted later, has the ids its script was given."""
+    with transaction.atomic():
+        w = lock_workload(workload_id=workload_id)
+        if not w.is_array or (w.array_task_ids and len(w.array_task_ids) == w.array_count):
+            return
+        made = dict(Workload.objects.filter(array_parent=w).values_list("array_index", "pk"))
+        missing = [i for i in range(w.array_count) if i not in made]
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT nextval(pg_get_serial_sequence(%s, 'id')) FROM generate_series(1, %s)",
+                [Workload._meta.db_table, len(missing)],
+            )
+            new = iter(sorted(row[0] for row in cursor.fetchall()))
+        w.array_task_ids = [made[i] if i in made else next(new) for i in range(w.array_count)]
+        w.save(update_fields=["array_task_ids"])
 
 
 def _tasks_attach(region: Region) -> None:

@@ -313,7 +313,8 @@ def test_an_array_is_one_slurm_array_job_with_a_task_row_per_slurm_task(region, 
             command=[
                 "sh",
                 "-c",
-                'echo "task $GPUPOOL_ARRAY_INDEX of $GPUPOOL_ARRAY_COUNT (slurm $SLURM_ARRAY_TASK_ID)"; sleep 1',
+                'echo "task $GPUPOOL_ARRAY_INDEX of $GPUPOOL_ARRAY_COUNT (slurm $SLURM_ARRAY_TASK_ID)'
+                ' id $GPUPOOL_WORKLOAD_ID"; sleep 1',
             ],
             array={"count": 3, "parallelism": 2},
         ),
@@ -332,6 +333,14 @@ def test_an_array_is_one_slurm_array_job_with_a_task_row_per_slurm_task(region, 
     assert tasks_seen in ("0-2%2", "0,1-2%2") or {"0", "1"} <= set(tasks_seen.replace("%2", "").split(","))
     names = slurm("squeue", "-h", "-o", "%F", "--name", f"gpupool-{aid}").split()
     assert set(names) <= {str(array_id)}  # no other Slurm job for it
+    # Its batch script (Slurm's copy) names each task's own workload id, reserved before sbatch:
+    # the tasks made so far have theirs, the others are made later with the rest.
+    reserved = Workload.objects.get(pk=aid).array_task_ids
+    assert len(set(reserved)) == 3 and aid not in reserved
+    made = dict(Workload.objects.filter(array_parent_id=aid).values_list("array_index", "pk"))
+    assert made and all(reserved[i] == pk for i, pk in made.items())
+    script = slurm("scontrol", "write", "batch_script", str(array_id), "-")
+    assert f"GPUPOOL_TASK_IDS=({' '.join(map(str, reserved))})" in script
 
     sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{aid}/").json()["state"] == "succeeded")
     listed = client.get(f"/api/v1/jobs/{aid}/tasks/").json()["results"]
@@ -343,7 +352,8 @@ def test_an_array_is_one_slurm_array_job_with_a_task_row_per_slurm_task(region, 
             WorkloadLogLine.objects.filter(workload_id=sj.workload_id).values_list("text", flat=True)
         )
         i = sj.array_task_id
-        assert lines == [f"task {i} of 3 (slurm {i})"]
+        # Each task is told its own workload id, as the agent tells a task (not the array's).
+        assert lines == [f"task {i} of 3 (slurm {i}) id {sj.workload_id}"] and sj.workload_id == reserved[i]
         assert sj.output_path.endswith(f"gpupool-{aid}-{array_id}_{i}.out")
         # Each task's usage from sacct's record of that task: one GPU, ended, from its RUNNING.
         (alloc,) = Allocation.objects.filter(workload_id=sj.workload_id)
