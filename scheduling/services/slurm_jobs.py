@@ -161,6 +161,8 @@ def sbatch_request(
         f"--output={output}",
         f"--chdir={config.output_dir}",
         "--export=NONE",
+        # Slurm does not requeue it itself (on a node failure): gpupool does, by the job's policy.
+        "--no-requeue",
     ]
     options.append("--ntasks-per-node=1" if shape else "--ntasks=1")
     if w.is_array:

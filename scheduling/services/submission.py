@@ -650,6 +650,9 @@ def _validate_slurm(
         raise _fail("elastic", "Slurm jobs keep the GPUs they start with: no elastic jobs in Slurm regions.")
     if any(isinstance(v, dict) for v in f["env"].values()):
         raise _fail("env", "Secrets are not handed to Slurm (its job records keep the environment).")
+    if f["max_retries"] and f["array_count"] is not None:
+        # A Slurm array's task is not resubmitted alone (a job's retries are: new Slurm jobs).
+        raise _fail("max_retries", "An array's tasks are not retried in Slurm regions.")
     config = slurm_config_parse(region.slurm)
     if explicit and not any(m.name in config.gres_types for m in candidates):
         raise _fail("gpu_models", f"No GRES type of {region.code} is one of these models.")

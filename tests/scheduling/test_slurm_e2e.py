@@ -519,3 +519,110 @@ def test_running_slurm_jobs_count_toward_model_quota_and_budget(region, client, 
     assert quota_usage(tenant=tenant).model_milli.get(h100.pk, 0) == 0
     ended = Allocation.objects.filter(workload_id=hog)
     assert ended.count() == 2 and not ended.filter(ended_at__isnull=True).exists()
+
+
+def test_max_retries_resubmits_a_failed_job_as_a_new_slurm_job(region, client, tenant, cycle, tmp_path):
+    h100 = price_h100("3.60")
+    marker = tmp_path / "ran-once"
+    flaky = submit(
+        client,
+        max_retries=2,
+        command=[
+            "sh",
+            "-c",
+            # (a second each: Slurm counts whole seconds, and a run of none bills none)
+            f"sleep 1; if [ -e {marker} ]; then echo again $GPUPOOL_WORKLOAD_ID;"
+            f" else touch {marker}; echo first; exit 3; fi",
+        ],
+    )
+    doomed = submit(client, max_retries=1, command=["sh", "-c", "exit 4"])
+    sync_until(
+        region,
+        cycle,
+        lambda: (
+            {client.get(f"/api/v1/jobs/{w}/").json()["state"] for w in (flaky, doomed)}
+            == {"succeeded", "failed"}
+        ),
+        timeout=60,
+    )
+    body = client.get(f"/api/v1/jobs/{flaky}/").json()
+    assert (body["state"], body["retries"], body["attempt"], body["exit_code"]) == ("succeeded", 1, 2, 0)
+    sj = SlurmJob.objects.get(workload_id=flaky)
+    (earlier,) = sj.earlier_job_ids
+    # Slurm's own view: two jobs of that name, the first failed with its exit code, the second not.
+    sacct = slurm(
+        "sacct", "-n", "-P", "-X", *RECENT, "-o", "JobIDRaw,State,ExitCode", "--name", f"gpupool-{flaky}"
+    )
+    assert sorted(sacct.split()) == sorted([f"{earlier}|FAILED|3:0", f"{sj.job_id}|COMPLETED|0:0"])
+    assert scontrol_job(sj.job_id)["Requeue"] == "0"  # Slurm leaves the retrying to gpupool
+    events = client.get(f"/api/v1/jobs/{flaky}/events/").json()
+    assert [e["to_state"] for e in events][-6:] == [
+        "scheduled",
+        "running",
+        "queued",
+        "scheduled",
+        "running",
+        "succeeded",
+    ]
+    assert "Retry 1 of 2" in events[-4]["message"]
+    lines = list(WorkloadLogLine.objects.filter(workload_id=flaky).values_list("text", flat=True))
+    assert lines == ["first", f"again {flaky}"]
+    # Each attempt is billed for its own run, from sacct: two ended allocations, one per Slurm job.
+    records = {
+        r["job_id"]: r["time"]
+        for r in json.loads(slurm("sacct", "--json", *RECENT, "-j", f"{earlier},{sj.job_id}"))["jobs"]
+    }
+    allocs = list(Allocation.objects.filter(workload_id=flaky).order_by("started_at"))
+    assert [a.end_reason for a in allocs] == ["slurm_failed", "slurm_completed"]
+    for a, jid in zip(allocs, (earlier, sj.job_id), strict=True):
+        assert 0 <= a.ended_at.timestamp() - records[jid]["end"] < 1
+    assert allocs[0].ended_at <= allocs[1].started_at
+    usage_build(tenant=tenant)
+    assert UsageRecord.objects.filter(workload_id=flaky, gpu_model=h100).count() == 2
+
+    # Out of retries: failed, after 1 + max_retries Slurm jobs.
+    body = client.get(f"/api/v1/jobs/{doomed}/").json()
+    assert (body["retries"], body["attempt"], body["exit_code"]) == (1, 2, 4)
+    assert "No retries left (1)" in body["state_reason"]
+    assert len(SlurmJob.objects.get(workload_id=doomed).earlier_job_ids) == 1
+
+    # An array's tasks are not retried one by one in Slurm: refused, naming the field.
+    r = client.post(
+        "/api/v1/jobs/",
+        job(command=["true"], array={"count": 2}, max_retries=1),
+        content_type="application/json",
+    )
+    assert r.status_code == 400 and "max_retries" in r.json()["error"]["fields"], r.content
+
+
+def test_a_node_failure_queues_the_job_again_without_using_a_retry(region, client, cycle):
+    region.slurm = {**region.slurm, "partitions": {"default": "multi"}}
+    region.save(update_fields=["slurm"])
+    assert slurm_region_sync(region=region).nodes == 2
+    wid = submit(client, gpu_count=2, gpus_per_node=[1], command=["sh", "-c", "sleep 4; echo done"])
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{wid}/").json()["state"] == "running")
+    first = SlurmJob.objects.get(workload_id=wid).job_id
+    try:
+        slurm("scontrol", "update", f"nodename={NODE2}", "state=down", "reason=gpupool-test")
+        sync_until(
+            region,
+            cycle,
+            lambda: SlurmJob.objects.get(workload_id=wid).earlier_job_ids == [first],
+            timeout=60,
+        )
+    finally:
+        # (ReturnToService=2 may have brought it back already as slurmd registers again.)
+        if "down" in slurm("sinfo", "-h", "-N", "-n", NODE2, "-o", "%T"):
+            slurm("scontrol", "update", f"nodename={NODE2}", "state=resume")
+    states = slurm("sacct", "-n", "-P", "-X", *RECENT, "-o", "State", "-j", str(first)).split()
+    assert states == ["NODE_FAIL"]
+    sync_until(
+        region, cycle, lambda: client.get(f"/api/v1/jobs/{wid}/").json()["state"] == "succeeded", timeout=60
+    )
+    body = client.get(f"/api/v1/jobs/{wid}/").json()
+    assert (body["retries"], body["attempt"]) == (0, 2)  # max_retries 0: a node failure is not one
+    reasons = [e["reason"] for e in client.get(f"/api/v1/jobs/{wid}/events/").json()]
+    assert "node_down" in reasons
+    # Its log: Slurm's word on the first attempt, then the second's run on both nodes.
+    lines = list(WorkloadLogLine.objects.filter(workload_id=wid).values_list("text", flat=True))
+    assert any("DUE TO NODE FAILURE" in t for t in lines) and lines.count("done") == 2
