@@ -73,7 +73,12 @@ def slurm_inventory_store(
         for sn in nodes:
             hostname = slurm_hostname(region, sn.name)
             seen.add(hostname)
-            labels = {"slurm_node": sn.name, "slurm_state": sn.state, "partitions": list(sn.partitions)}
+            labels = {
+                "slurm_node": sn.name,
+                "slurm_state": sn.state,
+                "partitions": list(sn.partitions),
+                "slurm_gpus_used": dict(sn.gpus_used),  # every job's, gpupool's or not
+            }
             node = existing.get(hostname)
             if node is None:
                 node = Node.objects.create(

@@ -46,6 +46,7 @@ class SlurmNode:
     gpus: dict[str, int]  # GRES type -> count
     reason: str
     address: str
+    gpus_used: dict[str, int] = field(default_factory=dict)  # GRES type -> count Slurm has allocated
 
 
 # A job as gpupool follows it: (job id, None) for a job, (array job id, task index) for an array task.
@@ -213,6 +214,7 @@ class SlurmCli:
                 gpus=parse_gres(str(n.get("gres", ""))),
                 reason=str(n.get("reason", "") or ""),
                 address=str(n.get("address", "") or ""),
+                gpus_used=parse_gres(str(n.get("gres_used", "") or "")),
             )
         return list(seen.values())
 

@@ -626,3 +626,71 @@ def test_a_node_failure_queues_the_job_again_without_using_a_retry(region, clien
     # Its log: Slurm's word on the first attempt, then the second's run on both nodes.
     lines = list(WorkloadLogLine.objects.filter(workload_id=wid).values_list("text", flat=True))
     assert any("DUE TO NODE FAILURE" in t for t in lines) and lines.count("done") == 2
+
+
+def test_a_job_naming_no_region_goes_to_a_slurm_region_with_free_gpus(region, client, cycle, make_node):
+    # A second Slurm region on the same cluster, over both nodes (partition multi): four H100.
+    wide = Region.objects.create(
+        code="hpc-2",
+        name="HPC wide",
+        backend=RegionBackend.SLURM,
+        slurm={**region.slurm, "partitions": {"default": "multi"}, "gres_types": {H100: "h100"}},
+    )
+    agent_node = make_node(model=A100, gpus=1, region="us")
+    for r in (region, wide):
+        assert slurm_region_sync(region=r).error == ""
+
+    def no_region(**spec):
+        return {k: v for k, v in job(**spec).items() if k != "region"}
+
+    def anywhere(**spec):
+        r = client.post("/api/v1/jobs/", no_region(**spec), content_type="application/json")
+        assert r.status_code == 201, r.content
+        return r.json()["id"]
+
+    def sync_all():
+        for r in (region, wide):
+            assert not slurm_region_sync(region=r).error
+
+    def until(check, timeout=40.0):
+        deadline = time.monotonic() + timeout
+        while not check():
+            cycle()
+            sync_all()
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.5)
+
+    # No agent node has H100: the Slurm region with the most free H100 takes it (hpc-2: 4, hpc-1: 2).
+    h = anywhere(command=["true"])
+    result = cycle()
+    assert result.sent_to_slurm == [h]
+    w = Workload.objects.get(pk=h)
+    assert w.region_id == wide.pk and w.pending_reason == "slurm" and "hpc-2: 4 free" in w.pending_message
+    until(lambda: client.get(f"/api/v1/jobs/{h}/").json()["state"] == "succeeded")
+    assert scontrol_job(SlurmJob.objects.get(workload_id=h).job_id)["Partition"] == "multi"
+
+    # Agent regions first: one A100 fits the agent node; two do not, and go to hpc-1 (A100 there).
+    on_agent = anywhere(gpu_models=[A100], command=["true"])
+    pair = anywhere(gpu_models=[A100], gpu_count=2, command=["sleep", "8"])
+    result = cycle()
+    assert result.placed == [on_agent] and result.sent_to_slurm == [pair]
+    assert Allocation.objects.get(workload_id=on_agent).node_id == agent_node.pk
+    until(lambda: client.get(f"/api/v1/jobs/{pair}/").json()["state"] == "running")
+    seen = scontrol_job(SlurmJob.objects.get(workload_id=pair).job_id)  # Slurm's own view
+    assert "gres/gpu:a100=2" in seen["TRES"] and seen["Partition"] == "gpu"
+
+    # Its A100 are taken: the next pair waits in gpupool (no region), and goes once they are free.
+    later = anywhere(gpu_models=[A100], gpu_count=2, command=["true"])
+    assert cycle().sent_to_slurm == []
+    assert Workload.objects.get(pk=later).region_id is None
+    until(lambda: client.get(f"/api/v1/jobs/{later}/").json()["state"] == "succeeded", timeout=60)
+    assert Workload.objects.get(pk=later).region_id == region.pk
+    assert client.get(f"/api/v1/jobs/{pair}/").json()["state"] == "succeeded"
+
+    # What a Slurm region does not run is not sent there: refused where no agent node has the GPUs.
+    r = client.post(
+        "/api/v1/jobs/",
+        no_region(command=["true"], gpu_fraction_milli=500),
+        content_type="application/json",
+    )
+    assert r.status_code == 400 and "gpu_models" in r.json()["error"]["fields"], r.content
