@@ -43,9 +43,10 @@ from django.utils import timezone
 
 from nodes.models import Gpu, GpuModel, Node, Region, RegionBackend
 from nodes.services.slurm import slurm_config, slurm_hostname, slurm_inventory_store
-from nodes.slurm.cli import JOB_NAME_PREFIX, JobKey, SlurmAccounting, SlurmCli, SlurmError
+from nodes.slurm.cli import JOB_NAME_PREFIX, JobKey, SlurmAccounting, SlurmError
 from nodes.slurm.cli import SlurmJob as LiveJob
 from nodes.slurm.config import SlurmConfig
+from nodes.slurm.rest import SlurmConnector, slurm_connector_for
 from portal.actors import Actor
 from portal.errors import ValidationFailed
 from scheduling.locks import lock_workload
@@ -142,7 +143,7 @@ def slurm_region_sync(*, region: Region, now: datetime | None = None) -> SyncRes
         result.error = f"configuration: {exc.message}"
         logger.error("Slurm region %s: %s", region.code, result.error)
         return result
-    cli = SlurmCli(config)
+    cli = slurm_connector_for(config)
     try:
         result.nodes = slurm_inventory_store(region=region, nodes=cli.nodes(), config=config, now=now).nodes
         live = cli.jobs()
@@ -171,7 +172,7 @@ def _refuse(w: Workload, message: str, result: SyncResult) -> None:
     result.refused.append(w.pk)
 
 
-def _submit(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: SyncResult) -> None:
+def _submit(region: Region, cli: SlurmConnector, live: dict[JobKey, LiveJob], result: SyncResult) -> None:
     config = cli.config
     known = set(
         SlurmJob.objects.filter(
@@ -352,7 +353,7 @@ def _label(sj: SlurmJob) -> str:
     return f"{sj.job_id}_{sj.array_task_id}" if sj.array_task_id is not None else str(sj.job_id)
 
 
-def _cancel(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: SyncResult) -> None:
+def _cancel(region: Region, cli: SlurmConnector, live: dict[JobKey, LiveJob], result: SyncResult) -> None:
     """scancel the jobs whose workload was stopped in gpupool and that Slurm has not ended: an
     array job's row cancels the whole Slurm array (one command), and its tasks with it."""
     rows = SlurmJob.objects.filter(
@@ -498,7 +499,26 @@ def _model_id_of(config: SlurmConfig, gres_type: str) -> int | None:
     return GpuModel.objects.filter(name=name).values_list("pk", flat=True).first() if name else None
 
 
-def _follow(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: SyncResult) -> None:
+def _requeued_by_slurm(w: Workload, job: LiveJob, label: str) -> None:
+    """Slurm put a job it ran back to pending (it requeued it itself, after a node failure, where
+    it could not be told not to: 22.05's REST API drops ``requeue=false``). As a node lost under
+    an agent's job: its GPUs are released now (billed to now), and it waits queued, without using
+    a retry, until Slurm runs it again (then it holds GPUs again from that start)."""
+    now = timezone.now()
+    Allocation.objects.filter(workload=w, ended_at__isnull=True).update(
+        ended_at=Greatest(F("started_at"), Value(now)), end_reason="slurm_requeued"
+    )
+    workload_transition(
+        workload=w,
+        to=WorkloadState.QUEUED,
+        reason="node_down",
+        message=f"Slurm requeued job {label} ({job.reason or 'requeued'}).",
+        actor=SYSTEM,
+        now=max(now, w.state_changed_at),
+    )
+
+
+def _follow(region: Region, cli: SlurmConnector, live: dict[JobKey, LiveJob], result: SyncResult) -> None:
     # An array job's own row is its Slurm array: its tasks' rows are followed; it ends with it.
     SlurmJob.objects.filter(
         region=region,
@@ -533,6 +553,8 @@ def _follow(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: 
                 if (w.pending_reason, w.pending_message) != (reason, message):
                     w.pending_reason, w.pending_message = reason, message[:255]
                     w.save(update_fields=["pending_reason", "pending_message"])
+            elif job.state == "PENDING" and w.state == WorkloadState.RUNNING and w.stop_requested_at is None:
+                _requeued_by_slurm(w, job, _label(sj))
             elif job.state in RUNNING and w.state in (WorkloadState.QUEUED, WorkloadState.SCHEDULED):
                 _to_running(w, job.start or timezone.now(), _label(sj))
                 if w.state == WorkloadState.RUNNING and job.node_gres:
@@ -644,7 +666,7 @@ def _retry(w: Workload, acct: SlurmAccounting, to: str, reason: str, message: st
     return True
 
 
-def _finish(region: Region, cli: SlurmCli, sj: SlurmJob, acct: SlurmAccounting) -> bool:
+def _finish(region: Region, cli: SlurmConnector, sj: SlurmJob, acct: SlurmAccounting) -> bool:
     """The workload's end and its allocations' from sacct, in one transaction: the allocations it
     holds end at sacct's end (whatever closed them before, e.g. a stop that timed out); a job
     that started and ended between two syncs gets them made, ended, from sacct's nodes and GRES."""
@@ -659,8 +681,10 @@ def _finish(region: Region, cli: SlurmCli, sj: SlurmJob, acct: SlurmAccounting) 
             _to_running(w, acct.start, label)
         to, reason, message = _end_state(w, acct, sj.reason, label)
         end = acct.end or timezone.now()
-        # This attempt's allocations: those of earlier attempts (a retry) ended before it was queued.
-        since = w.queued_at if sj.earlier_job_ids and w.queued_at else None
+        # This attempt's allocations: those of earlier attempts (a retry, or a run Slurm requeued)
+        # ended before it was queued again.
+        queued = w.queued_at
+        since = queued if sj.earlier_job_ids and queued else None
         if w.state not in TERMINAL_STATES:
             end = max(end, w.state_changed_at)  # events stay in order (Slurm counts whole seconds)
             w.exit_code = acct.exit_code
@@ -670,8 +694,8 @@ def _finish(region: Region, cli: SlurmCli, sj: SlurmJob, acct: SlurmAccounting) 
         if ran and w.started_at is not None:
             end_reason = f"slurm_{acct.state.lower()}"[:64]
             held = Allocation.objects.filter(workload=w)
-            if since is not None:
-                held = held.filter(started_at__gte=since)
+            if queued is not None:
+                held = held.filter(started_at__gte=queued)
             held.filter(started_at__lte=end).update(ended_at=end, end_reason=end_reason)
             missing = sum(acct.gpus.values()) - held.count()
             if missing > 0:
