@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 
 import pytest
 
@@ -26,7 +27,7 @@ from tests.scheduling.test_slurm_e2e import (
     submit,
     sync_until,
 )
-from tests.slurm_cluster import NODE, OUTPUT_DIR, slurm
+from tests.slurm_cluster import NODE, NODE2, OUTPUT_DIR, slurm
 
 pytestmark = pytest.mark.django_db
 
@@ -187,3 +188,48 @@ def test_pending_stop_array_and_retry_through_slurmrestd(region, client, cycle, 
     (earlier,) = sj.earlier_job_ids
     states = json.loads(slurm("sacct", "--json", *RECENT, "-j", f"{earlier},{sj.job_id}"))["jobs"]
     assert sorted(j["state"]["current"] for j in states) == ["COMPLETED", "FAILED"]
+
+
+def test_a_job_slurm_requeues_itself_after_a_node_failure_is_followed(region, client, cycle):
+    # Over 22.05's REST API a job cannot be told not to be requeued: Slurm requeues it when its
+    # node fails. gpupool follows: its GPUs go back at once, it waits queued (no retry used), and
+    # holds GPUs again when Slurm runs it again.
+    region.slurm = {**region.slurm, "partitions": {"default": "multi"}}
+    region.save(update_fields=["slurm"])
+    assert slurm_region_sync(region=region).nodes == 2
+    wid = submit(client, gpu_count=2, gpus_per_node=[1], command=["sh", "-c", "sleep 4; echo done"])
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{wid}/").json()["state"] == "running")
+    job_id = SlurmJob.objects.get(workload_id=wid).job_id
+    assert scontrol_job(job_id)["Requeue"] == "1"  # (what 22.05 makes of requeue=false)
+    try:
+        slurm("scontrol", "update", f"nodename={NODE2}", "state=down", "reason=gpupool-test")
+        sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{wid}/").json()["state"] == "queued")
+    finally:
+        if "down" in slurm("sinfo", "-h", "-N", "-n", NODE2, "-o", "%T"):
+            slurm("scontrol", "update", f"nodename={NODE2}", "state=resume")
+    first = list(Allocation.objects.filter(workload_id=wid))
+    assert len(first) == 2 and {a.end_reason for a in first} == {"slurm_requeued"}
+    assert all(a.ended_at is not None for a in first)
+    # (Slurm holds a requeued job back for CredExpire, 2 minutes by default: let it go once both
+    # nodes are idle again, the first run's steps gone.)
+    assert scontrol_job(job_id)["JobState"] == "PENDING"
+    deadline = time.monotonic() + 30
+    while slurm("sinfo", "-h", "-N", "-n", f"{NODE},{NODE2}", "-o", "%T").split() != ["idle"] * 4:
+        assert time.monotonic() < deadline, "the nodes did not come back idle"
+        time.sleep(0.5)
+    slurm("scontrol", "update", f"jobid={job_id}", "starttime=now")
+    sync_until(
+        region, cycle, lambda: client.get(f"/api/v1/jobs/{wid}/").json()["state"] == "succeeded", timeout=60
+    )
+    body = client.get(f"/api/v1/jobs/{wid}/").json()
+    assert (body["retries"], body["attempt"]) == (0, 1)
+    sj = SlurmJob.objects.get(workload_id=wid)
+    assert (sj.job_id, sj.earlier_job_ids) == (job_id, [])  # the same Slurm job, run again
+    reasons = [e["reason"] for e in client.get(f"/api/v1/jobs/{wid}/events/").json()]
+    assert reasons.count("node_down") == 1 and reasons[-1] == "exited"
+    # Billed per run: the first run's GPUs to the requeue, the second's from its start to sacct's end.
+    allocs = list(Allocation.objects.filter(workload_id=wid).order_by("started_at", "pk"))
+    assert [a.end_reason for a in allocs] == ["slurm_requeued"] * 2 + ["slurm_completed"] * 2
+    assert max(a.ended_at for a in allocs[:2]) <= min(a.started_at for a in allocs[2:])
+    states = slurm("sacct", "-n", "-P", "-X", "-D", *RECENT, "-o", "State", "-j", str(job_id)).split()
+    assert states[-1] == "COMPLETED" and len(states) >= 2
