@@ -146,6 +146,14 @@ def slurm_region_could_run(f: Mapping[str, Any], candidates: list[GpuModel]) -> 
     return None
 
 
+def _free_of_mapped(region: Region, config: SlurmConfig) -> int:
+    """Free GPUs of the region's mapped models, on any of its nodes Slurm has idle or mixed."""
+    return sum(
+        sum(_node_gpus(region, m, "", free=True, gres_type=config.gres_types[m.name]).values())
+        for m in GpuModel.objects.filter(name__in=list(config.gres_types))
+    )
+
+
 def _waiting_demand(region: Region) -> int:
     """GPUs of the region's jobs that wait to start in Slurm (queued in gpupool: sent, or
     submitted and pending there); they will take free GPUs first."""
@@ -168,8 +176,25 @@ def slurm_route(*, workloads: list[Workload]) -> list[int]:
     if not regions:
         return []
     demand = {region.pk: _waiting_demand(region) for region, _ in regions}
+    # Free GPUs of any mapped model per region: once none is left anywhere, nothing more is sent
+    # (the queue may be long; each job costs a few queries, so stop early).
+    anywhere = {region.pk: _free_of_mapped(region, config) for region, config in regions}
+    counted: dict[tuple[int, int, str, bool], dict[int, int]] = {}
+
+    def gpus(
+        region: Region, config: SlurmConfig, model: GpuModel, partition: str, free: bool
+    ) -> dict[int, int]:
+        key = (region.pk, model.pk, partition, free)
+        if key not in counted:
+            counted[key] = _node_gpus(
+                region, model, partition, free=free, gres_type=config.gres_types[model.name]
+            )
+        return counted[key]
+
     sent = []
     for w in sorted(waiting, key=lambda w: (w.queued_at or w.submitted_at, w.pk)):
+        if all(anywhere[pk] - demand[pk] <= 0 for pk in anywhere):
+            break
         f = _fields_of(w)
         if not slurm_runs(f):
             continue
@@ -180,8 +205,8 @@ def slurm_route(*, workloads: list[Workload]) -> list[int]:
             if model is None:
                 continue
             partition = config.partition(w.plan)
-            free = _node_gpus(region, model, partition, free=True, gres_type=config.gres_types[model.name])
-            total = _node_gpus(region, model, partition, free=False)
+            free = gpus(region, config, model, partition, True)
+            total = gpus(region, config, model, partition, False)
             room = sum(free.values()) - demand[region.pk]
             if room < w.gpu_count or not _fits(f, free, sorted(total.values(), reverse=True)):
                 continue
