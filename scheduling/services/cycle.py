@@ -73,7 +73,7 @@ class CycleResult:
     preempted: list[int] = field(default_factory=list)
     pending: int = 0
     resized: list[int] = field(default_factory=list)
-    sent_to_slurm: list[int] = field(default_factory=list)  # region-less jobs given a Slurm region
+    sent_to_slurm: list[int] = field(default_factory=list)  # region-less jobs (arrays) given a Slurm region
     seconds: float = 0.0
 
 
@@ -504,7 +504,7 @@ def scheduling_cycle_run(*, now: datetime | None = None, config: CycleConfig | N
                 if not isinstance(d, E.Place | E.Resize) and int(d.request_id) not in ctx.quota_blocked
             ]
         )
-        result.pending = len(ctx.workloads) - len(result.placed) - len(result.sent_to_slurm)
+        result.pending = len(ctx.workloads) - len(result.placed)  # (those sent to Slurm still wait)
     result.seconds = time.perf_counter() - started
     if result.placed or result.preempted:
         logger.info(

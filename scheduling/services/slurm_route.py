@@ -11,8 +11,11 @@ not yet running there. Of those, the region with the most free GPUs of the model
 oldest region). The job's ``region`` is then that region: the region's sync submits it to Slurm
 (``scheduling.services.slurm``) and the cycle leaves it alone from then on.
 
+An array job goes whole (one Slurm array), with the tasks the cycle made, when its waiting tasks
+are left unplaced and none has run yet; not a work queue, nor one with ``max_retries``.
+
 Only what a Slurm region runs is sent (``slurm_runs``, the rules ``submission._validate_slurm``
-applies to a job naming the region): a job (not an instance, not an array or its task), of whole
+applies to a job naming the region): a job (not an instance, nor an array's task alone), of whole
 GPUs, without volumes, checkpoints, a reservation, elasticity, secrets in its environment or
 placement constraints (Slurm places). Quota and budget were checked when it was submitted and
 admitted, as for every job; nothing here admits anything.
@@ -46,7 +49,8 @@ def slurm_runs(f: Mapping[str, Any]) -> bool:
     stored workload's, ``_fields_of``)."""
     return (
         f["kind"] == WorkloadKind.JOB
-        and f["array_count"] is None
+        # An array as one Slurm array: not a work queue, nor retried task by task.
+        and (f["array_count"] is None or (f["work_lease_s"] is None and not f["max_retries"]))
         and not f.get("array_task")
         and f["gpu_fraction_milli"] >= MILLI
         and not f["mig_profile"]
@@ -64,6 +68,8 @@ def _fields_of(w: Workload) -> dict[str, Any]:
         "kind": w.kind,
         "array_count": w.array_count,
         "array_task": w.array_parent_id is not None,
+        "work_lease_s": w.work_lease_s,
+        "max_retries": w.max_retries,
         "gpu_fraction_milli": w.gpu_fraction_milli,
         "mig_profile": w.mig_profile,
         "checkpoint_resume": w.checkpoint_resume,
@@ -172,6 +178,16 @@ def slurm_route(*, workloads: list[Workload]) -> list[int]:
     waiting = [w for w in workloads if w.region_id is None and w.state == WorkloadState.QUEUED]
     if not waiting:
         return []
+    # An array's waiting tasks stand for their array job: it is sent whole, if none has run yet.
+    parents = sorted({w.array_parent_id for w in waiting if w.array_parent_id is not None})
+    waiting = [w for w in waiting if w.array_parent_id is None]
+    waiting += [
+        p
+        for p in Workload.objects.filter(pk__in=parents, region__isnull=True, stop_requested_at__isnull=True)
+        if not Workload.objects.filter(array_parent=p)
+        .exclude(state__in=[WorkloadState.PENDING, WorkloadState.QUEUED], attempt=0)
+        .exists()
+    ]
     regions = _slurm_regions()
     if not regions:
         return []
@@ -215,7 +231,13 @@ def slurm_route(*, workloads: list[Workload]) -> list[int]:
         if best is None:
             continue
         room, _, region, model = best
-        demand[region.pk] += w.gpu_count
+        at_once = min(w.array_parallelism or w.array_count, w.array_count) if w.is_array else 1
+        demand[region.pk] += w.gpu_count * at_once
+        if w.is_array:
+            # Its tasks made so far go with it (those made later copy its region).
+            Workload.objects.filter(array_parent=w).update(
+                region=region, other_regions_ok=False, pending_reason="slurm"
+            )
         w.region = region
         w.other_regions_ok = False
         w.pending_reason = "slurm"

@@ -688,6 +688,30 @@ def test_a_job_naming_no_region_goes_to_a_slurm_region_with_free_gpus(region, cl
     assert Workload.objects.get(pk=later).region_id == region.pk
     assert client.get(f"/api/v1/jobs/{pair}/").json()["state"] == "succeeded"
 
+    # An array is sent whole, as one Slurm array, while none of its tasks has run.
+    arr = anywhere(
+        command=["sh", "-c", 'echo "$GPUPOOL_ARRAY_INDEX $GPUPOOL_WORKLOAD_ID"'],
+        array={"count": 3, "parallelism": 2},
+    )
+    result = cycle()
+    assert result.sent_to_slurm == [arr]
+    assert set(Workload.objects.filter(array_parent_id=arr).values_list("region_id", flat=True)) == {wide.pk}
+    until(lambda: client.get(f"/api/v1/jobs/{arr}/").json()["state"] == "succeeded", timeout=60)
+    array_id = SlurmJob.objects.get(workload_id=arr).job_id
+    assert {rec["ArrayJobId"] for rec in scontrol_jobs(array_id)} == {str(array_id)}
+    for t in Workload.objects.filter(array_parent_id=arr):
+        assert t.region_id == wide.pk
+        texts = list(WorkloadLogLine.objects.filter(workload_id=t.pk).values_list("text", flat=True))
+        assert texts == [f"{t.array_index} {t.pk}"]
+    # One with max_retries cannot be (a Slurm array's tasks are not retried alone): with no agent
+    # node for it, it is refused.
+    r = client.post(
+        "/api/v1/jobs/",
+        no_region(command=["true"], array={"count": 2}, max_retries=1),
+        content_type="application/json",
+    )
+    assert r.status_code == 400 and "gpu_models" in r.json()["error"]["fields"], r.content
+
     # What a Slurm region does not run is not sent there: refused where no agent node has the GPUs.
     r = client.post(
         "/api/v1/jobs/",
