@@ -194,6 +194,10 @@ class Workload(TenantOwnedModel):
         "self", null=True, blank=True, on_delete=models.CASCADE, related_name="array_tasks"
     )
     array_index = models.PositiveIntegerField(null=True, blank=True)
+    # An array job of a Slurm region: each task's workload id by index, reserved before its one
+    # Slurm array job is submitted (the batch script tells each task its own id; task rows are made
+    # with these ids as the cycle makes them).
+    array_task_ids = models.JSONField(null=True, blank=True)
 
     # Why it waits, as the scheduler last saw it.
     pending_reason = models.CharField(max_length=32, blank=True)
@@ -891,6 +895,9 @@ class SlurmJob(models.Model):
     cancel_sent_at = models.DateTimeField(null=True, blank=True)
     output_offset = models.PositiveBigIntegerField(default=0)
     accounted_at = models.DateTimeField(null=True, blank=True)
+    # The Slurm job ids of its earlier attempts (a job resubmitted under ``max_retries``): never
+    # adopted again; the row follows the current attempt.
+    earlier_job_ids = models.JSONField(default=list, blank=True)
 
     class Meta:
         constraints = [

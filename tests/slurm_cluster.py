@@ -61,3 +61,33 @@ def slurm_cluster() -> Path:
             pytest.fail(f"GPUPOOL_REQUIRE_SLURM=1 but {reason}")
         pytest.skip(reason)
     return SLURM_CONF
+
+
+REST_URL = f"http://127.0.0.1:{os.environ.get('GPUPOOL_SLURMRESTD_PORT', '6830')}"
+
+
+@pytest.fixture
+def slurm_rest(slurm_cluster, tmp_path) -> tuple[str, Path]:
+    """slurmrestd of the test cluster (``scripts/slurm-up`` starts it where the Debian package
+    slurmrestd is installed) and a file holding a fresh token for root (``scontrol token``);
+    skips (or, in CI, fails) when it does not answer."""
+    import httpx
+
+    reason = ""
+    token = tmp_path / "slurm.jwt"
+    try:
+        token.write_text(slurm("scontrol", "token", "username=root", "lifespan=3600").strip())
+        r = httpx.get(
+            f"{REST_URL}/slurm/v0.0.38/ping",
+            headers={"X-SLURM-USER-NAME": "root", "X-SLURM-USER-TOKEN": token.read_text().split("=", 1)[1]},
+            timeout=10,
+        )
+        if r.status_code != 200:
+            reason = f"slurmrestd answered {r.status_code} at {REST_URL}"
+    except (AssertionError, OSError, httpx.HTTPError) as exc:
+        reason = f"slurmrestd does not answer at {REST_URL} ({exc}); install the Debian packages slurmrestd and slurm-wlm-jwt-plugin and run scripts/slurm-up"
+    if reason:
+        if os.environ.get("GPUPOOL_REQUIRE_SLURM") == "1":
+            pytest.fail(f"GPUPOOL_REQUIRE_SLURM=1 but {reason}")
+        pytest.skip(reason)
+    return REST_URL, token

@@ -18,8 +18,9 @@ from django.db import transaction
 from django.utils import timezone
 
 from nodes.models import Gpu, GpuModel, Node, NodeState, Region, RegionBackend
-from nodes.slurm.cli import SlurmCli, SlurmError, SlurmNode
+from nodes.slurm.cli import SlurmError, SlurmNode
 from nodes.slurm.config import SlurmConfig, slurm_config_parse
+from nodes.slurm.rest import SlurmConnector, slurm_connector_for
 from portal.actors import Actor
 from portal.errors import Conflict, ValidationFailed
 from portal.services.audit import audit_record
@@ -41,8 +42,8 @@ def slurm_config(region: Region) -> SlurmConfig:
     return slurm_config_parse(region.slurm)
 
 
-def slurm_connector(region: Region) -> SlurmCli:
-    return SlurmCli(slurm_config(region))
+def slurm_connector(region: Region) -> SlurmConnector:
+    return slurm_connector_for(slurm_config(region))
 
 
 def slurm_hostname(region: Region, name: str) -> str:
@@ -73,7 +74,12 @@ def slurm_inventory_store(
         for sn in nodes:
             hostname = slurm_hostname(region, sn.name)
             seen.add(hostname)
-            labels = {"slurm_node": sn.name, "slurm_state": sn.state, "partitions": list(sn.partitions)}
+            labels = {
+                "slurm_node": sn.name,
+                "slurm_state": sn.state,
+                "partitions": list(sn.partitions),
+                "slurm_gpus_used": dict(sn.gpus_used),  # every job's, gpupool's or not
+            }
             node = existing.get(hostname)
             if node is None:
                 node = Node.objects.create(
@@ -165,7 +171,9 @@ def _gpus_store(
 def slurm_inventory_refresh(*, region: Region, now: datetime | None = None) -> InventoryResult:
     """Read the region's nodes from Slurm and store them (``SlurmError`` when Slurm does not answer)."""
     config = slurm_config(region)
-    return slurm_inventory_store(region=region, nodes=SlurmCli(config).nodes(), config=config, now=now)
+    return slurm_inventory_store(
+        region=region, nodes=slurm_connector_for(config).nodes(), config=config, now=now
+    )
 
 
 def region_slurm_set(
@@ -196,7 +204,7 @@ def region_slurm_set(
         if check:
             try:
                 inventory = slurm_inventory_store(
-                    region=region, nodes=SlurmCli(config).nodes(), config=config, now=now
+                    region=region, nodes=slurm_connector_for(config).nodes(), config=config, now=now
                 )
             except SlurmError as exc:
                 raise ValidationFailed(f"Slurm does not answer: {exc}", fields={"slurm": [str(exc)]}) from exc

@@ -46,6 +46,7 @@ class SlurmNode:
     gpus: dict[str, int]  # GRES type -> count
     reason: str
     address: str
+    gpus_used: dict[str, int] = field(default_factory=dict)  # GRES type -> count Slurm has allocated
 
 
 # A job as gpupool follows it: (job id, None) for a job, (array job id, task index) for an array task.
@@ -149,6 +150,133 @@ def parse_gres(text: str) -> dict[str, int]:
     return out
 
 
+def nodes_from_json(data: dict[str, Any]) -> list[SlurmNode]:
+    """Slurm's nodes of ``sinfo --json`` or slurmrestd's ``GET .../nodes`` (one data parser)."""
+    seen: dict[str, SlurmNode] = {}
+    for n in data.get("nodes", []):
+        name = str(n.get("name", ""))
+        if not name or name in seen:
+            continue
+        state = n.get("state", "")
+        if isinstance(state, list):
+            state = state[0] if state else ""
+        seen[name] = SlurmNode(
+            name=name,
+            state=str(state).lower(),
+            flags=tuple(str(f).lower() for f in n.get("state_flags", []) or []),
+            partitions=tuple(str(p) for p in n.get("partitions", []) or []),
+            cpus=_int(n.get("cpus")) or 0,
+            memory_mib=_int(n.get("real_memory")) or 0,
+            gpus=parse_gres(str(n.get("gres", ""))),
+            reason=str(n.get("reason", "") or ""),
+            address=str(n.get("address", "") or ""),
+            gpus_used=parse_gres(str(n.get("gres_used", "") or "")),
+        )
+    return list(seen.values())
+
+
+def jobs_from_json(data: dict[str, Any]) -> dict[JobKey, SlurmJob]:
+    """gpupool's jobs that slurmctld still knows (pending, running, and ended for MinJobAge), by
+    ``SlurmJob.key``: an array's tasks one by one, those still pending in the array's own record
+    (``array_task_string``) each under its index with that record's state and reason."""
+    out = {}
+    for j in data.get("jobs", []):
+        name = str(j.get("name", ""))
+        if not name.startswith(JOB_NAME_PREFIX):
+            continue
+        jid = _int(j.get("job_id"))
+        if jid is None:
+            continue
+        state = j.get("job_state", "")
+        if isinstance(state, list):
+            state = state[0] if state else ""
+        hosts = [
+            str(n.get("nodename", ""))
+            for n in ((j.get("job_resources") or {}).get("allocated_nodes") or [])
+            if isinstance(n, dict)
+        ]
+        detail = [parse_gres(str(g)) for g in (j.get("gres_detail") or [])]
+        array_job = _int(j.get("array_job_id")) or 0
+        job = SlurmJob(
+            job_id=jid,
+            name=name,
+            state=str(state).upper(),
+            reason=str(j.get("state_reason", "") or ""),
+            start=_time(j.get("start_time")),
+            end=_time(j.get("end_time")),
+            exit_code=_int(j.get("exit_code")),
+            nodes=str(j.get("nodes", "") or ""),
+            submitted=_time(j.get("submit_time")),
+            array_job_id=array_job,
+            array_task_id=_int(j.get("array_task_id")) if array_job else None,
+            node_gres=tuple(zip(hosts, detail, strict=False)) if len(hosts) == len(detail) else (),
+        )
+        if array_job and job.array_task_id is None:
+            for i in array_task_ids(str(j.get("array_task_string", ""))):
+                out[(array_job, i)] = replace(job, array_task_id=i)
+        else:
+            out[job.key] = job
+    return out
+
+
+def accounting_from_json(data: dict[str, Any], codes: dict[int, int | None]) -> dict[JobKey, SlurmAccounting]:
+    """Records of ``sacct --json`` or slurmrestd's ``GET /slurmdb/.../job/{id}`` by
+    ``SlurmAccounting.key`` (of a job id given more than once, the newest submission); ``codes``:
+    exit codes by job id that override the JSON's (22.05 writes a failed job's as 0)."""
+    out: dict[JobKey, SlurmAccounting] = {}
+    submitted: dict[JobKey, int] = {}
+    for j in data.get("jobs", []):
+        jid = _int(j.get("job_id"))
+        if jid is None:
+            continue
+        array = j.get("array") or {}
+        array_job = _int(array.get("job_id")) or 0
+        array_task = _int(array.get("task_id")) if array_job else None
+        # (An array's record whose task is None stands for its tasks not started: they have no
+        # record of their own; its state says what became of them.)
+        gpus: dict[str, int] = {}
+        cpus = mem = 0
+        node_count = 1
+        for t in (j.get("tres") or {}).get("allocated", []) or []:
+            count = _int(t.get("count")) or 0
+            if t.get("type") == "node":
+                node_count = max(1, count)
+            if t.get("type") == "gres" and t.get("name"):
+                m = TRES_GPU_TYPE_RE.match(str(t["name"]))
+                if m:
+                    gpus[m["type"]] = count
+            elif t.get("type") == "cpu":
+                cpus = count
+            elif t.get("type") == "mem":
+                mem = count
+        state = (j.get("state") or {}).get("current", "")
+        if isinstance(state, list):
+            state = state[0] if state else ""
+        times = j.get("time") or {}
+        exit_code = codes[jid] if jid in codes else (j.get("exit_code") or {}).get("return_code")
+        acct = SlurmAccounting(
+            job_id=jid,
+            state=str(state).upper(),
+            start=_time(times.get("start")),
+            end=_time(times.get("end")),
+            elapsed_s=_int(times.get("elapsed")) or 0,
+            exit_code=_int(exit_code),
+            nodes="" if str(j.get("nodes", "")) == "None assigned" else str(j.get("nodes", "") or ""),
+            gpus=gpus,
+            cpus=cpus,
+            memory_mib=mem,
+            array_job_id=array_job,
+            array_task_id=array_task,
+            node_count=node_count,
+            unstarted_tasks=_task_set(array.get("task")) if array_task is None else frozenset(),
+            submitted=_time(times.get("submission")),
+        )
+        at = _int(times.get("submission")) or 0
+        if at >= submitted.get(acct.key, 0):
+            out[acct.key], submitted[acct.key] = acct, at
+    return out
+
+
 class SlurmCli:
     def __init__(self, config: SlurmConfig):
         self.config = config
@@ -194,27 +322,7 @@ class SlurmCli:
     # --- inventory ---------------------------------------------------------------------------------
 
     def nodes(self) -> list[SlurmNode]:
-        data = self._json(["sinfo", "--json"])
-        seen: dict[str, SlurmNode] = {}
-        for n in data.get("nodes", []):
-            name = str(n.get("name", ""))
-            if not name or name in seen:
-                continue
-            state = n.get("state", "")
-            if isinstance(state, list):
-                state = state[0] if state else ""
-            seen[name] = SlurmNode(
-                name=name,
-                state=str(state).lower(),
-                flags=tuple(str(f).lower() for f in n.get("state_flags", []) or []),
-                partitions=tuple(str(p) for p in n.get("partitions", []) or []),
-                cpus=_int(n.get("cpus")) or 0,
-                memory_mib=_int(n.get("real_memory")) or 0,
-                gpus=parse_gres(str(n.get("gres", ""))),
-                reason=str(n.get("reason", "") or ""),
-                address=str(n.get("address", "") or ""),
-            )
-        return list(seen.values())
+        return nodes_from_json(self._json(["sinfo", "--json"]))
 
     # --- jobs ------------------------------------------------------------------------------------
 
@@ -226,48 +334,8 @@ class SlurmCli:
             raise SlurmError(f"sbatch printed no job id: {out[:100]!r}") from exc
 
     def jobs(self) -> dict[JobKey, SlurmJob]:
-        """gpupool's jobs that slurmctld still knows (pending, running, and ended for MinJobAge), by
-        ``SlurmJob.key``: an array's tasks one by one, those still pending in the array's own record
-        (``array_task_string``) each under its index with that record's state and reason."""
-        data = self._json(["squeue", "--json"])
-        out = {}
-        for j in data.get("jobs", []):
-            name = str(j.get("name", ""))
-            if not name.startswith(JOB_NAME_PREFIX):
-                continue
-            jid = _int(j.get("job_id"))
-            if jid is None:
-                continue
-            state = j.get("job_state", "")
-            if isinstance(state, list):
-                state = state[0] if state else ""
-            hosts = [
-                str(n.get("nodename", ""))
-                for n in ((j.get("job_resources") or {}).get("allocated_nodes") or [])
-                if isinstance(n, dict)
-            ]
-            detail = [parse_gres(str(g)) for g in (j.get("gres_detail") or [])]
-            array_job = _int(j.get("array_job_id")) or 0
-            job = SlurmJob(
-                job_id=jid,
-                name=name,
-                state=str(state).upper(),
-                reason=str(j.get("state_reason", "") or ""),
-                start=_time(j.get("start_time")),
-                end=_time(j.get("end_time")),
-                exit_code=_int(j.get("exit_code")),
-                nodes=str(j.get("nodes", "") or ""),
-                submitted=_time(j.get("submit_time")),
-                array_job_id=array_job,
-                array_task_id=_int(j.get("array_task_id")) if array_job else None,
-                node_gres=tuple(zip(hosts, detail, strict=False)) if len(hosts) == len(detail) else (),
-            )
-            if array_job and job.array_task_id is None:
-                for i in array_task_ids(str(j.get("array_task_string", ""))):
-                    out[(array_job, i)] = replace(job, array_task_id=i)
-            else:
-                out[job.key] = job
-        return out
+        """gpupool's jobs that slurmctld still knows (``jobs_from_json``)."""
+        return jobs_from_json(self._json(["squeue", "--json"]))
 
     def accounting(self, job_ids: list[int]) -> dict[JobKey, SlurmAccounting]:
         """Accounting (slurmdbd) of these jobs (an array job: each of its tasks), by
@@ -287,58 +355,7 @@ class SlurmCli:
             jid, code, submit = [*line.split("|"), "", ""][:3]
             if jid.isdigit() and code.partition(":")[0].isdigit() and submit >= codes.get(int(jid), ("",))[0]:
                 codes[int(jid)] = (submit, int(code.partition(":")[0]))
-        out: dict[JobKey, SlurmAccounting] = {}
-        submitted: dict[JobKey, int] = {}
-        for j in data.get("jobs", []):
-            jid = _int(j.get("job_id"))
-            if jid is None:
-                continue
-            array = j.get("array") or {}
-            array_job = _int(array.get("job_id")) or 0
-            array_task = _int(array.get("task_id")) if array_job else None
-            # (An array's record whose task is None stands for its tasks not started: they have no
-            # record of their own; its state says what became of them.)
-            gpus: dict[str, int] = {}
-            cpus = mem = 0
-            node_count = 1
-            for t in (j.get("tres") or {}).get("allocated", []) or []:
-                count = _int(t.get("count")) or 0
-                if t.get("type") == "node":
-                    node_count = max(1, count)
-                if t.get("type") == "gres" and t.get("name"):
-                    m = TRES_GPU_TYPE_RE.match(str(t["name"]))
-                    if m:
-                        gpus[m["type"]] = count
-                elif t.get("type") == "cpu":
-                    cpus = count
-                elif t.get("type") == "mem":
-                    mem = count
-            state = (j.get("state") or {}).get("current", "")
-            if isinstance(state, list):
-                state = state[0] if state else ""
-            times = j.get("time") or {}
-            exit_code = codes[jid][1] if jid in codes else (j.get("exit_code") or {}).get("return_code")
-            acct = SlurmAccounting(
-                job_id=jid,
-                state=str(state).upper(),
-                start=_time(times.get("start")),
-                end=_time(times.get("end")),
-                elapsed_s=_int(times.get("elapsed")) or 0,
-                exit_code=_int(exit_code),
-                nodes="" if str(j.get("nodes", "")) == "None assigned" else str(j.get("nodes", "") or ""),
-                gpus=gpus,
-                cpus=cpus,
-                memory_mib=mem,
-                array_job_id=array_job,
-                array_task_id=array_task,
-                node_count=node_count,
-                unstarted_tasks=_task_set(array.get("task")) if array_task is None else frozenset(),
-                submitted=_time(times.get("submission")),
-            )
-            at = _int(times.get("submission")) or 0
-            if at >= submitted.get(acct.key, 0):
-                out[acct.key], submitted[acct.key] = acct, at
-        return out
+        return accounting_from_json(data, {jid: code for jid, (_, code) in codes.items()})
 
     def cancel(self, job_id: int, task: int | None = None) -> None:
         """scancel a job, a whole array job (every task: one command), or one task of it."""

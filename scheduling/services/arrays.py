@@ -62,6 +62,7 @@ _OWN_FIELDS = frozenset(
         "work_lease_s",
         "array_parent",
         "array_index",
+        "array_task_ids",
     }
 )
 
@@ -73,10 +74,13 @@ def _tasks_create(parent: Workload, indices: range, now: datetime) -> None:
         if f.name not in _OWN_FIELDS
     }
     base = parent.name or f"job {parent.pk}"
+    # A Slurm array's task ids were reserved when it was submitted (its batch script has them).
+    reserved = parent.array_task_ids or []
     tasks = Workload.objects.bulk_create(
         [
             Workload(
                 **copied,
+                **({"id": int(reserved[i])} if i < len(reserved) else {}),
                 name=f"{base}[{i}]"[:100],
                 state=WorkloadState.PENDING,
                 pending_reason="submitted",

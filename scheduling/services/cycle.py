@@ -53,6 +53,7 @@ from scheduling.services.gangs import (
     node_addresses,
 )
 from scheduling.services.lifecycle import PREEMPTIBLE_STATES, preempt_begin
+from scheduling.services.slurm_route import slurm_route
 from scheduling.services.snapshot import CycleContext, cycle_snapshot_load, from_epoch
 from scheduling.services.states import workloads_transition
 from scheduling.services.volumes import workload_volume_payloads
@@ -72,6 +73,7 @@ class CycleResult:
     preempted: list[int] = field(default_factory=list)
     pending: int = 0
     resized: list[int] = field(default_factory=list)
+    sent_to_slurm: list[int] = field(default_factory=list)  # region-less jobs (arrays) given a Slurm region
     seconds: float = 0.0
 
 
@@ -494,7 +496,15 @@ def scheduling_cycle_run(*, now: datetime | None = None, config: CycleConfig | N
             if _set_pending(w, "quota", "Every acceptable GPU model is at your per-model GPU quota.", None):
                 changed.append(w)
         _save_pending(changed)
-        result.pending = len(ctx.workloads) - len(result.placed)
+        # Region-less jobs the engine left waiting go to a Slurm region that can run them now.
+        result.sent_to_slurm = slurm_route(
+            workloads=[
+                ctx.workloads[int(d.request_id)]
+                for d in decisions
+                if not isinstance(d, E.Place | E.Resize) and int(d.request_id) not in ctx.quota_blocked
+            ]
+        )
+        result.pending = len(ctx.workloads) - len(result.placed)  # (those sent to Slurm still wait)
     result.seconds = time.perf_counter() - started
     if result.placed or result.preempted:
         logger.info(

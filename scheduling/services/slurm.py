@@ -36,16 +36,17 @@ import logging
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
-from django.db import transaction
-from django.db.models import Count, F, Value
+from django.db import connection, transaction
+from django.db.models import Count, F, Q, Value
 from django.db.models.functions import Greatest
 from django.utils import timezone
 
 from nodes.models import Gpu, GpuModel, Node, Region, RegionBackend
 from nodes.services.slurm import slurm_config, slurm_hostname, slurm_inventory_store
-from nodes.slurm.cli import JOB_NAME_PREFIX, JobKey, SlurmAccounting, SlurmCli, SlurmError
+from nodes.slurm.cli import JOB_NAME_PREFIX, JobKey, SlurmAccounting, SlurmError
 from nodes.slurm.cli import SlurmJob as LiveJob
 from nodes.slurm.config import SlurmConfig
+from nodes.slurm.rest import SlurmConnector, slurm_connector_for
 from portal.actors import Actor
 from portal.errors import ValidationFailed
 from scheduling.locks import lock_workload
@@ -142,7 +143,7 @@ def slurm_region_sync(*, region: Region, now: datetime | None = None) -> SyncRes
         result.error = f"configuration: {exc.message}"
         logger.error("Slurm region %s: %s", region.code, result.error)
         return result
-    cli = SlurmCli(config)
+    cli = slurm_connector_for(config)
     try:
         result.nodes = slurm_inventory_store(region=region, nodes=cli.nodes(), config=config, now=now).nodes
         live = cli.jobs()
@@ -171,23 +172,29 @@ def _refuse(w: Workload, message: str, result: SyncResult) -> None:
     result.refused.append(w.pk)
 
 
-def _submit(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: SyncResult) -> None:
+def _submit(region: Region, cli: SlurmConnector, live: dict[JobKey, LiveJob], result: SyncResult) -> None:
     config = cli.config
-    adoptable: dict[int, LiveJob] = {}
-    for job in live.values():
-        wid = job.name.removeprefix(JOB_NAME_PREFIX)
-        if wid.isdigit():
-            adoptable[int(wid)] = job
     known = set(
         SlurmJob.objects.filter(
             region=region, job_id__in=[k[0] for k in live], array_task_id__isnull=True
         ).values_list("job_id", flat=True)
     )
-    # Jobs (an array's tasks are its Slurm array's), and array jobs whose first tasks the cycle made.
+    for earlier in (
+        SlurmJob.objects.filter(region=region)
+        .exclude(earlier_job_ids=[])
+        .values_list("earlier_job_ids", flat=True)
+    ):
+        known.update(int(i) for i in earlier)  # an earlier attempt's job is never adopted
+    adoptable: dict[int, LiveJob] = {}
+    for job in live.values():
+        wid = job.name.removeprefix(JOB_NAME_PREFIX)
+        if wid.isdigit() and job.key[0] not in known:
+            adoptable[int(wid)] = job
+    # Jobs (an array's tasks are its Slurm array's), jobs queued again for a retry (their row's
+    # last Slurm job accounted), and array jobs whose first tasks the cycle made.
     ids = list(
-        Workload.objects.filter(
-            region=region, state=WorkloadState.QUEUED, slurm_job__isnull=True, array_parent__isnull=True
-        )
+        Workload.objects.filter(region=region, state=WorkloadState.QUEUED, array_parent__isnull=True)
+        .filter(Q(slurm_job__isnull=True) | Q(slurm_job__accounted_at__isnull=False))
         .order_by("pk")
         .values_list("pk", flat=True)[:MAX_SUBMIT_PER_SYNC]
     )
@@ -207,12 +214,14 @@ def _submit(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: 
     user = getpass.getuser()
     accounts: set[str] = set()
     for wid in sorted(ids):
+        _array_task_ids_reserve(wid)
         with transaction.atomic():
             w = lock_workload(workload_id=wid)
             waiting = (
                 (WorkloadState.PENDING, WorkloadState.RUNNING) if w.is_array else (WorkloadState.QUEUED,)
             )
-            if w.state not in waiting or w.stop_requested_at or SlurmJob.objects.filter(workload=w).exists():
+            current = SlurmJob.objects.filter(workload=w).first()
+            if w.state not in waiting or w.stop_requested_at or (current and current.accounted_at is None):
                 continue
             account = slurm_account_name(config, w.tenant)
             if account not in accounts:
@@ -240,9 +249,8 @@ def _submit(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: 
             job_id = None
             if (
                 found is not None
-                and found.key[0] not in known
                 and found.submitted
-                and found.submitted >= w.submitted_at.replace(microsecond=0)
+                and found.submitted >= (w.queued_at or w.submitted_at).replace(microsecond=0)
             ):
                 job_id = found.key[0]
             if job_id is None:
@@ -256,21 +264,55 @@ def _submit(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: 
                         _refuse(lock_workload(workload_id=task.pk), f"Slurm refused the job: {exc}", result)
                     _refuse(w, f"Slurm refused the job: {exc}", result)
                     continue
-            SlurmJob.objects.create(
-                workload=w,
-                region=region,
-                job_id=job_id,
-                account=account,
-                partition=config.partition(w.plan),
-                gres=next((o.split("=", 1)[1] for o in options if o.startswith("--gres=")), ""),
-                output_path=output.replace("%j", str(job_id)),
-                state="PENDING",
-            )
+            fields = {
+                "region": region,
+                "job_id": job_id,
+                "account": account,
+                "partition": config.partition(w.plan),
+                "gres": next((o.split("=", 1)[1] for o in options if o.startswith("--gres=")), ""),
+                "output_path": output.replace("%j", str(job_id)),
+                "state": "PENDING",
+            }
+            if current is None:
+                SlurmJob.objects.create(workload=w, **fields)
+            else:
+                # A retry: the row follows the new Slurm job; the earlier one is kept by its id.
+                SlurmJob.objects.filter(pk=current.pk).update(
+                    **fields,
+                    earlier_job_ids=[*current.earlier_job_ids, current.job_id],
+                    reason="",
+                    submitted_at=timezone.now(),
+                    cancel_sent_at=None,
+                    output_offset=0,
+                    accounted_at=None,
+                )
             message = f"Submitted to Slurm as {'array ' if w.is_array else ''}job {job_id}."
             w.pending_reason, w.pending_message = "slurm", message
-            w.save(update_fields=["pending_reason", "pending_message"])
+            w.attempt += 1  # placements so far, as the cycle counts them in agent regions
+            w.save(update_fields=["pending_reason", "pending_message", "attempt"])
             result.submitted.append(w.pk)
     _tasks_attach(region)
+
+
+def _array_task_ids_reserve(workload_id: int) -> None:
+    """An array job's task ids, one per index, before its Slurm array is submitted: the ids of the
+    tasks the cycle made, and ids taken from the workload sequence for the rest (the cycle makes
+    those rows with them, ``arrays._tasks_create``). Committed before sbatch runs, so a job sbatch
+    made before a crash, adopted later, has the ids its script was given."""
+    with transaction.atomic():
+        w = lock_workload(workload_id=workload_id)
+        if not w.is_array or (w.array_task_ids and len(w.array_task_ids) == w.array_count):
+            return
+        made = dict(Workload.objects.filter(array_parent=w).values_list("array_index", "pk"))
+        missing = [i for i in range(w.array_count) if i not in made]
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT nextval(pg_get_serial_sequence(%s, 'id')) FROM generate_series(1, %s)",
+                [Workload._meta.db_table, len(missing)],
+            )
+            new = iter(sorted(row[0] for row in cursor.fetchall()))
+        w.array_task_ids = [made[i] if i in made else next(new) for i in range(w.array_count)]
+        w.save(update_fields=["array_task_ids"])
 
 
 def _tasks_attach(region: Region) -> None:
@@ -311,7 +353,7 @@ def _label(sj: SlurmJob) -> str:
     return f"{sj.job_id}_{sj.array_task_id}" if sj.array_task_id is not None else str(sj.job_id)
 
 
-def _cancel(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: SyncResult) -> None:
+def _cancel(region: Region, cli: SlurmConnector, live: dict[JobKey, LiveJob], result: SyncResult) -> None:
     """scancel the jobs whose workload was stopped in gpupool and that Slurm has not ended: an
     array job's row cancels the whole Slurm array (one command), and its tasks with it."""
     rows = SlurmJob.objects.filter(
@@ -457,7 +499,26 @@ def _model_id_of(config: SlurmConfig, gres_type: str) -> int | None:
     return GpuModel.objects.filter(name=name).values_list("pk", flat=True).first() if name else None
 
 
-def _follow(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: SyncResult) -> None:
+def _requeued_by_slurm(w: Workload, job: LiveJob, label: str) -> None:
+    """Slurm put a job it ran back to pending (it requeued it itself, after a node failure, where
+    it could not be told not to: 22.05's REST API drops ``requeue=false``). As a node lost under
+    an agent's job: its GPUs are released now (billed to now), and it waits queued, without using
+    a retry, until Slurm runs it again (then it holds GPUs again from that start)."""
+    now = timezone.now()
+    Allocation.objects.filter(workload=w, ended_at__isnull=True).update(
+        ended_at=Greatest(F("started_at"), Value(now)), end_reason="slurm_requeued"
+    )
+    workload_transition(
+        workload=w,
+        to=WorkloadState.QUEUED,
+        reason="node_down",
+        message=f"Slurm requeued job {label} ({job.reason or 'requeued'}).",
+        actor=SYSTEM,
+        now=max(now, w.state_changed_at),
+    )
+
+
+def _follow(region: Region, cli: SlurmConnector, live: dict[JobKey, LiveJob], result: SyncResult) -> None:
     # An array job's own row is its Slurm array: its tasks' rows are followed; it ends with it.
     SlurmJob.objects.filter(
         region=region,
@@ -492,6 +553,8 @@ def _follow(region: Region, cli: SlurmCli, live: dict[JobKey, LiveJob], result: 
                 if (w.pending_reason, w.pending_message) != (reason, message):
                     w.pending_reason, w.pending_message = reason, message[:255]
                     w.save(update_fields=["pending_reason", "pending_message"])
+            elif job.state == "PENDING" and w.state == WorkloadState.RUNNING and w.stop_requested_at is None:
+                _requeued_by_slurm(w, job, _label(sj))
             elif job.state in RUNNING and w.state in (WorkloadState.QUEUED, WorkloadState.SCHEDULED):
                 _to_running(w, job.start or timezone.now(), _label(sj))
                 if w.state == WorkloadState.RUNNING and job.node_gres:
@@ -555,7 +618,55 @@ def _end_state(w: Workload, acct: SlurmAccounting, sj_reason: str, label: str) -
     )
 
 
-def _finish(region: Region, cli: SlurmCli, sj: SlurmJob, acct: SlurmAccounting) -> bool:
+# Slurm's ends that a job's retry policy (``max_retries``) applies to, as a failed exit does on an
+# agent; NODE_FAIL is a node lost under it (an agent node DOWN), PREEMPTED a preemption (with
+# ``requeue_on_preemption``): queued again without using a retry.
+RETRIED = frozenset({"FAILED", "OUT_OF_MEMORY", "BOOT_FAIL", "COMPLETED"})
+REQUEUED_FREE = frozenset({"NODE_FAIL"})
+
+
+def _retry(w: Workload, acct: SlurmAccounting, to: str, reason: str, message: str, end: datetime) -> bool:
+    """A failed job goes back to the queue while its retries last, as in agent regions
+    (``lifecycle._requeue_or_fail``): the next sync submits it to Slurm again as a new Slurm job
+    (``attempt`` counts them). Not an array's task (refused at submission), nor a stopped job,
+    nor one Slurm ended at its time limit or for its dependency. True if it was queued again."""
+    if to != WorkloadState.FAILED or w.stop_requested_at is not None or w.array_parent_id is not None:
+        return False
+    free = acct.state in REQUEUED_FREE or (acct.state == "PREEMPTED" and w.requeue_on_preemption)
+    if not free and acct.state not in RETRIED:
+        return False
+    if not free and w.retries >= w.max_retries:
+        if w.max_retries:
+            workload_transition(
+                workload=w,
+                to=to,
+                reason=reason,
+                message=f"{message} No retries left ({w.max_retries}).",
+                actor=SYSTEM,
+                now=end,
+            )
+            return True
+        return False
+    if not free:
+        w.retries += 1
+        w.save(update_fields=["retries"])
+    note = "" if free else f" Retry {w.retries} of {w.max_retries}."
+    if w.state == WorkloadState.QUEUED:  # it never ran: it stays queued, to be submitted again
+        w.pending_reason, w.pending_message = "slurm", f"{message}{note}"[:255]
+        w.save(update_fields=["pending_reason", "pending_message"])
+    else:
+        workload_transition(
+            workload=w,
+            to=WorkloadState.QUEUED,
+            reason=("preempted" if acct.state == "PREEMPTED" else "node_down") if free else "failed",
+            message=f"{message}{note}",
+            actor=SYSTEM,
+            now=end,
+        )
+    return True
+
+
+def _finish(region: Region, cli: SlurmConnector, sj: SlurmJob, acct: SlurmAccounting) -> bool:
     """The workload's end and its allocations' from sacct, in one transaction: the allocations it
     holds end at sacct's end (whatever closed them before, e.g. a stop that timed out); a job
     that started and ended between two syncs gets them made, ended, from sacct's nodes and GRES."""
@@ -570,14 +681,21 @@ def _finish(region: Region, cli: SlurmCli, sj: SlurmJob, acct: SlurmAccounting) 
             _to_running(w, acct.start, label)
         to, reason, message = _end_state(w, acct, sj.reason, label)
         end = acct.end or timezone.now()
+        # This attempt's allocations: those of earlier attempts (a retry, or a run Slurm requeued)
+        # ended before it was queued again.
+        queued = w.queued_at
+        since = queued if sj.earlier_job_ids and queued else None
         if w.state not in TERMINAL_STATES:
             end = max(end, w.state_changed_at)  # events stay in order (Slurm counts whole seconds)
             w.exit_code = acct.exit_code
             w.save(update_fields=["exit_code"])
-            workload_transition(workload=w, to=to, reason=reason, message=message, actor=SYSTEM, now=end)
+            if not _retry(w, acct, to, reason, message, end):
+                workload_transition(workload=w, to=to, reason=reason, message=message, actor=SYSTEM, now=end)
         if ran and w.started_at is not None:
             end_reason = f"slurm_{acct.state.lower()}"[:64]
             held = Allocation.objects.filter(workload=w)
+            if queued is not None:
+                held = held.filter(started_at__gte=queued)
             held.filter(started_at__lte=end).update(ended_at=end, end_reason=end_reason)
             missing = sum(acct.gpus.values()) - held.count()
             if missing > 0:
@@ -603,7 +721,7 @@ def _finish(region: Region, cli: SlurmCli, sj: SlurmJob, acct: SlurmAccounting) 
                     w,
                     placed,
                     cli.config,
-                    start=min(w.started_at, end),
+                    start=min(w.started_at, end) if since is None else min(max(acct.start, since), end),
                     end=end,
                     end_reason=end_reason,
                 )

@@ -101,7 +101,8 @@ def slurm_gang_shape(
 
 
 def _platform_env(w: Workload) -> dict[str, str]:
-    env = {"GPUPOOL_WORKLOAD_ID": str(w.pk)}
+    # An array task's own id is chosen in the script, from the ids reserved for its tasks.
+    env = {} if w.is_array else {"GPUPOOL_WORKLOAD_ID": str(w.pk)}
     if w.image:
         env["GPUPOOL_IMAGE"] = w.image
     if w.is_array:
@@ -160,6 +161,8 @@ def sbatch_request(
         f"--output={output}",
         f"--chdir={config.output_dir}",
         "--export=NONE",
+        # Slurm does not requeue it itself (on a node failure): gpupool does, by the job's policy.
+        "--no-requeue",
     ]
     options.append("--ntasks-per-node=1" if shape else "--ntasks=1")
     if w.is_array:
@@ -187,6 +190,12 @@ def sbatch_request(
         }
     lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
     if w.is_array:
+        # Each task's own workload id (``Workload.array_task_ids``, reserved before submission).
+        ids = [int(i) for i in w.array_task_ids or []]
+        if len(ids) != w.array_count:
+            raise ValueError(f"array job {w.pk} has no task ids reserved")
+        lines.append(f"GPUPOOL_TASK_IDS=({' '.join(map(str, ids))})")
+        lines.append('export GPUPOOL_WORKLOAD_ID="${GPUPOOL_TASK_IDS[$SLURM_ARRAY_TASK_ID]}"')
         lines.append('export GPUPOOL_ARRAY_INDEX="$SLURM_ARRAY_TASK_ID"')
     command = shlex.join(str(a) for a in w.command)
     lines.append(GANG_SCRIPT + command if shape else "exec " + command)

@@ -557,13 +557,20 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
     # Against the fleet: some node must be able to hold it. The shapes may be a few seconds old
     # (_fleet_nodes): a request is refused only on what the fleet is now. A Slurm region's
     # cluster decides for itself (its own checks are in _validate_slurm).
+    no_agent_node: ValidationFailed | None = None
     if region is not None and region.backend == RegionBackend.SLURM:
         f["other_regions_ok"] = False
     else:
         try:
-            _check_fleet(f, region, _fleet_nodes(candidates))
-        except ValidationFailed:
-            _check_fleet(f, region, _fleet_nodes(candidates, fresh=True))
+            try:
+                _check_fleet(f, region, _fleet_nodes(candidates))
+            except ValidationFailed:
+                _check_fleet(f, region, _fleet_nodes(candidates, fresh=True))
+        except ValidationFailed as exc:
+            if region is not None:
+                raise
+            # A job naming no region may still go to a Slurm region (checked once all is known).
+            no_agent_node = exc
         if f["elastic_max_gpus"] is not None:
             # Its maximum must fit one node of an acceptable model (what it may grow to).
             try:
@@ -613,6 +620,12 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
             raise _fail("command", "A job needs a command.")
         if f["ssh_public_key"] or f["ports"]:
             raise _fail("ssh_public_key" if f["ssh_public_key"] else "ports", "Instances only.")
+    if no_agent_node is not None:
+        from scheduling.services.slurm_route import slurm_region_could_run
+
+        fields = {**f, "kind": kind, "volumes": bool(volumes), "reservation": reservation is not None}
+        if slurm_region_could_run(fields, candidates) is None:
+            raise no_agent_node
     if region is not None and region.backend == RegionBackend.SLURM:
         _validate_slurm(f, kind=kind, region=region, candidates=candidates, explicit=explicit, work=work)
         if reservation is not None:
@@ -650,6 +663,9 @@ def _validate_slurm(
         raise _fail("elastic", "Slurm jobs keep the GPUs they start with: no elastic jobs in Slurm regions.")
     if any(isinstance(v, dict) for v in f["env"].values()):
         raise _fail("env", "Secrets are not handed to Slurm (its job records keep the environment).")
+    if f["max_retries"] and f["array_count"] is not None:
+        # A Slurm array's task is not resubmitted alone (a job's retries are: new Slurm jobs).
+        raise _fail("max_retries", "An array's tasks are not retried in Slurm regions.")
     config = slurm_config_parse(region.slurm)
     if explicit and not any(m.name in config.gres_types for m in candidates):
         raise _fail("gpu_models", f"No GRES type of {region.code} is one of these models.")

@@ -18,6 +18,11 @@ from portal.models import AuditEvent, User
 from tests.slurm_cluster import NODE, NODE2, OUTPUT_DIR, SLURM_CONF
 
 H100 = "NVIDIA H100 SXM 80GB"
+REST = {
+    "rest_url": "https://slurm.example:6820",
+    "rest_user": "gpupool",
+    "jwt_file": "/etc/gpupool/slurm.jwt",
+}
 GOOD = {"output_dir": "/srv/out", "partitions": {"default": "gpu"}, "gres_types": {H100: "h100"}}
 
 
@@ -31,7 +36,15 @@ GOOD = {"output_dir": "/srv/out", "partitions": {"default": "gpu"}, "gres_types"
         ({"output_dir": "relative/out"}, "output_dir"),
         ({"output_dir": "/srv/../etc"}, "output_dir"),
         ({"slurm_conf": "/etc/slurm/slurm.conf\n"}, "slurm_conf"),
-        ({"connector": "rest"}, "connector"),
+        ({"connector": "ssh"}, "connector"),
+        ({"connector": "rest"}, "rest_url"),
+        ({"connector": "rest", **REST, "rest_url": "file:///etc/passwd"}, "rest_url"),
+        ({"connector": "rest", **REST, "rest_url": "http://user@10.0.0.1:6820"}, "rest_url"),
+        ({"connector": "rest", **REST, "rest_url": "http://10.0.0.1:6820/slurm?x=1"}, "rest_url"),
+        ({"connector": "rest", **REST, "rest_user": "root --x"}, "rest_user"),
+        ({"connector": "rest", **REST, "jwt_file": "token"}, "jwt_file"),
+        ({"connector": "rest", **REST, "slurm_conf": "/etc/slurm/slurm.conf"}, "slurm_conf"),
+        ({"rest_url": "http://10.0.0.1:6820"}, "rest_url"),  # the cli connector has no URL
         ({"timeout_s": 0}, "timeout_s"),
         ({"account_prefix": "Gp "}, "account_prefix"),
         ({"surprise": 1}, "slurm"),
@@ -42,6 +55,17 @@ def test_the_configuration_refuses_what_is_not_a_slurm_name_or_a_path(change, fi
     with pytest.raises(ValidationFailed) as err:
         slurm_config_parse({**GOOD, **change})
     assert field in err.value.fields
+
+
+def test_the_rest_connector_takes_a_url_a_user_and_a_token_file():
+    config = slurm_config_parse({**GOOD, "connector": "rest", **REST})
+    assert (config.connector, config.rest_url, config.rest_user, config.jwt_file) == (
+        "rest",
+        "https://slurm.example:6820",
+        "gpupool",
+        "/etc/gpupool/slurm.jwt",
+    )
+    assert slurm_config_parse(GOOD).connector == "cli"
 
 
 @pytest.mark.django_db

@@ -13,7 +13,7 @@ from portal.actors import Actor
 from scheduling.models import Volume, Workload
 from scheduling.services.cycle import scheduling_cycle_run
 from scheduling.services.submission import workload_submit
-from tests.slurm_cluster import slurm_cluster  # noqa: F401  (the real Slurm, for the Slurm region)
+from tests.slurm_cluster import slurm_cluster, slurm_rest  # noqa: F401  (the real Slurm, for the Slurm region)
 
 H100 = "NVIDIA H100 SXM 80GB"
 A100 = "NVIDIA A100 SXM 80GB"

@@ -313,7 +313,8 @@ def test_an_array_is_one_slurm_array_job_with_a_task_row_per_slurm_task(region, 
             command=[
                 "sh",
                 "-c",
-                'echo "task $GPUPOOL_ARRAY_INDEX of $GPUPOOL_ARRAY_COUNT (slurm $SLURM_ARRAY_TASK_ID)"; sleep 1',
+                'echo "task $GPUPOOL_ARRAY_INDEX of $GPUPOOL_ARRAY_COUNT (slurm $SLURM_ARRAY_TASK_ID)'
+                ' id $GPUPOOL_WORKLOAD_ID"; sleep 1',
             ],
             array={"count": 3, "parallelism": 2},
         ),
@@ -332,6 +333,14 @@ def test_an_array_is_one_slurm_array_job_with_a_task_row_per_slurm_task(region, 
     assert tasks_seen in ("0-2%2", "0,1-2%2") or {"0", "1"} <= set(tasks_seen.replace("%2", "").split(","))
     names = slurm("squeue", "-h", "-o", "%F", "--name", f"gpupool-{aid}").split()
     assert set(names) <= {str(array_id)}  # no other Slurm job for it
+    # Its batch script (Slurm's copy) names each task's own workload id, reserved before sbatch:
+    # the tasks made so far have theirs, the others are made later with the rest.
+    reserved = Workload.objects.get(pk=aid).array_task_ids
+    assert len(set(reserved)) == 3 and aid not in reserved
+    made = dict(Workload.objects.filter(array_parent_id=aid).values_list("array_index", "pk"))
+    assert made and all(reserved[i] == pk for i, pk in made.items())
+    script = slurm("scontrol", "write", "batch_script", str(array_id), "-")
+    assert f"GPUPOOL_TASK_IDS=({' '.join(map(str, reserved))})" in script
 
     sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{aid}/").json()["state"] == "succeeded")
     listed = client.get(f"/api/v1/jobs/{aid}/tasks/").json()["results"]
@@ -343,7 +352,8 @@ def test_an_array_is_one_slurm_array_job_with_a_task_row_per_slurm_task(region, 
             WorkloadLogLine.objects.filter(workload_id=sj.workload_id).values_list("text", flat=True)
         )
         i = sj.array_task_id
-        assert lines == [f"task {i} of 3 (slurm {i})"]
+        # Each task is told its own workload id, as the agent tells a task (not the array's).
+        assert lines == [f"task {i} of 3 (slurm {i}) id {sj.workload_id}"] and sj.workload_id == reserved[i]
         assert sj.output_path.endswith(f"gpupool-{aid}-{array_id}_{i}.out")
         # Each task's usage from sacct's record of that task: one GPU, ended, from its RUNNING.
         (alloc,) = Allocation.objects.filter(workload_id=sj.workload_id)
@@ -509,3 +519,203 @@ def test_running_slurm_jobs_count_toward_model_quota_and_budget(region, client, 
     assert quota_usage(tenant=tenant).model_milli.get(h100.pk, 0) == 0
     ended = Allocation.objects.filter(workload_id=hog)
     assert ended.count() == 2 and not ended.filter(ended_at__isnull=True).exists()
+
+
+def test_max_retries_resubmits_a_failed_job_as_a_new_slurm_job(region, client, tenant, cycle, tmp_path):
+    h100 = price_h100("3.60")
+    marker = tmp_path / "ran-once"
+    flaky = submit(
+        client,
+        max_retries=2,
+        command=[
+            "sh",
+            "-c",
+            # (a second each: Slurm counts whole seconds, and a run of none bills none)
+            f"sleep 1; if [ -e {marker} ]; then echo again $GPUPOOL_WORKLOAD_ID;"
+            f" else touch {marker}; echo first; exit 3; fi",
+        ],
+    )
+    doomed = submit(client, max_retries=1, command=["sh", "-c", "exit 4"])
+    sync_until(
+        region,
+        cycle,
+        lambda: (
+            {client.get(f"/api/v1/jobs/{w}/").json()["state"] for w in (flaky, doomed)}
+            == {"succeeded", "failed"}
+        ),
+        timeout=60,
+    )
+    body = client.get(f"/api/v1/jobs/{flaky}/").json()
+    assert (body["state"], body["retries"], body["attempt"], body["exit_code"]) == ("succeeded", 1, 2, 0)
+    sj = SlurmJob.objects.get(workload_id=flaky)
+    (earlier,) = sj.earlier_job_ids
+    # Slurm's own view: two jobs of that name, the first failed with its exit code, the second not.
+    sacct = slurm(
+        "sacct", "-n", "-P", "-X", *RECENT, "-o", "JobIDRaw,State,ExitCode", "--name", f"gpupool-{flaky}"
+    )
+    assert sorted(sacct.split()) == sorted([f"{earlier}|FAILED|3:0", f"{sj.job_id}|COMPLETED|0:0"])
+    assert scontrol_job(sj.job_id)["Requeue"] == "0"  # Slurm leaves the retrying to gpupool
+    events = client.get(f"/api/v1/jobs/{flaky}/events/").json()
+    assert [e["to_state"] for e in events][-6:] == [
+        "scheduled",
+        "running",
+        "queued",
+        "scheduled",
+        "running",
+        "succeeded",
+    ]
+    assert "Retry 1 of 2" in events[-4]["message"]
+    lines = list(WorkloadLogLine.objects.filter(workload_id=flaky).values_list("text", flat=True))
+    assert lines == ["first", f"again {flaky}"]
+    # Each attempt is billed for its own run, from sacct: two ended allocations, one per Slurm job.
+    records = {
+        r["job_id"]: r["time"]
+        for r in json.loads(slurm("sacct", "--json", *RECENT, "-j", f"{earlier},{sj.job_id}"))["jobs"]
+    }
+    allocs = list(Allocation.objects.filter(workload_id=flaky).order_by("started_at"))
+    assert [a.end_reason for a in allocs] == ["slurm_failed", "slurm_completed"]
+    for a, jid in zip(allocs, (earlier, sj.job_id), strict=True):
+        assert 0 <= a.ended_at.timestamp() - records[jid]["end"] < 1
+    assert allocs[0].ended_at <= allocs[1].started_at
+    usage_build(tenant=tenant)
+    assert UsageRecord.objects.filter(workload_id=flaky, gpu_model=h100).count() == 2
+
+    # Out of retries: failed, after 1 + max_retries Slurm jobs.
+    body = client.get(f"/api/v1/jobs/{doomed}/").json()
+    assert (body["retries"], body["attempt"], body["exit_code"]) == (1, 2, 4)
+    assert "No retries left (1)" in body["state_reason"]
+    assert len(SlurmJob.objects.get(workload_id=doomed).earlier_job_ids) == 1
+
+    # An array's tasks are not retried one by one in Slurm: refused, naming the field.
+    r = client.post(
+        "/api/v1/jobs/",
+        job(command=["true"], array={"count": 2}, max_retries=1),
+        content_type="application/json",
+    )
+    assert r.status_code == 400 and "max_retries" in r.json()["error"]["fields"], r.content
+
+
+def test_a_node_failure_queues_the_job_again_without_using_a_retry(region, client, cycle):
+    region.slurm = {**region.slurm, "partitions": {"default": "multi"}}
+    region.save(update_fields=["slurm"])
+    assert slurm_region_sync(region=region).nodes == 2
+    wid = submit(client, gpu_count=2, gpus_per_node=[1], command=["sh", "-c", "sleep 4; echo done"])
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{wid}/").json()["state"] == "running")
+    first = SlurmJob.objects.get(workload_id=wid).job_id
+    try:
+        slurm("scontrol", "update", f"nodename={NODE2}", "state=down", "reason=gpupool-test")
+        sync_until(
+            region,
+            cycle,
+            lambda: SlurmJob.objects.get(workload_id=wid).earlier_job_ids == [first],
+            timeout=60,
+        )
+    finally:
+        # (ReturnToService=2 may have brought it back already as slurmd registers again.)
+        if "down" in slurm("sinfo", "-h", "-N", "-n", NODE2, "-o", "%T"):
+            slurm("scontrol", "update", f"nodename={NODE2}", "state=resume")
+    states = slurm("sacct", "-n", "-P", "-X", *RECENT, "-o", "State", "-j", str(first)).split()
+    assert states == ["NODE_FAIL"]
+    sync_until(
+        region, cycle, lambda: client.get(f"/api/v1/jobs/{wid}/").json()["state"] == "succeeded", timeout=60
+    )
+    body = client.get(f"/api/v1/jobs/{wid}/").json()
+    assert (body["retries"], body["attempt"]) == (0, 2)  # max_retries 0: a node failure is not one
+    events = client.get(f"/api/v1/jobs/{wid}/events/").json()
+    (requeue,) = [e for e in events if e["reason"] == "node_down"]
+    assert requeue["to_state"] == "queued" and f"Slurm job {first}: NODE_FAIL" in requeue["message"]
+    # Its log: the second attempt's run on both nodes (the first was killed before its echo).
+    lines = list(WorkloadLogLine.objects.filter(workload_id=wid).values_list("text", flat=True))
+    assert lines.count("done") == 2
+
+
+def test_a_job_naming_no_region_goes_to_a_slurm_region_with_free_gpus(region, client, cycle, make_node):
+    # A second Slurm region on the same cluster, over both nodes (partition multi): four H100.
+    wide = Region.objects.create(
+        code="hpc-2",
+        name="HPC wide",
+        backend=RegionBackend.SLURM,
+        slurm={**region.slurm, "partitions": {"default": "multi"}, "gres_types": {H100: "h100"}},
+    )
+    agent_node = make_node(model=A100, gpus=1, region="us")
+    for r in (region, wide):
+        assert slurm_region_sync(region=r).error == ""
+
+    def no_region(**spec):
+        return {k: v for k, v in job(**spec).items() if k != "region"}
+
+    def anywhere(**spec):
+        r = client.post("/api/v1/jobs/", no_region(**spec), content_type="application/json")
+        assert r.status_code == 201, r.content
+        return r.json()["id"]
+
+    def sync_all():
+        for r in (region, wide):
+            assert not slurm_region_sync(region=r).error
+
+    def until(check, timeout=40.0):
+        deadline = time.monotonic() + timeout
+        while not check():
+            cycle()
+            sync_all()
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.5)
+
+    # No agent node has H100: the Slurm region with the most free H100 takes it (hpc-2: 4, hpc-1: 2).
+    h = anywhere(command=["true"])
+    result = cycle()
+    assert result.sent_to_slurm == [h]
+    w = Workload.objects.get(pk=h)
+    assert w.region_id == wide.pk and w.pending_reason == "slurm" and "hpc-2: 4 free" in w.pending_message
+    until(lambda: client.get(f"/api/v1/jobs/{h}/").json()["state"] == "succeeded")
+    assert scontrol_job(SlurmJob.objects.get(workload_id=h).job_id)["Partition"] == "multi"
+
+    # Agent regions first: one A100 fits the agent node; two do not, and go to hpc-1 (A100 there).
+    on_agent = anywhere(gpu_models=[A100], command=["true"])
+    pair = anywhere(gpu_models=[A100], gpu_count=2, command=["sleep", "8"])
+    result = cycle()
+    assert result.placed == [on_agent] and result.sent_to_slurm == [pair]
+    assert Allocation.objects.get(workload_id=on_agent).node_id == agent_node.pk
+    until(lambda: client.get(f"/api/v1/jobs/{pair}/").json()["state"] == "running")
+    seen = scontrol_job(SlurmJob.objects.get(workload_id=pair).job_id)  # Slurm's own view
+    assert "gres/gpu:a100=2" in seen["TRES"] and seen["Partition"] == "gpu"
+
+    # Its A100 are taken: the next pair waits in gpupool (no region), and goes once they are free.
+    later = anywhere(gpu_models=[A100], gpu_count=2, command=["true"])
+    assert cycle().sent_to_slurm == []
+    assert Workload.objects.get(pk=later).region_id is None
+    until(lambda: client.get(f"/api/v1/jobs/{later}/").json()["state"] == "succeeded", timeout=60)
+    assert Workload.objects.get(pk=later).region_id == region.pk
+    assert client.get(f"/api/v1/jobs/{pair}/").json()["state"] == "succeeded"
+
+    # An array is sent whole, as one Slurm array, while none of its tasks has run.
+    arr = anywhere(
+        command=["sh", "-c", 'echo "$GPUPOOL_ARRAY_INDEX $GPUPOOL_WORKLOAD_ID"'],
+        array={"count": 3, "parallelism": 2},
+    )
+    result = cycle()
+    assert result.sent_to_slurm == [arr]
+    assert set(Workload.objects.filter(array_parent_id=arr).values_list("region_id", flat=True)) == {wide.pk}
+    until(lambda: client.get(f"/api/v1/jobs/{arr}/").json()["state"] == "succeeded", timeout=60)
+    array_id = SlurmJob.objects.get(workload_id=arr).job_id
+    assert {rec["ArrayJobId"] for rec in scontrol_jobs(array_id)} == {str(array_id)}
+    for t in Workload.objects.filter(array_parent_id=arr):
+        assert t.region_id == wide.pk
+        texts = list(WorkloadLogLine.objects.filter(workload_id=t.pk).values_list("text", flat=True))
+        assert texts == [f"{t.array_index} {t.pk}"]
+    # One with max_retries cannot be (a Slurm array's tasks are not retried alone): with no agent
+    # node for it, it is refused.
+    r = client.post(
+        "/api/v1/jobs/",
+        no_region(command=["true"], array={"count": 2}, max_retries=1),
+        content_type="application/json",
+    )
+    assert r.status_code == 400 and "gpu_models" in r.json()["error"]["fields"], r.content
+
+    # What a Slurm region does not run is not sent there: refused where no agent node has the GPUs.
+    r = client.post(
+        "/api/v1/jobs/",
+        no_region(command=["true"], gpu_fraction_milli=500),
+        content_type="application/json",
+    )
+    assert r.status_code == 400 and "gpu_models" in r.json()["error"]["fields"], r.content
