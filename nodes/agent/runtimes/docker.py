@@ -574,6 +574,8 @@ class DockerRuntime(Runtime):
                 self.gang_sandbox_image,
                 self.gang_sandbox_command or None,
                 name=name,
+                # Root without capabilities: the agent (root) may then open its namespace.
+                user="0:0",
                 labels={LABEL: spec.workload_id, gang_network.SANDBOX_ROLE: "gang-sandbox"},
                 host_config=api.create_host_config(
                     network_mode=network,
