@@ -21,8 +21,10 @@ class GangNetwork:
     gateway: ipaddress.IPv4Address | None
 
     def hosts(self) -> list[str]:
-        """The addresses members may get: the range's hosts, without the gateway."""
-        return [str(a) for a in self.range.hosts() if a != self.gateway]
+        """The addresses members may get: the range's hosts, without the gateway (the engine's
+        network has one, so without the region's it is the subnet's first address)."""
+        gateway = self.gateway or next(self.subnet.hosts())
+        return [str(a) for a in self.range.hosts() if a != gateway]
 
 
 def gang_network_check(*, subnet: str, range_: str, gateway: str | None) -> GangNetwork | None:

@@ -192,6 +192,14 @@ def test_a_members_rules_let_in_its_peers_only() -> None:
         ["OUTPUT", "-d", "168.63.129.16/32", "-j", "DROP"],
         ["OUTPUT", "-d", "10.77.0.0/16", "-j", "DROP"],
     ]
+    # A region without a gateway: nothing out but to the peers.
+    closed = gang_network.rules(
+        address="10.77.200.2", peers=["10.77.200.2", "10.77.200.3"], subnet="10.77.0.0/16", route_out=False
+    )
+    assert (
+        closed[-1] == ["OUTPUT", "-j", "DROP"]
+        and closed.index(["OUTPUT", "-d", "10.77.200.3", "-j", "ACCEPT"]) < len(closed) - 1
+    )
 
 
 def test_the_gang_parent_setting(tmp_path: Path) -> None:

@@ -563,7 +563,9 @@ class DockerRuntime(Runtime):
         its namespace's rules, and answer its id; on any failure nothing of it is left."""
         net = spec.gang_network or {}
         peers = spec.platform_env["GPUPOOL_PEERS"].split(",")
-        wanted = gang_network.rules(address=net["address"], peers=peers, subnet=net["subnet"])
+        wanted = gang_network.rules(
+            address=net["address"], peers=peers, subnet=net["subnet"], route_out="gateway" in net
+        )
         self._ensure_image(self.gang_sandbox_image)
         with contextlib.suppress(NotFound):
             self.client.api.remove_container(name, force=True)  # an earlier try's
@@ -623,17 +625,16 @@ class DockerRuntime(Runtime):
                         "once no gang uses it, or set gang_parent and the region's gang network to match"
                     )
                 return str(found[0]["Id"])
-            pool = docker.types.IPAMPool(
-                subnet=net["subnet"], iprange=net["range"], gateway=net.get("gateway")
-            )
+            # The engine gives its network a gateway; without the region's, the subnet's first
+            # address (which the portal never hands out), and the members' rules send nothing out.
+            gateway = net.get("gateway") or str(next(ipaddress.IPv4Network(net["subnet"]).hosts()))
+            pool = docker.types.IPAMPool(subnet=net["subnet"], iprange=net["range"], gateway=gateway)
             return str(
                 self.client.networks.create(
                     name,
                     driver="macvlan",
                     options={"parent": self.gang_parent, "macvlan_mode": "bridge"},
                     ipam=docker.types.IPAMConfig(pool_configs=[pool]),
-                    # No gateway: no route out at all (the engine's "internal" network).
-                    internal="gateway" not in net,
                     labels={gang_network.NETWORK_LABEL: net["subnet"]},
                     check_duplicate=True,
                 ).id

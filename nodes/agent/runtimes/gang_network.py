@@ -17,7 +17,8 @@ process, with every capability dropped, cannot change them:
 - in: loopback, replies, and new connections from the gang's peers (``GPUPOOL_PEERS``); nothing
   else (other tenants' members on the same network, any other host on it);
 - out: loopback, replies, the peers; not the link-local metadata addresses, not the rest of the
-  gang subnet (other nodes, other gangs); the rest by the route out (the region's gateway, if any).
+  gang subnet (other nodes, other gangs); the rest by the route out (the region's gateway; a region
+  without one: nothing else).
 
 IPv6 is off in the namespace (a sysctl of the sandbox). Values are checked IPv4 addresses and
 networks, passed to ``iptables`` as argv, never through a shell.
@@ -58,8 +59,9 @@ def peers_checked(*, peers: str, address: str, subnet: str, rank: int) -> list[s
     return out
 
 
-def rules(*, address: str, peers: list[str], subnet: str) -> list[list[str]]:
-    """The member's rules, in order, each an ``iptables`` argv after ``-A``."""
+def rules(*, address: str, peers: list[str], subnet: str, route_out: bool = True) -> list[list[str]]:
+    """The member's rules, in order, each an ``iptables`` argv after ``-A``; without
+    ``route_out`` (the region has no gateway) nothing but the peers, out."""
     others = [p for p in peers if p != address]
     ipaddress.IPv4Network(subnet)  # checked by the caller; a bad one must not reach iptables
     replies = ["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"]
@@ -69,6 +71,8 @@ def rules(*, address: str, peers: list[str], subnet: str) -> list[list[str]]:
     out += [["OUTPUT", "-o", "lo", "-j", "ACCEPT"], ["OUTPUT", *replies]]
     out += [["OUTPUT", "-d", peer, "-j", "ACCEPT"] for peer in others]
     out += [["OUTPUT", "-d", net, "-j", "DROP"] for net in (*METADATA, subnet)]
+    if not route_out:
+        out.append(["OUTPUT", "-j", "DROP"])
     return out
 
 
