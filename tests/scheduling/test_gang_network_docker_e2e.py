@@ -1,10 +1,10 @@
 """End to end: a gang whose members have addresses of their own on the region's gang network, on
 the real Docker Engine, with two real agents and the real portal and scheduler.
 
-The nodes' data network is a dummy interface the test makes on this machine (``ip link add ...
-type dummy``, with an address of the host's on it): the agents' ``gang_parent``, so the engine's
-macvlan network sits on it and no frame leaves the machine (macvlan children of one parent meet
-in its bridge mode). The region gets a gang network (the dummy's subnet, a range for members);
+The nodes' data network is an interface the test makes on this machine (one end of a veth pair,
+with an address of the host's on it; the other end in an empty network namespace: this kernel
+has no dummy interfaces): the agents' ``gang_parent``, so the engine's macvlan network sits on
+it and no frame leaves the machine (macvlan children of one parent meet in its bridge mode). The region gets a gang network (the dummy's subnet, a range for members);
 the portal hands each member an address there, and names those in ``MASTER_ADDR`` and
 ``GPUPOOL_PEERS``. As in ``test_gang_docker_e2e``, the GPU device requests are taken out of the
 start commands (no NVIDIA runtime here), and the sandbox image is the local busybox one.
@@ -104,12 +104,18 @@ def data_network(docker_engine: docker.DockerClient) -> Iterator[dict[str, Any]]
     """The nodes' data network: a dummy interface with the host's address on it, and the region's
     gang network on its subnet (the range: the subnet's upper quarter). Answers its facts."""
     _drop_gang_network(docker_engine)  # an earlier run's, made on another dummy
-    name = f"gpn{uuid.uuid4().hex[:8]}"
+    tag = uuid.uuid4().hex[:8]
+    name, wire = f"gpn{tag}", f"gpn{tag}w"
     subnet = ipaddress.ip_network(f"10.{120 + uuid.uuid4().int % 60}.{uuid.uuid4().int % 250}.0/24")
     hosts = list(subnet.hosts())
-    _ip("link", "add", name, "type", "dummy")
+    # The node's interface on the data network, and the wire's other end in a namespace of its own
+    # with nothing on it (this kernel has no dummy interfaces): frames leaving go nowhere.
+    _ip("netns", "add", name)
+    _ip("link", "add", name, "type", "veth", "peer", "name", wire)
     region = Region.objects.get(code="e2e-1")
     try:
+        _ip("link", "set", wire, "netns", name)
+        _ip("-n", name, "link", "set", wire, "up")
         _ip("addr", "add", f"{hosts[1]}/{subnet.prefixlen}", "dev", name)
         _ip("link", "set", name, "up")
         region.gang_subnet, region.gang_range = str(subnet), str(list(subnet.subnets(new_prefix=26))[3])
@@ -126,6 +132,7 @@ def data_network(docker_engine: docker.DockerClient) -> Iterator[dict[str, Any]]
         Region.objects.filter(pk=region.pk).update(gang_subnet="", gang_range="", gang_gateway=None)
         _drop_gang_network(docker_engine)
         _ip("link", "del", name)
+        _ip("netns", "del", name)
 
 
 @pytest.fixture
