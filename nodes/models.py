@@ -13,10 +13,13 @@ import uuid
 from decimal import Decimal
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
+
+from nodes.gang_network import GangNetworkError, gang_network_check
 
 
 def hash_secret(secret: str) -> str:
@@ -128,12 +131,27 @@ class Region(models.Model):
     backend = models.CharField(max_length=16, choices=RegionBackend.choices, default=RegionBackend.AGENTS)
     slurm = models.JSONField(default=dict, blank=True)
     """A Slurm region's connection and mapping (``nodes.slurm.config``): empty for agent regions."""
+    # The gang network (docker gangs with routable member addresses, docs/architecture.md): the
+    # nodes' data network as a CIDR, the part of it reserved for containers (the portal hands each
+    # gang member an address from it) and the route out (empty: none). Set by staff, never tenants;
+    # empty: gangs get a bridge and a published rendezvous port only.
+    gang_subnet = models.CharField(max_length=43, blank=True, help_text="e.g. 10.20.0.0/16")
+    gang_range = models.CharField(
+        max_length=43, blank=True, help_text="Addresses for gang members, within the subnet: 10.20.200.0/24"
+    )
+    gang_gateway = models.GenericIPAddressField(protocol="IPv4", null=True, blank=True)
 
     class Meta:
         ordering = ["code"]
 
     def __str__(self) -> str:
         return self.code
+
+    def clean(self) -> None:
+        try:
+            gang_network_check(subnet=self.gang_subnet, range_=self.gang_range, gateway=self.gang_gateway)
+        except GangNetworkError as exc:
+            raise ValidationError({exc.field: exc.message}) from None
 
 
 # --- nodes and GPUs ------------------------------------------------------------------------------------

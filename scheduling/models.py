@@ -308,6 +308,30 @@ class PublishedPort(models.Model):
         return f"{self.workload_id}:{self.port}/{self.protocol} -> {self.host_port}"
 
 
+class GangAddress(models.Model):
+    """A gang member's own address on its region's gang network (``Region.gang_subnet``), handed
+    out by the cycle at placement (for that ``attempt``) and deleted once the member is gone: the
+    gang stopped holding its GPUs (or was placed again) and no stop of it on that node awaits the
+    node's word (``scheduling.services.gangs.gang_addresses_release``). Unique per region: two
+    members never share one, whichever portal process placed them."""
+
+    region = models.ForeignKey("nodes.Region", on_delete=models.CASCADE, related_name="+")
+    address = models.GenericIPAddressField(protocol="IPv4")
+    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="gang_addresses")
+    node = models.ForeignKey("nodes.Node", on_delete=models.CASCADE, related_name="+")
+    rank = models.PositiveIntegerField()
+    attempt = models.PositiveIntegerField()
+
+    class Meta:
+        ordering = ["workload", "attempt", "rank"]
+        constraints = [
+            models.UniqueConstraint(fields=["region", "address"], name="gangaddress_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.workload_id} rank {self.rank}: {self.address}"
+
+
 class WorkloadShareLink(TenantOwnedModel):
     """The share link of a workload's HTTP ports: anyone holding its secret may use them through the
     portal's proxy while the workload runs. One per workload; revoking deletes it. Only the secret's

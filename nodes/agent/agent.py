@@ -554,6 +554,7 @@ class Agent(CommandHandlers):
                 "load_1m": round(os.getloadavg()[0], 2),
                 "agent_version": __version__,
                 "draining": self.draining,
+                "gang_network": self.runtime.gang_network,
             },
             "samples": [reading.to_json() for reading in samples],
             "workloads": workloads,

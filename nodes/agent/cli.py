@@ -91,6 +91,21 @@ def _agent_flags(parser: argparse.ArgumentParser) -> None:
         help="docker: this node's IP address on the network between nodes, where a gang's rank 0 "
         "publishes MASTER_PORT (default: MASTER_ADDR, the advertised address)",
     )
+    parser.add_argument(
+        "--gang-parent",
+        dest="gang_parent",
+        help="docker: the interface on the region's gang network (gang members get addresses there)",
+    )
+    parser.add_argument(
+        "--gang-sandbox-image",
+        dest="gang_sandbox_image",
+        help="docker: the image of the idle container holding a gang member's network namespace",
+    )
+    parser.add_argument(
+        "--gang-sandbox-command",
+        dest="gang_sandbox_command",
+        help="docker: the sandbox's command, words split on spaces (default: the image's own)",
+    )
     parser.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float)
     parser.add_argument("--sample-interval", dest="sample_interval_s", type=float)
     parser.add_argument("--commands-wait", dest="commands_wait_s", type=int)

@@ -25,6 +25,8 @@ from nodes.agent.runtimes.docker import DEFAULT_PIDS_LIMIT
 from nodes.agent.runtimes.process import process_user
 
 UPGRADE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# A network interface's name (Linux: at most 15 characters, no "/" or space).
+GANG_PARENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,14}$")
 
 
 class ConfigError(ValueError):
@@ -84,6 +86,14 @@ class AgentConfig:
     # the agent's (nodes/agent/runtimes/gang_firewall.py). Off only where the operator isolates the
     # nodes' network between tenants by other means: docker forwards a published port from anywhere.
     gang_firewall: bool = True
+    # Docker runtime: the interface on the region's gang network (the nodes' data network, whose
+    # subnet and container range staff set on the Region), e.g. "eth1"; gang members then get
+    # addresses of their own there (nodes/agent/runtimes/gang_network.py). Empty: none.
+    gang_parent: str = ""
+    # The image of the idle container that holds a gang member's network namespace (its command:
+    # gang_sandbox_command, words split on spaces; empty: the image's own).
+    gang_sandbox_image: str = "registry.k8s.io/pause:3.10"
+    gang_sandbox_command: str = ""
     # How often the GPUs are read; every reading since the last batch goes in the next one.
     sample_interval_s: float = 1.0
     # Unset (None): the portal's answer to register decides.
@@ -175,6 +185,10 @@ class AgentConfig:
                     ipaddress.ip_address(value)
                 except ValueError:
                     raise ConfigError(f"{name} must be an IP address of this node, not {value!r}") from None
+        if self.gang_parent and not GANG_PARENT.match(self.gang_parent):
+            raise ConfigError(f"gang_parent must be a network interface's name, not {self.gang_parent!r}")
+        if self.gang_parent and self.runtime != "docker":
+            raise ConfigError("gang_parent is a docker runtime setting (gang members as containers)")
         if self.runtime == "subprocess":
             try:
                 process_user(single_tenant=self.single_tenant, user=self.process_user)
@@ -203,6 +217,9 @@ class AgentConfig:
                 "pids_limit": self.docker_pids_limit,
                 "gang_address": self.gang_address,
                 "gang_firewall": self.gang_firewall,
+                "gang_parent": self.gang_parent,
+                "gang_sandbox_image": self.gang_sandbox_image,
+                "gang_sandbox_command": self.gang_sandbox_command.split(),
                 **publish,
             }
         if self.runtime == "subprocess":
@@ -244,6 +261,9 @@ ENV = {
     "GPUPOOL_TCP_PUBLISH_ADDRESS": "tcp_publish_address",
     "GPUPOOL_GANG_ADDRESS": "gang_address",
     "GPUPOOL_GANG_FIREWALL": "gang_firewall",
+    "GPUPOOL_GANG_PARENT": "gang_parent",
+    "GPUPOOL_GANG_SANDBOX_IMAGE": "gang_sandbox_image",
+    "GPUPOOL_GANG_SANDBOX_COMMAND": "gang_sandbox_command",
     "GPUPOOL_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
     "GPUPOOL_SAMPLE_INTERVAL_S": "sample_interval_s",
     "GPUPOOL_COMMANDS_WAIT_S": "commands_wait_s",

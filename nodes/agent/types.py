@@ -180,6 +180,9 @@ class WorkloadSpec:
     """The portal's placement number: a start of another attempt than the ended one's runs afresh."""
     platform_env: dict[str, str] = field(default_factory=dict)
     """Variables the platform sets for this placement (``workload_rules.PLATFORM_ENV_NAMES``)."""
+    gang_network: dict[str, str] | None = None
+    """A gang member's own address on the region's gang network (``check_gang_network``); None:
+    the rendezvous goes through rank 0's node."""
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> WorkloadSpec:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import ipaddress
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -504,6 +505,47 @@ def check_platform_env(mapping: Any) -> dict[str, str]:
     return out
 
 
+def check_gang_network(value: Any) -> dict[str, str]:
+    """A gang member's place on its region's gang network (``{"subnet", "range", "gateway"?,
+    "address"}``): IPv4 networks in CIDR form, the range within the subnet, the gateway and the
+    member's address within it (the address within the range). Staff set the region's network;
+    checked here again, as every payload field is, before it reaches the engine."""
+    if not isinstance(value, Mapping):
+        raise WorkloadRuleError("gang_network", "Must be an object.")
+    unknown = set(value) - {"subnet", "range", "gateway", "address"}
+    if unknown:
+        raise WorkloadRuleError("gang_network", f"Unknown field {sorted(unknown)[0]!r}.")
+    nets = {}
+    for key in ("subnet", "range"):
+        raw = value.get(key)
+        try:
+            if not isinstance(raw, str):
+                raise ValueError
+            net = ipaddress.ip_network(raw, strict=True)
+            if net.version != 4 or net.is_loopback or net.is_link_local or net.is_multicast:
+                raise ValueError
+        except ValueError:
+            raise WorkloadRuleError("gang_network", f"{key}: an IPv4 network in CIDR form.") from None
+        nets[key] = net
+    if not nets["range"].subnet_of(nets["subnet"]):  # type: ignore[arg-type]
+        raise WorkloadRuleError("gang_network", "range: must lie within the subnet.")
+    out = {"subnet": str(nets["subnet"]), "range": str(nets["range"])}
+    for key, within in (("address", nets["range"]), ("gateway", nets["subnet"])):
+        raw = value.get(key)
+        if raw is None and key == "gateway":
+            continue
+        try:
+            if not isinstance(raw, str):
+                raise ValueError
+            address = ipaddress.IPv4Address(raw)
+        except ValueError:
+            raise WorkloadRuleError("gang_network", f"{key}: an IPv4 address.") from None
+        if address not in within:
+            raise WorkloadRuleError("gang_network", f"{key}: {address} is not within {within}.")
+        out[key] = str(address)
+    return out
+
+
 def _check_number(payload: Mapping[str, Any], key: str, lo: float, hi: float, *, real: bool = False) -> Any:
     value = payload.get(key)
     if value is None:
@@ -551,6 +593,7 @@ def check_start_payload(payload: Any) -> dict[str, Any]:
         ("gpu_vendor", check_gpu_vendor),
         ("template", check_template),
         ("ssh_public_key", check_ssh_public_key),
+        ("gang_network", check_gang_network),
     ):
         if key in payload:
             checked[key] = check(payload[key])

@@ -36,6 +36,7 @@ from scheduling.locks import lock_workloads, lock_workloads_where, try_cycle_loc
 from scheduling.models import (
     MILLI,
     Allocation,
+    GangAddress,
     Workload,
     WorkloadKind,
     WorkloadState,
@@ -46,7 +47,11 @@ from scheduling.services.dependencies import dependencies_gate
 from scheduling.services.elastic import resize_apply
 from scheduling.services.gangs import (
     GangMember,
+    gang_addresses_choose,
+    gang_addresses_used,
     gang_members,
+    gang_network_of,
+    gang_network_payload,
     gang_port_choose,
     gang_ports_used,
     is_gang,
@@ -159,6 +164,8 @@ def _start_payload(
     platform_env = _platform_env(w, arrays, gang)
     if platform_env:
         payload["platform_env"] = platform_env
+    if gang is not None and gang.network is not None:
+        payload["gang_network"] = dict(gang.network)
     if w.template:
         payload["template"] = w.template
     if w.mig_profile:
@@ -200,6 +207,8 @@ class _Batch:
     volumes: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # start payloads' volumes
     gang_ports: dict[int, int | None] = field(default_factory=dict)  # workload -> its new rendezvous port
     ports_used: set[int] | None = None  # rendezvous ports of placed gangs (loaded at the first gang)
+    addresses_used: dict[int, set[str]] = field(default_factory=dict)  # region -> gang addresses held
+    gang_addresses: list[GangAddress] = field(default_factory=list)  # new rows, written at the end
     arrays: dict[int, tuple[int, bool]] = field(default_factory=dict)  # array job -> (count, work)
 
 
@@ -301,11 +310,41 @@ def _gang_plan(batch: _Batch, w: Workload, decision: E.Place) -> list[GangMember
     port = gang_port_choose(workload_id=w.pk, used=batch.ports_used)
     batch.ports_used.add(port)
     batch.gang_ports[w.pk] = w.gang_port = port
+    network, own = None, None
+    # A member on the gang network is its own address there, reached by its peers only: ports
+    # published for the tenant need a bridge, so a gang with ports keeps the node-address rendezvous.
+    routed = None if w.ports else gang_network_of(node_ids)
+    if routed is not None:
+        region_id, net = routed
+        if region_id not in batch.addresses_used:
+            batch.addresses_used[region_id] = gang_addresses_used(region_id)
+        used = batch.addresses_used[region_id]
+        own = gang_addresses_choose(network=net, workload_id=w.pk, count=len(node_ids), used=used)
+        if own is not None:
+            network = gang_network_payload(net)
+            used.update(own)
+            batch.gang_addresses += [
+                GangAddress(
+                    region_id=region_id,
+                    address=address,
+                    workload_id=w.pk,
+                    node_id=n,
+                    rank=rank,
+                    attempt=w.attempt,
+                )
+                for rank, (n, address) in enumerate(zip(node_ids, own, strict=True))
+            ]
+        else:
+            logger.warning(
+                "Region %s's gang range is full: gang %s goes through rank 0's node", region_id, w.pk
+            )
     return gang_members(
         node_ids=node_ids,
         gpus_per_node=[len(a.gpu_indices) for a in decision.assignments],
         port=port,
         addresses=node_addresses(node_ids),
+        network=network,
+        own=own,
     )
 
 
@@ -323,6 +362,10 @@ def _flush(ctx: CycleContext, batch: _Batch) -> None:
             now=ctx.now,
         )
     bulk_insert(list(batch.allocations.values()))
+    if batch.gang_addresses:
+        # A requeued gang's earlier addresses went with its release; these are unique per region
+        # (the database refuses a second holder, whatever placed it).
+        GangAddress.objects.bulk_create(batch.gang_addresses)
     node_commands_enqueue_many(commands=batch.commands, now=ctx.now)
 
 

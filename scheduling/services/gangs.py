@@ -18,9 +18,12 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from django.conf import settings
+from django.db import transaction
+from django.db.models import Exists, F, OuterRef, Q
 
+from nodes.gang_network import GangNetwork, GangNetworkError, gang_network_check
 from nodes.models import CommandKind, CommandState, Node, NodeCommand
-from scheduling.models import HOLDING_STATES, Allocation, Workload
+from scheduling.models import HOLDING_STATES, Allocation, GangAddress, Workload
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +37,10 @@ class GangMember:
     master_addr: str
     master_port: int
     peers: tuple[str, ...]
-    """Every member's node address, by rank."""
+    """Every member's address, by rank: its node's, or its own on the gang network."""
+    network: dict[str, str] | None = None
+    """On a gang network: ``{"subnet", "range", "gateway"?, "address"}``, the member's own address
+    in ``address`` (the start payload's ``gang_network``); None: rendezvous through rank 0's node."""
 
 
 def is_gang(w: Workload, node_count: int) -> bool:
@@ -66,10 +72,18 @@ def gang_ports_used() -> set[int]:
 
 
 def gang_members(
-    *, node_ids: list[int], gpus_per_node: list[int], port: int, addresses: dict[int, str]
+    *,
+    node_ids: list[int],
+    gpus_per_node: list[int],
+    port: int,
+    addresses: dict[int, str],
+    network: dict[str, str] | None = None,
+    own: list[str] | None = None,
 ) -> list[GangMember]:
-    """The members of a placement on ``node_ids`` (rank order: rank 0 first)."""
-    peers = tuple(addresses[n] for n in node_ids)
+    """The members of a placement on ``node_ids`` (rank order: rank 0 first). With ``network``
+    (the region's gang network) and ``own`` (each rank's address on it), the members reach each
+    other at those; else at their nodes' ``addresses``."""
+    peers = tuple(own) if own is not None else tuple(addresses[n] for n in node_ids)
     world = sum(gpus_per_node)
     return [
         GangMember(
@@ -80,9 +94,91 @@ def gang_members(
             master_addr=peers[0],
             master_port=port,
             peers=peers,
+            network={**network, "address": peers[rank]} if network is not None and own else None,
         )
         for rank in range(len(node_ids))
     ]
+
+
+def gang_network_of(node_ids: list[int]) -> tuple[int, GangNetwork] | None:
+    """(region id, its gang network) when every node of a placement is in one region that has a
+    gang network and every node's agent says it can join it (its heartbeat's ``gang_network``:
+    docker with a parent interface); None: the rendezvous goes through rank 0's node."""
+    nodes = list(Node.objects.filter(pk__in=node_ids).select_related("region"))
+    regions = {n.region_id for n in nodes}
+    if len(nodes) != len(set(node_ids)) or len(regions) != 1:
+        return None
+    if not all((n.status or {}).get("gang_network") is True for n in nodes):
+        return None
+    region = nodes[0].region
+    try:
+        network = gang_network_check(
+            subnet=region.gang_subnet, range_=region.gang_range, gateway=region.gang_gateway
+        )
+    except GangNetworkError:
+        return None  # a bad setting (the admin refuses one) leaves gangs on the node's address
+    return (region.pk, network) if network is not None else None
+
+
+def gang_addresses_release(*, workload_ids: list[int] | None = None, region_id: int | None = None) -> int:
+    """Delete the addresses of members that are gone: their gang no longer holds GPUs, or holds
+    them for a later attempt, and no stop of it on the member's node awaits the node's word (a
+    member stopped without it may still hold its address there). Of ``workload_ids``, or of the
+    region. Returns how many went."""
+    rows = GangAddress.objects.all()
+    if workload_ids is not None:
+        rows = rows.filter(workload_id__in=workload_ids)
+    if region_id is not None:
+        rows = rows.filter(region_id=region_id)
+    pending = Allocation.objects.filter(
+        workload_id=OuterRef("workload_id"),
+        node_id=OuterRef("node_id"),
+        stop_forced_at__isnull=False,
+        stop_confirmed_at__isnull=True,
+    )
+    gone = ~Q(workload__state__in=HOLDING_STATES) | Q(attempt__lt=F("workload__attempt"))
+    return rows.filter(gone).exclude(Exists(pending)).delete()[0]
+
+
+def gang_addresses_release_on_commit(workload_ids: list[int]) -> None:
+    """``gang_addresses_release`` once the transaction commits (the stops it sends, and the marks
+    on the allocations they leave unconfirmed, are written by then)."""
+    ids = list(workload_ids)
+    transaction.on_commit(lambda: gang_addresses_release(workload_ids=ids))
+
+
+def gang_addresses_used(region_id: int) -> set[str]:
+    """Addresses of the region's gang network held now (those of members gone are deleted first)."""
+    gang_addresses_release(region_id=region_id)
+    return set(GangAddress.objects.filter(region_id=region_id).values_list("address", flat=True))
+
+
+def gang_addresses_choose(
+    *, network: GangNetwork, workload_id: int, count: int, used: set[str]
+) -> list[str] | None:
+    """``count`` free addresses of the network's range, tried from a point that depends on the
+    workload (so an address just released is rarely the next one handed out); None when the range
+    has too few free (the gang then goes through rank 0's node, as without a gang network)."""
+    hosts = network.hosts()
+    if not hosts:
+        return None
+    first = random.Random(workload_id).randrange(len(hosts))
+    out: list[str] = []
+    for k in range(len(hosts)):
+        address = hosts[(first + k) % len(hosts)]
+        if address not in used:
+            out.append(address)
+            if len(out) == count:
+                return out
+    return None
+
+
+def gang_network_payload(network: GangNetwork) -> dict[str, str]:
+    """What an agent needs to make the region's docker network (all members' the same)."""
+    out = {"subnet": str(network.subnet), "range": str(network.range)}
+    if network.gateway is not None:
+        out["gateway"] = str(network.gateway)
+    return out
 
 
 def node_addresses(node_ids: list[int]) -> dict[int, str]:

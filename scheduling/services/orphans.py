@@ -31,6 +31,7 @@ from nodes.services.commands import CommandRequest, node_commands_enqueue_many
 from nodes.services.heartbeat_parse import TERMINAL_WORKLOAD_STATES
 from portal.actors import Actor
 from scheduling.models import Allocation, Workload, WorkloadEvent
+from scheduling.services.gangs import gang_addresses_release_on_commit
 
 logger = logging.getLogger(__name__)
 SYSTEM = Actor.system()
@@ -86,6 +87,7 @@ def stop_confirm(*, workload_id: int, node_id: int, now: datetime, how: str) -> 
     ).update(stop_confirmed_at=now)
     if not done:
         return False
+    gang_addresses_release_on_commit([workload_id])
     w = Workload.objects.only("tenant_id", "state").get(pk=workload_id)
     host = Node.objects.filter(pk=node_id).values_list("hostname", flat=True).first() or f"node {node_id}"
     WorkloadEvent.objects.create(

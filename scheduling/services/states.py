@@ -35,6 +35,7 @@ from scheduling.models import (
     WorkloadKind,
 )
 from scheduling.models import WorkloadState as S
+from scheduling.services.gangs import gang_addresses_release_on_commit
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +211,10 @@ def workloads_transition(
             )
             # What its node published goes with its placement (a requeued one gets new ports).
             PublishedPort.objects.filter(workload_id__in=releasing).delete()
+            # A gang's addresses on its region's gang network go back to the range once its
+            # members are gone (after commit: stops sent with this change are marked by then).
+            if any(w.gang or w.gang_port is not None for w in workloads if w.pk in releasing):
+                gang_addresses_release_on_commit(releasing)
         events = [
             WorkloadEvent(
                 tenant_id=w.tenant_id,

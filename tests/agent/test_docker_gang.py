@@ -13,7 +13,7 @@ import docker
 import pytest
 
 from nodes.agent.config import ConfigError, load_config
-from nodes.agent.runtimes import RuntimeFailure, gang_firewall, make_runtime
+from nodes.agent.runtimes import RuntimeFailure, gang_firewall, gang_network, make_runtime
 from nodes.agent.runtimes.docker import DockerRuntime
 from nodes.agent.types import WorkloadSpec
 from tests.docker_engine import TEST_IMAGE
@@ -131,3 +131,85 @@ def test_the_agents_gang_settings_reach_the_runtime(
     assert left_on_engine(docker_engine, wid) == []
     with pytest.raises(ConfigError, match="gang_address must be an IP address"):
         load_config(env={**env, "GPUPOOL_GANG_ADDRESS": "node-1.internal"}).validate()
+
+
+def routed_member(rank: int, address: str | None = None, **env: str) -> tuple[str, WorkloadSpec]:
+    """A member on a gang network (10.77.0.0/16, members in 10.77.200.0/24)."""
+    peers = ["10.77.200.2", "10.77.200.3"]
+    wid, spec, _ = member(rank, MASTER_ADDR=peers[0], GPUPOOL_PEERS=",".join(peers))
+    spec.platform_env.update(env)
+    spec.gang_network = {
+        "subnet": "10.77.0.0/16",
+        "range": "10.77.200.0/24",
+        "address": address or peers[rank],
+    }
+    return wid, spec
+
+
+@pytest.mark.parametrize(
+    ("rank", "address", "env", "ports", "message"),
+    [
+        (1, "10.77.200.9", {}, [], "not its rank's in GPUPOOL_PEERS"),
+        (0, None, {"GPUPOOL_PEERS": "10.77.200.2,10.78.0.3"}, [], "is not on the gang network"),
+        (0, None, {"GPUPOOL_PEERS": "10.77.200.2,-j ACCEPT"}, [], "is not an IPv4 address"),
+        (1, None, {"MASTER_ADDR": "10.77.200.9"}, [], "MASTER_ADDR is not rank 0's own address"),
+        (0, None, {}, [8888], "publishes none"),
+    ],
+)
+def test_a_bad_gang_network_member_is_refused_before_anything_is_made(
+    tmp_path: Path, docker_engine: docker.DockerClient, rank, address, env, ports, message
+) -> None:
+    runtime = DockerRuntime(tmp_path / "state", node_gpus=1, gang_parent="gpn-none")
+    try:
+        wid, spec = routed_member(rank, address, **env)
+        spec.ports = ports
+        with pytest.raises(RuntimeFailure, match=message):
+            runtime.start(spec)
+        assert left_on_engine(docker_engine, wid) == []
+    finally:
+        runtime.close()
+
+
+def test_a_gang_network_needs_a_gang_parent_and_a_gang(runtime: DockerRuntime, docker_engine) -> None:
+    wid, spec = routed_member(0)
+    with pytest.raises(RuntimeFailure, match="this node has no gang_parent"):
+        runtime.start(spec)
+    spec.platform_env = {}
+    with pytest.raises(RuntimeFailure, match="only a gang's member"):
+        runtime.start(spec)
+    assert left_on_engine(docker_engine, wid) == []
+
+
+def test_a_members_rules_let_in_its_peers_only() -> None:
+    rules = gang_network.rules(
+        address="10.77.200.2", peers=["10.77.200.2", "10.77.200.3"], subnet="10.77.0.0/16"
+    )
+    assert ["INPUT", "-s", "10.77.200.3", "-j", "ACCEPT"] in rules
+    assert ["INPUT", "-s", "10.77.200.2", "-j", "ACCEPT"] not in rules  # itself: loopback
+    assert rules.index(["INPUT", "-j", "DROP"]) == 3
+    assert rules[-3:] == [
+        ["OUTPUT", "-d", "169.254.0.0/16", "-j", "DROP"],
+        ["OUTPUT", "-d", "168.63.129.16/32", "-j", "DROP"],
+        ["OUTPUT", "-d", "10.77.0.0/16", "-j", "DROP"],
+    ]
+    # A region without a gateway: nothing out but to the peers.
+    closed = gang_network.rules(
+        address="10.77.200.2", peers=["10.77.200.2", "10.77.200.3"], subnet="10.77.0.0/16", route_out=False
+    )
+    assert (
+        closed[-1] == ["OUTPUT", "-j", "DROP"]
+        and closed.index(["OUTPUT", "-d", "10.77.200.3", "-j", "ACCEPT"]) < len(closed) - 1
+    )
+
+
+def test_the_gang_parent_setting(tmp_path: Path) -> None:
+    env = {"GPUPOOL_PORTAL_URL": "https://portal.example", "GPUPOOL_RUNTIME": "docker"}
+    config = load_config(env={**env, "GPUPOOL_GANG_PARENT": "eth1"}).validate()
+    assert config.runtime_options()["gang_parent"] == "eth1"
+    assert DockerRuntime(tmp_path / "a", **config.runtime_options()).gang_network is True
+    assert DockerRuntime(tmp_path / "b").gang_network is False
+    for bad in ("eth1 -j ACCEPT", "../eth1", "a" * 16):
+        with pytest.raises(ConfigError, match="gang_parent must be a network interface"):
+            load_config(env={**env, "GPUPOOL_GANG_PARENT": bad}).validate()
+    with pytest.raises(ConfigError, match="gang_parent is a docker runtime setting"):
+        load_config(env={**env, "GPUPOOL_RUNTIME": "simulated", "GPUPOOL_GANG_PARENT": "eth1"}).validate()

@@ -216,6 +216,10 @@ class Runtime(ABC):
     # What the collector found (vendor, each GPU's render node, the node's device files), set by the
     # agent with ``node_gpus``: AMD and Intel workloads get their device files from it.
     inventory: NodeInventory | None = None
+    # Whether gang members here get addresses of their own on the region's gang network (the docker
+    # runtime with a ``gang_parent``); the agent says so in its heartbeats, and the portal hands out
+    # such addresses only when every node of a gang does.
+    gang_network: bool = False
 
     def __init__(
         self,

@@ -83,6 +83,7 @@ from nodes.agent.runtimes import (
     Runtime,
     RuntimeFailure,
     gang_firewall,
+    gang_network,
     safe_name,
     volume_env,
 )
@@ -200,6 +201,9 @@ class DockerRuntime(Runtime):
         tcp_publish_address: str = "",
         gang_address: str = "",
         gang_firewall: bool = True,
+        gang_parent: str = "",
+        gang_sandbox_image: str = gang_network.DEFAULT_SANDBOX_IMAGE,
+        gang_sandbox_command: list[str] | None = None,
         **sharing: str,
     ) -> None:
         super().__init__(state_dir, **sharing)
@@ -213,6 +217,12 @@ class DockerRuntime(Runtime):
         # Whether a gang's rendezvous port is closed by this node's firewall to all but its members
         # (nodes/agent/runtimes/gang_firewall.py); off only where the operator isolates it otherwise.
         self.gang_firewall = gang_firewall
+        # The interface on the region's gang network (nodes/agent/runtimes/gang_network.py): gang
+        # members get addresses of their own there; empty: this node joins no gang network.
+        self.gang_parent = gang_parent
+        self.gang_network = bool(gang_parent)
+        self.gang_sandbox_image = gang_sandbox_image or gang_network.DEFAULT_SANDBOX_IMAGE
+        self.gang_sandbox_command = list(gang_sandbox_command or [])
         self.docker_host = docker_host  # empty: $DOCKER_HOST, else the local socket
         self.pids_limit = pids_limit
         self.command_timeout_s = command_timeout_s
@@ -277,6 +287,19 @@ class DockerRuntime(Runtime):
             raise RuntimeFailure(
                 "platform_env: MASTER_PORT must be a port of 1024-65535 and NODE_RANK a rank"
             ) from None
+        if spec.gang_network is not None:
+            # Its own address on the gang network: nothing published, nothing of the node's used.
+            if ports:
+                raise RuntimeFailure("ports: a gang member on the gang network publishes none")
+            peers = gang_network.peers_checked(
+                peers=env.get("GPUPOOL_PEERS", ""),
+                address=spec.gang_network["address"],
+                subnet=spec.gang_network["subnet"],
+                rank=int(rank),
+            )
+            if env.get("MASTER_ADDR") != peers[0]:
+                raise RuntimeFailure("gang_network: MASTER_ADDR is not rank 0's own address")
+            return rank, None
         if rank != "0":
             return rank, None
         if any(p["port"] == port for p in ports):
@@ -450,8 +473,16 @@ class DockerRuntime(Runtime):
                 return WorkloadHandle(spec.workload_id, record["container_id"], ports_now)
             gang = self._gang(spec, ports)
             name = self.container_name(spec.workload_id, gang[0])
-            wants_network = bool(ports) or gang[0] is not None
+            routed = spec.gang_network is not None
+            if routed and gang[0] is None:
+                raise RuntimeFailure("gang_network: only a gang's member (MASTER_PORT, NODE_RANK) joins it")
+            if routed and not self.gang_parent:
+                raise RuntimeFailure(
+                    "gang_network: this node has no gang_parent (the interface on the region's gang network)"
+                )
+            wants_network = (bool(ports) or gang[0] is not None) and not routed
             network = self.network_name(spec.workload_id) if wants_network else None
+            sandbox = f"{name}-net" if routed else None
             try:
                 if record is not None:  # an earlier start failed: try again from nothing
                     self._remove(record)
@@ -463,19 +494,23 @@ class DockerRuntime(Runtime):
                         # A gang's network by id: another agent's duplicate may stand for a moment.
                         network = made if gang[0] is not None else network
                     options = self._create_options(spec, env, ports, prepared, gang, network)
+                    if sandbox is not None:
+                        # The sandbox's namespace, its address and its rules (made first).
+                        options["network_mode"] = f"container:{self._gang_sandbox(spec, sandbox)}"
                     container = self.client.containers.create(spec.image, spec.command or None, **options)
                 record = {
                     "container_id": container.id,
                     "name": name,
                     "gpu_uuids": spec.gpu_uuids,
                     "network": network,
+                    "sandbox": sandbox,
                     "rendezvous_port": gang[1][1] if gang[1] else None,
                     "final_state": None,
                     "status": None,
                 }
                 self.store.records[spec.workload_id] = record
                 self.store.save()
-                if gang[0] is not None and self.gang_firewall:
+                if gang[0] is not None and self.gang_firewall and not routed:
                     record["firewall"] = f"gpupool-gang-{safe_name(spec.workload_id)}-rank{gang[0]}"
                     self.store.save()
                     try:
@@ -496,7 +531,7 @@ class DockerRuntime(Runtime):
                     record["start_error"] = message
                     self.store.save()
                 else:
-                    self._remove({"container_id": name, "name": name, "network": network})
+                    self._remove({"container_id": name, "name": name, "network": network, "sandbox": sandbox})
                 raise RuntimeFailure(message) from exc
             record["ports"] = published_ports(info, skip=record.get("rendezvous_port"))
             self.store.save()
@@ -522,6 +557,88 @@ class DockerRuntime(Runtime):
             peers=[p for p in env.get("GPUPOOL_PEERS", "").split(",") if p],
             rank0=rendezvous is not None,
         )
+
+    def _gang_sandbox(self, spec: WorkloadSpec, name: str) -> str:
+        """Make and start the member's sandbox (``name``) on the gang network at its address, set
+        its namespace's rules, and answer its id; on any failure nothing of it is left."""
+        net = spec.gang_network or {}
+        peers = spec.platform_env["GPUPOOL_PEERS"].split(",")
+        wanted = gang_network.rules(
+            address=net["address"], peers=peers, subnet=net["subnet"], route_out="gateway" in net
+        )
+        self._ensure_image(self.gang_sandbox_image)
+        with contextlib.suppress(NotFound):
+            self.client.api.remove_container(name, force=True)  # an earlier try's
+        api = self.client.api
+        try:
+            network = self._ensure_gang_network(net)
+            made = api.create_container(
+                self.gang_sandbox_image,
+                self.gang_sandbox_command or None,
+                name=name,
+                # Root without capabilities: the agent (root) may then open its namespace.
+                user="0:0",
+                labels={LABEL: spec.workload_id, gang_network.SANDBOX_ROLE: "gang-sandbox"},
+                host_config=api.create_host_config(
+                    network_mode=network,
+                    cap_drop=["ALL"],
+                    security_opt=["no-new-privileges"],
+                    read_only=True,
+                    pids_limit=16,
+                    mem_limit=32 << 20,
+                    sysctls={"net.ipv6.conf.all.disable_ipv6": "1"},
+                    log_config=LogConfig(type="json-file", config={"max-size": "1m", "max-file": "1"}),
+                ),
+                networking_config=api.create_networking_config(
+                    {network: api.create_endpoint_config(ipv4_address=net["address"])}
+                ),
+            )
+            api.start(made["Id"])
+            pid = int((api.inspect_container(made["Id"]).get("State") or {}).get("Pid") or 0)
+            gang_network.apply(pid, wanted)
+        except (DockerException, RuntimeFailure) as exc:
+            with contextlib.suppress(DockerException):
+                api.remove_container(name, force=True)
+            reason = _explain(exc) if isinstance(exc, DockerException) else str(exc)
+            raise RuntimeFailure(f"the gang member's network could not be set up: {reason}") from exc
+        return str(made["Id"])
+
+    def _ensure_gang_network(self, net: dict[str, str]) -> str:
+        """The engine's gang network (``gpupool-gangs``, macvlan on ``gang_parent``), made unless it
+        exists; one that exists with another parent or subnet is an operator's error, said so."""
+        name = gang_network.NETWORK_NAME
+        with _host_lock(NETWORK_LOCK, timeout_s=10):
+            found = self.client.api.networks(names=[name], filters={"label": gang_network.NETWORK_LABEL})
+            found = [n for n in found if n.get("Name") == name]
+            if found:
+                info = self.client.api.inspect_network(found[0]["Id"])
+                subnets = [c.get("Subnet") for c in (info.get("IPAM") or {}).get("Config") or []]
+                parent = (info.get("Options") or {}).get("parent")
+                if (
+                    info.get("Driver") != "macvlan"
+                    or parent != self.gang_parent
+                    or net["subnet"] not in subnets
+                ):
+                    raise RuntimeFailure(
+                        f"the engine's network {name} is not macvlan on {self.gang_parent} with "
+                        f"{net['subnet']} (it has {info.get('Driver')} on {parent}, {subnets}): remove it "
+                        "once no gang uses it, or set gang_parent and the region's gang network to match"
+                    )
+                return str(found[0]["Id"])
+            # The engine gives its network a gateway; without the region's, the subnet's first
+            # address (which the portal never hands out), and the members' rules send nothing out.
+            gateway = net.get("gateway") or str(next(ipaddress.IPv4Network(net["subnet"]).hosts()))
+            pool = docker.types.IPAMPool(subnet=net["subnet"], iprange=net["range"], gateway=gateway)
+            return str(
+                self.client.networks.create(
+                    name,
+                    driver="macvlan",
+                    options={"parent": self.gang_parent, "macvlan_mode": "bridge"},
+                    ipam=docker.types.IPAMConfig(pool_configs=[pool]),
+                    labels={gang_network.NETWORK_LABEL: net["subnet"]},
+                    check_duplicate=True,
+                ).id
+            )
 
     def _find(self, name: str) -> Any:
         """The container of an earlier try that lost its record, if any."""
@@ -835,6 +952,14 @@ class DockerRuntime(Runtime):
             pass
         except DockerException as exc:
             log.warning("docker rm %s: %s", record["name"], _explain(exc))
+        if record.get("sandbox"):
+            # Its address goes back to the engine's gang network with it.
+            try:
+                self.client.api.remove_container(record["sandbox"], force=True)
+            except NotFound:
+                pass
+            except DockerException as exc:
+                log.warning("docker rm %s: %s", record["sandbox"], _explain(exc))
         if record.get("firewall"):
             try:
                 gang_firewall.remove(record["firewall"])

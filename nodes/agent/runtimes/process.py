@@ -294,6 +294,8 @@ class SubprocessRuntime(Runtime):
                 check_command(spec.command)
                 check_env(spec.env)
                 check_platform_env(spec.platform_env)
+                if spec.gang_network is not None:
+                    raise WorkloadRuleError("gang_network", "Host processes join no gang network.")
                 check_gpu_uuids(spec.gpu_uuids)
                 ports = check_ports(spec.ports)
             except WorkloadRuleError as exc:
