@@ -78,8 +78,11 @@ def test_hardening_restart_and_environment():
         "ProtectControlGroups",
     ):
         assert service[key] == "true", key
-    # Only what the docker gangs' firewall rules need (nodes/agent/runtimes/gang_firewall.py).
-    assert service["CapabilityBoundingSet"] == "CAP_NET_ADMIN"
+    # Only what the docker gangs need: their firewall rules (nodes/agent/runtimes/gang_firewall.py)
+    # and, with a gang network, the rules set inside each member's network namespace
+    # (nodes/agent/runtimes/gang_network.py); no other namespace may be made.
+    assert service["CapabilityBoundingSet"] == "CAP_NET_ADMIN CAP_SYS_ADMIN"
+    assert service["RestrictNamespaces"] == "net"
     assert service["ReadWritePaths"] == "/run/xtables.lock"
     # The state directory systemd makes is where the agent keeps its credential and buffer.
     settings = dict(line.split("=", 1) for line in service.get("Environment", "").split())
