@@ -52,6 +52,8 @@ from portal.errors import ValidationFailed
 from scheduling.locks import lock_workload
 from scheduling.models import (
     MILLI,
+    SLURM_RELEASED,
+    SLURM_REQUEUED,
     TERMINAL_STATES,
     Allocation,
     LogStream,
@@ -418,17 +420,19 @@ def _hold(
     placed: list[tuple[str, dict[str, int]]],
     config: SlurmConfig,
     *,
+    label: str,
     start: datetime,
     end: datetime | None = None,
     end_reason: str = "",
     running: frozenset[JobKey] = frozenset(),
 ) -> int:
-    """Allocation rows for the GPUs Slurm gave ``w``: ``placed`` is (Slurm node, GRES type -> count)
-    per node. Open (``end`` None) while it runs, so quotas and costs to date count it as agent-run
-    work; the rows are bookkeeping (Slurm chose the devices): a node's GPU rows of that type that
-    no other open allocation holds. Slurm's word wins: an open row another workload still holds
-    there whose Slurm job squeue no longer runs (``running``: the keys it runs) is closed now (its
-    end is set to sacct's when that comes, ``_finish``). Ended rows (``end``) take any GPU row."""
+    """Allocation rows for the GPUs Slurm job ``label`` gave ``w``: ``placed`` is (Slurm node, GRES
+    type -> count) per node; ``start`` is Slurm's start of it. Open (``end`` None) while it runs, so
+    quotas and costs to date count it as agent-run work; the rows are bookkeeping (Slurm chose the
+    devices): a node's GPU rows of that type that no other open allocation holds. Slurm's word
+    wins: an open row another workload still holds there whose Slurm job squeue no longer runs
+    (``running``: the keys it runs) is closed now, ``slurm_released`` (its end is set to sacct's
+    when that comes, ``_finish``; billed only then). Ended rows (``end``) take any GPU row."""
     models = {m.name: m.pk for m in GpuModel.objects.filter(name__in=list(config.gres_types))}
     rows = []
     now = timezone.now()
@@ -462,7 +466,7 @@ def _hold(
                         or (a.workload.slurm_job.job_id, a.workload.slurm_job.array_task_id) not in running
                     ]
                     Allocation.objects.filter(pk__in=[a.pk for a in stale]).update(
-                        ended_at=Greatest(F("started_at"), Value(now)), end_reason="slurm_released"
+                        ended_at=Greatest(F("started_at"), Value(now)), end_reason=SLURM_RELEASED
                     )
                     released = {a.gpu_id for a in stale}
                     free += [g for g in gpus if g.pk in released and g not in free]
@@ -484,6 +488,7 @@ def _hold(
                         started_at=start,
                         ended_at=end,
                         end_reason=end_reason,
+                        slurm_job_label=label,
                     )
                 )
     Allocation.objects.bulk_create(rows)
@@ -506,7 +511,7 @@ def _requeued_by_slurm(w: Workload, job: LiveJob, label: str) -> None:
     a retry, until Slurm runs it again (then it holds GPUs again from that start)."""
     now = timezone.now()
     Allocation.objects.filter(workload=w, ended_at__isnull=True).update(
-        ended_at=Greatest(F("started_at"), Value(now)), end_reason="slurm_requeued"
+        ended_at=Greatest(F("started_at"), Value(now)), end_reason=SLURM_REQUEUED
     )
     workload_transition(
         workload=w,
@@ -555,12 +560,23 @@ def _follow(region: Region, cli: SlurmConnector, live: dict[JobKey, LiveJob], re
                     w.save(update_fields=["pending_reason", "pending_message"])
             elif job.state == "PENDING" and w.state == WorkloadState.RUNNING and w.stop_requested_at is None:
                 _requeued_by_slurm(w, job, _label(sj))
-            elif job.state in RUNNING and w.state in (WorkloadState.QUEUED, WorkloadState.SCHEDULED):
+            elif (
+                job.state in RUNNING
+                and w.state in (WorkloadState.QUEUED, WorkloadState.SCHEDULED)
+                # (not accounted meanwhile by another sync: a retry queued again is not this run)
+                and SlurmJob.objects.filter(pk=sj.pk, job_id=sj.job_id, accounted_at__isnull=True).exists()
+            ):
                 _to_running(w, job.start or timezone.now(), _label(sj))
                 if w.state == WorkloadState.RUNNING and job.node_gres:
                     running = frozenset(k for k, j in live.items() if j.state in RUNNING)
                     _hold(
-                        region, w, list(job.node_gres), cli.config, start=w.state_changed_at, running=running
+                        region,
+                        w,
+                        list(job.node_gres),
+                        cli.config,
+                        label=_label(sj),
+                        start=job.start or w.state_changed_at,
+                        running=running,
                     )
                 result.started.append(w.pk)
         _read_output(sj)
@@ -667,9 +683,8 @@ def _retry(w: Workload, acct: SlurmAccounting, to: str, reason: str, message: st
 
 
 def _finish(region: Region, cli: SlurmConnector, sj: SlurmJob, acct: SlurmAccounting) -> bool:
-    """The workload's end and its allocations' from sacct, in one transaction: the allocations it
-    holds end at sacct's end (whatever closed them before, e.g. a stop that timed out); a job
-    that started and ended between two syncs gets them made, ended, from sacct's nodes and GRES."""
+    """The workload's end and its allocations' from sacct, in one transaction, once per Slurm job
+    (``accounted_at``, under the row's lock and the workload's): see ``_account``."""
     label = _label(sj)
     with transaction.atomic():
         sj = SlurmJob.objects.select_for_update().get(pk=sj.pk)
@@ -681,52 +696,44 @@ def _finish(region: Region, cli: SlurmConnector, sj: SlurmJob, acct: SlurmAccoun
             _to_running(w, acct.start, label)
         to, reason, message = _end_state(w, acct, sj.reason, label)
         end = acct.end or timezone.now()
-        # This attempt's allocations: those of earlier attempts (a retry, or a run Slurm requeued)
-        # ended before it was queued again.
-        queued = w.queued_at
-        since = queued if sj.earlier_job_ids and queued else None
         if w.state not in TERMINAL_STATES:
             end = max(end, w.state_changed_at)  # events stay in order (Slurm counts whole seconds)
             w.exit_code = acct.exit_code
             w.save(update_fields=["exit_code"])
             if not _retry(w, acct, to, reason, message, end):
                 workload_transition(workload=w, to=to, reason=reason, message=message, actor=SYSTEM, now=end)
-        if ran and w.started_at is not None:
-            end_reason = f"slurm_{acct.state.lower()}"[:64]
-            held = Allocation.objects.filter(workload=w)
-            if queued is not None:
-                held = held.filter(started_at__gte=queued)
-            held.filter(started_at__lte=end).update(ended_at=end, end_reason=end_reason)
-            missing = sum(acct.gpus.values()) - held.count()
-            if missing > 0:
-                # Started and ended between two syncs, or held fewer rows than Slurm counts: the
-                # rest from sacct (its nodes; GPUs per node its count over them), ended.
-                hosts = cli.hostnames(acct.nodes)
-                placed = [(h, {t: n // max(1, len(hosts)) for t, n in acct.gpus.items()}) for h in hosts]
-                if held.exists():  # (the rows are bookkeeping: the rest on its first node)
-                    have = dict(
-                        held.values("gpu_model_id").annotate(n=Count("id")).values_list("gpu_model_id", "n")
-                    )
-                    placed = [
-                        (
-                            hosts[0] if hosts else "",
-                            {
-                                t: max(0, n - have.get(_model_id_of(cli.config, t), 0))
-                                for t, n in acct.gpus.items()
-                            },
-                        )
-                    ]
-                _hold(
-                    region,
-                    w,
-                    placed,
-                    cli.config,
-                    start=min(w.started_at, end) if since is None else min(max(acct.start, since), end),
-                    end=end,
-                    end_reason=end_reason,
-                )
+        if ran:
+            _account(region, cli, w, label, acct)
         SlurmJob.objects.filter(pk=sj.pk).update(state=acct.state[:32], accounted_at=timezone.now())
     return True
+
+
+def _account(region: Region, cli: SlurmConnector, w: Workload, label: str, acct: SlurmAccounting) -> None:
+    """Slurm job ``label``'s GPU time as sacct records it, exactly once: its allocations (the rows
+    squeue's RUNNING made, labelled with it, from Slurm's start) end at sacct's end, whatever
+    closed them before; GPUs sacct counts that they do not cover (a job that started and ended
+    between two syncs, even in the same second; one stopped in gpupool while Slurm started it; a
+    record squeue showed without its GRES) are made from sacct's start to its end, on its nodes
+    (GPUs per node its count over them). Billed as they are (``metering.services.usage``): sacct's
+    elapsed time, to the second. Rows of an earlier run of the same id (one Slurm requeued) were
+    billed to its requeue and are not this record's."""
+    end_reason = f"slurm_{acct.state.lower()}"[:64]
+    held = Allocation.objects.filter(workload=w, slurm_job_label=label).exclude(end_reason=SLURM_REQUEUED)
+    held.update(ended_at=Greatest(F("started_at"), Value(acct.end)), end_reason=end_reason)
+    missing = sum(acct.gpus.values()) - held.count()
+    if missing <= 0:
+        return
+    hosts = cli.hostnames(acct.nodes)
+    placed = [(h, {t: n // max(1, len(hosts)) for t, n in acct.gpus.items()}) for h in hosts]
+    if held.exists():  # (the rows are bookkeeping: the rest on its first node)
+        have = dict(held.values("gpu_model_id").annotate(n=Count("id")).values_list("gpu_model_id", "n"))
+        placed = [
+            (
+                hosts[0] if hosts else "",
+                {t: max(0, n - have.get(_model_id_of(cli.config, t), 0)) for t, n in acct.gpus.items()},
+            )
+        ]
+    _hold(region, w, placed, cli.config, label=label, start=acct.start, end=acct.end, end_reason=end_reason)
 
 
 def _read_output(sj: SlurmJob) -> None:
