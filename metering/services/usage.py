@@ -9,8 +9,10 @@ Slurm regions (``scheduling.services.slurm``): an allocation of a Slurm job (``s
 is billed from its own start to its own end, which are Slurm's: its start as squeue and sacct give
 it, its end as sacct records it. So every second sacct accounts is billed once, also for a job
 gpupool never saw running, and a run sacct records as 0 s (it started and ended in the same whole
-second) is one record of 0 s with the minimum below. One closed before sacct had its end
-(``slurm_released``: Slurm gave its GPUs to another job first) is billed as still open until then.
+second) is one record of 0 s with the minimum below. Its end is final once it is sacct's (its
+``end_reason`` ``slurm_<state>``) or gpupool's word on a run sacct no longer keeps
+(``slurm_requeued``); one closed otherwise before sacct had its end (``slurm_released``: Slurm gave
+its GPUs to another job first; a stop gpupool forced) is billed as still open until then.
 
 Warm pools: a warm slot holds no allocation; its time, from its creation until a request binds it or
 it is released, is the platform's cost (``PlatformCost`` rows, never on an invoice). A workload
@@ -185,7 +187,8 @@ class _Rater:
     def span(self, a: Allocation) -> tuple[datetime, datetime | None] | None:
         if a.slurm_job_label:
             # Slurm's own start and end (sacct's), whatever the workload's events say.
-            return a.started_at, None if a.end_reason == SLURM_RELEASED else a.ended_at
+            final = a.end_reason.startswith("slurm_") and a.end_reason != SLURM_RELEASED
+            return a.started_at, a.ended_at if final else None
         started = _start_of(a, self.events)
         if started is None and a.resized:
             # Given to a running elastic job: it runs on it from the resize (while the job ran).

@@ -38,7 +38,7 @@ from datetime import datetime
 
 from django.db import connection, transaction
 from django.db.models import Count, F, Q, Value
-from django.db.models.functions import Greatest
+from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
 from nodes.models import Gpu, GpuModel, Node, Region, RegionBackend
@@ -63,6 +63,7 @@ from scheduling.models import (
     WorkloadLogLine,
     WorkloadState,
 )
+from scheduling.services.arrays import array_tasks_make
 from scheduling.services.gangs import gang_port_choose, gang_ports_used
 from scheduling.services.slurm_jobs import gres_type_for, job_shape, mapped_candidates, sbatch_request
 from scheduling.services.states import workload_transition
@@ -523,15 +524,65 @@ def _requeued_by_slurm(w: Workload, job: LiveJob, label: str) -> None:
     )
 
 
+def _arrays_end(region: Region, cli: SlurmConnector, live: dict[JobKey, LiveJob]) -> None:
+    """An array job's own row is its Slurm array: its tasks' rows are followed; it ends with the
+    array job. A stopped array makes no more task rows, but Slurm may have started tasks whose rows
+    the cycle had not made yet: those sacct (or squeue) shows run get their rows now, stopped
+    with the array, so that their own sacct records bill them (``_finish``). The array's row ends
+    once none of them is still running in Slurm."""
+    rows = list(
+        SlurmJob.objects.filter(
+            region=region,
+            accounted_at__isnull=True,
+            array_task_id__isnull=True,
+            workload__array_count__isnull=False,
+            workload__state__in=TERMINAL_STATES,
+        ).select_related("workload")
+    )
+    unmade: dict[int, list[int]] = {}
+    for sj in rows:
+        made = set(
+            Workload.objects.filter(array_parent_id=sj.workload_id).values_list("array_index", flat=True)
+        )
+        unmade[sj.pk] = [i for i in range(sj.workload.array_count or 0) if i not in made]
+    asked = sorted({sj.job_id for sj in rows if unmade[sj.pk]})
+    accounting = cli.accounting(asked) if asked else {}
+    for sj in rows:
+        first = sj.workload.submitted_at.replace(microsecond=0)
+        ran: list[int] = []
+        running = False
+        for i in unmade[sj.pk]:
+            acct = _own(accounting.get((sj.job_id, i)), first)
+            job = live.get((sj.job_id, i))
+            if (job is not None and job.state not in ENDED and job.state != "PENDING") or (
+                acct is not None and acct.state not in ENDED
+            ):
+                running = True  # (the next sync, once Slurm has ended it)
+            elif acct is not None and acct.nodes and acct.start is not None:
+                ran.append(i)
+        with transaction.atomic():
+            parent = lock_workload(workload_id=sj.workload_id)
+            made = set(Workload.objects.filter(array_parent=parent).values_list("array_index", flat=True))
+            todo = [i for i in ran if i not in made]
+            tasks = array_tasks_make(parent=parent, indices=todo, now=timezone.now()) if todo else []
+            for t in tasks:
+                t.stop_requested_at = parent.stop_requested_at
+                t.save(update_fields=["stop_requested_at"])
+                workload_transition(
+                    workload=t,
+                    to=WorkloadState.STOPPED,
+                    reason="array_stopped" if parent.stop_requested_at else "slurm",
+                    message=f"Ended with array job {parent.pk}; Slurm had started task {t.array_index}.",
+                    actor=SYSTEM,
+                )
+            if not running:
+                SlurmJob.objects.filter(pk=sj.pk).update(accounted_at=timezone.now())
+    if any(unmade.values()):
+        _tasks_attach(region)
+
+
 def _follow(region: Region, cli: SlurmConnector, live: dict[JobKey, LiveJob], result: SyncResult) -> None:
-    # An array job's own row is its Slurm array: its tasks' rows are followed; it ends with it.
-    SlurmJob.objects.filter(
-        region=region,
-        accounted_at__isnull=True,
-        array_task_id__isnull=True,
-        workload__array_count__isnull=False,
-        workload__state__in=TERMINAL_STATES,
-    ).update(accounted_at=timezone.now())
+    _arrays_end(region, cli, live)
     rows = list(
         SlurmJob.objects.filter(region=region, accounted_at__isnull=True)
         .exclude(array_task_id__isnull=True, workload__array_count__isnull=False)
@@ -704,6 +755,14 @@ def _finish(region: Region, cli: SlurmConnector, sj: SlurmJob, acct: SlurmAccoun
                 workload_transition(workload=w, to=to, reason=reason, message=message, actor=SYSTEM, now=end)
         if ran:
             _account(region, cli, w, label, acct)
+        else:
+            # sacct has no run of it to bill: what squeue showed running stays as gpupool closed it.
+            Allocation.objects.filter(workload=w, slurm_job_label=label).exclude(
+                end_reason=SLURM_REQUEUED
+            ).update(
+                ended_at=Greatest(F("started_at"), Coalesce(F("ended_at"), Value(end))),
+                end_reason=f"slurm_{acct.state.lower()}"[:64],
+            )
         SlurmJob.objects.filter(pk=sj.pk).update(state=acct.state[:32], accounted_at=timezone.now())
     return True
 
