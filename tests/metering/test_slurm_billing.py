@@ -18,6 +18,7 @@ from tests.metering.conftest import utc
 pytestmark = pytest.mark.django_db
 
 T0 = utc(2024, 3, 5, 10)
+DONE = "slurm_completed"  # sacct's end is in
 
 
 def _slurm(a: Allocation, label: str = "4242") -> Allocation:
@@ -33,7 +34,7 @@ def _records(a: Allocation) -> list[UsageRecord]:
 def test_a_slurm_allocation_bills_from_slurms_start_not_the_running_event(tenant, card, run):
     # Slurm started it at T0 (whole seconds); gpupool's RUNNING event came 0.7 s later.
     later = T0 + timedelta(milliseconds=700)
-    slurm = _slurm(run(tenant, T0, T0 + timedelta(seconds=125), running_at=later))
+    slurm = _slurm(run(tenant, T0, T0 + timedelta(seconds=125), running_at=later, end_reason=DONE))
     agent = run(tenant, T0, T0 + timedelta(seconds=125), running_at=later)  # the control
     usage_build(now=T0 + timedelta(days=1))
     (rec,) = _records(slurm)
@@ -49,7 +50,7 @@ def test_a_slurm_allocation_bills_from_slurms_start_not_the_running_event(tenant
 
 @override_settings(METERING_MINIMUM_BILLABLE_S=60)
 def test_a_slurm_run_of_zero_seconds_is_one_record_with_the_minimum(tenant, card, run):
-    slurm = _slurm(run(tenant, T0, T0))
+    slurm = _slurm(run(tenant, T0, T0, end_reason=DONE))
     agent = run(tenant, T0, T0)  # an agent's allocation that ended as it began never ran
     first = usage_build(now=T0 + timedelta(days=1))
     (rec,) = _records(slurm)
@@ -67,7 +68,7 @@ def test_a_slurm_allocation_over_a_month_end_bills_every_second_once(tenant, car
     usage_build(now=utc(2024, 4, 1, 0, 0, 30))
     assert [(r.start, r.end) for r in _records(a)] == [(start, utc(2024, 4, 1))]
     # sacct's end; rebuilt twice.
-    Allocation.objects.filter(pk=a.pk).update(ended_at=utc(2024, 4, 1, 0, 1, 0), end_reason="slurm_completed")
+    Allocation.objects.filter(pk=a.pk).update(ended_at=utc(2024, 4, 1, 0, 1, 0), end_reason=DONE)
     usage_build(now=utc(2024, 4, 1, 1))
     usage_build(now=utc(2024, 4, 1, 2))
     records = _records(a)
@@ -78,14 +79,14 @@ def test_a_slurm_allocation_over_a_month_end_bills_every_second_once(tenant, car
     assert sum(r.seconds for r in records) == 120
 
 
-def test_a_slurm_allocation_released_before_sacct_has_its_end_waits_for_it(tenant, card, run):
-    # Another Slurm job took its GPU at T0+90 s; sacct says it ended at T0+75 s.
-    a = _slurm(run(tenant, T0, T0 + timedelta(seconds=90), end_reason=SLURM_RELEASED))
+@pytest.mark.parametrize("closed_by", [SLURM_RELEASED, "stopped"])
+def test_a_slurm_allocation_closed_before_sacct_has_its_end_waits_for_it(tenant, card, run, closed_by):
+    # gpupool closed it at T0+90 s (another Slurm job took its GPU, or a stop gpupool forced);
+    # sacct says it ended at T0+75 s.
+    a = _slurm(run(tenant, T0, T0 + timedelta(seconds=90), end_reason=closed_by))
     usage_build(now=T0 + timedelta(seconds=95))
     assert _records(a) == []
-    Allocation.objects.filter(pk=a.pk).update(
-        ended_at=T0 + timedelta(seconds=75), end_reason="slurm_completed"
-    )
+    Allocation.objects.filter(pk=a.pk).update(ended_at=T0 + timedelta(seconds=75), end_reason=DONE)
     usage_build(now=T0 + timedelta(seconds=100))
     (rec,) = _records(a)
     assert (rec.end, rec.seconds) == (T0 + timedelta(seconds=75), Decimal(75))
