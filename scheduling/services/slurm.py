@@ -776,9 +776,12 @@ def _account(region: Region, cli: SlurmConnector, w: Workload, label: str, acct:
     (GPUs per node its count over them). Billed as they are (``metering.services.usage``): sacct's
     elapsed time, to the second. Rows of an earlier run of the same id (one Slurm requeued) were
     billed to its requeue and are not this record's."""
+    start, end = acct.start, acct.end
+    if start is None or end is None:
+        return
     end_reason = f"slurm_{acct.state.lower()}"[:64]
     held = Allocation.objects.filter(workload=w, slurm_job_label=label).exclude(end_reason=SLURM_REQUEUED)
-    held.update(ended_at=Greatest(F("started_at"), Value(acct.end)), end_reason=end_reason)
+    held.update(ended_at=Greatest(F("started_at"), Value(end)), end_reason=end_reason)
     missing = sum(acct.gpus.values()) - held.count()
     if missing <= 0:
         return
@@ -792,7 +795,7 @@ def _account(region: Region, cli: SlurmConnector, w: Workload, label: str, acct:
                 {t: max(0, n - have.get(_model_id_of(cli.config, t), 0)) for t, n in acct.gpus.items()},
             )
         ]
-    _hold(region, w, placed, cli.config, label=label, start=acct.start, end=acct.end, end_reason=end_reason)
+    _hold(region, w, placed, cli.config, label=label, start=start, end=end, end_reason=end_reason)
 
 
 def _read_output(sj: SlurmJob) -> None:
