@@ -550,9 +550,15 @@ def test_max_retries_resubmits_a_failed_job_as_a_new_slurm_job(region, client, t
     sj = SlurmJob.objects.get(workload_id=flaky)
     (earlier,) = sj.earlier_job_ids
     # Slurm's own view: two jobs of that name, the first failed with its exit code, the second not.
-    sacct = slurm(
-        "sacct", "-n", "-P", "-X", *RECENT, "-o", "JobIDRaw,State,ExitCode", "--name", f"gpupool-{flaky}"
-    )
+    # (slurmdbd may name a record "allocation" for a moment after its end: asked again until then.)
+    deadline = time.monotonic() + 15
+    while True:
+        sacct = slurm(
+            "sacct", "-n", "-P", "-X", *RECENT, "-o", "JobIDRaw,State,ExitCode", "--name", f"gpupool-{flaky}"
+        )
+        if len(sacct.split()) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert sorted(sacct.split()) == sorted([f"{earlier}|FAILED|3:0", f"{sj.job_id}|COMPLETED|0:0"])
     assert scontrol_job(sj.job_id)["Requeue"] == "0"  # Slurm leaves the retrying to gpupool
     events = client.get(f"/api/v1/jobs/{flaky}/events/").json()
@@ -765,7 +771,7 @@ def test_a_job_slurm_ran_between_two_syncs_is_billed_from_sacct(region, client, 
     slurm("scancel", str(SlurmJob.objects.get(workload_id=hog).job_id))
     rec = sacct_wait(job_id, "COMPLETED")
     start, end, elapsed = rec["time"]["start"], rec["time"]["end"], rec["time"]["elapsed"]
-    assert end - start == elapsed < 2 and not Allocation.objects.filter(workload_id=short).exists()
+    assert end - start == elapsed < 10 and not Allocation.objects.filter(workload_id=short).exists()
     sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{short}/").json()["state"] == "succeeded")
     sync_until(region, cycle, lambda: True)  # a sync more adds nothing
 
