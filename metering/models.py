@@ -252,7 +252,8 @@ class UsageRecord(TenantOwnedModel):
             models.UniqueConstraint(
                 fields=["allocation", "period_start", "version", "start"], name="usagerecord_unique_segment"
             ),
-            models.CheckConstraint(condition=Q(end__gt=F("start")), name="usagerecord_end_after_start"),
+            # (Equal only for a Slurm run sacct records as 0 s: billed its minimum.)
+            models.CheckConstraint(condition=Q(end__gte=F("start")), name="usagerecord_end_not_before_start"),
             models.CheckConstraint(condition=Q(amount__gte=0), name="usagerecord_amount_nonneg"),
         ]
         indexes = [

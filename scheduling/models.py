@@ -34,6 +34,10 @@ from django.utils import timezone
 from portal.tenancy import PersonOwnedModel, TenantOwnedModel, TenantQuerySet
 
 MILLI = 1000
+# Allocations of Slurm jobs closed by gpupool before sacct had their end: another job took their
+# GPUs (its end comes from sacct later: billed then), or Slurm requeued the job (billed to then).
+SLURM_RELEASED = "slurm_released"
+SLURM_REQUEUED = "slurm_requeued"
 MAX_GPUS_PER_NODE = 8
 
 
@@ -391,6 +395,9 @@ class Allocation(TenantOwnedModel):
     # still run it, so its GPU takes no new work until the node reports it gone (confirmed).
     stop_forced_at = models.DateTimeField(null=True, blank=True)
     stop_confirmed_at = models.DateTimeField(null=True, blank=True)
+    # A Slurm region's: the Slurm job (an array task: ``<id>_<index>``) that held the GPU. Its
+    # interval is Slurm's (start, and sacct's end), billed as it is (``metering.services.usage``).
+    slurm_job_label = models.CharField(max_length=32, blank=True)
 
     objects = AllocationQuerySet.as_manager()
 

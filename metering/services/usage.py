@@ -5,6 +5,15 @@ at or after the allocation was made, before it ended) to the allocation's end as
 it (stop, exit, preemption, failure); when it ended because its node went DOWN, at the node's last
 heartbeat if that is earlier. An allocation that never started bills nothing.
 
+Slurm regions (``scheduling.services.slurm``): an allocation of a Slurm job (``slurm_job_label``)
+is billed from its own start to its own end, which are Slurm's: its start as squeue and sacct give
+it, its end as sacct records it. So every second sacct accounts is billed once, also for a job
+gpupool never saw running, and a run sacct records as 0 s (it started and ended in the same whole
+second) is one record of 0 s with the minimum below. Its end is final once it is sacct's (its
+``end_reason`` ``slurm_<state>``) or gpupool's word on a run sacct no longer keeps
+(``slurm_requeued``); one closed otherwise before sacct had its end (``slurm_released``: Slurm gave
+its GPUs to another job first; a stop gpupool forced) is billed as still open until then.
+
 Warm pools: a warm slot holds no allocation; its time, from its creation until a request binds it or
 it is released, is the platform's cost (``PlatformCost`` rows, never on an invoice). A workload
 bound to a warm slot is billed from the bind (its allocation's start), once it has run: the GPU
@@ -52,7 +61,16 @@ from metering.services.rates import PriceBook, TenantPricing, discounted
 from metering.services.spot import SpotHistory
 from metering.services.storage import storage_accrued, storage_usage_build
 from nodes.models import GpuMinuteRollup, GpuModel
-from scheduling.models import MILLI, Allocation, Plan, Reservation, WarmSlot, WorkloadEvent, WorkloadState
+from scheduling.models import (
+    MILLI,
+    SLURM_RELEASED,
+    Allocation,
+    Plan,
+    Reservation,
+    WarmSlot,
+    WorkloadEvent,
+    WorkloadState,
+)
 
 NODE_DOWN_REASONS = frozenset({"node_down"})
 RESIZED = "resized"  # an elastic job's GPU taken back by a resize
@@ -167,6 +185,10 @@ class _Rater:
         return Decimal(self._memory.get(gpu_model_id) or 0)
 
     def span(self, a: Allocation) -> tuple[datetime, datetime | None] | None:
+        if a.slurm_job_label:
+            # Slurm's own start and end (sacct's), whatever the workload's events say.
+            final = a.end_reason.startswith("slurm_") and a.end_reason != SLURM_RELEASED
+            return a.started_at, a.ended_at if final else None
         started = _start_of(a, self.events)
         if started is None and a.resized:
             # Given to a running elastic job: it runs on it from the resize (while the job ran).
@@ -290,10 +312,11 @@ def usage_build(
             continue
         start, end = span
         horizon = end if end is not None else now
-        if horizon <= start:
+        if horizon <= start and not (end == start and a.slurm_job_label):
             continue
         cuts = rater.cuts(a, start, horizon)
-        pieces = split_interval(start, horizon, cuts)
+        # (A Slurm run of 0 s by sacct's whole seconds: one empty piece, for the minimum.)
+        pieces = split_interval(start, horizon, cuts) or [(start, horizon)]
         if end is None:
             # Only pieces that end at a boundary already passed are final.
             pieces = [p for p in pieces if p[1] in set(cuts)]

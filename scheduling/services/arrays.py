@@ -16,6 +16,7 @@ workers that pull items from the portal until none is left.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from datetime import datetime
 
 from django.db.models import Count
@@ -67,7 +68,16 @@ _OWN_FIELDS = frozenset(
 )
 
 
-def _tasks_create(parent: Workload, indices: range, now: datetime) -> None:
+def array_tasks_make(*, parent: Workload, indices: list[int], now: datetime) -> list[Workload]:
+    """Task rows of ``parent`` at ``indices`` (PENDING, with their reserved ids) made outside the
+    cycle: the tasks of a stopped Slurm array that Slurm started before the cycle made their rows
+    (``scheduling.services.slurm``), so that what Slurm ran of them is billed. The caller holds the
+    array job's lock."""
+    _tasks_create(parent, indices, now)
+    return list(Workload.objects.filter(array_parent=parent, array_index__in=indices).order_by("array_index"))
+
+
+def _tasks_create(parent: Workload, indices: Sequence[int], now: datetime) -> None:
     copied = {
         f.attname: getattr(parent, f.attname)
         for f in Workload._meta.concrete_fields

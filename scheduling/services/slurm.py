@@ -38,7 +38,7 @@ from datetime import datetime
 
 from django.db import connection, transaction
 from django.db.models import Count, F, Q, Value
-from django.db.models.functions import Greatest
+from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
 from nodes.models import Gpu, GpuModel, Node, Region, RegionBackend
@@ -52,6 +52,8 @@ from portal.errors import ValidationFailed
 from scheduling.locks import lock_workload
 from scheduling.models import (
     MILLI,
+    SLURM_RELEASED,
+    SLURM_REQUEUED,
     TERMINAL_STATES,
     Allocation,
     LogStream,
@@ -61,6 +63,7 @@ from scheduling.models import (
     WorkloadLogLine,
     WorkloadState,
 )
+from scheduling.services.arrays import array_tasks_make
 from scheduling.services.gangs import gang_port_choose, gang_ports_used
 from scheduling.services.slurm_jobs import gres_type_for, job_shape, mapped_candidates, sbatch_request
 from scheduling.services.states import workload_transition
@@ -418,17 +421,19 @@ def _hold(
     placed: list[tuple[str, dict[str, int]]],
     config: SlurmConfig,
     *,
+    label: str,
     start: datetime,
     end: datetime | None = None,
     end_reason: str = "",
     running: frozenset[JobKey] = frozenset(),
 ) -> int:
-    """Allocation rows for the GPUs Slurm gave ``w``: ``placed`` is (Slurm node, GRES type -> count)
-    per node. Open (``end`` None) while it runs, so quotas and costs to date count it as agent-run
-    work; the rows are bookkeeping (Slurm chose the devices): a node's GPU rows of that type that
-    no other open allocation holds. Slurm's word wins: an open row another workload still holds
-    there whose Slurm job squeue no longer runs (``running``: the keys it runs) is closed now (its
-    end is set to sacct's when that comes, ``_finish``). Ended rows (``end``) take any GPU row."""
+    """Allocation rows for the GPUs Slurm job ``label`` gave ``w``: ``placed`` is (Slurm node, GRES
+    type -> count) per node; ``start`` is Slurm's start of it. Open (``end`` None) while it runs, so
+    quotas and costs to date count it as agent-run work; the rows are bookkeeping (Slurm chose the
+    devices): a node's GPU rows of that type that no other open allocation holds. Slurm's word
+    wins: an open row another workload still holds there whose Slurm job squeue no longer runs
+    (``running``: the keys it runs) is closed now, ``slurm_released`` (its end is set to sacct's
+    when that comes, ``_finish``; billed only then). Ended rows (``end``) take any GPU row."""
     models = {m.name: m.pk for m in GpuModel.objects.filter(name__in=list(config.gres_types))}
     rows = []
     now = timezone.now()
@@ -462,7 +467,7 @@ def _hold(
                         or (a.workload.slurm_job.job_id, a.workload.slurm_job.array_task_id) not in running
                     ]
                     Allocation.objects.filter(pk__in=[a.pk for a in stale]).update(
-                        ended_at=Greatest(F("started_at"), Value(now)), end_reason="slurm_released"
+                        ended_at=Greatest(F("started_at"), Value(now)), end_reason=SLURM_RELEASED
                     )
                     released = {a.gpu_id for a in stale}
                     free += [g for g in gpus if g.pk in released and g not in free]
@@ -484,6 +489,7 @@ def _hold(
                         started_at=start,
                         ended_at=end,
                         end_reason=end_reason,
+                        slurm_job_label=label,
                     )
                 )
     Allocation.objects.bulk_create(rows)
@@ -506,7 +512,7 @@ def _requeued_by_slurm(w: Workload, job: LiveJob, label: str) -> None:
     a retry, until Slurm runs it again (then it holds GPUs again from that start)."""
     now = timezone.now()
     Allocation.objects.filter(workload=w, ended_at__isnull=True).update(
-        ended_at=Greatest(F("started_at"), Value(now)), end_reason="slurm_requeued"
+        ended_at=Greatest(F("started_at"), Value(now)), end_reason=SLURM_REQUEUED
     )
     workload_transition(
         workload=w,
@@ -518,15 +524,65 @@ def _requeued_by_slurm(w: Workload, job: LiveJob, label: str) -> None:
     )
 
 
+def _arrays_end(region: Region, cli: SlurmConnector, live: dict[JobKey, LiveJob]) -> None:
+    """An array job's own row is its Slurm array: its tasks' rows are followed; it ends with the
+    array job. A stopped array makes no more task rows, but Slurm may have started tasks whose rows
+    the cycle had not made yet: those sacct (or squeue) shows run get their rows now, stopped
+    with the array, so that their own sacct records bill them (``_finish``). The array's row ends
+    once none of them is still running in Slurm."""
+    rows = list(
+        SlurmJob.objects.filter(
+            region=region,
+            accounted_at__isnull=True,
+            array_task_id__isnull=True,
+            workload__array_count__isnull=False,
+            workload__state__in=TERMINAL_STATES,
+        ).select_related("workload")
+    )
+    unmade: dict[int, list[int]] = {}
+    for sj in rows:
+        made = set(
+            Workload.objects.filter(array_parent_id=sj.workload_id).values_list("array_index", flat=True)
+        )
+        unmade[sj.pk] = [i for i in range(sj.workload.array_count or 0) if i not in made]
+    asked = sorted({sj.job_id for sj in rows if unmade[sj.pk]})
+    accounting = cli.accounting(asked) if asked else {}
+    for sj in rows:
+        first = sj.workload.submitted_at.replace(microsecond=0)
+        ran: list[int] = []
+        running = False
+        for i in unmade[sj.pk]:
+            acct = _own(accounting.get((sj.job_id, i)), first)
+            job = live.get((sj.job_id, i))
+            if (job is not None and job.state not in ENDED and job.state != "PENDING") or (
+                acct is not None and acct.state not in ENDED
+            ):
+                running = True  # (the next sync, once Slurm has ended it)
+            elif acct is not None and acct.nodes and acct.start is not None:
+                ran.append(i)
+        with transaction.atomic():
+            parent = lock_workload(workload_id=sj.workload_id)
+            made = set(Workload.objects.filter(array_parent=parent).values_list("array_index", flat=True))
+            todo = [i for i in ran if i not in made]
+            tasks = array_tasks_make(parent=parent, indices=todo, now=timezone.now()) if todo else []
+            for t in tasks:
+                t.stop_requested_at = parent.stop_requested_at
+                t.save(update_fields=["stop_requested_at"])
+                workload_transition(
+                    workload=t,
+                    to=WorkloadState.STOPPED,
+                    reason="array_stopped" if parent.stop_requested_at else "slurm",
+                    message=f"Ended with array job {parent.pk}; Slurm had started task {t.array_index}.",
+                    actor=SYSTEM,
+                )
+            if not running:
+                SlurmJob.objects.filter(pk=sj.pk).update(accounted_at=timezone.now())
+    if any(unmade.values()):
+        _tasks_attach(region)
+
+
 def _follow(region: Region, cli: SlurmConnector, live: dict[JobKey, LiveJob], result: SyncResult) -> None:
-    # An array job's own row is its Slurm array: its tasks' rows are followed; it ends with it.
-    SlurmJob.objects.filter(
-        region=region,
-        accounted_at__isnull=True,
-        array_task_id__isnull=True,
-        workload__array_count__isnull=False,
-        workload__state__in=TERMINAL_STATES,
-    ).update(accounted_at=timezone.now())
+    _arrays_end(region, cli, live)
     rows = list(
         SlurmJob.objects.filter(region=region, accounted_at__isnull=True)
         .exclude(array_task_id__isnull=True, workload__array_count__isnull=False)
@@ -555,12 +611,23 @@ def _follow(region: Region, cli: SlurmConnector, live: dict[JobKey, LiveJob], re
                     w.save(update_fields=["pending_reason", "pending_message"])
             elif job.state == "PENDING" and w.state == WorkloadState.RUNNING and w.stop_requested_at is None:
                 _requeued_by_slurm(w, job, _label(sj))
-            elif job.state in RUNNING and w.state in (WorkloadState.QUEUED, WorkloadState.SCHEDULED):
+            elif (
+                job.state in RUNNING
+                and w.state in (WorkloadState.QUEUED, WorkloadState.SCHEDULED)
+                # (not accounted meanwhile by another sync: a retry queued again is not this run)
+                and SlurmJob.objects.filter(pk=sj.pk, job_id=sj.job_id, accounted_at__isnull=True).exists()
+            ):
                 _to_running(w, job.start or timezone.now(), _label(sj))
                 if w.state == WorkloadState.RUNNING and job.node_gres:
                     running = frozenset(k for k, j in live.items() if j.state in RUNNING)
                     _hold(
-                        region, w, list(job.node_gres), cli.config, start=w.state_changed_at, running=running
+                        region,
+                        w,
+                        list(job.node_gres),
+                        cli.config,
+                        label=_label(sj),
+                        start=job.start or w.state_changed_at,
+                        running=running,
                     )
                 result.started.append(w.pk)
         _read_output(sj)
@@ -667,9 +734,8 @@ def _retry(w: Workload, acct: SlurmAccounting, to: str, reason: str, message: st
 
 
 def _finish(region: Region, cli: SlurmConnector, sj: SlurmJob, acct: SlurmAccounting) -> bool:
-    """The workload's end and its allocations' from sacct, in one transaction: the allocations it
-    holds end at sacct's end (whatever closed them before, e.g. a stop that timed out); a job
-    that started and ended between two syncs gets them made, ended, from sacct's nodes and GRES."""
+    """The workload's end and its allocations' from sacct, in one transaction, once per Slurm job
+    (``accounted_at``, under the row's lock and the workload's): see ``_account``."""
     label = _label(sj)
     with transaction.atomic():
         sj = SlurmJob.objects.select_for_update().get(pk=sj.pk)
@@ -681,52 +747,55 @@ def _finish(region: Region, cli: SlurmConnector, sj: SlurmJob, acct: SlurmAccoun
             _to_running(w, acct.start, label)
         to, reason, message = _end_state(w, acct, sj.reason, label)
         end = acct.end or timezone.now()
-        # This attempt's allocations: those of earlier attempts (a retry, or a run Slurm requeued)
-        # ended before it was queued again.
-        queued = w.queued_at
-        since = queued if sj.earlier_job_ids and queued else None
         if w.state not in TERMINAL_STATES:
             end = max(end, w.state_changed_at)  # events stay in order (Slurm counts whole seconds)
             w.exit_code = acct.exit_code
             w.save(update_fields=["exit_code"])
             if not _retry(w, acct, to, reason, message, end):
                 workload_transition(workload=w, to=to, reason=reason, message=message, actor=SYSTEM, now=end)
-        if ran and w.started_at is not None:
-            end_reason = f"slurm_{acct.state.lower()}"[:64]
-            held = Allocation.objects.filter(workload=w)
-            if queued is not None:
-                held = held.filter(started_at__gte=queued)
-            held.filter(started_at__lte=end).update(ended_at=end, end_reason=end_reason)
-            missing = sum(acct.gpus.values()) - held.count()
-            if missing > 0:
-                # Started and ended between two syncs, or held fewer rows than Slurm counts: the
-                # rest from sacct (its nodes; GPUs per node its count over them), ended.
-                hosts = cli.hostnames(acct.nodes)
-                placed = [(h, {t: n // max(1, len(hosts)) for t, n in acct.gpus.items()}) for h in hosts]
-                if held.exists():  # (the rows are bookkeeping: the rest on its first node)
-                    have = dict(
-                        held.values("gpu_model_id").annotate(n=Count("id")).values_list("gpu_model_id", "n")
-                    )
-                    placed = [
-                        (
-                            hosts[0] if hosts else "",
-                            {
-                                t: max(0, n - have.get(_model_id_of(cli.config, t), 0))
-                                for t, n in acct.gpus.items()
-                            },
-                        )
-                    ]
-                _hold(
-                    region,
-                    w,
-                    placed,
-                    cli.config,
-                    start=min(w.started_at, end) if since is None else min(max(acct.start, since), end),
-                    end=end,
-                    end_reason=end_reason,
-                )
+        if ran:
+            _account(region, cli, w, label, acct)
+        else:
+            # sacct has no run of it to bill: what squeue showed running stays as gpupool closed it.
+            Allocation.objects.filter(workload=w, slurm_job_label=label).exclude(
+                end_reason=SLURM_REQUEUED
+            ).update(
+                ended_at=Greatest(F("started_at"), Coalesce(F("ended_at"), Value(end))),
+                end_reason=f"slurm_{acct.state.lower()}"[:64],
+            )
         SlurmJob.objects.filter(pk=sj.pk).update(state=acct.state[:32], accounted_at=timezone.now())
     return True
+
+
+def _account(region: Region, cli: SlurmConnector, w: Workload, label: str, acct: SlurmAccounting) -> None:
+    """Slurm job ``label``'s GPU time as sacct records it, exactly once: its allocations (the rows
+    squeue's RUNNING made, labelled with it, from Slurm's start) end at sacct's end, whatever
+    closed them before; GPUs sacct counts that they do not cover (a job that started and ended
+    between two syncs, even in the same second; one stopped in gpupool while Slurm started it; a
+    record squeue showed without its GRES) are made from sacct's start to its end, on its nodes
+    (GPUs per node its count over them). Billed as they are (``metering.services.usage``): sacct's
+    elapsed time, to the second. Rows of an earlier run of the same id (one Slurm requeued) were
+    billed to its requeue and are not this record's."""
+    start, end = acct.start, acct.end
+    if start is None or end is None:
+        return
+    end_reason = f"slurm_{acct.state.lower()}"[:64]
+    held = Allocation.objects.filter(workload=w, slurm_job_label=label).exclude(end_reason=SLURM_REQUEUED)
+    held.update(ended_at=Greatest(F("started_at"), Value(end)), end_reason=end_reason)
+    missing = sum(acct.gpus.values()) - held.count()
+    if missing <= 0:
+        return
+    hosts = cli.hostnames(acct.nodes)
+    placed = [(h, {t: n // max(1, len(hosts)) for t, n in acct.gpus.items()}) for h in hosts]
+    if held.exists():  # (the rows are bookkeeping: the rest on its first node)
+        have = dict(held.values("gpu_model_id").annotate(n=Count("id")).values_list("gpu_model_id", "n"))
+        placed = [
+            (
+                hosts[0] if hosts else "",
+                {t: max(0, n - have.get(_model_id_of(cli.config, t), 0)) for t, n in acct.gpus.items()},
+            )
+        ]
+    _hold(region, w, placed, cli.config, label=label, start=start, end=end, end_reason=end_reason)
 
 
 def _read_output(sj: SlurmJob) -> None:

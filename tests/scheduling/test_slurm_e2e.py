@@ -550,9 +550,15 @@ def test_max_retries_resubmits_a_failed_job_as_a_new_slurm_job(region, client, t
     sj = SlurmJob.objects.get(workload_id=flaky)
     (earlier,) = sj.earlier_job_ids
     # Slurm's own view: two jobs of that name, the first failed with its exit code, the second not.
-    sacct = slurm(
-        "sacct", "-n", "-P", "-X", *RECENT, "-o", "JobIDRaw,State,ExitCode", "--name", f"gpupool-{flaky}"
-    )
+    # (slurmdbd may name a record "allocation" for a moment after its end: asked again until then.)
+    deadline = time.monotonic() + 15
+    while True:
+        sacct = slurm(
+            "sacct", "-n", "-P", "-X", *RECENT, "-o", "JobIDRaw,State,ExitCode", "--name", f"gpupool-{flaky}"
+        )
+        if len(sacct.split()) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert sorted(sacct.split()) == sorted([f"{earlier}|FAILED|3:0", f"{sj.job_id}|COMPLETED|0:0"])
     assert scontrol_job(sj.job_id)["Requeue"] == "0"  # Slurm leaves the retrying to gpupool
     events = client.get(f"/api/v1/jobs/{flaky}/events/").json()
@@ -719,3 +725,165 @@ def test_a_job_naming_no_region_goes_to_a_slurm_region_with_free_gpus(region, cl
         content_type="application/json",
     )
     assert r.status_code == 400 and "gpu_models" in r.json()["error"]["fields"], r.content
+
+
+def sacct_record(job_id: int) -> dict:
+    """sacct's record of a job (JSON): its state, start, end and elapsed seconds."""
+    (rec,) = [
+        r
+        for r in json.loads(slurm("sacct", "--json", *RECENT, "-j", str(job_id)))["jobs"]
+        if r["job_id"] == job_id
+    ]
+    return rec
+
+
+def sacct_wait(job_id: int, state: str, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            rec = sacct_record(job_id)
+        except ValueError:  # no record yet
+            rec = None
+        if rec is not None and rec["state"]["current"] == state and rec["time"]["end"]:
+            return rec
+        assert time.monotonic() < deadline, f"sacct: job {job_id} not {state}"
+        time.sleep(0.2)
+
+
+def billed(wid: int) -> list[tuple[float, float, str, str, str]]:
+    """(start, end, Slurm job, model, end reason) of each allocation of a workload."""
+    return sorted(
+        (a.started_at.timestamp(), a.ended_at.timestamp(), a.slurm_job_label, a.gpu_model.name, a.end_reason)
+        for a in Allocation.objects.filter(workload_id=wid).select_related("gpu_model")
+    )
+
+
+def test_a_job_slurm_ran_between_two_syncs_is_billed_from_sacct(region, client, tenant, cycle):
+    h100 = price_h100("3.60")
+    # Both H100s of the partition are held by another job, so `true` waits in Slurm...
+    hog = submit(client, gpu_count=2, command=["sleep", "60"], max_runtime_s=120)
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{hog}/").json()["state"] == "running")
+    short = submit(client, gpu_count=2, command=["true"])
+    sync_until(region, cycle, lambda: Workload.objects.get(pk=short).pending_reason == "capacity")
+    job_id = SlurmJob.objects.get(workload_id=short).job_id
+    # ...until the other job ends (cancelled in Slurm); Slurm then runs it, in well under a second,
+    # and ends it before gpupool's next sync: gpupool never sees it run.
+    slurm("scancel", str(SlurmJob.objects.get(workload_id=hog).job_id))
+    rec = sacct_wait(job_id, "COMPLETED")
+    start, end, elapsed = rec["time"]["start"], rec["time"]["end"], rec["time"]["elapsed"]
+    assert end - start == elapsed < 10 and not Allocation.objects.filter(workload_id=short).exists()
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{short}/").json()["state"] == "succeeded")
+    sync_until(region, cycle, lambda: True)  # a sync more adds nothing
+
+    # Its two GPUs from sacct's start to its end, to the second (0 s if it fell in one second).
+    assert billed(short) == [(start, end, str(job_id), H100, "slurm_completed")] * 2
+    usage_build(tenant=tenant)
+    usage_build(tenant=tenant)
+    records = list(UsageRecord.objects.filter(workload_id=short))
+    assert len(records) == 2 and all(
+        (r.seconds, r.seconds + r.minimum_topup_s, r.gpu_model_id) == (elapsed, 60, h100.pk) for r in records
+    )
+    # On the invoice: the line of H100 is the records' sum (the other job's with it).
+    invoice = invoice_build(tenant=tenant, period_start=period_of(timezone.now()))
+    total = sum(r.amount for r in UsageRecord.objects.filter(tenant=tenant))
+    assert [(line.gpu_model_id, line.amount) for line in invoice.lines.all()] == [
+        (h100.pk, total.quantize(Decimal("0.01")))
+    ]
+    assert {r.invoice_id for r in UsageRecord.objects.filter(workload_id=short)} == {invoice.pk}
+
+
+def test_a_job_seen_running_is_billed_once_from_sacct(region, client, tenant, cycle):
+    price_h100("3.60")
+    wid = submit(client, gpu_count=2, command=["sleep", "3"])
+    sync_until(
+        region,
+        cycle,
+        lambda: Allocation.objects.filter(workload_id=wid, ended_at__isnull=True).count() == 2,
+    )
+    job_id = SlurmJob.objects.get(workload_id=wid).job_id
+    made = set(Allocation.objects.filter(workload_id=wid).values_list("pk", flat=True))
+    squeue_start = {a.started_at.timestamp() for a in Allocation.objects.filter(workload_id=wid)}
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{wid}/").json()["state"] == "succeeded")
+    sync_until(region, cycle, lambda: True)
+    rec = sacct_record(job_id)
+    start, end, elapsed = rec["time"]["start"], rec["time"]["end"], rec["time"]["elapsed"]
+    # The rows squeue's RUNNING made, from Slurm's start, closed at sacct's end: none added.
+    assert squeue_start == {start} and elapsed >= 3
+    assert set(Allocation.objects.filter(workload_id=wid).values_list("pk", flat=True)) == made
+    assert billed(wid) == [(start, end, str(job_id), H100, "slurm_completed")] * 2
+    usage_build(tenant=tenant)
+    usage_build(tenant=tenant)
+    records = list(UsageRecord.objects.filter(workload_id=wid))
+    assert len(records) == 2 and {r.seconds for r in records} == {elapsed}
+
+
+def test_a_job_stopped_in_gpupool_as_slurm_started_it_is_billed_what_slurm_ran(region, client, tenant, cycle):
+    price_h100("3.60")
+    hog = submit(client, gpu_count=2, command=["sleep", "60"], max_runtime_s=120)
+    sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{hog}/").json()["state"] == "running")
+    late = submit(client, gpu_count=1, command=["sleep", "60"])
+    sync_until(region, cycle, lambda: Workload.objects.get(pk=late).pending_reason == "capacity")
+    job_id = SlurmJob.objects.get(workload_id=late).job_id
+    # Stopped while queued in gpupool (stopped at once); meanwhile Slurm starts it.
+    assert client.post(f"/api/v1/jobs/{late}/stop/").status_code in (200, 202)
+    assert client.get(f"/api/v1/jobs/{late}/").json()["state"] == "stopped"
+    slurm("scancel", str(SlurmJob.objects.get(workload_id=hog).job_id))
+    deadline = time.monotonic() + 30
+    while slurm("squeue", "-h", "-j", str(job_id), "-o", "%T").strip() != "RUNNING":
+        assert time.monotonic() < deadline, "Slurm did not start it"
+        time.sleep(0.2)
+    time.sleep(1.5)
+    # The sync scancels it; sacct's record of what it ran is billed.
+    sync_until(region, cycle, lambda: SlurmJob.objects.get(workload_id=late).accounted_at is not None)
+    rec = sacct_record(job_id)
+    assert rec["state"]["current"] == "CANCELLED"
+    start, end = rec["time"]["start"], rec["time"]["end"]
+    assert end - start >= 1
+    assert billed(late) == [(start, end, str(job_id), H100, "slurm_cancelled")]
+    usage_build(tenant=tenant)
+    (record,) = UsageRecord.objects.filter(workload_id=late)
+    assert record.seconds == end - start
+
+
+def test_a_task_slurm_started_before_its_row_was_made_is_billed_when_the_array_stops(
+    region, client, tenant, cycle
+):
+    price_h100("3.60")
+    # Task 0 ends at once; Slurm starts task 1 then, before gpupool's cycle makes its row.
+    command = ["sh", "-c", '[ "$SLURM_ARRAY_TASK_ID" = 0 ] || sleep 60']
+    r = client.post(
+        "/api/v1/jobs/",
+        job(command=command, array={"count": 2, "parallelism": 1}),
+        content_type="application/json",
+    )
+    assert r.status_code == 201, r.content
+    aid = r.json()["id"]
+    sync_until(region, cycle, lambda: SlurmJob.objects.filter(workload_id=aid).exists())
+    array_id = SlurmJob.objects.get(workload_id=aid).job_id
+    deadline = time.monotonic() + 30
+    while slurm("squeue", "-h", "-j", f"{array_id}_1", "-o", "%T").strip() != "RUNNING":
+        assert time.monotonic() < deadline, "Slurm did not start task 1"
+        time.sleep(0.2)
+    time.sleep(1.5)
+    assert not Workload.objects.filter(array_parent_id=aid, array_index=1).exists()
+    # Stopped: no more task rows from the cycle; the sync scancels the Slurm array.
+    assert client.post(f"/api/v1/jobs/{aid}/stop/").status_code in (200, 202)
+    sync_until(region, cycle, lambda: SlurmJob.objects.get(workload_id=aid).accounted_at is not None)
+    sync_until(
+        region,
+        cycle,
+        lambda: not SlurmJob.objects.filter(workload__array_parent_id=aid, accounted_at=None).exists(),
+    )
+    # Task 1 has its row (its reserved id, as its script was told), stopped, billed from sacct.
+    task = Workload.objects.get(array_parent_id=aid, array_index=1)
+    assert task.pk == Workload.objects.get(pk=aid).array_task_ids[1] and task.state == S.STOPPED
+    records = json.loads(slurm("sacct", "--json", *RECENT, "-j", str(array_id)))["jobs"]
+    (rec,) = [r for r in records if r["array"]["task_id"] == 1]
+    assert rec["state"]["current"] == "CANCELLED"
+    start, end = rec["time"]["start"], rec["time"]["end"]
+    assert end - start >= 1
+    assert billed(task.pk) == [(start, end, f"{array_id}_1", H100, "slurm_cancelled")]
+    usage_build(tenant=tenant)
+    (record,) = UsageRecord.objects.filter(workload_id=task.pk)
+    assert record.seconds == end - start
+    assert client.get(f"/api/v1/jobs/{aid}/").json()["state"] == "stopped"
