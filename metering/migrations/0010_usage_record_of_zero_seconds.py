@@ -6,7 +6,7 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ("metering", "0009_money_regions_memory_budget_action"),
-        ("scheduling", "0025_allocation_slurm_job_label"),
+        ("scheduling", "0026_allocation_slurm_job_label"),
     ]
 
     operations = [

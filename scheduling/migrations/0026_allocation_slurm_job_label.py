@@ -17,7 +17,7 @@ def label_running_slurm_allocations(apps, schema_editor):
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("scheduling", "0024_slurm_task_ids_and_retries"),
+        ("scheduling", "0025_gang_addresses"),
     ]
 
     operations = [
