@@ -11,6 +11,7 @@ from portal.admin_actions import RecordAdmin, run_each
 from portal.errors import DomainError
 from scheduling.models import (
     Allocation,
+    GangAddress,
     PublishedPort,
     Quota,
     QuotaModelLimit,
@@ -452,3 +453,14 @@ class WorkItemAdmin(RecordAdmin):
     list_filter = ["state"]
     search_fields = ["job__id", "tenant__slug"]
     list_select_related = ["job", "leased_to"]
+
+
+@admin.register(GangAddress)
+class GangAddressAdmin(RecordAdmin):
+    """The gang members' addresses on their region's gang network: handed out by the cycle and
+    released by it, never edited here."""
+
+    list_display = ["address", "region", "workload", "rank", "attempt", "node"]
+    list_filter = ["region"]
+    search_fields = ["=workload__id", "=address", "node__hostname"]
+    list_select_related = ["region", "workload", "node"]
