@@ -944,22 +944,21 @@ class DockerRuntime(Runtime):
         self._pull(image)
         return {"image": image, "pulled": True}
 
-    def _remove(self, record: dict[str, Any]) -> None:
-        """The container and its network, whatever is left of them."""
+    def _remove_container(self, container: str, name: str) -> None:
+        """``docker rm -f``: gone already is fine; another failure is logged."""
         try:
-            self.client.api.remove_container(record["container_id"], force=True)
+            self.client.api.remove_container(container, force=True)
         except NotFound:
             pass
         except DockerException as exc:
-            log.warning("docker rm %s: %s", record["name"], _explain(exc))
+            log.warning("docker rm %s: %s", name, _explain(exc))
+
+    def _remove(self, record: dict[str, Any]) -> None:
+        """The container and its network, whatever is left of them."""
+        self._remove_container(record["container_id"], record["name"])
         if record.get("sandbox"):
             # Its address goes back to the engine's gang network with it.
-            try:
-                self.client.api.remove_container(record["sandbox"], force=True)
-            except NotFound:
-                pass
-            except DockerException as exc:
-                log.warning("docker rm %s: %s", record["sandbox"], _explain(exc))
+            self._remove_container(record["sandbox"], record["sandbox"])
         if record.get("firewall"):
             try:
                 gang_firewall.remove(record["firewall"])
