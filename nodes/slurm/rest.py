@@ -207,13 +207,14 @@ class SlurmRest:
                 if exc.transient:
                     raise
                 continue  # slurmdbd has no record of it yet: the next sync asks again
-        # 22.05 writes a failed job's exit code as 0: unknown here (see the module docstring).
-        codes: dict[int, int | None] = {}
+        # 22.05 writes a failed job's exit code as 0: unknown here (see the module docstring). Per
+        # record, not per job id: slurmdbd may hold an older job of the same id (ids wrap, or the
+        # controller's state was made anew), and the newest record is the one that counts.
         for j in records:
             code = (j.get("exit_code") or {}).get("return_code")
             if (j.get("state") or {}).get("current") not in ("COMPLETED",) and code == 0:
-                codes[int(j["job_id"])] = None
-        return accounting_from_json({"jobs": records}, codes)
+                j["exit_code"] = {**j["exit_code"], "return_code": None}
+        return accounting_from_json({"jobs": records}, {})
 
     def cancel(self, job_id: int, task: int | None = None) -> None:
         label = str(int(job_id)) if task is None else f"{int(job_id)}_{int(task)}"

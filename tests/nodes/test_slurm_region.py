@@ -68,6 +68,31 @@ def test_the_rest_connector_takes_a_url_a_user_and_a_token_file():
     assert slurm_config_parse(GOOD).connector == "cli"
 
 
+def test_rest_accounting_takes_the_exit_code_of_the_newest_record_of_a_job_id():
+    """slurmdbd may hold an older job of the same id (ids wrap, or the controller's state was made
+    anew): its unknown exit code (a FAILED record's 0, as 22.05 writes it) is not the new job's."""
+    from nodes.slurm.rest import SlurmRest
+
+    def record(state: str, submitted: int, code: int) -> dict:
+        return {
+            "job_id": 41,
+            "state": {"current": state},
+            "exit_code": {"status": "SUCCESS", "return_code": code},
+            "time": {"submission": submitted, "start": submitted + 1, "end": submitted + 3, "elapsed": 2},
+            "nodes": NODE,
+            "tres": {"allocated": [{"type": "gres", "name": "gpu:h100", "count": 1}]},
+        }
+
+    rest = SlurmRest(slurm_config_parse({**GOOD, "connector": "rest", **REST}))
+    answers = {"old": [record("FAILED", 1_700_000_000, 0), record("COMPLETED", 1_800_000_000, 0)]}
+    rest.request = lambda method, path, **kw: {"jobs": answers["old"]}
+    (acct,) = rest.accounting([41]).values()
+    assert (acct.state, acct.exit_code) == ("COMPLETED", 0)
+    answers["old"] = [record("COMPLETED", 1_700_000_000, 0), record("FAILED", 1_800_000_000, 0)]
+    (acct,) = rest.accounting([41]).values()
+    assert (acct.state, acct.exit_code) == ("FAILED", None)
+
+
 @pytest.mark.django_db
 def test_the_command_connects_the_cluster_and_reads_its_inventory(slurm_cluster, tmp_path, capsys):
     config = tmp_path / "hpc.json"
