@@ -125,21 +125,33 @@ def api_token_authenticate(*, plaintext: str) -> ApiToken | None:
 
 
 def _token_with_tenant(key_id: str) -> ApiToken | None:
-    """The token of ``key_id`` with its effective scopes (its creator's current role and state) in
-    one statement, then its tenant (every request needs it). The creator (``created_by``), which
-    only writes and a few views ask for, is loaded when first asked.
+    """The token of ``key_id`` with its effective scopes (its creator's current role and state) and
+    its tenant (every request needs it), in one statement. The creator (``created_by``), which only
+    writes and a few views ask for, is loaded when first asked.
 
-    Both are ``raw()`` statements: every API request makes them, and compiling the ORM's form of the
-    first (a subquery for the role, a join for the creator's state, the tenant joined) cost more CPU
-    than the rest of a small list read."""
+    A ``raw()`` statement: every API request makes it, and compiling the ORM's form (a subquery for
+    the role, a join for the creator's state, the tenant joined) cost more CPU than the rest of a
+    small list read. The tenant's columns come back under prefixed names and become its model
+    through ``Model.from_db``."""
     token = next(iter(ApiToken.objects.raw(_token_statement(), [key_id])), None)
     if token is None:
         return None
-    token.tenant = next(iter(Tenant.objects.raw(_tenant_statement(), [token.tenant_id])))
+    names = _tenant_attnames()
+    token.tenant = Tenant.from_db(
+        connection.alias, names, [getattr(token, TENANT_COLUMN_PREFIX + name) for name in names]
+    )
     token.effective_scopes = _effective_scopes(
         token, role=token.creator_role, creator_active=bool(token.creator_active)
     )
     return token
+
+
+TENANT_COLUMN_PREFIX = "tenant__"
+
+
+@functools.cache
+def _tenant_attnames() -> list[str]:
+    return [field.attname for field in Tenant._meta.concrete_fields]
 
 
 @functools.cache
@@ -151,20 +163,19 @@ def _token_statement() -> str:
     user = get_user_model()._meta
     column = Membership._meta.get_field
     token_tenant, token_creator = (q(ApiToken._meta.get_field(n).column) for n in ("tenant", "created_by"))
+    tenant_columns = ", ".join(
+        f"ten.{q(field.column)} AS {q(TENANT_COLUMN_PREFIX + field.attname)}"
+        for field in Tenant._meta.concrete_fields
+    )
     return (
         f"SELECT tok.*, mem.{q(column('role').column)} AS creator_role, usr.{q(user.get_field('is_active').column)}"
-        f" AS creator_active FROM {q(ApiToken._meta.db_table)} tok"
+        f" AS creator_active, {tenant_columns} FROM {q(ApiToken._meta.db_table)} tok"
+        f" JOIN {q(Tenant._meta.db_table)} ten ON ten.{q(Tenant._meta.pk.column)} = tok.{token_tenant}"
         f" LEFT JOIN {q(Membership._meta.db_table)} mem ON mem.{q(column('tenant').column)} = tok.{token_tenant}"
         f" AND mem.{q(column('user').column)} = tok.{token_creator}"
         f" LEFT JOIN {q(user.db_table)} usr ON usr.{q(user.pk.column)} = tok.{token_creator}"
         f" WHERE tok.{q(ApiToken._meta.get_field('key_id').column)} = %s"
     )
-
-
-@functools.cache
-def _tenant_statement() -> str:
-    q = connection.ops.quote_name
-    return f"SELECT * FROM {q(Tenant._meta.db_table)} WHERE {q(Tenant._meta.pk.column)} = %s"
 
 
 def _effective_scopes(token: ApiToken, *, role: str | None, creator_active: bool) -> frozenset[str] | None:
