@@ -143,6 +143,64 @@ def test_the_async_client(portal, tenant):
     assert made.name == "from-async" and names == ["from-async"] and me.tenant["slug"] == "acme"
 
 
+class AsyncRecording(httpx.AsyncHTTPTransport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.statuses: list[int] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await super().handle_async_request(request)
+        await response.aread()
+        self.statuses.append(response.status_code)
+        return response
+
+
+def test_the_async_client_iterates_over_every_cursor_page(portal, tenant):
+    url, token = portal
+    with Client(url, token) as c:
+        made = {c.create_token(name=f"a{i}", scopes=["read"]).id for i in range(4)}
+    transport = AsyncRecording()
+
+    async def go():
+        async with AsyncClient(url, token, transport=transport) as c:
+            return [t.id async for t in c.tokens(page_size=2)]
+
+    listed = asyncio.run(go())
+    assert made <= set(listed) and len(listed) == len(set(listed)) == 5  # and the fixture's own
+    assert transport.statuses == [200, 200, 200]  # 2 + 2 + 1
+
+
+def test_webhook_calls_are_repeated_only_where_a_repeat_is_harmless(portal, tenant):
+    from portal.models import AuditEvent
+    from webhooks.models import WebhookEndpoint
+
+    url, token = portal
+    transport = Recording(lose=1)
+    with Client(url, token, transport=transport, backoff=0.01) as c:
+        made = c.create_webhook(url="https://hooks.example.com/in", event_types=["budget.alert"])
+    assert transport.statuses == [201, 201] and WebhookEndpoint.objects.count() == 1  # made once
+    assert made.secret.startswith("whsec_") and made.event_types == ["budget.alert"]
+    transport = Recording(lose=1)
+    with Client(url, token, transport=transport, backoff=0.01) as c:
+        changed = c.update_webhook(made.id, enabled=False, description="paused")
+    assert transport.statuses == [200, 200] and (changed.enabled, changed.description) == (False, "paused")
+    # A second roll would make a second secret and lose the first answer's: never repeated.
+    transport = Recording(lose=1)
+    with Client(url, token, transport=transport, backoff=0.01) as c, pytest.raises(ConnectionFailed):
+        c.roll_webhook_secret(made.id)
+    assert transport.statuses == [200]
+    assert AuditEvent.objects.filter(action="webhook.roll_secret").count() == 1
+    with Client(url, token) as c:
+        assert [e.id for e in c.webhooks(enabled=False)] == [made.id]
+        assert [e.id for e in c.webhooks(enabled=True)] == []
+        assert {t.name for t in c.webhook_event_types()} >= {"workload.state", "invoice.overdue"}
+        with pytest.raises(ApiError) as bad:
+            c.update_webhook(made.id, url="https://169.254.169.254/latest")
+        assert bad.value.status == 400 and "url" in bad.value.fields
+        c.delete_webhook(made.id)
+        assert list(c.webhooks()) == []
+
+
 def test_the_client_and_the_schema_agree(tenant, make_token):
     """Every call the client makes is an operation of the schema, and every model's fields are its
     component's properties, with decimals, times and days typed as the schema says."""

@@ -226,6 +226,64 @@ class _Api(abc.ABC):
         _op("POST", "/api/v1/tokens/{id}/revoke/")
         return self._run(_Request("POST", f"/api/v1/tokens/{int(id)}/revoke/", m.ApiToken))
 
+    # --- webhooks (the admin scope) --------------------------------------------------------------
+
+    def webhooks(self, **filters: Any):
+        """The team's webhook endpoints (``enabled=True`` or ``False`` to filter)."""
+        return self._paginate(_op("GET", "/api/v1/webhooks/"), m.WebhookEndpoint, _clean(filters))
+
+    def webhook(self, id: int):
+        _op("GET", "/api/v1/webhooks/{id}/")
+        return self._run(_Request("GET", f"/api/v1/webhooks/{int(id)}/", m.WebhookEndpoint))
+
+    def create_webhook(self, *, url: str, event_types: list[str], description: str | None = None,
+                       enabled: bool | None = None, idempotency_key: str | None = None):  # fmt: skip
+        """A new endpoint; its ``secret`` is in this answer only (``gpupool.webhooks.verify``)."""
+        body = _clean(
+            {"url": url, "event_types": event_types, "description": description, "enabled": enabled}
+        )
+        return self._create(_op("POST", "/api/v1/webhooks/"), body, m.WebhookEndpointCreated, idempotency_key)
+
+    def update_webhook(self, id: int, **changes: Any):
+        """Change ``url``, ``event_types``, ``description`` or ``enabled``."""
+        _op("PATCH", "/api/v1/webhooks/{id}/")
+        # Setting the same values twice is harmless.
+        return self._run(
+            _Request("PATCH", f"/api/v1/webhooks/{int(id)}/", m.WebhookEndpoint, json=changes, safe=True)
+        )
+
+    def delete_webhook(self, id: int):
+        _op("DELETE", "/api/v1/webhooks/{id}/")
+        return self._run(_Request("DELETE", f"/api/v1/webhooks/{int(id)}/"))
+
+    def roll_webhook_secret(self, id: int):
+        """A new signing secret, in this answer only; deliveries from now on are signed with it. Not
+        repeated on a lost answer: a repeat would make another secret."""
+        _op("POST", "/api/v1/webhooks/{id}/roll-secret/")
+        return self._run(
+            _Request("POST", f"/api/v1/webhooks/{int(id)}/roll-secret/", m.WebhookEndpointCreated)
+        )
+
+    def webhook_deliveries(self, **filters: Any):
+        """Each event sent to each endpoint, newest first (``endpoint=ID``, ``state=...``)."""
+        return self._paginate(_op("GET", "/api/v1/webhook-deliveries/"), m.WebhookDelivery, _clean(filters))
+
+    def webhook_delivery(self, id: int):
+        """One delivery with its body and every attempt (status, latency, error)."""
+        _op("GET", "/api/v1/webhook-deliveries/{id}/")
+        return self._run(_Request("GET", f"/api/v1/webhook-deliveries/{int(id)}/", m.WebhookDeliveryDetail))
+
+    def redeliver_webhook(self, id: int):
+        """Send a delivery again now (not repeated on a lost answer: that would send it twice)."""
+        _op("POST", "/api/v1/webhook-deliveries/{id}/redeliver/")
+        return self._run(
+            _Request("POST", f"/api/v1/webhook-deliveries/{int(id)}/redeliver/", m.WebhookDelivery)
+        )
+
+    def webhook_event_types(self):
+        """The event types an endpoint may ask for, each with what it means."""
+        return self._run(_Request("GET", _op("GET", "/api/v1/webhook-event-types/"), m.EventType))
+
     # --- helpers --------------------------------------------------------------------------------
 
     def _create(self, path: str, body: Any, model: type[m.Model], key: str | None):
