@@ -157,8 +157,11 @@ def main() -> None:
     "--profile", "name", default=None, help="Profile name (default: the global --profile, else 'default')."
 )
 @click.option("--default/--no-default", "make_default", default=True, help="Make it the default profile.")
+@click.option("--json", "json_output", is_flag=True, help="Who the token is (the API's /me/) as JSON.")
 @click.pass_context
-def login(ctx: click.Context, url: str, token: str, name: str | None, make_default: bool) -> None:
+def login(
+    ctx: click.Context, url: str, token: str, name: str | None, make_default: bool, json_output: bool
+) -> None:
     """Check a portal URL and token, and save them as a profile."""
     name = name or ctx.obj.get("profile") or "default"
     try:
@@ -173,6 +176,8 @@ def login(ctx: click.Context, url: str, token: str, name: str | None, make_defau
     where = config.save_profile(name, url, token, make_default=make_default)
     tenant = (me.tenant or {}).get("name", "?")
     err.print(f"Logged in to {url} as {tenant} (profile {name!r}; token in {where}).")
+    if json_output or ctx.find_root().params.get("json_output"):
+        _print_json(me)
 
 
 @cli.group(invoke_without_command=True)

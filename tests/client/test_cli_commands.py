@@ -1,0 +1,131 @@
+"""What tests/client/test_cli.py leaves out: ``run``'s --volume, --ssh-key, --template, --region,
+--max-runtime and --idempotency-key with their effect on the stored workload; ``--json`` of ``ssh``
+and the ``rm`` commands; and every API command, refused, exiting 1 with the API's message and
+nothing on stdout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from scheduling.models import Workload, WorkloadVolume
+from tests.scheduling.conftest import H100
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _public_key() -> str:
+    key = Ed25519PrivateKey.generate().public_key()
+    return key.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
+
+
+def test_run_with_a_volume_an_ssh_key_a_template_a_region_and_a_runtime(
+    gp, tenant, make_node, settings, api, tmp_path
+):
+    settings.VOLUME_STORAGE_ROOTS = {"*": "/srv/volumes"}
+    make_node(H100, gpus=8)
+    vol = gp.json("volumes", "create", "data", "--region", "us-east-1", "--size", "5")
+    made = api(gp.token).post("/api/v1/templates/", {"name": "torch", "image": "ghcr.io/acme/torch:2",
+                              "command": ["jupyter", "lab"], "ports": [8888]}, content_type="application/json")  # fmt: skip
+    assert made.status_code == 201, made.content
+    key = _public_key()
+    key_file = tmp_path / "id_ed25519.pub"
+    key_file.write_text(key + "\n")
+    inst = gp.json("run", "--instance", "--template", "torch", "--gpus", "1", "--model", H100,
+                   "--region", "us-east-1", "--volume", f"{vol['id']}:/data", "--ssh-key", key_file,
+                   "--max-runtime", "3600")  # fmt: skip
+    w = Workload.objects.get(pk=inst["id"], tenant=tenant)
+    assert (w.template, w.image, w.command, w.ports) == (
+        "torch",
+        "ghcr.io/acme/torch:2",
+        ["jupyter", "lab"],
+        [{"port": 8888, "protocol": "http"}],
+    )
+    assert (w.region.code, w.max_runtime_s, w.ssh_public_key) == ("us-east-1", 3600, key)
+    attached = WorkloadVolume.objects.get(workload=w)
+    assert (attached.volume_id, attached.mount_path) == (vol["id"], "/data")
+    assert [v["volume"] for v in inst["volumes"]] == [vol["id"]]
+    # The key given inline; then the refusals: a malformed flag (2), the API's (1, naming the field).
+    other = gp.json("run", "--instance", "--gpus", "1", "--model", H100, "--image", "img:1", "--ssh-key", key)
+    assert Workload.objects.get(pk=other["id"]).ssh_public_key == key
+    assert "--volume" in gp("run", "--instance", *_flags(), "--volume", "data:/data", code=2).stderr
+    r = gp("run", "--instance", *_flags(), "--volume", "987654:/data", code=1)
+    assert "volumes" in r.stderr, r.stderr
+    r = gp("run", "--instance", *_flags(), "--ssh-key", "not a key", code=1)
+    assert "ssh_public_key" in r.stderr, r.stderr
+    r = gp("run", "--instance", *_flags(), "--template", "no-such", code=1)
+    assert "template" in r.stderr, r.stderr
+    assert Workload.objects.filter(tenant=tenant).count() == 2
+
+
+def _flags() -> list[str]:
+    return ["--gpus", "1", "--model", H100, "--image", "img:1"]
+
+
+def test_run_with_the_same_idempotency_key_makes_one_workload(gp, tenant, make_node):
+    make_node(H100, gpus=8)
+    first = gp.json("run", *_flags(), "--idempotency-key", "deploy-42", "--", "python", "a.py")
+    again = gp.json("run", *_flags(), "--idempotency-key", "deploy-42", "--", "python", "a.py")
+    assert again["id"] == first["id"] and Workload.objects.filter(tenant=tenant).count() == 1
+    # The same key with another body is the API's 422, not a second workload.
+    r = gp("run", *_flags(), "--idempotency-key", "deploy-42", "--", "python", "b.py", code=1)
+    assert "422" in r.stderr and Workload.objects.filter(tenant=tenant).count() == 1
+    # Without a key each run is its own workload.
+    gp.json("run", *_flags(), "--", "python", "a.py")
+    assert Workload.objects.filter(tenant=tenant).count() == 2
+
+
+def test_json_of_ssh_and_of_the_rm_commands(gp, tenant, make_node, settings, monkeypatch):
+    from gpupool import cli as cli_module
+
+    settings.VOLUME_STORAGE_ROOTS = {"*": "/srv/volumes"}
+    info = {"host": "gpu-1.example.net", "port": 2222, "user": "42", "command": "ssh -p 2222 42@gpu-1",
+            "known_hosts": "[gpu-1.example.net]:2222 ssh-ed25519 AAAA"}  # fmt: skip
+
+    class W:
+        id, access = 42, {"ssh": info, "ports": []}
+
+    real = cli_module._find_workload
+    monkeypatch.setattr(cli_module, "_find_workload", lambda c, id, kind: ("instance", W()))
+    out = gp.json("ssh", "42", "--", "nvidia-smi")
+    assert out["ssh"] == info and out["argv"][0] == "ssh"
+    assert out["argv"][-2:] == ["42@gpu-1.example.net", "nvidia-smi"]
+    monkeypatch.setattr(cli_module, "_find_workload", real)
+    vol = gp.json("volumes", "create", "data", "--region", "us-east-1", "--size", "5")
+    assert gp.json("volumes", "rm", vol["id"]) == {"deleted": vol["id"]}
+    gp("secrets", "set", "K", input="v")
+    assert gp.json("secrets", "rm", "K") == {"deleted": "K"}
+
+
+# Every command that calls the API, with arguments that reach it.
+API_COMMANDS = [
+    ["gpus"], ["ps"], ["show", "1"], ["logs", "1"], ["ssh", "1"], ["open", "1", "8888"], ["stop", "1"],
+    ["resize", "1", "--gpus", "2"], ["run", "--gpus", "1", "--image", "i:1", "--", "x"],
+    ["volumes"], ["volumes", "create", "v", "--region", "us-east-1", "--size", "1"], ["volumes", "rm", "1"],
+    ["secrets"], ["secrets", "set", "K"], ["secrets", "rm", "K"], ["templates"], ["usage"], ["invoices"],
+    ["invoices", "pdf", "1"], ["budget"], ["budget", "--set", "10"], ["tokens"],
+    ["tokens", "create", "t", "--scope", "read"], ["tokens", "revoke", "1"], ["webhooks"],
+    ["webhooks", "create", "https://hooks.example.com/x"], ["webhooks", "update", "1", "--disable"],
+    ["webhooks", "rm", "1"], ["webhooks", "roll-secret", "1"], ["webhooks", "events"],
+    ["webhooks", "deliveries"], ["webhooks", "delivery", "1"], ["webhooks", "redeliver", "1"],
+]  # fmt: skip
+
+
+def test_every_api_command_refused_exits_1_with_the_apis_message(gp, tenant, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # invoices pdf would write here
+    assert gp("--json", "tokens").exit_code == 0  # the positive control: the real token works
+    monkeypatch.setenv("GPUPOOL_TOKEN", "gpp_revoked_or_never_was")
+    for args in API_COMMANDS:
+        for json_flag in ([], ["--json"]):
+            r = gp(*json_flag, *args, input="value\n", code=None)
+            assert (r.exit_code, r.stdout) == (1, ""), (args, json_flag, r.exit_code, r.stdout, r.stderr)
+            assert "error (401" in r.stderr, (args, r.stderr)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_login_json_is_who_the_token_is(gp):
+    me = json.loads(gp("--json", "login", "--url", gp.url, "--token", gp.token, "--profile", "ci").stdout)
+    assert me["tenant"]["slug"] == "acme" and "scopes" in me
