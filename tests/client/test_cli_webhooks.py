@@ -57,6 +57,15 @@ def test_webhooks_from_the_command_line_to_a_verifying_receiver(gp, tenant, sett
             assert redone["state"] == "pending"
             receiver.wait(2)
             wait_for(lambda: WebhookAttempt.objects.count() == 2, what="the second attempt")
+            # A new secret, printed once, the old one kept signing beside it for an hour: the
+            # receiver, still on the old one, accepts the next delivery.
+            r = gp("webhooks", "roll-secret", listed["id"], "--keep-old", "1h")
+            rolled = r.stdout.strip()
+            assert rolled.startswith("whsec_") and rolled != secret and "old secret signs" in r.stderr
+            _event(tenant, to="stopped")
+            third = receiver.wait(3)[2]
+            wait_for(lambda: WebhookAttempt.objects.count() == 3, what="the third attempt")
+            assert third.verified and third.event["data"]["to"] == "stopped"
         detail = gp.json("webhooks", "delivery", delivery["id"])
         assert [(a["number"], a["manual"], a["status"]) for a in detail["attempt_log"]] == [
             (1, False, 200),
@@ -67,10 +76,16 @@ def test_webhooks_from_the_command_line_to_a_verifying_receiver(gp, tenant, sett
         table = gp("webhooks", "delivery", delivery["id"]).stdout
         assert "200" in table and "yes" in table  # the attempt by hand
         assert gp.json("webhooks", "deliveries", "--state", "failed") == []
-
-        # A new secret, printed once: the receiver that still holds only the old one refuses.
-        rolled = gp.json("webhooks", "roll-secret", listed["id"])
-        assert rolled["secret"].startswith("whsec_") and rolled["secret"] != secret
+        assert len(gp.json("webhooks", "deliveries", "--state", "succeeded")) == 2
+        again = gp.json("webhooks", "roll-secret", listed["id"])  # the old one stops now
+        assert again["secret"] not in (secret, rolled) and again["previous_secret_expires_at"] is None
+        assert (
+            "--keep-old" in gp("webhooks", "roll-secret", listed["id"], "--keep-old", "soon", code=2).stderr
+        )
+        assert (
+            "expire_previous_in_s"
+            in gp("webhooks", "roll-secret", listed["id"], "--keep-old", "8d", code=1).stderr
+        )
         off = gp.json("webhooks", "update", listed["id"], "--disable", "--event", "invoice.paid")
         assert (off["enabled"], off["event_types"]) == (False, ["invoice.paid"])
         endpoint = WebhookEndpoint.objects.get(pk=listed["id"])

@@ -968,12 +968,35 @@ def webhooks_rm(ctx: click.Context, as_json: bool, id: int) -> None:
         _print_json({"deleted": id})
 
 
+def _duration(value: str) -> int:
+    """Seconds from ``90``, ``90s``, ``30m``, ``24h`` or ``7d``."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    number, unit = (value[:-1], value[-1]) if value[-1:] in units else (value, "s")
+    if not number.isdigit():
+        raise click.BadParameter(
+            f"{value!r}: expected seconds, or a number with s, m, h or d", param_hint="--keep-old"
+        )
+    return int(number) * units[unit]
+
+
 @api_command(webhooks, "roll-secret")
 @click.argument("id", type=int)
-def webhooks_roll_secret(ctx: click.Context, as_json: bool, id: int) -> None:
-    """A new signing secret, printed once; deliveries from now on are signed with it (let the
-    receiver accept both, the new and the old, until the old one's deliveries are done)."""
-    _print_secret(as_json, _client(ctx).roll_webhook_secret(id), "has a new secret")
+@click.option(
+    "--keep-old",
+    "keep_old",
+    default="0",
+    show_default=True,
+    help="How long the old secret keeps signing deliveries beside the new one (e.g. 24h; at most 7d).",
+)
+def webhooks_roll_secret(ctx: click.Context, as_json: bool, id: int, keep_old: str) -> None:
+    """A new signing secret, printed once; deliveries from now on are signed with it, and for
+    --keep-old with the old one too, so the receiver can take the new one meanwhile."""
+    e = _client(ctx).roll_webhook_secret(id, expire_previous_in_s=_duration(keep_old))
+    _print_secret(as_json, e, "has a new secret")
+    if not as_json and e.previous_secret_expires_at:
+        err.print(
+            f"The old secret signs deliveries too until {e.previous_secret_expires_at:%Y-%m-%d %H:%M %Z}."
+        )
 
 
 @api_command(webhooks, "events")

@@ -256,12 +256,14 @@ class _Api(abc.ABC):
         _op("DELETE", "/api/v1/webhooks/{id}/")
         return self._run(_Request("DELETE", f"/api/v1/webhooks/{int(id)}/"))
 
-    def roll_webhook_secret(self, id: int):
-        """A new signing secret, in this answer only; deliveries from now on are signed with it. Not
-        repeated on a lost answer: a repeat would make another secret."""
+    def roll_webhook_secret(self, id: int, *, expire_previous_in_s: int = 0):
+        """A new signing secret, in this answer only; deliveries from now on are signed with it, and
+        with the old one too for ``expire_previous_in_s`` seconds (up to 7 days; 0: the old one
+        stops now). Not repeated on a lost answer: a repeat would make another secret."""
         _op("POST", "/api/v1/webhooks/{id}/roll-secret/")
+        body = {"expire_previous_in_s": expire_previous_in_s}
         return self._run(
-            _Request("POST", f"/api/v1/webhooks/{int(id)}/roll-secret/", m.WebhookEndpointCreated)
+            _Request("POST", f"/api/v1/webhooks/{int(id)}/roll-secret/", m.WebhookEndpointCreated, json=body)
         )
 
     def webhook_deliveries(self, **filters: Any):

@@ -298,6 +298,7 @@ class WebhookEndpoint(Model):
     description: str = ""
     event_types: list | None = None
     enabled: bool = False
+    previous_secret_expires_at: datetime | None = None  # after a roll that kept the old secret
     created_at: datetime | None = None
     updated_at: datetime | None = None
 

@@ -7,9 +7,10 @@ whole ``whsec_…`` text, as UTF-8), of ``"<t>." + body`` (the raw body, byte fo
 recomputes it over the body received, compares in constant time, and refuses a timestamp more than
 ``tolerance_s`` from this machine's clock, so a captured delivery cannot be replayed later.
 
-A header may carry several ``v1`` entries, and ``secret`` may be several secrets: while you roll an
-endpoint's secret (``POST /api/v1/webhooks/{id}/roll-secret/``), give both the new and the old one,
-and drop the old once deliveries signed with it are no longer retried. One match is enough.
+A header may carry several ``v1`` entries: after a roll that keeps the old secret a while
+(``gpupool webhooks roll-secret ID --keep-old 24h``), the portal signs each delivery with both, so a
+receiver accepts it whichever secret it holds. ``secret`` may be several secrets too (the new and
+the old, while you switch). One match is enough.
 
     from gpupool.webhooks import HEADER, verify
     from gpupool.errors import WebhookSignatureError
