@@ -6,12 +6,18 @@ nothing on stdout."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import types
 
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from scheduling.models import Workload, WorkloadVolume
+from scheduling.models import PublishedPort, Workload, WorkloadVolume
+from scheduling.services.lifecycle import workload_on_running
+from tests.client.conftest import ROOT
 from tests.scheduling.conftest import H100
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -129,3 +135,65 @@ def test_every_api_command_refused_exits_1_with_the_apis_message(gp, tenant, mon
 def test_login_json_is_who_the_token_is(gp):
     me = json.loads(gp("--json", "login", "--url", gp.url, "--token", gp.token, "--profile", "ci").stdout)
     assert me["tenant"]["slug"] == "acme" and "scopes" in me
+
+
+def test_login_keeps_the_token_in_the_os_keyring_when_there_is_one(gp, monkeypatch, tmp_path):
+    """Through keyring's documented calls (a backend in memory: none is on this machine)."""
+    store: dict[tuple[str, str], str] = {}
+
+    class FailKeyring:  # keyring.backends.fail.Keyring: what get_keyring() is without a backend
+        pass
+
+    fail = types.ModuleType("keyring.backends.fail")
+    fail.Keyring = FailKeyring
+    backends = types.ModuleType("keyring.backends")
+    backends.fail = fail
+    keyring = types.ModuleType("keyring")
+    keyring.backends = backends
+    keyring.get_keyring = lambda: object()
+    keyring.set_password = lambda service, name, token: store.__setitem__((service, name), token)
+    keyring.get_password = lambda service, name: store.get((service, name))
+    keyring.delete_password = lambda service, name: store.pop((service, name))
+    for name, module in (
+        ("keyring", keyring),
+        ("keyring.backends", backends),
+        ("keyring.backends.fail", fail),
+    ):
+        monkeypatch.setitem(sys.modules, name, module)
+    for name in ("GPUPOOL_NO_KEYRING", "GPUPOOL_URL", "GPUPOOL_TOKEN"):
+        monkeypatch.delenv(name)
+    creds = tmp_path / "config" / "credentials.json"
+
+    r = gp("login", "--url", gp.url, "--token", gp.token, "--profile", "lab")
+    assert "the OS keyring" in r.stderr
+    assert store == {("gpupool", "lab"): gp.token} and not creds.exists()
+    assert gp.json("ps") == []  # the token read back from the keyring
+    gp("profiles", "rm", "lab")
+    assert store == {}
+    # keyring installed but no usable backend: the owner-only file instead.
+    keyring.get_keyring = lambda: FailKeyring()
+    r = gp("login", "--url", gp.url, "--token", gp.token, "--profile", "ci")
+    assert str(creds) in r.stderr and json.loads(creds.read_text()) == {"ci": gp.token} and store == {}
+    assert oct(creds.stat().st_mode & 0o777) == "0o600"
+
+
+def test_open_browser_opens_the_proxy_url(gp, tenant, make_node, cycle, tmp_path):
+    node = make_node(H100, gpus=8)
+    inst = gp.json("run", "--instance", *_flags(), "--port", "8888")
+    cycle()
+    workload_on_running(node_id=node.pk, workload_id=inst["id"])
+    PublishedPort.objects.create(
+        workload_id=inst["id"], node=node, port=8888, protocol="http", host_port=31000
+    )
+    opened = tmp_path / "opened"
+    browser = tmp_path / "browser"
+    browser.write_text(f'#!/bin/sh\nprintf "%s" "$1" > {opened}\n')
+    browser.chmod(0o755)
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "PYTHONPATH": str(ROOT / "client" / "src"),
+           "GPUPOOL_URL": gp.url, "GPUPOOL_TOKEN": gp.token, "GPUPOOL_NO_KEYRING": "1",
+           "GPUPOOL_CONFIG_DIR": str(tmp_path / "config"), "BROWSER": f"{browser} %s"}  # fmt: skip
+    out = subprocess.run([sys.executable, "-m", "gpupool", "open", str(inst["id"]), "8888", "--browser"], env=env,
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    url = out.stdout.strip()
+    assert url.endswith(f"/proxy/{inst['id']}/8888/") and opened.read_text() == url

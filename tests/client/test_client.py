@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import itertools
+import re
 import subprocess
 import sys
+import time
 import tomllib
 from datetime import date, datetime
 from decimal import Decimal
@@ -33,6 +36,7 @@ class Recording(httpx.HTTPTransport):
     def __init__(self, refuse: int = 0, lose: int = 0) -> None:
         super().__init__()
         self.statuses: list[int] = []
+        self.answers: list[tuple[float, int, str]] = []  # (when, status, Retry-After)
         self.refuse, self.lose = refuse, lose
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
@@ -42,6 +46,7 @@ class Recording(httpx.HTTPTransport):
         response = super().handle_request(request)
         response.read()
         self.statuses.append(response.status_code)
+        self.answers.append((time.monotonic(), response.status_code, response.headers.get("Retry-After", "")))
         if self.lose:
             self.lose -= 1
             raise httpx.ReadError("connection lost after sending (test)", request=request)
@@ -77,6 +82,19 @@ def test_a_429_is_retried_after_retry_after(portal, monkeypatch):
         for _ in range(5):
             assert c.me().tenant["slug"] == "acme"
     assert 429 in transport.statuses and transport.statuses[-1] == 200
+    # Each 429's next request waited what its Retry-After said (whole seconds, as DRF rounds).
+    for (at, status, retry_after), (next_at, _, _) in itertools.pairwise(transport.answers):
+        if status == 429:
+            assert retry_after.isdigit() and next_at - at >= int(retry_after) - 0.05, transport.answers
+    # And the async client alike.
+    recorded = AsyncRecording()
+
+    async def go():
+        async with AsyncClient(url, token, transport=recorded, retries=5) as c:
+            return [(await c.me()).tenant["slug"] for _ in range(5)]
+
+    assert asyncio.run(go()) == ["acme"] * 5
+    assert 429 in recorded.statuses and recorded.statuses[-1] == 200
 
 
 def test_connection_errors_are_retried_and_give_up_with_connection_failed(portal):
@@ -253,3 +271,26 @@ def test_the_distribution_needs_no_server():
     assert out.stdout.strip() == "[]"
     server = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert server["name"] == "gpupool-server"
+
+
+def test_every_library_the_client_imports_is_a_declared_dependency():
+    """``pip install gpupool`` installs what the package imports, and nothing of the server's:
+    each third-party import in client/src is in its dependencies (``keyring`` in its extra)."""
+    client = tomllib.loads((ROOT / "client" / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[<>=\[ ;]", d, maxsplit=1)[0].lower() for d in client["dependencies"]}
+    extras = {re.split(r"[<>=\[ ;]", d, maxsplit=1)[0].lower() for ds in client["optional-dependencies"].values()
+              for d in ds}  # fmt: skip
+    distribution = {"yaml": "pyyaml"}  # import name -> distribution name, where they differ
+    imported = set()
+    for path in (ROOT / "client" / "src" / "gpupool").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    third_party = {
+        n for n in imported if n not in sys.stdlib_module_names and n not in ("gpupool", "__future__")
+    }
+    assert third_party == {"httpx", "click", "rich", "yaml", "keyring"}, third_party
+    needed = {distribution.get(n, n) for n in third_party}
+    assert needed - {"keyring"} <= declared and "keyring" in extras, (needed, declared, extras)

@@ -33,7 +33,8 @@ from gpupool.models import Model
 EXIT_API_ERROR = 1
 EXIT_UNREACHABLE = 3
 
-err = Console(stderr=True, highlight=False)
+# Messages are whole lines (no wrapping at an imagined 80 columns in a pipe or a log).
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _out() -> Console:
