@@ -197,3 +197,27 @@ def test_open_browser_opens_the_proxy_url(gp, tenant, make_node, cycle, tmp_path
     assert out.returncode == 0, out.stderr
     url = out.stdout.strip()
     assert url.endswith(f"/proxy/{inst['id']}/8888/") and opened.read_text() == url
+
+
+def test_gpus_shows_the_list_prices_per_plan_and_region(gp, make_node):
+    from datetime import timedelta
+    from decimal import Decimal
+
+    from django.utils import timezone
+
+    from metering.models import GpuPrice, RateCard, RateCardVersion
+    from nodes.models import GpuModel
+
+    make_node(H100, gpus=8)
+    card = RateCard.objects.create(name="List prices", is_default=True)
+    version = RateCardVersion.objects.create(rate_card=card, number=1,
+                                             effective_from=timezone.now() - timedelta(days=1))  # fmt: skip
+    h100 = GpuModel.objects.get(name=H100)
+    for plan, price in (("on_demand", "2.49"), ("spot", "0.99"), ("reserved", "1.75")):
+        GpuPrice.objects.create(version=version, gpu_model=h100, plan=plan, price_per_gpu_hour=Decimal(price))
+    [us] = next(t for t in gp.json("gpus") if t["name"] == H100)["availability"]
+    assert (us["region"], us["free_gpus"], us["total_gpus"]) == ("us-east-1", 8, 8)
+    prices = {plan: Decimal(v) for plan, v in us["price_per_gpu_hour"].items()}  # the API's text
+    assert prices == {"on_demand": Decimal("2.49"), "spot": Decimal("0.99"), "reserved": Decimal("1.75")}
+    row = next(line for line in gp("gpus").stdout.splitlines() if line.startswith(H100))
+    assert row.split()[-6:] == ["us-east-1", "8", "8", "2.49", "0.99", "1.75"], row

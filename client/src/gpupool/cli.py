@@ -106,6 +106,16 @@ def _table(columns: Iterable[str], rows: Iterable[Iterable[Any]]) -> None:
     _out().print(table)
 
 
+def _money(value: Any) -> str:
+    """A price or amount for a table: its significant places, at least two (``2.4900000000`` ->
+    ``2.49``, ``10`` -> ``10.00``); JSON output keeps the API's text."""
+    if value in (None, ""):
+        return "-"
+    d = Decimal(str(value)).normalize()
+    exponent = d.as_tuple().exponent
+    return str(d.quantize(Decimal("0.01")) if isinstance(exponent, int) and exponent > -2 else d)
+
+
 def _when(value: Any) -> str:
     return value.strftime("%Y-%m-%d %H:%M") if value else ""
 
@@ -226,7 +236,7 @@ def gpus(ctx: click.Context, as_json: bool, region: str | None) -> None:
         for a in t.availability or [{}]:
             prices = a.get("price_per_gpu_hour") or {}
             rows.append((t.name, t.memory_gib, a.get("region", ""), a.get("free_gpus", ""), a.get("total_gpus", ""),
-                         *(prices.get(p) or "-" for p in ("on_demand", "spot", "reserved"))))  # fmt: skip
+                         *(_money(prices.get(p)) for p in ("on_demand", "spot", "reserved"))))  # fmt: skip
     _table(["MODEL", "GiB", "REGION", "FREE", "TOTAL", "ON-DEMAND/h", "SPOT/h", "RESERVED/h"], rows)
 
 
