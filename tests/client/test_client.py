@@ -294,3 +294,53 @@ def test_every_library_the_client_imports_is_a_declared_dependency():
     assert third_party == {"httpx", "click", "rich", "yaml", "keyring"}, third_party
     needed = {distribution.get(n, n) for n in third_party}
     assert needed - {"keyring"} <= declared and "keyring" in extras, (needed, declared, extras)
+
+
+def test_a_client_from_the_environment_or_a_saved_profile(portal, monkeypatch, tmp_path):
+    from gpupool import config
+
+    url, token = portal
+    monkeypatch.setenv("GPUPOOL_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setenv("GPUPOOL_NO_KEYRING", "1")
+    for name in ("GPUPOOL_URL", "GPUPOOL_TOKEN", "GPUPOOL_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(config.NotConfigured, match="gpupool login"):
+        Client.from_config()
+    config.save_profile("lab", url, token, make_default=True)
+    with Client.from_config() as c, Client.from_config("lab") as named:
+        assert c.me().tenant["slug"] == named.me().tenant["slug"] == "acme"
+    with pytest.raises(config.NotConfigured, match="No profile named 'other'"):
+        Client.from_config("other")
+    monkeypatch.setenv("GPUPOOL_URL", url)
+    monkeypatch.setenv("GPUPOOL_TOKEN", "gpp_from_the_environment")  # the environment wins
+    with Client.from_config(retries=0) as c, pytest.raises(ApiError) as refused:
+        c.me()
+    assert refused.value.status == 401
+
+    async def go():
+        monkeypatch.setenv("GPUPOOL_TOKEN", token)
+        async with AsyncClient.from_config() as c:
+            return (await c.me()).tenant["slug"]
+
+    assert asyncio.run(go()) == "acme"
+
+
+def test_the_async_client_follows_logs_where_the_server_does_not_stream(portal, tenant, submit, cycle):
+    """This live server is WSGI: ``follow`` is a 400 there, and the client polls instead."""
+    from scheduling.services.lifecycle import workload_on_exited
+    from tests.scheduling.conftest import H100
+    from tests.scheduling.logs_fixtures import batch, register_node
+
+    url, token = portal
+    node = register_node()
+    job = submit(tenant, gpu_models=[H100])
+    cycle()
+    now = time.time()
+    assert node.send(batch(1, job, [[now, "stdout", "a"], [now + 0.001, "stderr", "b"]])).status_code == 200
+    workload_on_exited(node_id=node.node.pk, workload_id=job.pk, state="exited", exit_code=0)
+
+    async def go():
+        async with AsyncClient(url, token) as c:
+            return [(x["stream"], x["text"]) async for x in c.follow_logs("job", job.pk, poll_s=0.05)]
+
+    assert asyncio.run(go()) == [("stdout", "a"), ("stderr", "b")]

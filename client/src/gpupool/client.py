@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from gpupool import config
 from gpupool import models as m
 from gpupool.errors import ApiError, ConnectionFailed
 
@@ -352,6 +353,13 @@ class Client(_Api, _Transport):
         self.http = httpx.Client(base_url=self.base_url, headers=self.auth_headers, timeout=timeout,
                                  transport=transport)  # fmt: skip
 
+    @classmethod
+    def from_config(cls, profile: str | None = None, **kwargs: Any) -> Client:
+        """The portal and token as the command line finds them: ``GPUPOOL_URL`` and
+        ``GPUPOOL_TOKEN``, else the profile (``gpupool login``) named or the default one."""
+        settings = config.resolve(profile)
+        return cls(settings.url, settings.token, **kwargs)
+
     def __enter__(self) -> Client:
         return self
 
@@ -437,6 +445,12 @@ class AsyncClient(_Api, _Transport):
         self.http = httpx.AsyncClient(base_url=self.base_url, headers=self.auth_headers, timeout=timeout,
                                       transport=transport)  # fmt: skip
 
+    @classmethod
+    def from_config(cls, profile: str | None = None, **kwargs: Any) -> AsyncClient:
+        """As ``Client.from_config``."""
+        settings = config.resolve(profile)
+        return cls(settings.url, settings.token, **kwargs)
+
     async def __aenter__(self) -> AsyncClient:
         return self
 
@@ -472,6 +486,40 @@ class AsyncClient(_Api, _Transport):
     async def _run(self, request: _Request) -> Any:
         return _answer(request, await self.send(request))
 
+    async def follow_logs(self, kind: str, id: int, *, since: str | None = None,
+                          poll_s: float = 1.0) -> AsyncIterator[dict]:  # fmt: skip
+        """``Client.follow_logs`` for asyncio: ``async for line in c.follow_logs("job", 42)``."""
+        async with self.http.stream("GET", self.follow_url(kind, id, since), timeout=None) as response:
+            if response.status_code == 200:
+                data: list[str] = []
+                async for line in response.aiter_lines():
+                    item = _sse_feed(line, data)
+                    if item is _KEEPALIVE:
+                        if (await self.workload(kind, id)).state in TERMINAL_STATES:
+                            return
+                    elif item is not None:
+                        yield item
+                return
+            await response.aread()
+            error = ApiError.from_response(response.status_code, _json_or_none(response), response.text)
+            if "follow" not in error.fields:
+                raise error
+        if since is None:
+            page = await self.logs(kind, id, tail=100)
+            for line in page.lines or []:
+                yield line
+            since = page.next
+        while True:
+            finished = (await self.workload(kind, id)).state in TERMINAL_STATES
+            page = await self.logs(kind, id, since=since, tail=1000)
+            for line in page.lines or []:
+                yield line
+            since = page.next
+            if finished and not page.lines:
+                return
+            if not page.lines:
+                await asyncio.sleep(poll_s)
+
     async def _paginate(self, path: str, model: type[m.Model], params: dict[str, Any]) -> AsyncIterator[Any]:
         request = _Request("GET", path, None, dict(params))
         while True:
@@ -490,15 +538,30 @@ def _json_or_none(response: httpx.Response) -> Any:
         return None
 
 
+_KEEPALIVE = object()
+
+
+def _sse_feed(line: str, data: list[str]) -> Any:
+    """One line of a server-sent event stream: the event's parsed ``data:`` when ``line`` ends one,
+    ``_KEEPALIVE`` at a comment (the server's keepalive, sent when it has been quiet), else None."""
+    if line.startswith("data:"):
+        data.append(line[5:].lstrip())
+    elif line.startswith(":"):
+        return _KEEPALIVE
+    elif line == "" and data:
+        event = json.loads("\n".join(data))
+        data.clear()
+        return event
+    return None
+
+
 def _sse_lines(lines: Iterable[str], ended: Callable[[], bool]) -> Iterator[dict]:
-    """The ``data:`` of each server-sent event, parsed; at each comment (the server's keepalive, sent
-    when it has been quiet), stops if ``ended()``."""
+    """Each event of the stream; at each keepalive, stops if ``ended()``."""
     data: list[str] = []
     for line in lines:
-        if line.startswith("data:"):
-            data.append(line[5:].lstrip())
-        elif line.startswith(":") and ended():
-            return
-        elif line == "" and data:
-            yield json.loads("\n".join(data))
-            data = []
+        item = _sse_feed(line, data)
+        if item is _KEEPALIVE:
+            if ended():
+                return
+        elif item is not None:
+            yield item
