@@ -34,6 +34,7 @@ def test_a_delivery_signed_by_the_portal_verifies_and_answers_the_event():
     assert HEADER == server.HEADER == "Gpupool-Signature"
     assert verify(BODY, header, SECRET) == EVENT
     assert verify(bytearray(BODY), header, SECRET) == EVENT
+    assert verify(BODY, header.encode(), SECRET) == EVENT  # a header handed over as bytes
     assert signature_timestamp(BODY, header, SECRET) == now
     # The scheme, recomputed by hand: HMAC-SHA256 of "t.body" under the whole secret text.
     digest = hmac.new(SECRET.encode(), f"{now}.".encode() + BODY, hashlib.sha256).hexdigest()

@@ -118,6 +118,8 @@ def signature_timestamp(
         raise ValueError("tolerance_s must be positive (or None to skip the age check).")
     if not header:
         raise WebhookSignatureError("missing", f"No {HEADER} header.")
+    if isinstance(header, bytes | bytearray):  # some servers hand headers over as bytes
+        header = bytes(header).decode("latin-1")
     if not isinstance(header, str):
         raise TypeError(f"header must be the {HEADER} header's text.")
     timestamp, signatures = _parse(header)
