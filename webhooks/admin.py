@@ -17,7 +17,7 @@ class WebhookEndpointAdmin(RecordAdmin):
     list_filter = ["enabled"]
     search_fields = ["url", "tenant__slug"]
     list_select_related = ["tenant"]
-    exclude = ["secret_ciphertext"]
+    exclude = ["secret_ciphertext", "previous_secret_ciphertext"]
 
 
 @admin.register(WebhookEvent)

@@ -35,8 +35,23 @@ class WebhookEndpointSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = WebhookEndpoint
-        fields = ["id", "url", "description", "event_types", "enabled", "created_at", "updated_at"]
+        fields = [
+            "id",
+            "url",
+            "description",
+            "event_types",
+            "enabled",
+            "previous_secret_expires_at",
+            "created_at",
+            "updated_at",
+        ]
         read_only_fields = fields
+        extra_kwargs = {
+            "previous_secret_expires_at": {
+                "help_text": "After a roll that kept the old secret: deliveries are signed with it too "
+                "until then (null: only the current secret)."
+            }
+        }
 
 
 class WebhookEndpointCreatedSerializer(WebhookEndpointSerializer):
@@ -59,6 +74,14 @@ class WebhookEndpointWriteSerializer(serializers.Serializer):
     event_types = serializers.JSONField(required=False, help_text='Event type names, or ["*"].')
     description = serializers.JSONField(required=False)
     enabled = serializers.JSONField(required=False)
+
+
+class RollSecretSerializer(serializers.Serializer):
+    expire_previous_in_s = serializers.JSONField(
+        required=False,
+        help_text="Seconds (0 to 604800) the old secret keeps signing deliveries beside the new one; "
+        "0 (the default): it stops now.",
+    )
 
 
 class EventTypeSerializer(serializers.Serializer):
@@ -139,7 +162,7 @@ class WebhookEndpointViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin, mix
     """Where the team's events are sent. The create answer carries the signing secret, once; each
     delivery is signed with it (``Gpupool-Signature: t=<unix>,v1=<HMAC-SHA256 of "t.body">``).
     PATCH changes ``url``, ``event_types``, ``description`` or ``enabled``; ``roll-secret`` makes a
-    new secret (shown once)."""
+    new secret (shown once), keeping the old one beside it for ``expire_previous_in_s`` seconds."""
 
     queryset = WebhookEndpoint.objects.all()
     serializer_class = WebhookEndpointSerializer
@@ -169,10 +192,24 @@ class WebhookEndpointViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin, mix
     def perform_destroy(self, instance):
         endpoint_delete(endpoint=instance, actor=self.actor)
 
-    @extend_schema(request=None, responses=WebhookEndpointCreatedSerializer)
+    @extend_schema(request=RollSecretSerializer, responses=WebhookEndpointCreatedSerializer)
     @action(detail=True, methods=["post"], url_path="roll-secret")
     def roll_secret(self, request, pk=None):
-        endpoint, secret = endpoint_roll_secret(endpoint=self.get_object(), actor=self.actor)
+        data = request.data if request.data else {}
+        if not isinstance(data, dict):
+            raise ValidationFailed(
+                "The body must be a JSON object.", fields={"non_field_errors": ["Not an object."]}
+            )
+        unknown = sorted(set(data) - {"expire_previous_in_s"})
+        if unknown:
+            raise ValidationFailed(
+                f"{unknown[0]}: not a field of a roll.", fields={k: ["Unknown field."] for k in unknown}
+            )
+        endpoint, secret = endpoint_roll_secret(
+            endpoint=self.get_object(),
+            actor=self.actor,
+            expire_previous_in_s=data.get("expire_previous_in_s", 0),
+        )
         return Response(WebhookEndpointCreatedSerializer(endpoint, context={"secret": secret}).data)
 
 

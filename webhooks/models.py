@@ -12,13 +12,18 @@ from portal.tenancy import TenantOwnedModel
 
 class WebhookEndpoint(TenantOwnedModel):
     """A tenant's receiver: a URL, the event types it wants, and the secret deliveries are signed
-    with (encrypted at rest like tenant secrets; shown once, when made or rolled)."""
+    with (encrypted at rest like tenant secrets; shown once, when made or rolled). A roll may keep
+    the previous secret until ``previous_secret_expires_at``: until then deliveries carry a
+    signature under each, so a receiver can switch without refusing any."""
 
     tenant = models.ForeignKey("portal.Tenant", on_delete=models.CASCADE, related_name="webhook_endpoints")
     url = models.CharField(max_length=2000)
     description = models.CharField(max_length=200, blank=True, default="")
     event_types = models.JSONField(default=list, help_text='Event type names, or ["*"] for every type.')
     secret_ciphertext = models.TextField()
+    # After a roll that keeps the old secret a while, deliveries are signed with both until then.
+    previous_secret_ciphertext = models.TextField(blank=True, default="")
+    previous_secret_expires_at = models.DateTimeField(null=True, blank=True)
     enabled = models.BooleanField(default=True)
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(default=timezone.now)

@@ -35,10 +35,14 @@ def compute(secret: str, body: bytes, timestamp: int) -> str:
     return hmac.new(secret.encode("utf-8"), message, hashlib.sha256).hexdigest()
 
 
-def sign(secret: str, body: bytes, timestamp: int | None = None) -> str:
-    """The header value for ``body``: ``t=<timestamp>,v1=<hex>`` (``timestamp`` defaults to now)."""
+def sign(secret: str | Iterable[str], body: bytes, timestamp: int | None = None) -> str:
+    """The header value for ``body``: ``t=<timestamp>,v1=<hex>`` (``timestamp`` defaults to now);
+    with several secrets (the new one and the one it replaces), one ``v1`` under each, in order."""
     t = int(time.time()) if timestamp is None else int(timestamp)
-    return f"t={t},{SCHEME}={compute(secret, body, t)}"
+    secrets = [secret] if isinstance(secret, str) else list(secret)
+    if not secrets:
+        raise ValueError("No secret to sign with.")
+    return ",".join([f"t={t}", *(f"{SCHEME}={compute(s, body, t)}" for s in secrets)])
 
 
 def _parse(header: str) -> tuple[int, list[str]]:

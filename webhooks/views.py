@@ -102,7 +102,8 @@ class WebhookDetailView(WebhooksMixin, TemplateView):
         return self.page(self.get_scoped_object(pk=pk))
 
     def post(self, request, pk: int):
-        """``action``: enable, disable, roll (a new secret, shown in this answer only) or delete."""
+        """``action``: enable, disable, roll (a new secret, shown in this answer only; the old one
+        keeps signing for ``expire_previous_in_s``) or delete."""
         endpoint = self.get_scoped_object(pk=pk)
         what = request.POST.get("action")
         if what in ("enable", "disable"):
@@ -114,7 +115,15 @@ class WebhookDetailView(WebhooksMixin, TemplateView):
             messages.success(request, "Endpoint deleted.")
             return redirect("webhooks:list")
         if what == "roll":
-            endpoint, secret = endpoint_roll_secret(endpoint=endpoint, actor=self.actor)
+            keep = request.POST.get("expire_previous_in_s", "0")
+            try:
+                endpoint, secret = endpoint_roll_secret(
+                    endpoint=endpoint,
+                    actor=self.actor,
+                    expire_previous_in_s=int(keep) if keep.isdigit() else keep,
+                )
+            except DomainError as exc:
+                return self.page(endpoint, status=exc.status_code, error=exc.message)
             response = self.page(endpoint, secret=secret)
             add_never_cache_headers(response)
             return response

@@ -65,3 +65,34 @@ def test_logs_follow_reads_the_stream_until_the_job_ends(running_portal, monkeyp
         ("stderr", "two"),
         ("stdout", "three"),
     ]
+
+
+def test_the_async_client_follows_the_stream(running_portal, tmp_path):  # noqa: F811
+    import asyncio
+
+    from gpupool import AsyncClient
+
+    tenant = tenant_create(slug="afollow", name="Async", owner_email="o@afollow.test", actor=Actor.system())
+    token = api_token_create(tenant=tenant, name="r", scopes=["read"], actor=Actor.system())[1]
+    node = register_node()
+    spec = {"image": "ghcr.io/acme/train:1", "command": ["python", "t.py"], "gpu_models": [H100]}
+    job = workload_submit(tenant=tenant, kind="job", spec=spec, actor=Actor.system())
+    assert scheduling_cycle_run().ran
+    assert node.send(batch(1, job, [[time.time(), "stdout", "one"]])).status_code == 200
+    got: list[str] = []
+
+    async def follow():
+        async with AsyncClient(running_portal.url, token) as c:
+            async for line in c.follow_logs("job", job.pk):
+                got.append(line["text"])
+
+    follower = threading.Thread(target=lambda: asyncio.run(follow()))
+    follower.start()
+    wait_for(lambda: got == ["one"], timeout=10)
+    assert follower.is_alive()  # following: it does not return while the job runs
+    assert node.send(batch(2, job, [[time.time(), "stdout", "two"]])).status_code == 200
+    wait_for(lambda: got == ["one", "two"], timeout=10)
+    workload_on_exited(node_id=node.node.pk, workload_id=job.pk, state="exited", exit_code=0)
+    follower.join(20)
+    connections.close_all()
+    assert not follower.is_alive() and got == ["one", "two"]

@@ -1,5 +1,6 @@
 """A real HTTP receiver on loopback for webhook tests: it records every request, checks its
-signature with ``webhooks.signature.verify`` (the receiver's side), and answers from a script."""
+signature as a tenant's receiver would, with the client's ``gpupool.webhooks.verify`` (no server
+code), and answers from a script."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from webhooks import signature
+from gpupool.errors import WebhookSignatureError
+from gpupool.webhooks import HEADER, verify
 
 
 @dataclass
@@ -28,12 +30,14 @@ class Received:
     verified: bool
     verify_error: str
     at: float
+    event: dict | None = None  # what verify() answered
 
 
 class Receiver:
-    """``answers``: what the next requests get, in order (then ``default``)."""
+    """``answers``: what the next requests get, in order (then ``default``); ``secret``: one, or
+    several while an endpoint's secret is rolled."""
 
-    def __init__(self, secret: str = "", default: Answer | None = None) -> None:
+    def __init__(self, secret: str | list[str] = "", default: Answer | None = None) -> None:
         self.secret = secret
         self.answers: list[Answer] = []
         self.default = default or Answer()
@@ -47,16 +51,20 @@ class Receiver:
             def do_POST(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length)
+                event = None
                 try:
-                    signature.verify(receiver.secret, body, self.headers.get(signature.HEADER))
+                    event = verify(body, self.headers.get(HEADER), receiver.secret)
                     ok, why = True, ""
-                except signature.SignatureError as exc:
+                except (WebhookSignatureError, ValueError) as exc:  # ValueError: no secret set
                     ok, why = False, str(exc)
                 with receiver._lock:
                     receiver.received.append(
-                        Received(self.path, dict(self.headers), body, ok, why, time.monotonic())
+                        Received(self.path, dict(self.headers), body, ok, why, time.monotonic(), event)
                     )
-                    answer = receiver.answers.pop(0) if receiver.answers else receiver.default
+                    if not ok:  # as a real receiver does: refused, and the portal retries
+                        answer = Answer(status=400, body=why.encode())
+                    else:
+                        answer = receiver.answers.pop(0) if receiver.answers else receiver.default
                 if answer.delay_s:
                     time.sleep(answer.delay_s)
                 self.send_response(answer.status)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import io
+from datetime import timedelta
 
 import pytest
 
@@ -245,6 +246,73 @@ def test_rotate_secrets_re_encrypts_webhook_secrets(owner_api, settings):
     assert after != before and Fernet(new.encode()).decrypt(after.encode()).decode() == secret
     settings.SECRETS_ENCRYPTION_KEYS = [new]
     assert secret_decrypt(after) == secret
+
+
+def test_rotate_secrets_re_encrypts_a_kept_previous_secret_too(owner_api, settings):
+    from cryptography.fernet import Fernet
+    from django.core.management import call_command
+
+    old, new = Fernet.generate_key().decode(), Fernet.generate_key().decode()
+    settings.SECRETS_ENCRYPTION_KEYS = [old]
+    made = _create(owner_api, url=URL, event_types=["*"]).json()
+    owner_api.post(
+        f"/api/v1/webhooks/{made['id']}/roll-secret/",
+        {"expire_previous_in_s": 3600},
+        content_type="application/json",
+    )
+    settings.SECRETS_ENCRYPTION_KEYS = [new, old]
+    call_command("rotate_secrets", stdout=io.StringIO())
+    settings.SECRETS_ENCRYPTION_KEYS = [new]  # the old key gone: both still readable
+    assert secret_decrypt(WebhookEndpoint.objects.get().previous_secret_ciphertext) == made["secret"]
+
+
+def _roll(client, pk, body=None):
+    return client.post(f"/api/v1/webhooks/{pk}/roll-secret/", body or {}, content_type="application/json")
+
+
+def test_a_roll_can_keep_the_old_secret_signing_for_a_while(owner_api):
+    from django.utils import timezone
+
+    made = _create(owner_api, url=URL, event_types=["*"]).json()
+    before = timezone.now()
+    r = _roll(owner_api, made["id"], {"expire_previous_in_s": 86400})
+    assert r.status_code == 200, r.content
+    rolled = r.json()
+    row = WebhookEndpoint.objects.get()
+    assert secret_decrypt(row.secret_ciphertext) == rolled["secret"] != made["secret"]
+    assert secret_decrypt(row.previous_secret_ciphertext) == made["secret"]
+    until = row.previous_secret_expires_at
+    assert before + timedelta(days=1) <= until <= timezone.now() + timedelta(days=1)
+    assert rolled["previous_secret_expires_at"] is not None
+    assert owner_api.get(f"/api/v1/webhooks/{row.pk}/").json()["previous_secret_expires_at"] is not None
+    assert AuditEvent.objects.filter(action="webhook.roll_secret").last().data == {
+        "expire_previous_in_s": 86400
+    }
+    # A roll without it (the default, also with no body at all) stops the old one at once.
+    r = owner_api.post(f"/api/v1/webhooks/{row.pk}/roll-secret/")
+    assert r.status_code == 200 and r.json()["previous_secret_expires_at"] is None
+    row.refresh_from_db()
+    assert (row.previous_secret_ciphertext, row.previous_secret_expires_at) == ("", None)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"expire_previous_in_s": -1}, "expire_previous_in_s"),
+        ({"expire_previous_in_s": 604801}, "expire_previous_in_s"),
+        ({"expire_previous_in_s": "3600"}, "expire_previous_in_s"),
+        ({"expire_previous_in_s": 1.5}, "expire_previous_in_s"),
+        ({"expire_previous_in_s": True}, "expire_previous_in_s"),
+        ({"expire_previous_in_s": None}, "expire_previous_in_s"),
+        ({"keep": 60}, "keep"),
+    ],
+)
+def test_a_hostile_roll_is_a_400_naming_the_field_and_changes_nothing(owner_api, body, field):
+    made = _create(owner_api, url=URL, event_types=["*"]).json()
+    r = _roll(owner_api, made["id"], body)
+    assert r.status_code == 400 and field in r.json()["error"]["fields"], r.content
+    assert secret_decrypt(WebhookEndpoint.objects.get().secret_ciphertext) == made["secret"]
+    assert _roll(owner_api, made["id"], {"expire_previous_in_s": 604800}).status_code == 200  # the bound
 
 
 def test_a_pending_delivery_of_a_disabled_endpoint_fails_without_a_request(owner_api, tenant):

@@ -1,5 +1,6 @@
 """Deliveries by a real Celery worker to a real HTTP receiver on loopback that checks each
-signature: success, retries with growing delays, the window closing, refusal of loopback when it is
+signature with the client's ``gpupool.webhooks.verify`` (answering 400 when it fails): success, a
+rolled secret, retries with growing delays, the window closing, refusal of loopback when it is
 not allowed, redirects not followed, timeouts, the answer size limit, redelivery by hand and the
 sweeper finishing an attempt a dead worker left."""
 
@@ -63,6 +64,7 @@ def test_an_event_arrives_signed_and_its_attempt_is_logged(tenant, make_endpoint
     assert got.verified, got.verify_error
     assert got.path == "/in" and got.headers["Content-Type"] == "application/json"
     body = json.loads(got.body)
+    assert got.event == body  # what the client's verify() answered the receiver
     assert body["type"] == "workload.state" and body["id"] == f"evt_{delivery.event_id}"
     assert body["data"] == {"workload_id": 7, "from": "queued", "to": "running", "reason": "started"}
     assert got.headers["Gpupool-Event-Id"] == body["id"] and got.headers["Gpupool-Attempt"] == "1"
@@ -193,3 +195,29 @@ def test_the_sweeper_sends_an_attempt_a_dead_worker_left(tenant, make_endpoint, 
         got = receiver.wait(1)
         wait_for(lambda: WebhookDelivery.objects.filter(state="succeeded").exists(), what="success")
     assert got[0].verified and got[0].headers["Gpupool-Attempt"] == "2"
+
+
+def test_a_rolled_secret_is_refused_by_a_receiver_without_it_until_it_has_both(
+    tenant, make_endpoint, receiver, api, make_token, settings
+):
+    settings.WEBHOOK_RETRY_BASE_S = 3600  # no automatic retry in this test: only by hand
+    endpoint, old = make_endpoint(tenant, receiver.url(), receiver=receiver)
+    client = api(make_token(tenant))
+    r = client.post(f"/api/v1/webhooks/{endpoint.pk}/roll-secret/")
+    assert r.status_code == 200, r.content
+    new = r.json()["secret"]
+    assert new.startswith("whsec_") and new != old
+    with worker():
+        _event(tenant)  # signed with the new secret; the receiver knows only the old one
+        refused = receiver.wait(1)[0]
+        attempt = wait_for(lambda: WebhookAttempt.objects.first(), what="an attempt")
+        assert not refused.verified and "No signature matches" in refused.verify_error
+        assert attempt.status == 400 and "No signature matches" in attempt.response_excerpt
+        delivery = WebhookDelivery.objects.get()
+        assert delivery.state == "pending"
+        receiver.secret = [new, old]  # the receiver takes the new secret, keeping the old a while
+        assert client.post(f"/api/v1/webhook-deliveries/{delivery.pk}/redeliver/").status_code == 200
+        accepted = receiver.wait(2)[1]
+        wait_for(lambda: WebhookDelivery.objects.filter(state="succeeded").exists(), what="success")
+    assert accepted.verified and accepted.body == refused.body
+    assert [a.status for a in _attempts(delivery)] == [400, 200]

@@ -87,3 +87,14 @@ def test_the_module_imports_nothing_of_django():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"t=1,v1={compute('k', b'x', 1)}"
+
+
+def test_a_header_signed_with_several_secrets_has_one_v1_each_in_order():
+    header = sign(["whsec_new", "whsec_old"], BODY, timestamp=1_700_000_000)
+    assert header == (
+        f"t=1700000000,v1={compute('whsec_new', BODY, 1_700_000_000)},v1={compute('whsec_old', BODY, 1_700_000_000)}"
+    )
+    for secret in ("whsec_new", "whsec_old"):
+        assert verify(secret, BODY, header, now=1_700_000_000) == 1_700_000_000
+    with pytest.raises(ValueError):
+        sign([], BODY)

@@ -97,6 +97,13 @@ def test_disable_roll_and_delete(owner_client):
     new = re.search(r'id="webhook-secret-value">(whsec_[^<]+)<', r.content.decode()).group(1)
     endpoint.refresh_from_db()
     assert new != first and secret_decrypt(endpoint.secret_ciphertext) == new
+    assert endpoint.previous_secret_expires_at is None  # the old one stops at once by default
+    r = owner_client.post(f"/webhooks/{endpoint.pk}/", {"action": "roll", "expire_previous_in_s": "86400"})
+    assert r.status_code == 200 and "with the old one too until" in r.content.decode()
+    endpoint.refresh_from_db()
+    assert secret_decrypt(endpoint.previous_secret_ciphertext) == new
+    r = owner_client.post(f"/webhooks/{endpoint.pk}/", {"action": "roll", "expire_previous_in_s": "999999"})
+    assert r.status_code == 400 and "7 days" in r.content.decode()
     assert owner_client.post(f"/webhooks/{endpoint.pk}/", {"action": "explode"}).status_code == 400
     assert owner_client.post(f"/webhooks/{endpoint.pk}/", {"action": "delete"}).status_code == 302
     assert not WebhookEndpoint.objects.exists()

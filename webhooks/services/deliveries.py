@@ -4,11 +4,12 @@ An attempt is three steps so that no lock or transaction is held while the recei
 claim the delivery (locked, skipped when another worker holds it; it must be PENDING and due;
 its ``next_attempt_at`` is pushed past the attempt's timeout, so an attempt a dead worker left
 is due again later), send it (``webhooks.sender.post``, signed with the endpoint's secret at the
-time of sending), and record the outcome: a WebhookAttempt row and the delivery's new state.
-A 2xx answer succeeds. Otherwise the next attempt is due ``base * 2^(n-1)`` seconds after the
-n-th (at most ``WEBHOOK_RETRY_MAX_DELAY_S``); when that would fall after ``retry_until`` (three
-days after the event) the delivery FAILS. Redelivery by hand makes it PENDING and due now; for a
-delivery that had finished, that one attempt is all (its window is closed).
+time of sending, and with the previous one too while a roll keeps it), and record the outcome:
+a WebhookAttempt row and the delivery's new state. A 2xx answer succeeds. Otherwise the next
+attempt is due ``base * 2^(n-1)`` seconds after the n-th (at most ``WEBHOOK_RETRY_MAX_DELAY_S``);
+when that would fall after ``retry_until`` (three days after the event) the delivery FAILS.
+Redelivery by hand makes it PENDING and due now; for a delivery that had finished, that one
+attempt is all (its window is closed).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from portal.services.audit import audit_record
 from webhooks import sender, signature
 from webhooks.locks import lock_delivery, lock_delivery_claim
 from webhooks.models import DeliveryState, WebhookAttempt, WebhookDelivery
-from webhooks.services.endpoints import endpoint_secret
+from webhooks.services.endpoints import endpoint_signing_secrets
 from webhooks.services.events import event_body
 
 logger = logging.getLogger(__name__)
@@ -70,14 +71,14 @@ def delivery_attempt(*, delivery_id: int) -> WebhookAttempt | None:
     d, number, manual = claimed
     body = event_body(d.event)
     try:
-        secret = endpoint_secret(d.endpoint)
+        secrets = endpoint_signing_secrets(d.endpoint)
     except InvalidToken:
         outcome = sender.Outcome(
             None, 0, "the endpoint's secret cannot be decrypted with the configured keys", "", ""
         )
     else:
         headers = [
-            (signature.HEADER, signature.sign(secret, body)),
+            (signature.HEADER, signature.sign(secrets, body)),
             ("Gpupool-Event-Id", f"evt_{d.event_id}"),
             ("Gpupool-Event-Type", d.event.type),
             ("Gpupool-Delivery-Id", str(d.pk)),

@@ -3,12 +3,17 @@
 The URL is checked by ``webhooks.targets.target_parse`` here and again before every delivery; the
 event types must be names of ``webhooks.catalog.EVENT_TYPES`` (or ``["*"]``). The signing secret
 (``whsec_`` and 32 random bytes, URL-safe base64) is encrypted with the tenant secrets' keys
-(``portal.crypto``) and returned once, to the caller that made or rolled it.
+(``portal.crypto``) and returned once, to the caller that made or rolled it. A roll may keep the
+previous secret for up to a week (``expire_previous_in_s``, like Stripe's): until then every
+delivery carries a ``v1`` signature under each, so the receiver can take the new secret in its own
+time; with 0 (the default) the old one stops at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
@@ -27,6 +32,7 @@ from webhooks.targets import TargetRefused, target_parse
 
 SECRET_PREFIX = "whsec_"
 MAX_DESCRIPTION = 200
+MAX_PREVIOUS_SECRET_S = 7 * 86400
 
 
 def _fail(field: str, message: str) -> ValidationFailed:
@@ -78,6 +84,28 @@ def _new_secret() -> str:
 def endpoint_secret(endpoint: WebhookEndpoint) -> str:
     """The plaintext signing secret (for the sender only)."""
     return secret_decrypt(endpoint.secret_ciphertext)
+
+
+def endpoint_signing_secrets(endpoint: WebhookEndpoint, *, now=None) -> list[str]:
+    """The secrets a delivery is signed with now: the current one, then the previous one while a
+    roll keeps it. Raises ``InvalidToken`` when the current one cannot be decrypted; a previous
+    one that cannot is left out (the current signature still holds)."""
+    secrets = [secret_decrypt(endpoint.secret_ciphertext)]
+    expires = endpoint.previous_secret_expires_at
+    if endpoint.previous_secret_ciphertext and expires is not None and expires > (now or timezone.now()):
+        with contextlib.suppress(InvalidToken):
+            secrets.append(secret_decrypt(endpoint.previous_secret_ciphertext))
+    return secrets
+
+
+def _expire_previous_check(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail("expire_previous_in_s", "Must be a whole number of seconds.")
+    if not 0 <= value <= MAX_PREVIOUS_SECRET_S:
+        raise _fail(
+            "expire_previous_in_s", f"From 0 (the old secret stops now) to {MAX_PREVIOUS_SECRET_S} (7 days)."
+        )
+    return value
 
 
 def endpoint_create(
@@ -144,14 +172,38 @@ def endpoint_update(*, endpoint: WebhookEndpoint, changes: dict[str, Any], actor
     return endpoint
 
 
-def endpoint_roll_secret(*, endpoint: WebhookEndpoint, actor: Actor) -> tuple[WebhookEndpoint, str]:
-    """A new secret (shown this once); deliveries from now on are signed with it."""
+def endpoint_roll_secret(
+    *, endpoint: WebhookEndpoint, actor: Actor, expire_previous_in_s: Any = 0
+) -> tuple[WebhookEndpoint, str]:
+    """A new secret (shown this once); deliveries from now on are signed with it, and with the
+    secret it replaces for ``expire_previous_in_s`` seconds more (0: not at all). A roll during
+    another's overlap keeps only the secret it replaces."""
+    keep_s = _expire_previous_check(expire_previous_in_s)
     plaintext = _new_secret()
+    now = timezone.now()
     with transaction.atomic():
+        if keep_s:
+            endpoint.previous_secret_ciphertext = endpoint.secret_ciphertext
+            endpoint.previous_secret_expires_at = now + timedelta(seconds=keep_s)
+        else:
+            endpoint.previous_secret_ciphertext, endpoint.previous_secret_expires_at = "", None
         endpoint.secret_ciphertext = secret_encrypt(plaintext)
-        endpoint.updated_at = timezone.now()
-        endpoint.save(update_fields=["secret_ciphertext", "updated_at"])
-        audit_record(tenant=endpoint.tenant, actor=actor, action="webhook.roll_secret", target=endpoint)
+        endpoint.updated_at = now
+        endpoint.save(
+            update_fields=[
+                "secret_ciphertext",
+                "previous_secret_ciphertext",
+                "previous_secret_expires_at",
+                "updated_at",
+            ]
+        )
+        audit_record(
+            tenant=endpoint.tenant,
+            actor=actor,
+            action="webhook.roll_secret",
+            target=endpoint,
+            data={"expire_previous_in_s": keep_s},
+        )
     return endpoint, plaintext
 
 
@@ -180,9 +232,13 @@ def endpoints_reencrypt(*, batch: int = 500) -> tuple[int, int]:
             for endpoint in rows:
                 try:
                     endpoint.secret_ciphertext = secret_rotate(endpoint.secret_ciphertext)
+                    if endpoint.previous_secret_ciphertext:
+                        endpoint.previous_secret_ciphertext = secret_rotate(
+                            endpoint.previous_secret_ciphertext
+                        )
                 except InvalidToken:
                     unreadable += 1
                     continue
-                endpoint.save(update_fields=["secret_ciphertext"])
+                endpoint.save(update_fields=["secret_ciphertext", "previous_secret_ciphertext"])
                 rotated += 1
             last = rows[-1].pk

@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from gpupool import config
 from gpupool import models as m
 from gpupool.errors import ApiError, ConnectionFailed
 
@@ -226,6 +227,66 @@ class _Api(abc.ABC):
         _op("POST", "/api/v1/tokens/{id}/revoke/")
         return self._run(_Request("POST", f"/api/v1/tokens/{int(id)}/revoke/", m.ApiToken))
 
+    # --- webhooks (the admin scope) --------------------------------------------------------------
+
+    def webhooks(self, **filters: Any):
+        """The team's webhook endpoints (``enabled=True`` or ``False`` to filter)."""
+        return self._paginate(_op("GET", "/api/v1/webhooks/"), m.WebhookEndpoint, _clean(filters))
+
+    def webhook(self, id: int):
+        _op("GET", "/api/v1/webhooks/{id}/")
+        return self._run(_Request("GET", f"/api/v1/webhooks/{int(id)}/", m.WebhookEndpoint))
+
+    def create_webhook(self, *, url: str, event_types: list[str], description: str | None = None,
+                       enabled: bool | None = None, idempotency_key: str | None = None):  # fmt: skip
+        """A new endpoint; its ``secret`` is in this answer only (``gpupool.webhooks.verify``)."""
+        body = _clean(
+            {"url": url, "event_types": event_types, "description": description, "enabled": enabled}
+        )
+        return self._create(_op("POST", "/api/v1/webhooks/"), body, m.WebhookEndpointCreated, idempotency_key)
+
+    def update_webhook(self, id: int, **changes: Any):
+        """Change ``url``, ``event_types``, ``description`` or ``enabled``."""
+        _op("PATCH", "/api/v1/webhooks/{id}/")
+        # Setting the same values twice is harmless.
+        return self._run(
+            _Request("PATCH", f"/api/v1/webhooks/{int(id)}/", m.WebhookEndpoint, json=changes, safe=True)
+        )
+
+    def delete_webhook(self, id: int):
+        _op("DELETE", "/api/v1/webhooks/{id}/")
+        return self._run(_Request("DELETE", f"/api/v1/webhooks/{int(id)}/"))
+
+    def roll_webhook_secret(self, id: int, *, expire_previous_in_s: int = 0):
+        """A new signing secret, in this answer only; deliveries from now on are signed with it, and
+        with the old one too for ``expire_previous_in_s`` seconds (up to 7 days; 0: the old one
+        stops now). Not repeated on a lost answer: a repeat would make another secret."""
+        _op("POST", "/api/v1/webhooks/{id}/roll-secret/")
+        body = {"expire_previous_in_s": expire_previous_in_s}
+        return self._run(
+            _Request("POST", f"/api/v1/webhooks/{int(id)}/roll-secret/", m.WebhookEndpointCreated, json=body)
+        )
+
+    def webhook_deliveries(self, **filters: Any):
+        """Each event sent to each endpoint, newest first (``endpoint=ID``, ``state=...``)."""
+        return self._paginate(_op("GET", "/api/v1/webhook-deliveries/"), m.WebhookDelivery, _clean(filters))
+
+    def webhook_delivery(self, id: int):
+        """One delivery with its body and every attempt (status, latency, error)."""
+        _op("GET", "/api/v1/webhook-deliveries/{id}/")
+        return self._run(_Request("GET", f"/api/v1/webhook-deliveries/{int(id)}/", m.WebhookDeliveryDetail))
+
+    def redeliver_webhook(self, id: int):
+        """Send a delivery again now (not repeated on a lost answer: that would send it twice)."""
+        _op("POST", "/api/v1/webhook-deliveries/{id}/redeliver/")
+        return self._run(
+            _Request("POST", f"/api/v1/webhook-deliveries/{int(id)}/redeliver/", m.WebhookDelivery)
+        )
+
+    def webhook_event_types(self):
+        """The event types an endpoint may ask for, each with what it means."""
+        return self._run(_Request("GET", _op("GET", "/api/v1/webhook-event-types/"), m.EventType))
+
     # --- helpers --------------------------------------------------------------------------------
 
     def _create(self, path: str, body: Any, model: type[m.Model], key: str | None):
@@ -291,6 +352,13 @@ class Client(_Api, _Transport):
         self._setup(url, token, retries, backoff, max_retry_wait)
         self.http = httpx.Client(base_url=self.base_url, headers=self.auth_headers, timeout=timeout,
                                  transport=transport)  # fmt: skip
+
+    @classmethod
+    def from_config(cls, profile: str | None = None, **kwargs: Any) -> Client:
+        """The portal and token as the command line finds them: ``GPUPOOL_URL`` and
+        ``GPUPOOL_TOKEN``, else the profile (``gpupool login``) named or the default one."""
+        settings = config.resolve(profile)
+        return cls(settings.url, settings.token, **kwargs)
 
     def __enter__(self) -> Client:
         return self
@@ -377,6 +445,12 @@ class AsyncClient(_Api, _Transport):
         self.http = httpx.AsyncClient(base_url=self.base_url, headers=self.auth_headers, timeout=timeout,
                                       transport=transport)  # fmt: skip
 
+    @classmethod
+    def from_config(cls, profile: str | None = None, **kwargs: Any) -> AsyncClient:
+        """As ``Client.from_config``."""
+        settings = config.resolve(profile)
+        return cls(settings.url, settings.token, **kwargs)
+
     async def __aenter__(self) -> AsyncClient:
         return self
 
@@ -412,6 +486,40 @@ class AsyncClient(_Api, _Transport):
     async def _run(self, request: _Request) -> Any:
         return _answer(request, await self.send(request))
 
+    async def follow_logs(self, kind: str, id: int, *, since: str | None = None,
+                          poll_s: float = 1.0) -> AsyncIterator[dict]:  # fmt: skip
+        """``Client.follow_logs`` for asyncio: ``async for line in c.follow_logs("job", 42)``."""
+        async with self.http.stream("GET", self.follow_url(kind, id, since), timeout=None) as response:
+            if response.status_code == 200:
+                data: list[str] = []
+                async for line in response.aiter_lines():
+                    item = _sse_feed(line, data)
+                    if item is _KEEPALIVE:
+                        if (await self.workload(kind, id)).state in TERMINAL_STATES:
+                            return
+                    elif item is not None:
+                        yield item
+                return
+            await response.aread()
+            error = ApiError.from_response(response.status_code, _json_or_none(response), response.text)
+            if "follow" not in error.fields:
+                raise error
+        if since is None:
+            page = await self.logs(kind, id, tail=100)
+            for line in page.lines or []:
+                yield line
+            since = page.next
+        while True:
+            finished = (await self.workload(kind, id)).state in TERMINAL_STATES
+            page = await self.logs(kind, id, since=since, tail=1000)
+            for line in page.lines or []:
+                yield line
+            since = page.next
+            if finished and not page.lines:
+                return
+            if not page.lines:
+                await asyncio.sleep(poll_s)
+
     async def _paginate(self, path: str, model: type[m.Model], params: dict[str, Any]) -> AsyncIterator[Any]:
         request = _Request("GET", path, None, dict(params))
         while True:
@@ -430,15 +538,30 @@ def _json_or_none(response: httpx.Response) -> Any:
         return None
 
 
+_KEEPALIVE = object()
+
+
+def _sse_feed(line: str, data: list[str]) -> Any:
+    """One line of a server-sent event stream: the event's parsed ``data:`` when ``line`` ends one,
+    ``_KEEPALIVE`` at a comment (the server's keepalive, sent when it has been quiet), else None."""
+    if line.startswith("data:"):
+        data.append(line[5:].lstrip())
+    elif line.startswith(":"):
+        return _KEEPALIVE
+    elif line == "" and data:
+        event = json.loads("\n".join(data))
+        data.clear()
+        return event
+    return None
+
+
 def _sse_lines(lines: Iterable[str], ended: Callable[[], bool]) -> Iterator[dict]:
-    """The ``data:`` of each server-sent event, parsed; at each comment (the server's keepalive, sent
-    when it has been quiet), stops if ``ended()``."""
+    """Each event of the stream; at each keepalive, stops if ``ended()``."""
     data: list[str] = []
     for line in lines:
-        if line.startswith("data:"):
-            data.append(line[5:].lstrip())
-        elif line.startswith(":") and ended():
-            return
-        elif line == "" and data:
-            yield json.loads("\n".join(data))
-            data = []
+        item = _sse_feed(line, data)
+        if item is _KEEPALIVE:
+            if ended():
+                return
+        elif item is not None:
+            yield item

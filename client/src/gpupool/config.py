@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpupool.errors import GpupoolError
+
 KEYRING_SERVICE = "gpupool"
 
 
@@ -25,8 +27,8 @@ class Settings:
     profile: str | None  # None: from the environment
 
 
-class NotConfigured(Exception):
-    pass
+class NotConfigured(GpupoolError):
+    """No portal or token: neither in the environment nor in a saved profile."""
 
 
 def config_dir() -> Path:

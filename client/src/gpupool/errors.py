@@ -1,4 +1,5 @@
-"""Errors the client raises: the API's own (its code, message and fields) or a transport failure."""
+"""Errors the client raises: the API's own (its code, message and fields), a transport failure, or
+a webhook delivery whose signature does not hold (``gpupool.webhooks.verify``)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,16 @@ class ApiError(GpupoolError):
                 status, str(error.get("code", "error")), str(error.get("message", "")), error.get("fields")
             )
         return cls(status, "error", f"HTTP {status}: {text[:200]}".strip())
+
+
+class WebhookSignatureError(GpupoolError):
+    """A webhook delivery that must be refused (answer it with a 400): ``reason`` is ``missing``
+    (no signature header), ``malformed``, ``mismatch`` (not signed with the secret, or the payload
+    was changed), ``too_old`` (outside the tolerance: a replay) or ``not_json``."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason, self.message = reason, message
+
+    def __str__(self) -> str:
+        return self.message

@@ -1,5 +1,5 @@
 """Typed objects of the API. Each class names the OpenAPI component it mirrors (``SCHEMA``); a test
-(tests/client/test_schema.py) holds their fields to the portal's schema, names and types.
+(tests/client/test_client.py::test_the_client_and_the_schema_agree) holds their fields to the portal's schema, names and types.
 
 Money and other decimals are ``Decimal``, times are timezone-aware ``datetime``, days ``date``;
 every other field is the JSON value as the API gives it. ``raw`` keeps the whole object.
@@ -288,7 +288,69 @@ class Me(Model):
     token: Any = None
 
 
+@dataclasses.dataclass
+class WebhookEndpoint(Model):
+    """Where the team's events are sent (``event_types``: names, or ``["*"]`` for all)."""
+
+    SCHEMA: ClassVar[str] = "WebhookEndpoint"
+    id: int = 0
+    url: str = ""
+    description: str = ""
+    event_types: list | None = None
+    enabled: bool = False
+    previous_secret_expires_at: datetime | None = None  # after a roll that kept the old secret
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+
+
+@dataclasses.dataclass
+class WebhookEndpointCreated(WebhookEndpoint):
+    """A new endpoint, or one whose secret was rolled: ``secret`` (``whsec_...``) is shown this
+    once; ``gpupool.webhooks.verify`` checks deliveries with it."""
+
+    SCHEMA: ClassVar[str] = "WebhookEndpointCreated"
+    secret: str = ""
+
+
+@dataclasses.dataclass
+class WebhookDelivery(Model):
+    """One event sent to one endpoint: ``pending`` while attempts remain, then ``succeeded`` or
+    ``failed``."""
+
+    SCHEMA: ClassVar[str] = "WebhookDelivery"
+    id: int = 0
+    endpoint: int = 0
+    event_id: str = ""
+    event_type: str = ""
+    state: str = ""
+    attempts: int = 0
+    next_attempt_at: datetime | None = None
+    retry_until: datetime | None = None
+    last_status: int | None = None
+    last_error: str = ""
+    created_at: datetime | None = None
+    delivered_at: datetime | None = None
+
+
+@dataclasses.dataclass
+class WebhookDeliveryDetail(WebhookDelivery):
+    """A delivery with the body each attempt sends (``payload``) and every attempt (``attempt_log``:
+    number, manual, at, status, latency_ms, error, response_excerpt)."""
+
+    SCHEMA: ClassVar[str] = "WebhookDeliveryDetail"
+    payload: dict | None = None
+    attempt_log: list | None = None
+
+
+@dataclasses.dataclass
+class EventType(Model):
+    SCHEMA: ClassVar[str] = "EventType"
+    name: str = ""
+    description: str = ""
+
+
 MODELS: tuple[type[Model], ...] = (
     Workload, WorkloadDetail, GpuType, Volume, Secret, Template, ApiToken, ApiTokenCreated, Invoice,
-    UsageRecord, Budget, WorkloadLogs, Me,
+    UsageRecord, Budget, WorkloadLogs, Me, WebhookEndpoint, WebhookEndpointCreated, WebhookDelivery,
+    WebhookDeliveryDetail, EventType,
 )  # fmt: skip
