@@ -11,6 +11,7 @@ import logging
 import re
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
 from asgiref.sync import sync_to_async
@@ -178,11 +179,22 @@ def register(request):
 
 # Under ASGI, Django runs each sync view in a thread of its own, which opens a database connection
 # of its own: a new PostgreSQL connection per heartbeat. The agent views are async instead and run
-# their database work on the event loop's worker threads, whose connections persist (CONN_MAX_AGE)
-# and are shared by all requests; nothing holds a connection while a long poll sleeps. Tests that
-# drive the ASGI app through async_to_sync need the work in the caller's thread (the test's
-# transaction): tests/nodes sets this to True.
+# their database work on threads of their own (``db_executor``), whose connections persist
+# (CONN_MAX_AGE, or the process's connection pool) and are shared by all requests; nothing holds a
+# connection while a long poll sleeps. Tests that drive the ASGI app through async_to_sync need the
+# work in the caller's thread (the test's transaction): tests/nodes sets this to True.
 DB_THREAD_SENSITIVE = False
+
+
+@functools.cache
+def db_executor() -> ThreadPoolExecutor:
+    """The agent views' database threads: one per connection of the process's pool (DB_POOL_MAX_SIZE),
+    or WEB_THREADS without one. Not the event loop's default executor: that has ``cpu_count + 4``
+    threads, and a heartbeat holds its thread for every round trip to PostgreSQL, so on a small
+    machine six heartbeats in flight were the agent ingress's whole capacity whatever CPU was free
+    (docs/performance.md)."""
+    threads = getattr(settings, "DB_POOL_MAX_SIZE", 0) or settings.WEB_THREADS
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="agent-db")
 
 
 def _connection_checked() -> None:
@@ -213,7 +225,9 @@ def in_db_thread(fn):
         finally:
             _connection_released()
 
-    return sync_to_async(job, thread_sensitive=DB_THREAD_SENSITIVE)
+    if DB_THREAD_SENSITIVE:
+        return sync_to_async(job, thread_sensitive=True)
+    return sync_to_async(job, thread_sensitive=False, executor=db_executor())
 
 
 # --- heartbeat ----------------------------------------------------------------------------------------
