@@ -215,3 +215,51 @@ def register_node_asgi(make_bootstrap_token) -> tuple[int, str]:
         [("POST", "/agent/v1/register", registration_body(make_bootstrap_token(), "asgi-d"), {})]
     )
     return registered.json()["node_id"], registered.json()["credential"]
+
+
+def test_heartbeats_in_flight_are_not_capped_by_the_event_loops_default_executor(
+    make_bootstrap_token, monkeypatch
+):
+    """The views' database work runs on ``db_executor``'s threads, one per pooled connection (or
+    WEB_THREADS): as many heartbeats work at once, where the event loop's default executor has
+    ``cpu_count + 4`` threads (six on a two-core machine). Each heartbeat here waits at a barrier
+    until all of them are inside a thread, so the test fails if fewer threads serve them."""
+    import threading
+
+    (registered,) = call(
+        [("POST", "/agent/v1/register", registration_body(make_bootstrap_token(), "asgi-many"), {})]
+    )
+    node_id, credential = registered.json()["node_id"], registered.json()["credential"]
+    in_flight = agent_views.db_executor()._max_workers
+    assert in_flight == (getattr(settings, "DB_POOL_MAX_SIZE", 0) or settings.WEB_THREADS)
+    barrier = threading.Barrier(in_flight, timeout=10)
+    threads: set[str] = set()
+    original = agent_views._heartbeat_sync
+
+    def at_the_barrier(*args):
+        threads.add(threading.current_thread().name)
+        barrier.wait()  # BrokenBarrierError (a 500) unless every heartbeat has a thread at once
+        return original(*args)
+
+    monkeypatch.setattr(agent_views, "_heartbeat_sync", at_the_barrier)
+    auth = {"Authorization": f"Node {credential}", "Content-Type": "application/json"}
+
+    async def go():
+        transport = httpx.ASGITransport(app=asgi.application)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=30) as client:
+            return await asyncio.gather(
+                *(
+                    client.post(
+                        f"/agent/v1/nodes/{node_id}/heartbeat",
+                        content=json.dumps(
+                            {"seq": seq, "sent_at": "2026-12-02T12:00:00.000Z", "status": {}, "samples": []}
+                        ),
+                        headers=auth,
+                    )
+                    for seq in range(1, in_flight + 1)
+                )
+            )
+
+    answers = asyncio.run(go())
+    assert [a.status_code for a in answers] == [200] * in_flight, [a.text for a in answers]
+    assert len(threads) == in_flight and all(name.startswith("agent-db") for name in threads), threads
