@@ -14,6 +14,7 @@ from gpupool.cli.core import (
     listing_group,
     out,
     print_json,
+    print_secret,
     print_table,
     when,
 )
@@ -98,11 +99,7 @@ def tokens_create(
 ) -> None:
     """Make a token; its secret is printed this once."""
     t = api_client(ctx).create_token(name=name, scopes=list(scopes), expires_at=expires_at)
-    if as_json:
-        print_json(t)
-    else:
-        err.print(f"token {t.id} ({t.name}); the secret is shown once:")
-        click.echo(t.token)
+    print_secret(as_json, t, f"token {t.id} ({t.name}); the secret is shown once:", t.token)
 
 
 @api_command(tokens, "revoke")

@@ -106,6 +106,16 @@ def api_command(group: click.Group, *args: Any, **kwargs: Any) -> Callable:
     return decorate
 
 
+def print_secret(as_json: bool, value: Any, message: str, secret: str) -> None:
+    """A made object whose secret is shown this once: its JSON, or ``message`` on stderr and the
+    secret alone on stdout (so a pipe gets only the secret)."""
+    if as_json:
+        print_json(value)
+    else:
+        err.print(message)
+        click.echo(secret)
+
+
 def print_table(columns: Iterable[str], rows: Iterable[Iterable[Any]]) -> None:
     table = Table(*columns, box=None, pad_edge=False, header_style="bold")
     for row in rows:

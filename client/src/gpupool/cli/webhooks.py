@@ -6,7 +6,17 @@ from typing import Any
 
 import click
 
-from gpupool.cli.core import api_client, api_command, err, listing_group, out, print_json, print_table, when
+from gpupool.cli.core import (
+    api_client,
+    api_command,
+    err,
+    listing_group,
+    out,
+    print_json,
+    print_secret,
+    print_table,
+    when,
+)
 
 webhooks = listing_group(
     "webhooks",
@@ -29,11 +39,7 @@ def webhooks_list(ctx: click.Context, as_json: bool) -> None:
 
 
 def _print_secret(as_json: bool, e: Any, what: str) -> None:
-    if as_json:
-        print_json(e)
-    else:
-        err.print(f"webhook {e.id} {what}; its signing secret is shown once:")
-        click.echo(e.secret)
+    print_secret(as_json, e, f"webhook {e.id} {what}; its signing secret is shown once:", e.secret)
 
 
 @api_command(webhooks, "create")
