@@ -263,7 +263,7 @@ def test_ssh_and_open_say_why_not_and_the_other_tenant_is_404(gp, tenant, make_t
 
 
 def test_ssh_runs_ssh_with_the_endpoint_and_its_host_key(gp, monkeypatch):
-    from gpupool import cli as cli_module
+    from gpupool.cli import workloads
 
     access = {"ssh": {"host": "gpu-1.example.net", "port": 2222, "user": "42", "command": "ssh -p 2222 42@gpu-1",
                       "known_hosts": "[gpu-1.example.net]:2222 ssh-ed25519 AAAA"},
@@ -274,7 +274,7 @@ def test_ssh_runs_ssh_with_the_endpoint_and_its_host_key(gp, monkeypatch):
 
     w = W()
     w.id, w.access = 42, access
-    monkeypatch.setattr(cli_module, "_find_workload", lambda c, id, kind: ("instance", w))
+    monkeypatch.setattr(workloads, "_find_workload", lambda c, id, kind: ("instance", w))
     ran = {}
     monkeypatch.setattr(os, "execv", lambda program, argv: ran.update(program=program, argv=argv))
     gp("ssh", "42", "--", "nvidia-smi")

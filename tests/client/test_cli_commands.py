@@ -85,7 +85,7 @@ def test_run_with_the_same_idempotency_key_makes_one_workload(gp, tenant, make_n
 
 
 def test_json_of_ssh_and_of_the_rm_commands(gp, tenant, make_node, settings, monkeypatch):
-    from gpupool import cli as cli_module
+    from gpupool.cli import workloads
 
     settings.VOLUME_STORAGE_ROOTS = {"*": "/srv/volumes"}
     info = {"host": "gpu-1.example.net", "port": 2222, "user": "42", "command": "ssh -p 2222 42@gpu-1",
@@ -94,12 +94,12 @@ def test_json_of_ssh_and_of_the_rm_commands(gp, tenant, make_node, settings, mon
     class W:
         id, access = 42, {"ssh": info, "ports": []}
 
-    real = cli_module._find_workload
-    monkeypatch.setattr(cli_module, "_find_workload", lambda c, id, kind: ("instance", W()))
+    real = workloads._find_workload
+    monkeypatch.setattr(workloads, "_find_workload", lambda c, id, kind: ("instance", W()))
     out = gp.json("ssh", "42", "--", "nvidia-smi")
     assert out["ssh"] == info and out["argv"][0] == "ssh"
     assert out["argv"][-2:] == ["42@gpu-1.example.net", "nvidia-smi"]
-    monkeypatch.setattr(cli_module, "_find_workload", real)
+    monkeypatch.setattr(workloads, "_find_workload", real)
     vol = gp.json("volumes", "create", "data", "--region", "us-east-1", "--size", "5")
     assert gp.json("volumes", "rm", vol["id"]) == {"deleted": vol["id"]}
     gp("secrets", "set", "K", input="v")
