@@ -563,7 +563,10 @@ class Agent(CommandHandlers):
             # Every batch: the portal writes them only when they differ from what it holds.
             body["versions"] = self.inventory.versions()
         active = {status.workload_id for status in statuses if not status.terminal}
-        volumes = await asyncio.to_thread(self.runtime.volumes.report, active)
+        # Measuring reads the disk, so in a thread; an idle node's agent skips the hop.
+        volumes = (
+            [] if self.runtime.volumes.idle else await asyncio.to_thread(self.runtime.volumes.report, active)
+        )
         if volumes:
             body["volumes"] = volumes
         seq = self.buffer.add_heartbeat(body)

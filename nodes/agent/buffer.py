@@ -118,6 +118,9 @@ class Buffer:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.executescript(SCHEMA)
+        # False once a look found no workload output waiting and nothing was queued since: an idle
+        # node's agent then skips the database each log interval. None: not known (look).
+        self._logs_waiting: bool | None = None
 
     def close(self) -> None:
         self.db.close()
@@ -265,10 +268,14 @@ class Buffer:
                 [(workload_id, at, stream, text) for at, stream, text in lines],
             )
             self.set(cursor_key, cursor)
+        if lines:
+            self._logs_waiting = True
 
     def log_batch(self, max_lines: int) -> tuple[int, str] | None:
         """``(seq, body)`` of the oldest batch not yet taken by the portal (made now from the
         oldest lines when none is open), or None when nothing waits."""
+        if self._logs_waiting is False:
+            return None
         row = self.db.execute("SELECT MIN(batch) FROM log_lines WHERE batch IS NOT NULL").fetchone()
         seq = row[0]
         if seq is None:
@@ -276,6 +283,7 @@ class Buffer:
                 self.db.execute("BEGIN IMMEDIATE")
                 first = self.db.execute("SELECT MIN(id) FROM log_lines").fetchone()[0]
                 if first is None:
+                    self._logs_waiting = False
                     return None
                 seq = int(self.get("log_seq", "0") or 0) + 1
                 self.set("log_seq", str(seq))

@@ -183,6 +183,11 @@ class Volumes:
         self.measured[volume_id] = (used, time.time())
         self.unreported.add(volume_id)
 
+    @property
+    def idle(self) -> bool:
+        """Nothing to measure or report: no workload uses a volume and no measurement waits."""
+        return not self.using and not self.unreported
+
     def report(self, active: set[str]) -> list[dict[str, Any]]:
         """The measurements for the next heartbeat: volumes measured since the last one, and those
         of ``active`` workloads not measured for ``MEASURE_INTERVAL_S`` (measured now)."""

@@ -80,3 +80,26 @@ def test_only_the_removal_of_a_sent_item_skips_the_disk_sync(tmp_path: Path) -> 
         assert buffer.peek() is None
         assert synced == ["PRAGMA synchronous=NORMAL", "PRAGMA synchronous=FULL"]
         assert buffer.db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+
+
+def test_an_idle_agent_skips_the_database_until_output_is_queued(tmp_path: Path) -> None:
+    """Once a look finds no workload output waiting, ``log_batch`` answers None without a query
+    until lines are queued; a buffer opened again looks first (lines kept from before a restart)."""
+    statements: list[str] = []
+    with Buffer(tmp_path / "state.db") as buffer:
+        assert buffer.log_batch(10) is None  # looked: nothing waits
+        buffer.db.set_trace_callback(statements.append)
+        assert buffer.log_batch(10) is None
+        assert statements == []
+        buffer.log_add("7", [], "logcursor:7", '{"offset": 1}')  # a cursor moved, no line
+        statements.clear()
+        assert buffer.log_batch(10) is None and statements == []
+        buffer.log_add("7", [(1.0, "stdout", "a")], "logcursor:7", '{"offset": 2}')
+        seq, body = buffer.log_batch(10)
+        assert '"a"' in body
+        buffer.log_ack(seq)
+        assert buffer.log_batch(10) is None  # looked again, then quiet
+        buffer.log_add("7", [(2.0, "stdout", "b")], "logcursor:7", '{"offset": 3}')
+    with Buffer(tmp_path / "state.db") as reopened:
+        seq, body = reopened.log_batch(10)
+        assert '"b"' in body

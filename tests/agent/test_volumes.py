@@ -387,3 +387,15 @@ def test_the_agent_with_docker_gives_the_next_workload_what_the_last_wrote(
             with contextlib.suppress(NotFound):
                 docker_engine.api.remove_container(f"gpupool-{wid}", force=True)
     assert thread.error is None
+
+
+def test_volumes_are_idle_until_a_workload_uses_one_or_a_measurement_waits(volumes_root):
+    """``idle``: the heartbeat skips measuring (a thread hop) only when nothing can be reported."""
+    volumes = Volumes(volumes_root)
+    assert volumes.idle and volumes.report(set()) == []
+    volumes.note("vol-1", 1024)
+    assert not volumes.idle
+    assert [r["volume_id"] for r in volumes.report(set())] == ["vol-1"]
+    assert volumes.idle
+    volumes.using["w-1"] = ["vol-1"]
+    assert not volumes.idle
