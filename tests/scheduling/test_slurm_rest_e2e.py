@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 
 import pytest
@@ -204,6 +205,7 @@ def test_a_job_slurm_requeues_itself_after_a_node_failure_is_followed(region, cl
     try:
         slurm("scontrol", "update", f"nodename={NODE2}", "state=down", "reason=gpupool-test")
         sync_until(region, cycle, lambda: client.get(f"/api/v1/jobs/{wid}/").json()["state"] == "queued")
+        requeued_at = time.time()
     finally:
         if "down" in slurm("sinfo", "-h", "-N", "-n", NODE2, "-o", "%T"):
             slurm("scontrol", "update", f"nodename={NODE2}", "state=resume")
@@ -211,12 +213,15 @@ def test_a_job_slurm_requeues_itself_after_a_node_failure_is_followed(region, cl
     assert len(first) == 2 and {a.end_reason for a in first} == {"slurm_requeued"}
     assert all(a.ended_at is not None for a in first)
     # (Slurm holds a requeued job back for CredExpire, 2 minutes by default: let it go once both
-    # nodes are idle again, the first run's steps gone.)
+    # nodes are idle again, the first run's steps gone, and its credential's revocation is in an
+    # earlier whole second than the new one's issue: slurmd refuses a launch credential made in
+    # the second it revoked the job's credentials, and the run would fail.)
     assert scontrol_job(job_id)["JobState"] == "PENDING"
     deadline = time.monotonic() + 30
     while slurm("sinfo", "-h", "-N", "-n", f"{NODE},{NODE2}", "-o", "%T").split() != ["idle"] * 4:
         assert time.monotonic() < deadline, "the nodes did not come back idle"
         time.sleep(0.5)
+    time.sleep(max(0.0, math.floor(requeued_at) + 2 - time.time()))
     slurm("scontrol", "update", f"jobid={job_id}", "starttime=now")
     sync_until(
         region, cycle, lambda: client.get(f"/api/v1/jobs/{wid}/").json()["state"] == "succeeded", timeout=60
