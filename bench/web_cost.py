@@ -10,7 +10,11 @@ callgrind, and for each endpoint sends ``--warm`` requests, zeroes the counters,
 count is the same whatever else the machine runs (within about 2 %), so two trees compare on a busy
 machine where ``bench/scale.py``'s seconds do not; it counts every thread of the server (uvicorn's
 loop and the WSGI pool). ``--cpu`` runs the server without valgrind and reports its CPU time per
-request instead. Prints one line per endpoint, then one JSON object.
+request instead. After the reads, the two creates of ``bench/scale.py``'s tenant mix (``POST
+/api/v1/jobs/`` and ``/instances/``, its bodies on one H100) with a second token of the tenant's
+that may write: its quota lifted and scheduling cycles off, each created workload stays queued, so
+every POST does the same work. Prints one line per endpoint, then one JSON object (a POST's key
+starts with ``POST``).
 """
 
 from __future__ import annotations
@@ -35,10 +39,26 @@ from bench.stack import free_port, stack_env  # noqa: E402
 
 DB_NAME = f"gpupool_bench_web_cost_{os.getpid()}"  # two runs side by side do not collide
 ENDPOINTS = ("/api/v1/jobs/", "/api/v1/jobs/{id}/", "/api/v1/instances/", "/api/v1/gpu-types/")
+# bench/scale.py's create bodies (its 1-GPU choice), sent after the reads so the lists stay as seeded.
+CREATES = {
+    "/api/v1/jobs/": {
+        "gpu_models": ["NVIDIA H100 SXM 80GB"],
+        "gpu_count": 1,
+        "image": "ghcr.io/bench/train:1",
+        "command": ["python", "train.py"],
+        "env": {"GPUPOOL_SIM_DURATION_S": "30"},
+    },
+    "/api/v1/instances/": {
+        "gpu_models": ["NVIDIA H100 SXM 80GB"],
+        "gpu_count": 1,
+        "image": "ghcr.io/bench/train:1",
+    },
+}
 
 
-def seed_database(base: str, redis_url: str, work: Path, jobs: int) -> tuple[dict[str, str], str, int]:
-    """Migrate and seed; returns the server's environment, the tenant's token and one job's id."""
+def seed_database(base: str, redis_url: str, work: Path, jobs: int) -> tuple[dict[str, str], str, str, int]:
+    """Migrate and seed; returns the server's environment, the tenant's read token, a token of its
+    that may also write (its quota lifted, for the creates) and one job's id."""
     env = stack_env(recreate_database(base, DB_NAME), redis_url, work, 4)
     env["SCHEDULING_TRIGGER_CYCLES"] = "0"
     subprocess.run(
@@ -51,12 +71,20 @@ def seed_database(base: str, redis_url: str, work: Path, jobs: int) -> tuple[dic
     from django.db import connection
 
     from bench.api_read import seed
-    from scheduling.models import Workload
+    from portal.actors import Actor
+    from portal.services.tokens import api_token_create
+    from scheduling.models import Quota, Workload
 
     tenant, token = seed(jobs)
     job_id = Workload.objects.filter(tenant=tenant).values_list("id", flat=True).first()
+    _, write_token = api_token_create(
+        tenant=tenant, name="bench-write", scopes=["read", "write"], actor=Actor.system()
+    )
+    Quota.objects.filter(tenant=tenant).update(
+        max_gpus_total=None, max_concurrent_workloads=None, max_spot_gpus=None, max_gpus_per_request=None
+    )
     connection.close()
-    return env, token, job_id
+    return env, token, write_token, job_id
 
 
 class Server:
@@ -114,7 +142,7 @@ def main() -> int:
     if not args.cpu and not shutil.which("callgrind_control"):
         sys.exit("valgrind is not installed (Debian package valgrind); use --cpu for CPU time instead.")
     work = Path(tempfile.mkdtemp(prefix="gpupool-web-cost-"))
-    env, token, job_id = seed_database(base, args.redis_url, work, args.jobs)
+    env, token, write_token, job_id = seed_database(base, args.redis_url, work, args.jobs)
     server = Server(env, work, args.cpu)
     unit = "ms CPU" if args.cpu else "M instructions"
     out: dict[str, float] = {}
@@ -143,6 +171,17 @@ def main() -> int:
             per_request = server.since_mark() / args.requests
             out[endpoint] = round(per_request * 1000, 2) if args.cpu else round(per_request / 1e6, 2)
             print(f"GET {endpoint:24} {out[endpoint]:8.2f} {unit} a request", flush=True)
+        writer = {"Authorization": f"Bearer {write_token}"}
+        for endpoint, body in CREATES.items():
+            for _ in range(args.warm):
+                client.post(endpoint, json=body, headers=writer).raise_for_status()
+            server.mark()
+            for _ in range(args.requests):
+                client.post(endpoint, json=body, headers=writer).raise_for_status()
+            per_request = server.since_mark() / args.requests
+            key = f"POST {endpoint}"
+            out[key] = round(per_request * 1000, 2) if args.cpu else round(per_request / 1e6, 2)
+            print(f"{key:28} {out[key]:8.2f} {unit} a request", flush=True)
     finally:
         server.stop()
         drop_database(base, DB_NAME)
