@@ -37,7 +37,7 @@ from portal.models import Scope
 from scheduling import api_work  # noqa: F401  (registers /api/v1/work/)
 from scheduling.api_access import AccessSerializer, SshKeyViewSet
 from scheduling.api_fields import EnvValueField
-from scheduling.api_render import LIST_VALUES, access_json, workload_json, workload_row
+from scheduling.api_render import LIST_VALUES, access_json, as_read_back, workload_json, workload_row
 from scheduling.k8s_manifest import is_manifest, manifest_error, manifest_translate
 from scheduling.models import (
     DependencyCondition,
@@ -257,12 +257,13 @@ class WorkloadDetailSerializer(WorkloadSerializer):
     def get_array(self, w: Workload) -> dict | None:
         return array_summary(workload=w)
 
+    # A workload just submitted without volumes or dependencies (``submitted_detail``) has none to read.
     @extend_schema_field(DependencySerializer(many=True))
     def get_depends_on(self, w: Workload) -> list[dict]:
-        return workload_dependencies(workload=w)
+        return [] if getattr(w, "no_dependencies", False) else workload_dependencies(workload=w)
 
     def get_volumes(self, w: Workload) -> list[dict]:
-        return workload_volumes(workload=w)
+        return [] if getattr(w, "no_volumes", False) else workload_volumes(workload=w)
 
     def access_of(self, w: Workload, placement: list[dict] | None = None) -> dict:
         return workload_access(workload=w, placement=placement, request=self.context.get("request"))
@@ -529,6 +530,21 @@ def list_rows() -> QuerySet:
     return Workload.objects.values(*LIST_VALUES)
 
 
+def submitted_detail(workload: Workload) -> dict:
+    """A workload that ``workload_submit`` just stored, as its detail renders it: from the instance
+    the service holds (with what it attached, ``workload.submitted``) where its columns' stored form
+    is known without reading the row back (``as_read_back``); else read back as before. Either way
+    the answer a GET of it gives."""
+    if as_read_back(workload):
+        submitted = workload.submitted
+        workload.gpu_model_names = submitted.gpu_model_names
+        workload.no_volumes = submitted.no_volumes
+        workload.no_dependencies = submitted.no_dependencies
+    else:
+        workload = Workload.objects.select_related("region").get(pk=workload.pk)
+    return WorkloadDetailSerializer(workload).data
+
+
 class _WorkloadViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
     kind: str = ""
     create_serializer: type[serializers.Serializer] = _SpecSerializer
@@ -576,8 +592,7 @@ class _WorkloadViewSet(TenantReadOnlyViewSet, mixins.CreateModelMixin):
         serializer.is_valid(raise_exception=True)
         spec = dict(serializer.validated_data)
         workload = workload_submit(tenant=self.ctx.tenant, kind=self.kind, spec=spec, actor=self.actor)
-        workload = self.get_queryset().get(pk=workload.pk)
-        return Response(WorkloadDetailSerializer(workload).data, status=status.HTTP_201_CREATED)
+        return Response(submitted_detail(workload), status=status.HTTP_201_CREATED)
 
     @extend_schema(request=None, responses=WorkloadDetailSerializer)
     @action(detail=True, methods=["post"])
@@ -805,8 +820,7 @@ class JobViewSet(_WorkloadViewSet):
             if manifest:
                 raise manifest_error(exc) from None
             raise
-        workload = self.get_queryset().get(pk=workload.pk)
-        body = {**WorkloadDetailSerializer(workload).data, "warnings": warnings}
+        body = {**submitted_detail(workload), "warnings": warnings}
         return Response(body, status=status.HTTP_201_CREATED)
 
     @extend_schema(request=ResizeSerializer, responses=WorkloadDetailSerializer)

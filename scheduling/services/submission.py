@@ -156,12 +156,22 @@ def _decimal(spec: dict, key: str) -> Decimal | None:
 @dataclass
 class _Resolved:
     models: list[GpuModel]  # explicit choices (empty: any model meeting the constraints)
+    model_names: list[str]  # their names in the catalog's order, as the workload's detail lists them
     candidates: list[GpuModel]  # every catalog model this request accepts
     region: Region | None
     reservation: Reservation | None
     volumes: list[VolumeRequest] = field(default_factory=list)
     depends_on: list[tuple[Workload, str]] = field(default_factory=list)
     work: WorkSpec | None = None
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """What ``workload_submit`` attached to a new workload, as its detail shows it."""
+
+    gpu_model_names: list[str]  # in the catalog's order (the detail's gpu_models)
+    no_volumes: bool
+    no_dependencies: bool
 
 
 def _explicit_models(spec: dict, catalog: list[GpuModel]) -> list[GpuModel]:
@@ -636,6 +646,7 @@ def _validate(*, tenant, kind: str, spec: dict) -> tuple[dict[str, Any], _Resolv
             )
     return f, _Resolved(
         models=explicit,
+        model_names=[m.name for m in catalog if m in explicit],
         candidates=candidates,
         region=region,
         reservation=reservation,
@@ -770,6 +781,13 @@ def workload_submit(*, tenant, kind: str, spec: dict[str, Any], actor: Actor) ->
         )
         workload._spec_models = resolved.models
         workload._spec_candidates = resolved.candidates
+        # What its detail shows beyond its columns, known here: the API answers the submission from
+        # this instance (scheduling.api) without reading it back.
+        workload.submitted = Submitted(
+            gpu_model_names=resolved.model_names,
+            no_volumes=not resolved.volumes,
+            no_dependencies=not resolved.depends_on,
+        )
         run_admission_checks(tenant=tenant, workload=workload, actor=actor)
         workload.save()
         with log_context(workload_id=workload.pk):  # what is logged about it from here on

@@ -21,7 +21,7 @@ from scheduling.models import Allocation, PublishedPort, Workload, WorkloadDepen
 from scheduling.models import WorkloadState as S
 from scheduling.selectors.shared import workload_gpu_model_names
 from scheduling.services.access import share_link_create
-from tests.scheduling.conftest import reload
+from tests.scheduling.conftest import A100, H100, reload
 from tests.scheduling.test_access import started
 
 pytestmark = pytest.mark.django_db
@@ -207,3 +207,132 @@ def test_a_list_without_pagination_renders_every_row(shapes, tenant, api, make_t
     assert isinstance(whole, list) and len(whole) == 7
     assert sorted(whole, key=lambda d: d["id"]) == sorted(paged, key=lambda d: d["id"])
     assert all(d["gpu_models"] for d in whole)
+
+
+def _canonical(content: bytes, drop: str | None = None) -> str:
+    """A JSON answer re-serialized key for key in its order (``true`` stays apart from ``1``),
+    without its top-level key ``drop``."""
+    import json
+
+    pairs = json.loads(content, object_pairs_hook=lambda p: p)
+    return json.dumps([p for p in pairs if p[0] != drop])
+
+
+# Specs of every shape the answer has: JSON objects in and out of jsonb's key order (it stores
+# shorter keys first, then by bytes), decimals, several models out of the catalog's order, an array,
+# ports, volumes and dependencies (those two are read, the rest rendered from the instance).
+SPECS = [
+    ("jobs", {"env": {"GPUPOOL_SIM_DURATION_S": "30"}}),
+    ("jobs", {"env": {"BB": "1", "A": "2", "C": ""}, "node_selector": {"zone": "a", "rack": "r1"}}),
+    ("jobs", {"env": {"A": "1", "B": "", "CC": "x"}, "min_compute_weight": "0.5", "max_runtime_s": 600}),
+    ("jobs", {"gpu_models": [H100, A100], "name": "two models", "gpu_count": 2}),
+    ("jobs", {"anti_affinity": {"topology_key": "node", "workloads": [-1]}, "array": {"count": 3}}),
+    ("jobs", {"array": {"count": 3, "parallelism": 2}, "spread": {"topology_key": "rack", "max_skew": 1}}),
+    ("instances", {"ports": [8888, {"port": 22, "protocol": "tcp"}], "ssh_public_key": ""}),
+    ("instances", {"gpu_models": [A100], "name": "nb", "node_selector": {"rack": "r1", "az": "a"}}),
+    ("jobs", {"volumes": "a new volume"}),
+    ("jobs", {"depends_on": "the first job"}),
+]
+
+
+def test_a_submissions_answer_is_its_detail(tenant, make_node, regions, api, make_token, submit):
+    """POST /api/v1/jobs/ and /instances/ answer with the new workload as GET of it then gives it,
+    byte for byte (a job's answer adds its manifest warnings), rendered from the instance the
+    service stored: the row is not read back."""
+    from django.db import connection
+
+    from scheduling.models import Volume
+
+    make_node(model=H100, gpus=8)
+    make_node(model=A100, gpus=8)
+    client = api(make_token(tenant))
+    first = submit(tenant, name="first")
+    for n, (kind, extra) in enumerate(SPECS):
+        spec = {"gpu_models": [H100], "gpu_count": 1, "image": "ghcr.io/acme/train:1", **extra}
+        if kind == "jobs":
+            spec.setdefault("command", ["python", "train.py"])
+        if "anti_affinity" in spec:
+            spec["anti_affinity"] = {**spec["anti_affinity"], "workloads": [first.pk]}
+        if spec.get("volumes"):
+            v = Volume.objects.create(tenant=tenant, name=f"v{n}", region=regions["us"], size_gib=1)
+            spec["volumes"] = [{"volume": v.pk, "mount_path": "/data"}]
+        if spec.get("depends_on"):
+            spec["depends_on"] = [{"job": first.pk, "condition": "finished"}]
+        statements = []
+
+        def record(execute, sql, params, many, context, statements=statements):
+            statements.append(sql)
+            return execute(sql, params, many, context)
+
+        with connection.execute_wrapper(record):
+            r = client.post(f"/api/v1/{kind}/", spec, content_type="application/json")
+        assert r.status_code == 201, (spec, r.content)
+        wid = r.json()["id"]
+        got = client.get(f"/api/v1/{kind}/{wid}/")
+        assert got.status_code == 200
+        assert _canonical(r.content, drop="warnings") == _canonical(got.content), spec
+        if kind == "jobs":
+            assert r.json()["warnings"] == []
+        # The new row is not read back: no select of a workload joined with its region.
+        reread = [
+            s for s in statements if s.startswith('SELECT "scheduling_workload"."id"') and "nodes_region" in s
+        ]
+        assert statements and not reread, spec
+        reads = " ".join(statements)
+        assert ("scheduling_workloadvolume" in reads) is ("volumes" in spec), spec
+        assert ("scheduling_workloaddependency" in reads) is ("depends_on" in spec), spec
+        assert 'scheduling_workload_gpu_models" t JOIN' not in reads
+    by_name = {d["name"]: d for d in client.get("/api/v1/jobs/?page_size=50").json()["results"]}
+    assert by_name["two models"]["gpu_models"] == [A100, H100]  # the catalog's order, as read
+
+
+def test_an_answer_whose_stored_form_is_not_known_reads_it_back(tenant, make_node, submit, api, make_token):
+    """A float in a JSON column (jsonb gives 1e16 back as an integer) or a decimal past its places
+    (the column rounds it): the answer reads the row back, as a GET would give it."""
+    from scheduling.api import submitted_detail
+
+    make_node()
+    client = api(make_token(tenant))
+    for change in ({"node_selector": {"x": 1e16}}, {"min_compute_weight": Decimal("0.505")}):
+        w = submit(tenant)
+        for name, value in change.items():
+            setattr(w, name, value)
+        w.save(update_fields=list(change))
+        body = submitted_detail(w)
+        got = client.get(f"/api/v1/jobs/{w.pk}/").json()
+        assert body == got and JSONRenderer().render(body) == JSONRenderer().render(got), change
+    assert got["min_compute_weight"] == "0.51"
+
+
+def test_as_read_back_gives_what_the_database_gives(tenant):
+    """jsonb's key order, asked of PostgreSQL: objects with keys of one length, of several, and of
+    more bytes than characters. Floats, decimals past their places and a negative zero are left to a
+    read."""
+    import json
+
+    from django.db import connection
+
+    from scheduling.api_render import _jsonb, as_read_back
+
+    for obj in (
+        {"b": 1, "a": 2},
+        {"BB": 1, "A": 2, "C": {"zz": [1, {"b": 1, "a": 0}], "y": 2}},
+        {"É": 1, "Z": 2, "AA": 3},
+    ):
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT %s::jsonb::text", [json.dumps(obj)])
+            stored = json.loads(cursor.fetchone()[0])
+        assert json.dumps(_jsonb(obj)) == json.dumps(stored) != json.dumps(obj)
+    w = Workload(env={"B": "1", "A": ""}, min_compute_weight=Decimal("1.5"), spot_max_price=None)
+    assert as_read_back(w) and list(w.env) == ["A", "B"]
+    for change in (
+        {"gpus_per_node": [1e16]},
+        {"affinity": {"workloads": [1], "topology_key": {"x": 0.5}}},
+        {"min_compute_weight": Decimal("1.005")},
+        {"min_compute_weight": Decimal("-0.00")},
+        {"spot_max_price": Decimal("0.12345678901")},
+        {"spot_max_price": 0.5},
+    ):
+        changed = Workload(**{"env": {"B": "1", "A": ""}, "min_compute_weight": Decimal("1.5"), **change})
+        assert not as_read_back(changed), change
+        assert list(changed.env) == ["B", "A"]  # left as it was
