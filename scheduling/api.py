@@ -37,7 +37,7 @@ from portal.models import Scope
 from scheduling import api_work  # noqa: F401  (registers /api/v1/work/)
 from scheduling.api_access import AccessSerializer, SshKeyViewSet
 from scheduling.api_fields import EnvValueField
-from scheduling.api_render import LIST_VALUES, access_json, as_read_back, workload_json, workload_row
+from scheduling.api_render import LIST_VALUES, access_json, workload_json, workload_row
 from scheduling.k8s_manifest import is_manifest, manifest_error, manifest_translate
 from scheduling.models import (
     DependencyCondition,
@@ -531,17 +531,15 @@ def list_rows() -> QuerySet:
 
 
 def submitted_detail(workload: Workload) -> dict:
-    """A workload that ``workload_submit`` just stored, as its detail renders it: from the instance
-    the service holds (with what it attached, ``workload.submitted``) where its columns' stored form
-    is known without reading the row back (``as_read_back``); else read back as before. Either way
-    the answer a GET of it gives."""
-    if as_read_back(workload):
-        submitted = workload.submitted
-        workload.gpu_model_names = submitted.gpu_model_names
-        workload.no_volumes = submitted.no_volumes
-        workload.no_dependencies = submitted.no_dependencies
-    else:
-        workload = Workload.objects.select_related("region").get(pk=workload.pk)
+    """A workload that ``workload_submit`` just stored, as its detail renders it: its row read back
+    (the stored form of its JSON and decimal columns), with what the service attached
+    (``workload.submitted``) instead of reading it: its GPU model names, and no volumes or
+    dependencies to read when it has none."""
+    submitted = workload.submitted
+    workload = Workload.objects.select_related("region").get(pk=workload.pk)
+    workload.gpu_model_names = submitted.gpu_model_names
+    workload.no_volumes = submitted.no_volumes
+    workload.no_dependencies = submitted.no_dependencies
     return WorkloadDetailSerializer(workload).data
 
 

@@ -6,9 +6,6 @@ compares the two for every shape of workload."""
 
 from __future__ import annotations
 
-from decimal import Decimal
-
-from django.db import models
 from rest_framework import serializers
 
 from scheduling.models import Workload, WorkloadState
@@ -224,57 +221,3 @@ def workload_json(row: dict, gpu_models: list[str]) -> dict:
         "started_at": _time(row["started_at"]),
         "finished_at": _time(row["finished_at"]),
     }
-
-
-# The rendered columns whose stored form may differ from what an instance holds: JSON (PostgreSQL's
-# jsonb) and decimals (rounded to their places).
-_JSON_COLUMNS = tuple(
-    f.attname
-    for f in Workload._meta.concrete_fields
-    if isinstance(f, models.JSONField) and f.attname in LIST_COLUMNS
-)
-_DECIMAL_COLUMNS = tuple(
-    (f.attname, f.decimal_places)
-    for f in Workload._meta.concrete_fields
-    if isinstance(f, models.DecimalField) and f.attname in LIST_COLUMNS
-)
-
-
-class _NotKnown(Exception):
-    """A value whose stored form is not known without reading it back."""
-
-
-def _jsonb(value):
-    """``value`` as jsonb gives it back: each object's keys in jsonb's storage order (shorter keys
-    first, then by their bytes; it keeps no order of its own). A float is not known (jsonb stores a
-    number, and 1e16 comes back as an integer)."""
-    if value is None or isinstance(value, str | bool | int):
-        return value
-    if isinstance(value, list):
-        return [_jsonb(item) for item in value]
-    if isinstance(value, dict) and all(isinstance(key, str) for key in value):
-        order = sorted(value, key=lambda key: (len(key.encode()), key.encode()))
-        return {key: _jsonb(value[key]) for key in order}
-    raise _NotKnown
-
-
-def as_read_back(w: Workload) -> bool:
-    """Give ``w``, a workload just saved, its rendered columns as a read of its row would give
-    them, so that its detail renders from ``w`` itself: each JSON value in jsonb's form. False, and
-    ``w`` unchanged, where that is not known without the read: a float in a JSON value, a decimal
-    past its places (the column rounds it) or a negative zero (stored as zero)."""
-    for name, places in _DECIMAL_COLUMNS:
-        value = getattr(w, name)
-        if value is None:
-            continue
-        if not isinstance(value, Decimal) or not value.is_finite() or value.as_tuple().exponent < -places:
-            return False
-        if value.is_zero() and value.is_signed():
-            return False
-    try:
-        stored = {name: _jsonb(getattr(w, name)) for name in _JSON_COLUMNS}
-    except _NotKnown:
-        return False
-    for name, value in stored.items():
-        setattr(w, name, value)
-    return True
