@@ -15,6 +15,7 @@ from decimal import Decimal
 import django_filters
 from django.conf import settings
 from django.core.cache import cache
+from django.db import models
 from django.db.models import QuerySet
 from django.urls import path
 from django.utils import timezone
@@ -530,13 +531,27 @@ def list_rows() -> QuerySet:
     return Workload.objects.values(*LIST_VALUES)
 
 
+@functools.cache
+def stored_form_rows() -> QuerySet:
+    """The columns whose stored form may differ from what a new instance holds (JSON, which jsonb
+    orders by its own rule, and decimals, which their column rounds), as ``values()`` rows: the base
+    ``submitted_detail`` narrows to one workload, built once per process."""
+    names = [
+        f.attname
+        for f in Workload._meta.concrete_fields
+        if isinstance(f, models.JSONField | models.DecimalField)
+    ]
+    return Workload.objects.values(*names)
+
+
 def submitted_detail(workload: Workload) -> dict:
-    """A workload that ``workload_submit`` just stored, as its detail renders it: its row read back
-    (the stored form of its JSON and decimal columns), with what the service attached
-    (``workload.submitted``) instead of reading it: its GPU model names, and no volumes or
-    dependencies to read when it has none."""
+    """A workload that ``workload_submit`` just stored, as its detail renders it: the instance the
+    service saved, with its JSON and decimal columns read back as stored, and what the service
+    attached (``workload.submitted``) instead of reading it: its GPU model names, and no volumes or
+    dependencies to read when it has none. The same answer as a GET of it."""
+    for name, value in stored_form_rows().get(pk=workload.pk).items():
+        setattr(workload, name, value)
     submitted = workload.submitted
-    workload = Workload.objects.select_related("region").get(pk=workload.pk)
     workload.gpu_model_names = submitted.gpu_model_names
     workload.no_volumes = submitted.no_volumes
     workload.no_dependencies = submitted.no_dependencies
