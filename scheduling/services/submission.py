@@ -782,7 +782,7 @@ def workload_submit(*, tenant, kind: str, spec: dict[str, Any], actor: Actor) ->
         workload._spec_models = resolved.models
         workload._spec_candidates = resolved.candidates
         # What its detail shows beyond its columns, known here: the API answers the submission from
-        # this instance (scheduling.api) without reading it back.
+        # this instance (scheduling.api.submitted_detail) without reading these again.
         workload.submitted = Submitted(
             gpu_model_names=resolved.model_names,
             no_volumes=not resolved.volumes,
