@@ -220,7 +220,7 @@ def _canonical(content: bytes, drop: str | None = None) -> str:
 
 # Specs of every shape the answer has: JSON objects in and out of jsonb's key order (it stores
 # shorter keys first, then by bytes), decimals, several models out of the catalog's order, an array,
-# ports, volumes and dependencies (those two are read when attached).
+# ports, volumes and dependencies (those two are read when attached), and no model named.
 SPECS = [
     ("jobs", {"env": {"GPUPOOL_SIM_DURATION_S": "30"}}),
     ("jobs", {"env": {"BB": "1", "A": "2", "C": ""}, "node_selector": {"zone": "a", "rack": "r1"}}),
@@ -232,6 +232,7 @@ SPECS = [
     ("instances", {"gpu_models": [A100], "name": "nb", "node_selector": {"rack": "r1", "az": "a"}}),
     ("jobs", {"volumes": "a new volume"}),
     ("jobs", {"depends_on": "the first job"}),
+    ("jobs", {"gpu_models": [], "min_gpu_memory_gib": 40, "name": "any model with 40 GiB"}),
 ]
 
 
